@@ -1,0 +1,1 @@
+"""Relay learner package."""

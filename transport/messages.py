@@ -1,0 +1,330 @@
+"""Every message that crosses a process boundary in Relay, in one module.
+
+A message is a tagged ``msgspec.Struct`` (the tag is the class name in snake case, see
+``Message``). On the wire it travels as a multipart ZeroMQ message (``transport.codec``):
+
+    frame 0   preamble: b"RLY" + protocol version (one byte)
+    frame 1   the struct, msgpack-encoded as an array [tag, field, field, ...]
+    frame 2+  raw tensor bytes, one frame per large tensor, referenced from frame 1
+
+Rules that keep old and new peers talking:
+- fields are only appended, always with a default;
+- a change that breaks decoding bumps ``PROTOCOL_VERSION`` (a peer with another version is
+  rejected and counted, never mis-decoded);
+- tensors are ``torch.Tensor`` fields; the codec turns them into raw frames, never pickle.
+
+This module knows the shapes of the conversation, not who speaks when: see
+``buffer.hub``, ``generators.process`` and ``learner.publish`` for the protocols.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import msgspec
+import torch
+
+PROTOCOL_VERSION = 1
+
+
+class Message(
+    msgspec.Struct,
+    tag=lambda name: "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_"),
+    array_like=True,
+    omit_defaults=True,
+    kw_only=True,
+    gc=False,
+):
+    """Base class of every wire message; the tag is the class name in snake case."""
+
+
+# ---------------------------------------------------------------------------------------
+# Generator membership: attach / heartbeat / detach
+# ---------------------------------------------------------------------------------------
+
+
+class Attach(Message):
+    """A generator announces itself to the buffer."""
+
+    generator_id: str
+    engine: str
+    device: str
+    host: str = ""
+    pid: int = 0
+    version: int = 0  # weight version the generator holds right now
+
+
+class AttachAck(Message):
+    """The buffer's answer to ``Attach``: where to fetch weights and the current version."""
+
+    accepted: bool
+    learner_version: int = 0
+    weights_address: str = ""
+    reason: str = ""
+
+
+class Heartbeat(Message):
+    """Periodic liveness signal, carrying the generator's throughput counters."""
+
+    generator_id: str
+    version: int
+    in_flight_prompts: int = 0
+    generated_tokens: int = 0  # cumulative since attach
+    generation_seconds: float = 0.0  # cumulative busy time since attach
+
+
+class HeartbeatAck(Message):
+    """Reply to ``Heartbeat``; ``known=False`` asks the generator to attach again."""
+
+    known: bool
+    learner_version: int = 0
+
+
+class Detach(Message):
+    """A generator leaves; the buffer returns its leases to the pool at once."""
+
+    generator_id: str
+    reason: str = ""
+
+
+# ---------------------------------------------------------------------------------------
+# Prompt leases
+# ---------------------------------------------------------------------------------------
+
+
+class Prompt(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True, gc=False):
+    """One dataset row as the generator needs it (verl's schema, already validated)."""
+
+    prompt_id: str
+    messages: list[dict[str, str]]  # chat messages: [{"role": ..., "content": ...}]
+    data_source: str
+    ground_truth: Any = None
+    extra_info: dict[str, Any] = {}
+
+
+class LeaseRequest(Message):
+    """A generator asks for up to ``max_prompts`` prompts."""
+
+    generator_id: str
+    max_prompts: int
+
+
+class PromptLease(Message):
+    """Prompts leased to one generator.
+
+    ``n`` samples are to be drawn per prompt with weights of at least ``min_version``. An
+    empty lease means "nothing now" (staleness gate closed or data exhausted); retry after
+    ``retry_after_s``. Leases not answered within ``expires_in_s`` return to the pool.
+    """
+
+    lease_id: str
+    prompts: list[Prompt] = []
+    n: int = 1
+    min_version: int = 0
+    expires_in_s: float = 0.0
+    retry_after_s: float = 0.0
+
+
+class LeaseReturn(Message):
+    """A generator gives prompts back unanswered (shutting down, engine error)."""
+
+    generator_id: str
+    lease_id: str
+    prompt_ids: list[str]
+    reason: str = ""
+
+
+# ---------------------------------------------------------------------------------------
+# Rollouts
+# ---------------------------------------------------------------------------------------
+
+
+class Sample(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True, gc=False):
+    """One completion of a prompt, with what the learner needs to train on it.
+
+    Shapes: ``prompt_ids`` (P,) int32; ``response_ids``, ``logprobs`` (behavior log-probs
+    of the sampled tokens under the processed sampling distribution) and ``versions``
+    (policy version that produced each token) are (R,), int32 / float32 / int32.
+    """
+
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    logprobs: torch.Tensor
+    versions: torch.Tensor
+    reward: float
+    finish_reason: Literal["stop", "length", "abort"] = "stop"
+    reward_info: dict[str, float] = {}
+    reward_error: str = ""  # why the reward function failed (reward is then 0)
+    text: str = ""  # decoded response, for logs and offline inspection
+
+
+class RolloutGroup(Message):
+    """All ``n`` samples for one leased prompt; ``rollout_id`` is unique per group."""
+
+    rollout_id: str
+    lease_id: str
+    prompt_id: str
+    generator_id: str
+    samples: list[Sample]
+    data_source: str = ""
+    ground_truth: Any = None
+    metadata: dict[str, Any] = {}
+
+
+class RolloutAck(Message):
+    """The buffer's verdict on one ``RolloutGroup``."""
+
+    rollout_id: str
+    accepted: bool
+    reason: str = ""  # "duplicate", "unknown_lease", "stale", ...
+
+
+# ---------------------------------------------------------------------------------------
+# Learner <-> buffer
+# ---------------------------------------------------------------------------------------
+
+
+class SampleRequest(Message):
+    """The learner asks for a batch of ``num_groups`` groups, trained at ``version``."""
+
+    learner_rank: int
+    version: int
+    num_groups: int
+
+
+class SampleBatch(Message):
+    """A batch for the learner, or none yet (``groups`` empty; retry after a pause).
+
+    ``buffer_stats`` carries the buffer's gauges and counters for the learner to log
+    (occupancy, drops by reason, generator throughput).
+    """
+
+    groups: list[RolloutGroup] = []
+    retry_after_s: float = 0.0
+    buffer_stats: dict[str, float] = {}
+    exhausted: bool = False  # the dataset and the buffer have nothing more to give
+
+
+class VersionUpdate(Message):
+    """The learner tells the buffer that weight ``version`` is published."""
+
+    version: int
+    step: int = 0
+
+
+# ---------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------
+
+
+class WeightRequest(Message):
+    """A generator asks for the newest weights if newer than ``have_version``."""
+
+    generator_id: str
+    have_version: int
+
+
+class WeightEntry(msgspec.Struct, array_like=True, kw_only=True, gc=False):
+    """Where one parameter of a version travels: which bucket, with what dtype and shape."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    bucket: int
+
+
+class WeightManifest(Message):
+    """Announces a complete weight version; ``num_buckets`` ``WeightBucket``s follow.
+
+    A version with ``num_buckets == 0`` means "you are up to date".
+    """
+
+    version: int
+    entries: list[WeightEntry] = []
+    num_buckets: int = 0
+    total_bytes: int = 0
+
+
+class WeightBucket(Message):
+    """A slice of a version's tensors, in manifest order."""
+
+    version: int
+    index: int
+    names: list[str]
+    tensors: list[torch.Tensor]
+
+
+class VersionNotice(Message):
+    """Published on PUB/SUB: a new version exists. May be dropped; generators also poll."""
+
+    version: int
+
+
+# ---------------------------------------------------------------------------------------
+# Operations
+# ---------------------------------------------------------------------------------------
+
+
+class CheckpointTag(Message):
+    """The learner saved a checkpoint; the buffer saves its own state under the same tag."""
+
+    tag: str
+    step: int
+    version: int
+    path: str = ""
+
+
+class Metrics(Message):
+    """Scalar metrics from any process, for the tracker and the launcher's status line."""
+
+    source: str
+    step: int
+    values: dict[str, float]
+    time: float = 0.0
+
+
+class Shutdown(Message):
+    """Stop cleanly: sent by the buffer to generators when the run ends."""
+
+    reason: str = ""
+
+
+class Ack(Message):
+    """Generic success reply to a request that returns nothing else."""
+
+    detail: str = ""
+
+
+class ErrorReply(Message):
+    """A request was refused; ``code`` is a short machine-readable reason."""
+
+    code: str
+    detail: str = ""
+
+
+AnyMessage = Union[
+    Attach,
+    AttachAck,
+    Heartbeat,
+    HeartbeatAck,
+    Detach,
+    LeaseRequest,
+    PromptLease,
+    LeaseReturn,
+    RolloutGroup,
+    RolloutAck,
+    SampleRequest,
+    SampleBatch,
+    VersionUpdate,
+    WeightRequest,
+    WeightManifest,
+    WeightBucket,
+    VersionNotice,
+    CheckpointTag,
+    Metrics,
+    Shutdown,
+    Ack,
+    ErrorReply,
+]
+
+ALL_MESSAGES: tuple[type[Message], ...] = AnyMessage.__args__  # type: ignore[attr-defined]
