@@ -1,0 +1,104 @@
+"""Load a topology or a run config and check what the schema alone cannot.
+
+The schema checks types and ranges key by key; this module checks what spans keys or
+touches the disk: data files exist, the model path holds a checkpoint, generator names are
+unique, a non-loopback address has CURVE keys. Each failure is a ``ConfigError`` naming the
+file and the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import msgspec
+
+from configs.loader import ConfigError, load
+from configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
+from configs.topology_schema import Topology
+from transport.endpoints import is_loopback
+
+BUILTIN_MODELS = ("tiny-arith",)
+
+
+def load_topology(path: str | Path, overrides: Iterable[str] = ()) -> Topology:
+    """Decode and check ``topology.toml`` (overrides given without the ``topology.`` prefix)."""
+    topology = load(Topology, path, overrides, path_keys=[("security", "keys_dir")])
+    check_topology(topology, str(path))
+    return topology
+
+
+def check_topology(topology: Topology, source: str) -> None:
+    names = [g.name for g in topology.generators]
+    for i, name in enumerate(names):
+        if not name:
+            raise ConfigError(source, f"generators[{i}].name", "must not be empty")
+        if names.index(name) != i:
+            raise ConfigError(source, f"generators[{i}].name",
+                              f"{name!r} is already the name of generators[{names.index(name)}]")
+    hosts = {"buffer.host": topology.buffer.host}
+    hosts.update({f"learner.hosts[{i}]": h for i, h in enumerate(topology.learner.hosts)})
+    hosts.update({f"generators[{i}].host": g.host for i, g in enumerate(topology.generators)})
+    security = topology.security
+    if security.curve:
+        keys = Path(security.keys_dir) if security.keys_dir else None
+        if keys is None or not keys.is_dir():
+            raise ConfigError(source, "security.keys_dir",
+                              f"CURVE is on but the keys folder {security.keys_dir!r} does not "
+                              "exist; create it with tools/make-curve-keys.py")
+        return
+    for key, host in hosts.items():
+        if not is_loopback(host):
+            raise ConfigError(source, key,
+                              f"{host!r} is not a loopback address, and Relay never binds or "
+                              "talks over a network without CURVE: set [security] curve = true "
+                              "and keys_dir (see tools/make-curve-keys.py)")
+
+
+def load_run_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
+    """Decode and check a run config; relative paths resolve against its folder."""
+    run = load(
+        RunConfig,
+        path,
+        overrides,
+        path_keys=[("data", "train_files"), ("data", "val_files"), ("model", "path"),
+                   ("checkpoint", "dir")],
+        file_or_module_keys=[("custom_reward_function", "path")],
+    )
+    return check_run_config(run, str(path))
+
+
+def _as_list(files: str | list[str]) -> list[str]:
+    return [files] if isinstance(files, str) else list(files)
+
+
+def check_run_config(run: RunConfig, source: str) -> RunConfig:
+    """Cross-key and on-disk checks; returns the config with file lists normalized."""
+    data = msgspec.structs.replace(run.data, train_files=_as_list(run.data.train_files),
+                                   val_files=_as_list(run.data.val_files))
+    if not data.train_files:
+        raise ConfigError(source, "data.train_files", "needs at least one file")
+    for key in ("train_files", "val_files"):
+        for i, file in enumerate(getattr(data, key)):
+            if not Path(file).is_file():
+                raise ConfigError(source, f"data.{key}[{i}]", f"file not found: {file}")
+    model_path = run.model.path
+    if model_path.startswith(BUILTIN_MODEL_PREFIX):
+        name = model_path.removeprefix(BUILTIN_MODEL_PREFIX)
+        if name not in BUILTIN_MODELS:
+            raise ConfigError(source, "model.path", f"unknown built-in model {name!r}; "
+                                                    f"known: {', '.join(BUILTIN_MODELS)}")
+    elif not (Path(model_path) / "config.json").is_file():
+        raise ConfigError(source, "model.path",
+                          f"no Hugging Face checkpoint at {model_path} (config.json missing); "
+                          "give a local folder saved with save_pretrained")
+    mini = run.actor.ppo_mini_batch_size
+    if mini and data.train_batch_size % mini:
+        raise ConfigError(source, "actor.ppo_mini_batch_size",
+                          f"{mini} does not divide data.train_batch_size "
+                          f"({data.train_batch_size})")
+    optim = run.actor.optim
+    if optim.betas[0] >= 1 or optim.betas[1] >= 1 or min(optim.betas) < 0:
+        raise ConfigError(source, "actor.optim.betas", f"each beta must be in [0, 1), "
+                                                        f"got {optim.betas}")
+    return msgspec.structs.replace(run, data=data)

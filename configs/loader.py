@@ -1,0 +1,344 @@
+"""Load TOML configs into the typed schemas, apply ``key.sub=value`` overrides, explain errors.
+
+Every failure is a ``ConfigError`` that names where the bad value came from (the file, or
+"command line"), the key path (``actor.optim.lr``, ``generators[0].engine``) and what was
+expected; an unknown key suggests the closest valid one. Relative paths in a file are resolved
+against that file's folder, relative paths given on the command line against the working
+directory.
+
+This module knows TOML and the schemas' shapes; it does not know what the keys mean beyond
+the few cross-key checks in ``configs.checks``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import tomllib
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+from msgspec import inspect as mi
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+COMMAND_LINE = "command line"
+
+
+class ConfigError(ValueError):
+    """A config problem: ``source`` (file or "command line"), ``key`` path, what is wrong."""
+
+    def __init__(self, source: str, key: str, problem: str) -> None:
+        self.source, self.key, self.problem = source, key, problem
+        where = f"{source}: {key}" if key else source
+        super().__init__(f"{where}: {problem}")
+
+
+# ---------------------------------------------------------------------------------------
+# Key paths: "a.b[0].c" <-> ("a", "b", 0, "c")
+# ---------------------------------------------------------------------------------------
+
+_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def parse_key(key: str) -> tuple[str | int, ...]:
+    """Split ``a.b[0].c`` (or ``a.b.0.c``) into ``("a", "b", 0, "c")``."""
+    parts: list[str | int] = []
+    for name, index in _PART.findall(key):
+        parts.append(int(index) if index else int(name) if name.isdigit() else name)
+    if not parts or "".join(_PART.sub("", key).split(".")):
+        raise ValueError(f"malformed key {key!r}")
+    return tuple(parts)
+
+
+def format_key(parts: Sequence[str | int]) -> str:
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Describing schema types to people
+# ---------------------------------------------------------------------------------------
+
+
+def _unwrap(t: mi.Type) -> mi.Type:
+    return t.type if isinstance(t, mi.Metadata) else t
+
+
+def describe(t: mi.Type) -> str:
+    """A phrase for what a schema type accepts, e.g. "an integer > 0"."""
+    t = _unwrap(t)
+    if isinstance(t, mi.BoolType):
+        return "true or false"
+    if isinstance(t, (mi.IntType, mi.FloatType)):
+        noun = "an integer" if isinstance(t, mi.IntType) else "a number"
+        bounds = [f"{op} {v}" for op, v in (("> ", t.gt), (">=", t.ge), ("< ", t.lt), ("<=", t.le))
+                  if v is not None]
+        return noun + (" " + " and ".join(b.replace("  ", " ") for b in bounds) if bounds else "")
+    if isinstance(t, mi.StrType):
+        return "a string"
+    if isinstance(t, mi.LiteralType):
+        return "one of " + ", ".join(repr(v) for v in t.values)
+    if isinstance(t, mi.ListType):
+        size = ""
+        if t.min_length is not None and t.min_length == t.max_length:
+            size = f" of exactly {t.min_length}"
+        elif t.min_length:
+            size = f" of at least {t.min_length}"
+        return f"a list{size} of {describe(t.item_type).removeprefix('a ').removeprefix('an ')}s"
+    if isinstance(t, mi.UnionType):
+        return " or ".join(describe(u) for u in t.types)
+    if isinstance(t, mi.StructType):
+        return "a table"
+    return type(t).__name__
+
+
+def _struct_fields(t: mi.Type) -> dict[str, mi.Field] | None:
+    t = _unwrap(t)
+    return {f.name: f for f in t.fields} if isinstance(t, mi.StructType) else None
+
+
+def type_at(root: type[msgspec.Struct], parts: Sequence[str | int]) -> mi.Type:
+    """The schema type at a key path; raises KeyError naming the first unknown part."""
+    t: mi.Type = mi.type_info(root)
+    for depth, part in enumerate(parts):
+        t = _unwrap(t)
+        if isinstance(part, int):
+            if not isinstance(t, mi.ListType):
+                raise KeyError(depth)
+            t = t.item_type
+            continue
+        fields = _struct_fields(t)
+        if fields is None or part not in fields:
+            raise KeyError(depth)
+        t = fields[part].type
+    return t
+
+
+def _leaf_paths(t: mi.Type, prefix: tuple[str | int, ...] = ()) -> Iterable[tuple[str | int, ...]]:
+    fields = _struct_fields(t)
+    if fields is None:
+        inner = _unwrap(t)
+        if isinstance(inner, mi.ListType) and _struct_fields(inner.item_type):
+            yield from _leaf_paths(inner.item_type, prefix + (0,))
+        else:
+            yield prefix
+        return
+    for name, field in fields.items():
+        yield from _leaf_paths(field.type, prefix + (name,))
+
+
+def unknown_key_error(root: type[msgspec.Struct], source: str,
+                      parts: Sequence[str | int], depth: int) -> ConfigError:
+    """An error for ``parts[depth]`` not being a key there, with the closest valid key."""
+    parent = tuple(parts[:depth])
+    bad = parts[depth]
+    fields = _struct_fields(type_at(root, parent))
+    key = format_key(parts[: depth + 1])
+    if fields is None:
+        return ConfigError(source, key, f"{format_key(parent)} has no sub-keys")
+    valid = sorted(fields)
+    hint = ""
+    close = difflib.get_close_matches(str(bad), valid, n=1, cutoff=0.6)
+    if close:
+        hint = f"; did you mean {format_key(parent + (close[0],))!r}?"
+    else:
+        elsewhere = [p for p in _leaf_paths(mi.type_info(root)) if p and p[-1] == bad]
+        if elsewhere:
+            hint = f"; did you mean {format_key(elsewhere[0])!r}?"
+    section = f"[{format_key(parent)}]" if parent else "the top level"
+    return ConfigError(source, key, f"unknown key{hint} (valid keys in {section}: "
+                                    f"{', '.join(valid)})")
+
+
+def check_unknown_keys(root: type[msgspec.Struct], data: Any, source: str,
+                       parts: tuple[str | int, ...] = ()) -> None:
+    """Raise a ``ConfigError`` with a suggestion for the first key the schema lacks."""
+    t = _unwrap(type_at(root, parts))
+    fields = _struct_fields(t)
+    if fields is not None and isinstance(data, dict):
+        for name, value in data.items():
+            if name not in fields:
+                raise unknown_key_error(root, source, parts + (name,), len(parts))
+            check_unknown_keys(root, value, source, parts + (name,))
+    elif isinstance(t, mi.ListType) and isinstance(data, list):
+        for i, item in enumerate(data):
+            check_unknown_keys(root, item, source, parts + (i,))
+
+
+# ---------------------------------------------------------------------------------------
+# Overrides
+# ---------------------------------------------------------------------------------------
+
+
+def _wants_raw_string(t: mi.Type) -> bool:
+    t = _unwrap(t)
+    if isinstance(t, mi.StrType):
+        return True
+    if isinstance(t, mi.LiteralType):
+        return all(isinstance(v, str) for v in t.values)
+    return False
+
+
+def coerce_override(root: type[msgspec.Struct], parts: Sequence[str | int], raw: str) -> Any:
+    """Turn the text of ``key=value`` into a value of the key's schema type.
+
+    Strings and string choices take the text as is; everything else is read as a TOML value
+    (``3``, ``1e-6``, ``true``, ``["a.jsonl", "b.jsonl"]``); a list-or-string key takes a
+    bare word as the string.
+    """
+    t = type_at(root, parts)
+    if _wants_raw_string(t):
+        return raw
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        inner = _unwrap(t)
+        if isinstance(inner, mi.UnionType) and any(_wants_raw_string(u) for u in inner.types):
+            return raw
+        if isinstance(inner, mi.BoolType) and raw.lower() in ("true", "false"):
+            return raw.lower() == "true"
+        raise ConfigError(COMMAND_LINE, format_key(parts),
+                          f"expected {describe(t)}, got {raw!r}") from None
+
+
+def _set_path(data: dict[str, Any], parts: Sequence[str | int], value: Any, key: str) -> None:
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        nxt = parts[depth + 1]
+        if isinstance(part, int):
+            if not isinstance(node, list) or part >= len(node):
+                have = len(node) if isinstance(node, list) else 0
+                raise ConfigError(COMMAND_LINE, key, f"index {part} is out of range "
+                                                     f"(the list has {have} entries)")
+            node = node[part]
+        else:
+            node = node.setdefault(part, [] if isinstance(nxt, int) else {})
+    last = parts[-1]
+    if isinstance(last, int):
+        if not isinstance(node, list) or last >= len(node):
+            raise ConfigError(COMMAND_LINE, key, f"index {last} is out of range")
+        node[last] = value
+    else:
+        node[last] = value
+
+
+def apply_overrides(root: type[msgspec.Struct], data: dict[str, Any],
+                    overrides: Iterable[str]) -> set[tuple[str | int, ...]]:
+    """Apply ``key.sub=value`` strings to ``data`` in place; return the key paths touched."""
+    touched: set[tuple[str | int, ...]] = set()
+    for text in overrides:
+        key, sep, raw = text.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(COMMAND_LINE, text, "an override must look like section.key=value")
+        try:
+            parts = parse_key(key)
+        except ValueError as exc:
+            raise ConfigError(COMMAND_LINE, key, str(exc)) from None
+        try:
+            type_at(root, parts)
+        except KeyError as exc:
+            raise unknown_key_error(root, COMMAND_LINE, parts, exc.args[0]) from None
+        _set_path(data, parts, coerce_override(root, parts, raw.strip()), key)
+        touched.add(parts)
+    return touched
+
+
+# ---------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------
+
+_AT = re.compile(r"^(?P<problem>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
+
+
+def _value_at(data: Any, parts: Sequence[str | int]) -> Any:
+    for part in parts:
+        data = data[part]
+    return data
+
+
+def explain_validation_error(root: type[msgspec.Struct], data: dict[str, Any],
+                             exc: msgspec.ValidationError, source_of) -> ConfigError:
+    """Turn msgspec's "Expected `int`, got `str` - at `$.a.b`" into a ``ConfigError``."""
+    match = _AT.match(str(exc))
+    assert match is not None
+    problem, path = match["problem"], (match["path"] or "").lstrip(".")
+    parts = parse_key(path) if path else ()
+    missing = _MISSING.match(problem)
+    if missing:
+        parts = parts + (missing["field"],)
+        expected = describe(type_at(root, parts))
+        return ConfigError(source_of(parts), format_key(parts),
+                           f"missing required key (expected {expected})")
+    try:
+        expected = describe(type_at(root, parts))
+        got = _value_at(data, parts)
+    except (KeyError, IndexError, TypeError):
+        return ConfigError(source_of(parts), format_key(parts), problem)
+    return ConfigError(source_of(parts), format_key(parts), f"expected {expected}, got {got!r}")
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Parse a TOML file; errors name the file (and TOML's own line and column)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(path), "", "file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(path), "", f"cannot be read: {exc}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), "", f"not valid TOML: {exc}") from None
+
+
+def load(root: type[T], path: str | Path, overrides: Iterable[str] = (),
+         path_keys: Iterable[tuple[str, ...]] = (),
+         file_or_module_keys: Iterable[tuple[str, ...]] = ()) -> T:
+    """Read ``path``, check its keys, apply overrides, resolve paths, decode into ``root``.
+
+    ``path_keys`` name the string (or list-of-string) keys that hold file paths: relative
+    values from the file are resolved against the file's folder, relative values from the
+    command line against the working directory. ``file_or_module_keys`` hold either a Python
+    module name (left alone) or a file path (``*.py`` or containing ``/``, resolved).
+    """
+    path = Path(path)
+    data = read_toml(path)
+    check_unknown_keys(root, data, str(path))
+    touched = apply_overrides(root, data, overrides)
+
+    def source_of(parts: Sequence[str | int]) -> str:
+        return COMMAND_LINE if any(tuple(parts[: len(t)]) == t for t in touched) else str(path)
+
+    for key in path_keys:
+        _resolve_paths(data, key, base=Path.cwd() if key in touched else path.parent.resolve())
+    for key in file_or_module_keys:
+        _resolve_paths(data, key, base=Path.cwd() if key in touched else path.parent.resolve(),
+                       only_if=lambda v: v.endswith(".py") or "/" in v)
+    try:
+        return msgspec.convert(data, type=root)
+    except msgspec.ValidationError as exc:
+        raise explain_validation_error(root, data, exc, source_of) from None
+
+
+def _resolve_paths(data: dict[str, Any], key: tuple[str, ...], base: Path,
+                   only_if: Callable[[str], bool] = lambda v: True) -> None:
+    node: Any = data
+    for part in key[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or key[-1] not in node:
+        return
+    value = node[key[-1]]
+
+    def resolve(v: Any) -> Any:
+        if not isinstance(v, str) or not v or ":" in v.split("/")[0] or not only_if(v):
+            return v  # empty, "builtin:...", a URI or a module name: not a local path
+        return str((base / Path(v).expanduser()).resolve())
+
+    node[key[-1]] = [resolve(v) for v in value] if isinstance(value, list) else resolve(value)

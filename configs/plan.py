@@ -1,0 +1,94 @@
+"""From a topology and a run config to the list of processes a run needs.
+
+The plan is pure data: the launcher (``tools/launch-cluster.py``) prints it with
+``--dry-run`` and starts it otherwise. Every process reads the resolved configs that the
+launcher writes into the run directory (``topology.toml`` and ``run.toml``), so what runs
+is exactly what was printed.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from configs.run_schema import RunConfig
+from configs.topology_schema import Topology
+from transport.endpoints import is_loopback
+
+RESOLVED_TOPOLOGY = "topology.toml"
+RESOLVED_RUN = "run.toml"
+
+
+class ProcessSpec(msgspec.Struct, kw_only=True, frozen=True):
+    """One process of a run: where it runs and the command that starts it.
+
+    ``essential`` processes end the run when they die; a generator is not essential (the
+    run goes on with the others while any is alive).
+    """
+
+    name: str
+    role: str  # "buffer" | "learner" | "generator"
+    host: str
+    argv: list[str]
+    essential: bool = True
+
+    @property
+    def local(self) -> bool:
+        return is_loopback(self.host)
+
+    def command_line(self, ssh: str = "ssh", remote_workdir: str = "") -> list[str]:
+        """The argv to execute here: the command itself, or wrapped in ssh for a remote host."""
+        if self.local:
+            return list(self.argv)
+        remote = shlex.join(self.argv)
+        if remote_workdir:
+            remote = f"cd {shlex.quote(remote_workdir)} && {remote}"
+        return [*shlex.split(ssh), self.host, remote]
+
+
+def new_run_dir(run: RunConfig, now: float | None = None) -> Path:
+    """``trainer.run_dir/<experiment>-<YYYYmmdd-HHMMSS>`` (relative to the working dir)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return Path(run.trainer.run_dir).resolve() / f"{run.tracking.experiment}-{stamp}"
+
+
+def build_plan(topology: Topology, run_dir: Path, python: str = sys.executable) -> list[ProcessSpec]:
+    """The buffer, the learner (one torchrun per learner host) and every generator."""
+    local_py = python
+    remote_py = topology.launcher.remote_python
+
+    def py(host: str) -> str:
+        return local_py if is_loopback(host) else remote_py
+
+    common = ["--run-dir", str(run_dir)]
+    plan = [ProcessSpec(name="buffer", role="buffer", host=topology.buffer.host,
+                        argv=[py(topology.buffer.host), "-m", "buffer.main", *common])]
+    learner = topology.learner
+    for node_rank, host in enumerate(learner.hosts):
+        if len(learner.hosts) == 1:
+            rendezvous = ["--standalone"]
+        else:
+            rendezvous = [f"--nnodes={len(learner.hosts)}", f"--node-rank={node_rank}",
+                          f"--master-addr={learner.hosts[0]}",
+                          f"--master-port={learner.master_port}"]
+        torchrun = [py(host), "-m", "torch.distributed.run", *rendezvous,
+                    f"--nproc-per-node={learner.nproc_per_node}"]
+        name = "learner" if len(learner.hosts) == 1 else f"learner@{host}"
+        plan.append(ProcessSpec(name=name, role="learner", host=host,
+                                argv=[*torchrun, "-m", "learner.main", *common]))
+    for gen in topology.generators:
+        plan.append(ProcessSpec(name=gen.name, role="generator", host=gen.host, essential=False,
+                                argv=[py(gen.host), "-m", "generators.main", *common,
+                                      "--name", gen.name]))
+    return plan
+
+
+def write_resolved(topology: Topology, run: RunConfig, run_dir: Path) -> None:
+    """Write the resolved configs every process of the run reads."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RESOLVED_TOPOLOGY).write_bytes(msgspec.toml.encode(topology))
+    (run_dir / RESOLVED_RUN).write_bytes(msgspec.toml.encode(run))

@@ -1,0 +1,186 @@
+"""Typed schema of a run config: what a Relay run trains, on what, and how.
+
+Section and key names follow verl's (``data.train_batch_size``, ``actor.clip_ratio_high``,
+``algorithm.adv_estimator``...) so that its users feel at home; Relay-only keys are marked.
+Every struct forbids unknown keys; ``configs.loader`` turns decoding failures into errors that
+name the file and the key. Paths are resolved against the config file's folder by the loader.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
+
+BUILTIN_MODEL_PREFIX = "builtin:"  # model.path = "builtin:tiny-arith": built and cached on demand
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of every run-config section."""
+
+
+class DataConfig(_Section):
+    """Prompt datasets in verl's schema (parquet or JSONL) and the batch size.
+
+    ``train_batch_size`` counts prompts per learner step; each prompt yields ``rollout.n``
+    samples (verl's meaning).
+    """
+
+    train_files: str | list[str]
+    val_files: str | list[str] = msgspec.field(default_factory=list)
+    train_batch_size: Positive = 32
+    max_prompt_length: Positive = 512
+    shuffle: bool = True
+    seed: int = 0
+
+
+class ModelConfig(_Section):
+    """The policy: a local Hugging Face checkpoint loaded with the Auto classes.
+
+    ``dtype`` is the compute dtype of the learner's forward/backward (parameters and the
+    optimizer stay fp32) and of the generators' engines.
+    """
+
+    path: str
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    trust_remote_code: bool = False
+
+
+class ValKwargs(_Section):
+    """Sampling for held-out evaluation; temperature 0 is greedy (verl's default)."""
+
+    temperature: NonNegativeFloat = 0.0
+    top_p: Fraction = 1.0
+    top_k: int = -1
+    n: Positive = 1
+
+
+class RolloutConfig(_Section):
+    """Sampling on the generators. Behavior log-probs are taken under this processed
+    distribution (temperature, then top-k, then top-p)."""
+
+    n: Positive = 8
+    temperature: PositiveFloat = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: int = -1  # -1: off
+    response_length: Positive = 512
+    prompts_per_lease: Positive = 8  # Relay: prompts a generator leases per request
+    val_kwargs: ValKwargs = msgspec.field(default_factory=ValKwargs)
+
+
+class OptimConfig(_Section):
+    """AdamW with linear warm-up then a constant or cosine schedule (verl's names)."""
+
+    lr: PositiveFloat = 1e-6
+    weight_decay: NonNegativeFloat = 0.01
+    betas: Annotated[list[float], msgspec.Meta(min_length=2, max_length=2)] = msgspec.field(
+        default_factory=lambda: [0.9, 0.999]
+    )
+    lr_warmup_steps: int = -1  # -1: use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: Fraction = 0.0
+    warmup_style: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: Fraction = 0.0
+
+
+class ActorConfig(_Section):
+    """The policy update (verl's ``actor_rollout_ref.actor``).
+
+    ``ppo_mini_batch_size`` counts prompts per optimizer step; ``ppo_micro_batch_size_per_gpu``
+    counts sequences per forward/backward. ``behav_imp_weight_cap`` (AReaL's name) truncates
+    the importance weight proximal/behavior; 0 turns the correction off.
+    """
+
+    clip_ratio_low: NonNegativeFloat = 0.2
+    clip_ratio_high: NonNegativeFloat = 0.2
+    clip_ratio_c: Annotated[float, msgspec.Meta(gt=1)] = 3.0
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    use_kl_loss: bool = False
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    kl_loss_coef: NonNegativeFloat = 0.001
+    entropy_coeff: float = 0.0
+    grad_clip: PositiveFloat = 1.0
+    ppo_epochs: Positive = 1
+    ppo_mini_batch_size: NonNegative = 0  # 0: the whole train batch (one update per step)
+    ppo_micro_batch_size_per_gpu: Positive = 64
+    behav_imp_weight_cap: NonNegativeFloat = 2.0
+    optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+
+
+class AlgorithmConfig(_Section):
+    """Advantage estimation (verl's ``algorithm``)."""
+
+    adv_estimator: Literal["grpo"] = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+
+
+class BufferConfig(_Section):
+    """The hub's policies. ``max_staleness`` is eta: samples more than eta versions behind the
+    learner are never leased for nor trained on; eta = 0 is synchronous on-policy training."""
+
+    max_staleness: NonNegative = 1
+    lease_timeout_s: PositiveFloat = 120.0
+    heartbeat_timeout_s: PositiveFloat = 30.0
+    rollout_log: bool = True  # Relay: append every accepted group to run_dir/rollouts/
+
+
+class TrainerConfig(_Section):
+    """The run's length and cadence. ``test_freq``/``save_freq`` of -1 turn them off."""
+
+    total_training_steps: Positive = 100
+    test_freq: int = 10
+    save_freq: int = -1
+    publish_every: Positive = 1  # Relay: publish weights to generators every k steps
+    val_before_train: bool = True
+    seed: int = 0
+    run_dir: str = "runs"  # Relay: each run writes to run_dir/<experiment>-<time>/
+
+
+class TrackingConfig(_Section):
+    """MLflow. An empty ``uri`` means a local store under the run directory."""
+
+    uri: str = ""
+    experiment: str = "relay"
+    run_name: str = ""
+
+
+class CheckpointConfig(_Section):
+    """Where ``trainer.save_freq`` checkpoints go (empty: run_dir/checkpoints)."""
+
+    dir: str = ""
+    keep_last: Positive = 2
+
+
+class CustomRewardFunction(_Section):
+    """verl's ``custom_reward_function``: ``name`` in the Python file or module ``path``.
+
+    Empty ``path``: the reward is chosen by each row's ``data_source``.
+    """
+
+    path: str = ""
+    name: str = "compute_score"
+    timeout_s: PositiveFloat = 5.0  # Relay: per-sample limit; past it the reward is 0
+
+
+class RunConfig(_Section):
+    """The whole of a run config."""
+
+    data: DataConfig
+    model: ModelConfig
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    actor: ActorConfig = msgspec.field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    custom_reward_function: CustomRewardFunction = msgspec.field(
+        default_factory=CustomRewardFunction
+    )

@@ -1,0 +1,86 @@
+"""Typed schema of ``topology.toml``: where Relay's processes run and how they reach each other.
+
+A topology says nothing about *what* is trained (that is the run config, ``configs.run_schema``).
+Every struct forbids unknown keys; ``configs.loader`` turns decoding failures into errors that
+name the file and the key.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: pick a free port at launch
+Threads = Annotated[int, msgspec.Meta(ge=0)]  # 0: torch's default
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of every topology section."""
+
+
+class BufferPlacement(_Section):
+    """The hub process. Generators and the learner connect to ``tcp://host:port``."""
+
+    host: str = "127.0.0.1"
+    port: Port = 7450
+
+
+class LearnerPlacement(_Section):
+    """The learner, started with torchrun: ``len(hosts) * nproc_per_node`` ranks.
+
+    Rank 0 runs on ``hosts[0]`` and serves weights on ``weights_port``. With several hosts,
+    ``hosts[0]:master_port`` is torchrun's rendezvous; one host uses ``torchrun --standalone``.
+    """
+
+    hosts: Annotated[list[str], msgspec.Meta(min_length=1)] = msgspec.field(
+        default_factory=lambda: ["127.0.0.1"]
+    )
+    nproc_per_node: Annotated[int, msgspec.Meta(ge=1)] = 1
+    master_port: Port = 29517
+    weights_port: Port = 7451
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    threads: Threads = 0
+
+
+class GeneratorPlacement(_Section):
+    """One generator process: an inference engine on a device."""
+
+    name: str
+    host: str = "127.0.0.1"
+    engine: Literal["torch", "hf", "vllm", "sglang"] = "torch"
+    device: str = "cpu"
+    threads: Threads = 0
+
+
+class Security(_Section):
+    """CURVE encryption and authentication, required for any non-loopback address.
+
+    ``keys_dir`` holds ``server.key_secret`` and one ``*.key`` per authorized client
+    (``tools/make-curve-keys.py`` writes them); relative paths are resolved against the
+    topology file.
+    """
+
+    curve: bool = False
+    keys_dir: str = ""
+
+
+class LauncherSettings(_Section):
+    """How the launcher itself runs: its metrics port and how it reaches remote hosts."""
+
+    metrics_port: Port = 7452
+    ssh: str = "ssh"
+    remote_python: str = "python3"
+    remote_workdir: str = ""
+
+
+class Topology(_Section):
+    """The whole of ``topology.toml``."""
+
+    buffer: BufferPlacement = msgspec.field(default_factory=BufferPlacement)
+    learner: LearnerPlacement = msgspec.field(default_factory=LearnerPlacement)
+    generators: Annotated[list[GeneratorPlacement], msgspec.Meta(min_length=1)] = msgspec.field(
+        default_factory=lambda: [GeneratorPlacement(name="gen0")]
+    )
+    security: Security = msgspec.field(default_factory=Security)
+    launcher: LauncherSettings = msgspec.field(default_factory=LauncherSettings)

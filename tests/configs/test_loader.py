@@ -1,0 +1,245 @@
+"""Every class of config error names the source, the key and what was expected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError, load_run_config, load_topology
+
+GOOD_RUN = """
+[data]
+train_files = "train.jsonl"
+val_files = ["val.jsonl"]
+train_batch_size = 8
+
+[model]
+path = "builtin:tiny-arith"
+
+[actor.optim]
+lr = 1e-5
+"""
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    (tmp_path / "val.jsonl").write_text("{}\n")
+    return tmp_path
+
+
+def write(folder: Path, text: str, name: str = "run.toml") -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def error_of(fn, *args, **kwargs) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+def test_good_run_config_resolves_paths_against_its_folder(run_dir: Path) -> None:
+    run = load_run_config(write(run_dir, GOOD_RUN))
+    assert run.data.train_files == [str(run_dir / "train.jsonl")]
+    assert run.data.val_files == [str(run_dir / "val.jsonl")]
+    assert run.data.train_batch_size == 8
+    assert run.actor.optim.lr == 1e-5
+    assert run.rollout.n == 8  # schema default
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    err = error_of(load_run_config, tmp_path / "nope.toml")
+    assert err.source.endswith("nope.toml") and "file not found" in str(err)
+
+
+def test_invalid_toml_names_file_and_line(run_dir: Path) -> None:
+    path = write(run_dir, "[data]\ntrain_files = \n")
+    err = error_of(load_run_config, path)
+    assert str(path) in str(err) and "not valid TOML" in str(err) and "line 2" in str(err)
+
+
+def test_unknown_key_suggests_the_closest_valid_one(run_dir: Path) -> None:
+    path = write(run_dir, GOOD_RUN.replace("train_batch_size", "trian_batch_size"))
+    err = error_of(load_run_config, path)
+    assert err.source == str(path)
+    assert err.key == "data.trian_batch_size"
+    assert "did you mean 'data.train_batch_size'" in str(err)
+
+
+def test_unknown_key_in_wrong_section_points_to_where_it_lives(run_dir: Path) -> None:
+    path = write(run_dir, GOOD_RUN + "\n[rollout]\nclip_ratio_high = 0.3\n")
+    err = error_of(load_run_config, path)
+    assert err.key == "rollout.clip_ratio_high"
+    assert "did you mean 'actor.clip_ratio_high'" in str(err)
+
+
+def test_unknown_section_is_reported(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN + "\n[trainr]\nseed = 1\n"))
+    assert err.key == "trainr" and "did you mean 'trainer'" in str(err)
+
+
+def test_wrong_type_names_key_expected_and_value(run_dir: Path) -> None:
+    err = error_of(load_run_config,
+                   write(run_dir, GOOD_RUN.replace("train_batch_size = 8",
+                                                   'train_batch_size = "eight"')))
+    assert err.key == "data.train_batch_size"
+    assert "expected an integer > 0, got 'eight'" in str(err)
+
+
+def test_out_of_range_value_is_refused(run_dir: Path) -> None:
+    err = error_of(load_run_config,
+                   write(run_dir, GOOD_RUN.replace("train_batch_size = 8", "train_batch_size = 0")))
+    assert err.key == "data.train_batch_size" and "got 0" in str(err)
+
+
+def test_bad_choice_lists_the_valid_choices(run_dir: Path) -> None:
+    err = error_of(load_run_config,
+                   write(run_dir, GOOD_RUN + '\n[actor]\nloss_agg_mode = "mean"\n'))
+    assert err.key == "actor.loss_agg_mode"
+    assert "'token-mean'" in str(err) and "got 'mean'" in str(err)
+
+
+def test_missing_required_key(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN.replace('path = "builtin:tiny-arith"',
+                                                                    "")))
+    assert err.key == "model.path" and "missing required key (expected a string)" in str(err)
+
+
+def test_overrides_are_coerced_by_the_schema(run_dir: Path) -> None:
+    run = load_run_config(write(run_dir, GOOD_RUN), [
+        "data.train_batch_size=4", "actor.optim.lr=3e-4", "actor.use_kl_loss=true",
+        "trainer.run_dir=123", 'actor.optim.betas=[0.8, 0.9]', "rollout.top_p=1",
+    ])
+    assert run.data.train_batch_size == 4
+    assert run.actor.optim.lr == 3e-4
+    assert run.actor.use_kl_loss is True
+    assert run.trainer.run_dir == "123"  # a string key keeps the text as is
+    assert run.actor.optim.betas == [0.8, 0.9]
+    assert run.rollout.top_p == 1.0
+
+
+def test_override_paths_resolve_against_the_working_directory(run_dir: Path,
+                                                              monkeypatch) -> None:
+    monkeypatch.chdir(run_dir)
+    other = run_dir / "sub"
+    other.mkdir()
+    (other / "t.jsonl").write_text("{}\n")
+    config = write(other, GOOD_RUN.replace('"train.jsonl"', '"t.jsonl"')
+                   .replace('["val.jsonl"]', "[]"))
+    run = load_run_config(config, ["data.val_files=val.jsonl"])
+    assert run.data.train_files == [str(other / "t.jsonl")]
+    assert run.data.val_files == [str(run_dir / "val.jsonl")]
+
+
+def test_override_with_bad_value_blames_the_command_line(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["data.train_batch_size=abc"])
+    assert err.source == "command line" and err.key == "data.train_batch_size"
+    assert "expected an integer > 0, got 'abc'" in str(err)
+
+
+def test_override_out_of_range_blames_the_command_line(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["rollout.n=0"])
+    assert err.source == "command line" and err.key == "rollout.n"
+
+
+def test_override_unknown_key_suggests(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["actor.optim.learning_rate=1"])
+    assert err.source == "command line" and "valid keys in [actor.optim]" in str(err)
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["actor.optim.lrr=1"])
+    assert "did you mean 'actor.optim.lr'" in str(err)
+
+
+def test_override_without_equals_sign(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["data.train_batch_size"])
+    assert "section.key=value" in str(err)
+
+
+def test_missing_data_file(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN.replace("val.jsonl", "gone.jsonl")))
+    assert err.key == "data.val_files[0]" and "gone.jsonl" in str(err)
+
+
+def test_model_path_without_checkpoint(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), [f"model.path={run_dir}"])
+    assert err.key == "model.path" and "config.json missing" in str(err)
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["model.path=builtin:huge"])
+    assert "unknown built-in model 'huge'" in str(err)
+
+
+def test_mini_batch_must_divide_the_batch(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["actor.ppo_mini_batch_size=3"])
+    assert err.key == "actor.ppo_mini_batch_size" and "does not divide" in str(err)
+
+
+def test_default_configs_load() -> None:
+    topology = load_topology(DEFAULT_TOPOLOGY)
+    assert [g.name for g in topology.generators] == ["gen0"]
+    assert topology.learner.nproc_per_node == 1
+    run = load_run_config(DEFAULT_RUN)
+    assert run.model.path == "builtin:tiny-arith"
+    assert all(Path(f).is_file() for f in run.data.train_files + run.data.val_files)
+
+
+# ---- topology ---------------------------------------------------------------------------
+
+TOPOLOGY = """
+[buffer]
+port = 7000
+
+[[generators]]
+name = "a"
+
+[[generators]]
+name = "b"
+engine = "hf"
+"""
+
+
+def test_topology_generator_list_and_index_overrides(tmp_path: Path) -> None:
+    topology = load_topology(write(tmp_path, TOPOLOGY, "t.toml"),
+                             ["generators[1].engine=torch", "generators.0.device=cuda:1"])
+    assert [(g.name, g.engine, g.device) for g in topology.generators] == [
+        ("a", "torch", "cuda:1"), ("b", "torch", "cpu")]
+
+
+def test_topology_unknown_key_in_list_item(tmp_path: Path) -> None:
+    err = error_of(load_topology, write(tmp_path, TOPOLOGY.replace('engine = "hf"',
+                                                                   'engin = "hf"'), "t.toml"))
+    assert err.key == "generators[1].engin" and "did you mean 'generators[1].engine'" in str(err)
+
+
+def test_topology_bad_engine_lists_engines(tmp_path: Path) -> None:
+    err = error_of(load_topology, write(tmp_path, TOPOLOGY, "t.toml"), ["generators[0].engine=x"])
+    assert err.key == "generators[0].engine" and "'vllm'" in str(err)
+
+
+def test_topology_index_out_of_range(tmp_path: Path) -> None:
+    err = error_of(load_topology, write(tmp_path, TOPOLOGY, "t.toml"), ["generators[5].engine=hf"])
+    assert "out of range" in str(err)
+
+
+def test_topology_duplicate_generator_names(tmp_path: Path) -> None:
+    err = error_of(load_topology, write(tmp_path, TOPOLOGY.replace('"b"', '"a"'), "t.toml"))
+    assert err.key == "generators[1].name" and "already the name of generators[0]" in str(err)
+
+
+def test_topology_port_range(tmp_path: Path) -> None:
+    err = error_of(load_topology, write(tmp_path, TOPOLOGY.replace("7000", "70000"), "t.toml"))
+    assert err.key == "buffer.port" and "<= 65535" in str(err)
+
+
+def test_non_loopback_address_requires_curve(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    err = error_of(load_topology, write(tmp_path, TOPOLOGY, "t.toml"), ["buffer.host=10.1.2.3"])
+    assert err.key == "buffer.host" and "CURVE" in str(err)
+    err = error_of(load_topology, write(tmp_path, TOPOLOGY, "t.toml"),
+                   ["buffer.host=10.1.2.3", "security.curve=true", "security.keys_dir=nokeys"])
+    assert err.key == "security.keys_dir" and "does not exist" in str(err)
+    (tmp_path / "keys").mkdir()
+    topology = load_topology(write(tmp_path, TOPOLOGY, "t.toml"),
+                             ["buffer.host=10.1.2.3", "security.curve=true",
+                              "security.keys_dir=keys"], )
+    assert topology.security.curve

@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Launch a Relay run: the buffer, the learner (torchrun) and the generators.
+
+    python tools/launch-cluster.py [TOPOLOGY.toml] [RUN.toml] [key=value ...] [--dry-run]
+
+With no config, the embedded default (configs/topology.toml, configs/arithmetic-grpo.toml).
+Overrides ``section.key=value`` apply to the run config; ``topology.section.key=value`` to the
+topology. A bad config is refused before anything starts. ``--dry-run`` prints the resolved
+configs and the processes that would start, and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
+from configs.launch import dry_run_report, resolve_launch
+
+TOPOLOGY_PREFIX = "topology."
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     usage="%(prog)s [TOPOLOGY.toml] [RUN.toml] [key=value ...]")
+    parser.add_argument("items", nargs="*", metavar="ARG",
+                        help="config files (topology first, then run) and key=value overrides")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved configs and the processes, start nothing")
+    args = parser.parse_args(argv)
+    files = [a for a in args.items if "=" not in a]
+    overrides = [a for a in args.items if "=" in a]
+    if len(files) > 2:
+        parser.error(f"at most two config files (topology, run); got {files}")
+    args.topology = files[0] if files else str(DEFAULT_TOPOLOGY)
+    args.run = files[1] if len(files) > 1 else str(DEFAULT_RUN)
+    args.topology_overrides = [o.removeprefix(TOPOLOGY_PREFIX) for o in overrides
+                               if o.startswith(TOPOLOGY_PREFIX)]
+    args.run_overrides = [o for o in overrides if not o.startswith(TOPOLOGY_PREFIX)]
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        resolved = resolve_launch(args.topology, args.run, args.topology_overrides,
+                                  args.run_overrides)
+    except ConfigError as exc:
+        print(f"launch-cluster: config error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(dry_run_report(resolved))
+        return 0
+    from configs.supervisor import launch
+
+    return launch(resolved)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
