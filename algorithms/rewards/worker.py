@@ -1,0 +1,292 @@
+"""The reward worker: a subprocess that calls reward functions, killed when one hangs.
+
+Both ends of its socket live here. The caller holds a ``RewardWorker`` and calls
+``score(items)``; the worker process runs ``serve``.
+
+Protocol (msgpack via msgspec, never pickle), length-prefixed frames on a socket pair::
+
+    caller -> worker   RewardConfig                  once, at start
+    worker -> caller   _Ready(error)                 once, after loading the function
+    caller -> worker   _Job(job_id, items)           a whole group in one frame
+    worker -> caller   _Reply(job_id, index, result) one per item, in order, as each ends
+
+Because results come back one by one, each sample gets its own time limit: the clock for
+item ``k`` starts when the result of item ``k-1`` arrives. When it runs out, the worker's
+whole process group is SIGKILLed (a hung call is really stopped, with anything it
+spawned), item ``k`` gets a ``timeout`` error, and items ``k+1..`` are resent as a new job
+to a fresh worker. Every reply is checked against the (job_id, index) it must answer, so
+a result can never be attached to another sample. A worker that dies (killed from outside,
+segfault, ``os._exit``) costs only the item it was computing.
+
+The worker is a fresh interpreter (``python -c``) that imports only this package and
+the reward function: forking a process that holds torch or ZeroMQ threads is unsafe, and
+``multiprocessing``'s spawn would re-import the caller's ``__main__`` (breaking scripts fed
+on stdin, and re-importing torch in every worker of a generator). It shares the caller's
+``sys.path``, and its stdout/stderr are the caller's, so a reward function's prints show
+up in the logs; the protocol runs on a separate socket, so prints cannot corrupt it. The
+worker leads its own process group (a kill takes whatever it spawned along), and on Linux
+it asks the kernel to kill it when its parent dies (``PR_SET_PDEATHSIG``), so a crashed
+generator leaves no orphan. The kernel ties that to the thread that started the worker: a
+worker started from a short-lived thread is simply respawned on the next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import weakref
+from collections.abc import Sequence
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+from typing import TypeAlias
+
+import msgspec
+
+from algorithms.rewards.config import RewardConfig, build_score_fn
+from algorithms.rewards.custom import RewardLoadError
+from algorithms.rewards.registry import preload_builtins
+from algorithms.rewards.result import RewardItem, RewardResult, describe, evaluate, failure
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_BOOT = "import sys; from algorithms.rewards.worker import serve; serve(*map(int, sys.argv[1:]))"
+
+
+class RewardWorkerError(RuntimeError):
+    """The reward worker could not be started (not a per-sample failure)."""
+
+
+class _Ready(msgspec.Struct, array_like=True):
+    error: str = ""  # non-empty: loading the reward function failed, the worker exits
+
+
+class _Job(msgspec.Struct, array_like=True):
+    job_id: int
+    items: list[msgspec.Raw]  # each an encoded RewardItem, decoded one by one in the worker
+
+
+class _Reply(msgspec.Struct, array_like=True):
+    job_id: int
+    index: int
+    result: RewardResult
+
+
+class _WorkerLost(Exception):
+    """The worker stopped answering; ``reason`` is the in-flight sample's error."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _enc_hook(obj: object) -> object:
+    tolist = getattr(obj, "tolist", None)  # numpy arrays and scalars, torch tensors
+    if callable(tolist):
+        return tolist()
+    raise TypeError(f"cannot send a {type(obj).__name__} to the reward worker")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_ready_decoder = msgspec.msgpack.Decoder(_Ready)
+_reply_decoder = msgspec.msgpack.Decoder(_Reply)
+
+
+# ---------------------------------------------------------------------------------------
+# Worker side
+# ---------------------------------------------------------------------------------------
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux; elsewhere the
+    socket's EOF still ends an idle worker)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def serve(fd: int, parent_pid: int) -> None:
+    """Worker entry point: load the reward function, then score jobs until EOF."""
+    _exit_with_parent(parent_pid)
+    conn = Connection(fd)
+    config = msgspec.msgpack.decode(conn.recv_bytes(), type=RewardConfig)
+    try:
+        score_fn = build_score_fn(config)
+    except RewardLoadError as exc:
+        conn.send_bytes(_encoder.encode(_Ready(error=str(exc))))
+        return
+    if not config.custom_function:
+        preload_builtins()  # so no sample's time limit pays for importing SymPy
+    conn.send_bytes(_encoder.encode(_Ready()))
+    job_decoder = msgspec.msgpack.Decoder(_Job)
+    item_decoder = msgspec.msgpack.Decoder(RewardItem)
+    while True:
+        try:
+            job = job_decoder.decode(conn.recv_bytes())
+        except EOFError:
+            return
+        for index, raw in enumerate(job.items):
+            try:
+                item = item_decoder.decode(raw)
+            except msgspec.DecodeError as exc:
+                result = failure(f"bad item: {describe(exc)}")
+            else:
+                result = evaluate(score_fn, item)
+            conn.send_bytes(_encoder.encode(_Reply(job_id=job.job_id, index=index, result=result)))
+
+
+# ---------------------------------------------------------------------------------------
+# Caller side
+# ---------------------------------------------------------------------------------------
+
+
+def _kill(process: subprocess.Popen[bytes], conn: Connection) -> int:
+    """SIGKILL the worker's process group, reap the worker, close the socket; exit code."""
+    conn.close()
+    with contextlib.suppress(ProcessLookupError):  # the whole group has exited already
+        os.killpg(process.pid, signal.SIGKILL)  # not yet reaped, so the pid is not reused
+    return process.wait()
+
+
+_Reaper: TypeAlias = "weakref.finalize[[subprocess.Popen[bytes], Connection], RewardWorker]"
+
+
+class RewardWorker:
+    """Caller-side handle of one worker process: started on demand, replaced on failure.
+
+    Not thread-safe; ``RewardScorer`` serializes calls.
+    """
+
+    def __init__(self, config: RewardConfig) -> None:
+        self._config = config
+        self._process: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        # Kills the worker if this handle is dropped unclosed, or at interpreter exit.
+        self._reaper: _Reaper | None = None
+        self._job_ids = itertools.count()
+
+    @property
+    def pid(self) -> int | None:
+        """The running worker's pid (None before the first start and after ``stop``)."""
+        return self._process.pid if self._process is not None else None
+
+    def start(self) -> None:
+        """Start a worker unless one is running; raises ``RewardLoadError`` (the custom
+        function cannot be loaded) or ``RewardWorkerError`` (the process cannot start).
+
+        A worker that died while idle is noticed, and replaced, by the next send.
+        """
+        if self._conn is not None:
+            return
+        parent_conn, child_conn = Pipe()
+        with child_conn:  # closed here once the child holds it, so its death reads as EOF
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, str(child_conn.fileno()), str(os.getpid())],
+                pass_fds=(child_conn.fileno(),),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # own process group, out of the terminal's Ctrl-C
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            )
+        self._conn = parent_conn
+        self._reaper = weakref.finalize(self, _kill, self._process, parent_conn)
+        self._handshake()
+
+    def _handshake(self) -> None:
+        assert self._conn is not None
+        limit = self._config.startup_timeout_s
+        try:
+            self._conn.send_bytes(_encoder.encode(self._config))
+            if not self._conn.poll(limit):
+                self.stop()
+                raise RewardWorkerError(
+                    f"the reward worker did not start within {limit:g} s "
+                    "(RewardConfig.startup_timeout_s; a slow custom-function import?)"
+                )
+            ready = _ready_decoder.decode(self._conn.recv_bytes())
+        except (EOFError, OSError, msgspec.DecodeError) as exc:
+            code = self.stop()
+            raise RewardWorkerError(
+                f"the reward worker exited during start-up (exit code {code}); "
+                "its traceback is on stderr"
+            ) from exc
+        if ready.error:
+            self.stop()
+            raise RewardLoadError(ready.error)
+
+    def stop(self) -> int | None:
+        """Kill the worker (and its process group) if one runs; its exit code."""
+        reaper, self._reaper = self._reaper, None
+        self._process = self._conn = None
+        return reaper() if reaper is not None else None
+
+    def score(self, items: Sequence[RewardItem]) -> list[RewardResult]:
+        """One result per item, in order. Whatever a reward call does becomes an error
+        result; this raises only when no worker can be started (``start``)."""
+        results: list[RewardResult | None] = [None] * len(items)
+        pending: list[tuple[int, msgspec.Raw]] = []
+        for position, item in enumerate(items):
+            try:
+                pending.append((position, msgspec.Raw(_encoder.encode(item))))
+            except Exception as exc:  # e.g. an object in extra_info
+                results[position] = failure(f"cannot send the item: {describe(exc)}")
+        while pending:
+            done = self._run_job([raw for _, raw in pending])
+            for (position, _), result in zip(pending, done, strict=False):  # done: a prefix
+                results[position] = result
+            pending = pending[len(done):]
+        return results  # type: ignore[return-value]  # every slot is filled above
+
+    def _run_job(self, raws: list[msgspec.Raw]) -> list[RewardResult]:
+        """Results for a prefix of ``raws`` (at least one); shorter when the worker is lost."""
+        self.start()
+        job_id = next(self._job_ids)
+        done: list[RewardResult] = []
+        try:
+            self._send(_encoder.encode(_Job(job_id=job_id, items=raws)))
+            for index in range(len(raws)):
+                done.append(self._receive(job_id, index))
+        except _WorkerLost as lost:
+            self.stop()
+            done.append(failure(lost.reason))
+        except BaseException:
+            self.stop()  # e.g. KeyboardInterrupt: never reuse a worker with work in flight
+            raise
+        return done
+
+    def _send(self, frame: bytes) -> None:
+        assert self._conn is not None
+        try:
+            self._conn.send_bytes(frame)
+            return
+        except OSError:  # it died while idle, before reading this job: nothing lost
+            self.stop()
+            self.start()
+        try:
+            self._conn.send_bytes(frame)
+        except OSError as exc:
+            raise _WorkerLost(f"worker died before scoring: {describe(exc)}") from exc
+
+    def _receive(self, job_id: int, index: int) -> RewardResult:
+        assert self._conn is not None
+        limit = self._config.timeout_s
+        if not self._conn.poll(limit):
+            raise _WorkerLost(f"timeout: no result within {limit:g} s (worker killed)")
+        try:
+            reply = _reply_decoder.decode(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            code = self.stop()
+            raise _WorkerLost(
+                f"worker died while scoring this sample (exit code {code})"
+            ) from None
+        except msgspec.DecodeError as exc:
+            raise _WorkerLost(f"protocol error: {describe(exc)}") from exc
+        if (reply.job_id, reply.index) != (job_id, index):
+            raise _WorkerLost(
+                f"protocol error: expected the result of item {index} of job {job_id}, "
+                f"got item {reply.index} of job {reply.job_id}"
+            )
+        return reply.result
