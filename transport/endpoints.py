@@ -26,7 +26,7 @@ def ipc_endpoint(path: str | os.PathLike[str]) -> str:
 
 
 def split_endpoint(endpoint: str) -> tuple[str, str]:
-    """``(transport, address)`` of an endpoint: ``"tcp://1.2.3.4:5"`` -> ``("tcp", "1.2.3.4:5")``."""
+    """``(transport, address)``: ``"tcp://1.2.3.4:5"`` -> ``("tcp", "1.2.3.4:5")``."""
     transport, sep, address = endpoint.partition("://")
     if not sep or not transport or not address:
         raise ValueError(f"endpoint {endpoint!r} is not of the form transport://address")

@@ -7,6 +7,8 @@ A message is a tagged ``msgspec.Struct`` (the tag is the class name in snake cas
     frame 1   the struct, msgpack-encoded as an array [tag, field, field, ...]
     frame 2+  raw tensor bytes, one frame per large tensor, referenced from frame 1
 
+(Request-reply puts one envelope frame, the request id, in front: see ``transport.sockets``.)
+
 Rules that keep old and new peers talking:
 - fields are only appended, always with a default;
 - a change that breaks decoding bumps ``PROTOCOL_VERSION`` (a peer with another version is

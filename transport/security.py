@@ -1,0 +1,156 @@
+"""CURVE authentication and the rule that a reachable bind needs it.
+
+This module knows ZeroMQ CURVE: key pairs on disk (``zmq.auth`` certificate files), the
+server side (a private context whose ZAP authenticator accepts only the public keys found
+in an authorized-clients directory) and the client side (its key pair plus the server's
+public key). It also holds the one check every bind goes through: a bind reachable from
+other machines without CURVE keys raises ``InsecureBindError``.
+
+It does not know which process holds which key (the topology config does) nor anything
+about messages. Key files: ``<name>.key`` (public, safe to copy to peers) and
+``<name>.key_secret`` (secret, stays on its host).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from transport.endpoints import is_local_endpoint
+
+
+class InsecureBindError(ValueError):
+    """A socket was asked to bind a non-loopback address without CURVE keys."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        super().__init__(
+            f"refusing to bind {endpoint} without CURVE keys: it is reachable from other "
+            "machines, so anyone there could send messages. Bind a loopback address "
+            "(127.0.0.1, ::1, localhost) or ipc://, or pass ServerKeys "
+            "(keys made with transport.security.create_keypair)."
+        )
+
+
+class KeyFileError(ValueError):
+    """A key file is missing or holds no usable key."""
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """A CURVE key pair, Z85-encoded (40 bytes each) as ``zmq.auth`` writes them."""
+
+    public: bytes
+    secret: bytes
+
+
+@dataclass(frozen=True)
+class ServerKeys:
+    """What a binding socket needs for CURVE: its key pair and whom to let in."""
+
+    keypair: KeyPair
+    authorized_clients: Path  # directory of client public key files (*.key)
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """What a connecting socket needs for CURVE: its key pair and the server's public key."""
+
+    keypair: KeyPair
+    server_public_key: bytes
+
+
+Keys = ServerKeys | ClientKeys
+
+
+def create_keypair(directory: str | os.PathLike[str], name: str) -> KeyPair:
+    """Write ``<name>.key`` and ``<name>.key_secret`` under ``directory`` and return the pair."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    _public_file, secret_file = zmq.auth.create_certificates(directory, name)
+    return load_keypair(secret_file)
+
+
+def load_keypair(secret_file: str | os.PathLike[str]) -> KeyPair:
+    """Read a key pair from a ``.key_secret`` file written by ``create_keypair``."""
+    public, secret = _load(secret_file)
+    if secret is None:
+        raise KeyFileError(
+            f"{secret_file} holds no secret key; pass the .key_secret file, not the .key file"
+        )
+    return KeyPair(public=public, secret=secret)
+
+
+def load_public_key(key_file: str | os.PathLike[str]) -> bytes:
+    """Read the public key from a ``.key`` (or ``.key_secret``) file."""
+    public, _secret = _load(key_file)
+    return public
+
+
+def _load(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:
+    if not Path(path).is_file():
+        raise KeyFileError(f"key file {path} does not exist (create it with create_keypair)")
+    try:
+        return zmq.auth.load_certificate(path)
+    except (ValueError, OSError) as exc:
+        raise KeyFileError(f"key file {path} is not a zmq certificate: {exc}") from exc
+
+
+def check_bind(endpoint: str, keys: Keys | None) -> None:
+    """Raise ``InsecureBindError`` unless ``endpoint`` is local or ``keys`` are server keys."""
+    if keys is not None and not isinstance(keys, ServerKeys):
+        raise TypeError(
+            f"binding {endpoint} needs ServerKeys (own key pair + authorized clients), "
+            f"got {type(keys).__name__}"
+        )
+    if keys is None and not is_local_endpoint(endpoint):
+        raise InsecureBindError(endpoint)
+
+
+class CurveAuthenticator:
+    """A private ZeroMQ context whose ZAP handler admits only the authorized client keys.
+
+    ZAP is per context, so each CURVE server owns one context and authenticator; sockets
+    made from ``context`` and passed to ``secure`` accept only clients whose public key
+    file is in ``keys.authorized_clients`` when the authenticator started (a snapshot).
+    """
+
+    def __init__(self, keys: ServerKeys) -> None:
+        authorized = Path(keys.authorized_clients)
+        if not authorized.is_dir():
+            raise KeyFileError(
+                f"authorized clients directory {authorized} does not exist; "
+                "put the clients' public .key files there"
+            )
+        self.keys = keys
+        self.context = zmq.Context()
+        self._authenticator = ThreadAuthenticator(self.context)
+        try:
+            self._authenticator.start()
+            self._authenticator.configure_curve(domain="*", location=str(authorized))
+        except BaseException:
+            self.close()
+            raise
+
+    def secure(self, socket: zmq.Socket) -> None:
+        """Make ``socket`` (made from ``self.context``) a CURVE server; call before bind."""
+        socket.curve_server = True
+        socket.curve_publickey = self.keys.keypair.public
+        socket.curve_secretkey = self.keys.keypair.secret
+
+    def close(self) -> None:
+        """Stop the authenticator and end the context (its sockets must be closed first)."""
+        if self._authenticator.is_alive():
+            self._authenticator.stop()
+        self.context.term()
+
+
+def secure_client(socket: zmq.Socket, keys: ClientKeys) -> None:
+    """Make ``socket`` a CURVE client of the server holding ``keys.server_public_key``."""
+    socket.curve_serverkey = keys.server_public_key
+    socket.curve_publickey = keys.keypair.public
+    socket.curve_secretkey = keys.keypair.secret

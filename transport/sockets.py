@@ -1,0 +1,496 @@
+"""ZeroMQ sockets that speak Relay's wire: request-reply, one-way streams, notices.
+
+Patterns, one class per role:
+
+- ``Server`` (ROUTER) / ``Client`` (DEALER): requests with replies. A handler may answer
+  with one message or a stream of them (a weight manifest then its buckets).
+- ``Pusher`` / ``Puller`` (PUSH/PULL): one-way streams that may lose messages at the
+  source, e.g. metrics to the launcher. A full queue drops the message and counts it.
+- ``Publisher`` / ``Subscriber`` (PUB/SUB): droppable notices only (``NOTICE_TYPES``).
+
+Request-reply envelope: one frame before the codec's frames, 9 bytes = request id (u64,
+big-endian) + flags (u8). Requests carry flags 0; a reply sets ``MORE`` when further
+replies to the same request follow. A client keeps only replies to the request it waits
+for, and after a timeout it also replaces its socket (lazy pirate), so a late reply is never
+taken for the answer to the next request. Replies to frames whose envelope is unreadable
+carry request id 0, which no client uses.
+
+Receivers never crash on bad input: each rejected frame set is counted in ``errors`` by
+``WireError`` kind (and, on a ``Server``, answered with ``ErrorReply(code=kind)``). A
+``Server`` also counts ``handler`` (the handler raised or returned no message) and
+``unroutable`` (a reply could not be delivered within ``send_timeout_s``).
+
+Every bind goes through ``transport.security.check_bind``: loopback and ipc may be plain,
+anything reachable needs CURVE ``ServerKeys``. A socket belongs to one thread: drive a
+``Server`` from the owner's loop with ``serve_once`` or give it a thread with
+``ServerThread``; compute loops talk to sockets through such loops, never directly.
+
+This module knows sockets, timeouts and counters; it does not know what messages mean.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar, Union, overload
+
+import zmq
+
+from transport.codec import Decoder, WireError, encode
+from transport.endpoints import needs_ipv6
+from transport.messages import ErrorReply, Message, VersionNotice
+from transport.security import (
+    ClientKeys,
+    CurveAuthenticator,
+    Keys,
+    ServerKeys,
+    check_bind,
+    secure_client,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HWM = 1000  # messages queued per peer before a send waits or drops
+MORE = 0x01  # reply envelope flag: more replies to this request follow
+_ENVELOPE = struct.Struct(">QB")
+NOTICE_TYPES: tuple[type[Message], ...] = (VersionNotice,)
+MAX_DETAIL_CHARS = 300
+_END = object()  # end of a handler's replies
+
+Reply = Message | Iterable[Message]
+Handler = Callable[[Message, bytes], Reply]
+"""``handler(message, peer_identity)`` returns the reply, or an iterable of replies."""
+M = TypeVar("M", bound=Message)
+
+
+class PeerTimeout(TimeoutError):
+    """The peer at ``endpoint`` did not answer ``request`` within ``timeout_s``."""
+
+    def __init__(self, endpoint: str, request: str, timeout_s: float) -> None:
+        self.endpoint, self.request, self.timeout_s = endpoint, request, timeout_s
+        super().__init__(
+            f"no reply from {endpoint} to {request} within {timeout_s:g}s: is the peer "
+            "running and reachable, and (with CURVE) does it hold the right keys?"
+        )
+
+
+class RemoteError(RuntimeError):
+    """The peer at ``endpoint`` refused a request (``ErrorReply``) or answered off-type."""
+
+    def __init__(self, endpoint: str, code: str, detail: str) -> None:
+        self.endpoint, self.code, self.detail = endpoint, code, detail
+        super().__init__(f"{endpoint} answered {code}: {detail}")
+
+
+# ---------------------------------------------------------------------------------------
+# Socket set-up shared by every role
+# ---------------------------------------------------------------------------------------
+
+
+class _Socket:
+    """One configured socket, bound or connected, plus the CURVE authenticator it owns."""
+
+    def __init__(
+        self, kind: int, endpoint: str, *, bind: bool, keys: Keys | None, hwm: int
+    ) -> None:
+        self.authenticator: CurveAuthenticator | None = None
+        if bind:
+            check_bind(endpoint, keys)
+            if isinstance(keys, ServerKeys):
+                self.authenticator = CurveAuthenticator(keys)
+        elif keys is not None and not isinstance(keys, ClientKeys):
+            raise TypeError(f"connecting to {endpoint} needs ClientKeys, got {type(keys).__name__}")
+        context = self.authenticator.context if self.authenticator else zmq.Context.instance()
+        try:
+            self.zmq = context.socket(kind)
+        except BaseException:
+            if self.authenticator is not None:
+                self.authenticator.close()
+            raise
+        try:
+            self.zmq.linger = 0
+            self.zmq.sndhwm = self.zmq.rcvhwm = hwm
+            self.zmq.ipv6 = needs_ipv6(endpoint)
+            if self.authenticator is not None:
+                self.authenticator.secure(self.zmq)
+            elif isinstance(keys, ClientKeys):
+                secure_client(self.zmq, keys)
+            (self.zmq.bind if bind else self.zmq.connect)(endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            verb = "bind" if bind else "connect to"
+            raise OSError(exc.errno, f"cannot {verb} {endpoint}: {exc.strerror}") from exc
+        except BaseException:
+            self.close()
+            raise
+        self.endpoint = self.zmq.getsockopt_string(zmq.LAST_ENDPOINT) if bind else endpoint
+
+    def close(self, linger_s: float = 0.0) -> None:
+        self.zmq.close(linger=int(linger_s * 1000))
+        if self.authenticator is not None:
+            self.authenticator.close()
+            self.authenticator = None
+
+    def poll_in(self, timeout_s: float) -> bool:
+        return bool(self.zmq.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
+
+
+def _detail(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:MAX_DETAIL_CHARS]
+
+
+def _request_id(frames: Sequence[zmq.Frame]) -> int:
+    """The request id in a request's envelope frame, or ``WireError("envelope")``."""
+    if not frames or len(frames[0]) != _ENVELOPE.size:
+        size = len(frames[0]) if frames else "no"
+        raise WireError(
+            "envelope", f"expected a {_ENVELOPE.size}-byte envelope frame, got {size} bytes"
+        )
+    request_id, flags = _ENVELOPE.unpack(frames[0].bytes)
+    if flags != 0:
+        raise WireError("envelope", f"request flags must be 0, got {flags:#04x}")
+    return request_id
+
+
+# ---------------------------------------------------------------------------------------
+# Request-reply
+# ---------------------------------------------------------------------------------------
+
+
+class Server:
+    """Binds a ROUTER socket and answers each request with ``handler``'s reply or replies.
+
+    Backpressure: replies wait up to ``send_timeout_s`` when a peer's queue holds ``hwm``
+    messages (ROUTER_MANDATORY), then count as ``unroutable``; requests beyond ``hwm``
+    per peer wait in the peer's own queue.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        handler: Handler,
+        *,
+        decoder: Decoder[Any] | None = None,
+        keys: ServerKeys | None = None,
+        hwm: int = DEFAULT_HWM,
+        send_timeout_s: float = 2.0,
+    ) -> None:
+        self._handler = handler
+        self._decoder = decoder or Decoder()
+        self._socket = _Socket(zmq.ROUTER, endpoint, bind=True, keys=keys, hwm=hwm)
+        self._socket.zmq.router_mandatory = 1
+        self._socket.zmq.sndtimeo = int(send_timeout_s * 1000)
+        self.endpoint = self._socket.endpoint  # with the real port when bound to ":*"
+        self.errors: Counter[str] = Counter()
+        self.served = 0  # requests decoded and handed to the handler
+
+    def serve_once(self, timeout_s: float) -> bool:
+        """Handle at most one request, waiting up to ``timeout_s``; True if one came."""
+        if not self._socket.poll_in(timeout_s):
+            return False
+        identity, *frames = self._socket.zmq.recv_multipart(copy=False)
+        self._handle(identity.bytes, frames)
+        return True
+
+    def serve_until(self, stop: threading.Event, poll_s: float = 0.05) -> None:
+        """Serve until ``stop`` is set, checking it at least every ``poll_s`` seconds."""
+        while not stop.is_set():
+            self.serve_once(poll_s)
+
+    def close(self) -> None:
+        self._socket.close()
+
+    def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
+        request_id = 0
+        try:
+            request_id = _request_id(frames)
+            message = self._decoder.decode(frames[1:])
+        except WireError as exc:
+            self.errors[exc.kind] += 1
+            logger.debug("rejected frames from peer %s: %s", identity.hex(), exc)
+            self._send(
+                identity,
+                request_id,
+                ErrorReply(code=exc.kind, detail=exc.detail[:MAX_DETAIL_CHARS]),
+                False,
+            )
+            return
+        self.served += 1
+        try:
+            for reply, more in _flag_last(self._handler(message, identity)):
+                if not self._send(identity, request_id, reply, more):
+                    return
+        except Exception as exc:  # a handler bug must not take the server down
+            self.errors["handler"] += 1
+            logger.exception(
+                "handler failed on %s from peer %s", type(message).__name__, identity.hex()
+            )
+            self._send(identity, request_id, ErrorReply(code="handler", detail=_detail(exc)), False)
+
+    def _send(self, identity: bytes, request_id: int, reply: Message, more: bool) -> bool:
+        envelope = _ENVELOPE.pack(request_id, MORE if more else 0)
+        try:
+            self._socket.zmq.send_multipart([identity, envelope, *encode(reply)], copy=False)
+        except zmq.ZMQError as exc:  # EAGAIN: peer not draining; EHOSTUNREACH: peer gone
+            self.errors["unroutable"] += 1
+            logger.warning("reply to peer %s dropped: %s", identity.hex(), exc)
+            return False
+        return True
+
+
+def _flag_last(replies: Reply) -> Iterator[tuple[Message, bool]]:
+    """``(reply, more)`` pairs; ``more`` is False on the last. Raises on a non-message."""
+    iterator = iter((replies,) if isinstance(replies, Message) else replies)
+    current = next(iterator, _END)
+    if current is _END:
+        raise ValueError("handler returned no reply")
+    while current is not _END:
+        if not isinstance(current, Message):
+            raise TypeError(f"handler returned {type(current).__name__}, not a Message")
+        following = next(iterator, _END)
+        yield current, following is not _END
+        current = following
+
+
+class ServerThread:
+    """Runs a ``Server`` in a daemon thread; ``stop()`` (or leaving ``with``) closes it."""
+
+    def __init__(self, server: Server, *, poll_s: float = 0.05, name: str = "relay-server") -> None:
+        self.server = server
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=server.serve_until, args=(self._stop, poll_s), name=name, daemon=True
+        )
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self.server.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class Client:
+    """Connects a DEALER socket; one request in flight at a time (not thread-safe).
+
+    ``request`` waits for one reply; ``request_stream`` yields replies until the server
+    marks the last. On ``PeerTimeout`` the socket is replaced, dropping the unanswered
+    request and any reply that might still arrive for it.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        keys: ClientKeys | None = None,
+        decoder: Decoder[Any] | None = None,
+        hwm: int = DEFAULT_HWM,
+    ) -> None:
+        self.endpoint = endpoint
+        self._keys, self._hwm = keys, hwm
+        self._decoder = decoder or Decoder()
+        self._socket: _Socket | None = None
+        self._ids = itertools.count(1)
+        self.stale_replies = 0  # replies dropped because they answered an older request
+
+    @overload
+    def request(self, msg: Message, timeout_s: float) -> Message: ...
+
+    @overload
+    def request(self, msg: Message, timeout_s: float, expect: type[M]) -> M: ...
+
+    def request(self, msg: Message, timeout_s: float, expect: type[M] | None = None) -> Message:
+        """Send ``msg`` and return the reply; a stream's later replies are discarded.
+
+        With ``expect``, a reply of another type raises ``RemoteError`` (an ``ErrorReply``
+        keeps its code). Raises ``PeerTimeout`` when no reply comes within ``timeout_s``.
+        """
+        request_id = self._send(msg, timeout_s)
+        reply, _more = self._receive(request_id, type(msg).__name__, timeout_s)
+        if expect is not None and not isinstance(reply, expect):
+            if isinstance(reply, ErrorReply):
+                raise RemoteError(self.endpoint, reply.code, reply.detail)
+            raise RemoteError(
+                self.endpoint,
+                "unexpected_reply",
+                f"expected {expect.__name__}, got {type(reply).__name__}",
+            )
+        return reply
+
+    def request_stream(self, msg: Message, timeout_s: float) -> Iterator[Message]:
+        """Send ``msg`` now; iterate its replies, waiting up to ``timeout_s`` for each."""
+        request_id = self._send(msg, timeout_s)
+        return self._stream(request_id, type(msg).__name__, timeout_s)
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+    def _stream(self, request_id: int, what: str, timeout_s: float) -> Iterator[Message]:
+        more = True
+        while more:
+            reply, more = self._receive(request_id, what, timeout_s)
+            yield reply
+
+    def _send(self, msg: Message, timeout_s: float) -> int:
+        if self._socket is None:
+            self._socket = _Socket(
+                zmq.DEALER, self.endpoint, bind=False, keys=self._keys, hwm=self._hwm
+            )
+        request_id = next(self._ids)
+        frames = [_ENVELOPE.pack(request_id, 0), *encode(msg)]
+        try:
+            self._socket.zmq.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # the queue to the peer is full: it has not been reading
+            self.close()
+            raise PeerTimeout(self.endpoint, type(msg).__name__, timeout_s) from None
+        return request_id
+
+    def _receive(self, request_id: int, what: str, timeout_s: float) -> tuple[Message, bool]:
+        assert self._socket is not None, "_send opens the socket"
+        deadline = time.monotonic() + timeout_s
+        while self._socket.poll_in(deadline - time.monotonic()):
+            envelope, *frames = self._socket.zmq.recv_multipart(copy=False)
+            if len(envelope) != _ENVELOPE.size:
+                raise WireError(
+                    "envelope", f"reply envelope of {len(envelope)} bytes from {self.endpoint}"
+                )
+            reply_id, flags = _ENVELOPE.unpack(envelope.bytes)
+            if reply_id != request_id:
+                self.stale_replies += 1
+                continue
+            return self._decoder.decode(frames), bool(flags & MORE)
+        self.close()  # lazy pirate: a late reply dies with the old socket
+        raise PeerTimeout(self.endpoint, what, timeout_s)
+
+
+# ---------------------------------------------------------------------------------------
+# One-way streams and notices
+# ---------------------------------------------------------------------------------------
+
+
+class _Receiver:
+    """Receiving half shared by ``Puller`` and ``Subscriber``: decode, count rejects."""
+
+    def __init__(self, socket: _Socket, decoder: Decoder[Any]) -> None:
+        self._socket, self._decoder = socket, decoder
+        self.endpoint = socket.endpoint
+        self.errors: Counter[str] = Counter()
+        self.received = 0
+
+    def receive(self, timeout_s: float) -> Message | None:
+        """The next valid message, or None when none came within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self._socket.poll_in(deadline - time.monotonic()):
+            frames = self._socket.zmq.recv_multipart(copy=False)
+            try:
+                message = self._decoder.decode(frames)
+            except WireError as exc:
+                self.errors[exc.kind] += 1
+                logger.debug("rejected frames on %s: %s", self.endpoint, exc)
+                continue
+            self.received += 1
+            return message
+        return None
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+class Pusher:
+    """PUSH side of a one-way stream; ``send`` never blocks.
+
+    When the queue to the pullers is full (``hwm`` messages, or no puller ever connected),
+    ``send`` drops the message, counts it in ``dropped`` and returns False.
+    """
+
+    def __init__(
+        self, endpoint: str, *, bind: bool = False, keys: Keys | None = None, hwm: int = DEFAULT_HWM
+    ) -> None:
+        self._socket = _Socket(zmq.PUSH, endpoint, bind=bind, keys=keys, hwm=hwm)
+        self.endpoint = self._socket.endpoint
+        self.sent = 0
+        self.dropped = 0
+
+    def send(self, msg: Message) -> bool:
+        try:
+            self._socket.zmq.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.dropped += 1
+            return False
+        self.sent += 1
+        return True
+
+    def close(self, linger_s: float = 1.0) -> None:
+        """Close, giving queued messages up to ``linger_s`` to leave."""
+        self._socket.close(linger_s)
+
+
+class Puller(_Receiver):
+    """PULL side of a one-way stream; rejected frame sets are counted in ``errors``."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        bind: bool = True,
+        keys: Keys | None = None,
+        decoder: Decoder[Any] | None = None,
+        hwm: int = DEFAULT_HWM,
+    ) -> None:
+        super().__init__(
+            _Socket(zmq.PULL, endpoint, bind=bind, keys=keys, hwm=hwm), decoder or Decoder()
+        )
+
+
+class Publisher:
+    """PUB side for droppable notices; ``publish`` never blocks and never queues forever.
+
+    Only ``NOTICE_TYPES`` may be published: PUB/SUB loses messages to slow or late
+    subscribers by design, so anything that must arrive goes request-reply instead.
+    """
+
+    def __init__(
+        self, endpoint: str, *, bind: bool = True, keys: Keys | None = None, hwm: int = DEFAULT_HWM
+    ) -> None:
+        self._socket = _Socket(zmq.PUB, endpoint, bind=bind, keys=keys, hwm=hwm)
+        self.endpoint = self._socket.endpoint
+        self.published = 0
+
+    def publish(self, notice: Message) -> None:
+        if not isinstance(notice, NOTICE_TYPES):
+            allowed = ", ".join(t.__name__ for t in NOTICE_TYPES)
+            raise TypeError(
+                f"{type(notice).__name__} is not a droppable notice ({allowed}); use a Client"
+            )
+        self._socket.zmq.send_multipart(encode(notice), flags=zmq.NOBLOCK, copy=False)
+        self.published += 1
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+class Subscriber(_Receiver):
+    """SUB side, subscribed to every notice; decodes only ``NOTICE_TYPES``."""
+
+    def __init__(
+        self, endpoint: str, *, bind: bool = False, keys: Keys | None = None, hwm: int = DEFAULT_HWM
+    ) -> None:
+        socket = _Socket(zmq.SUB, endpoint, bind=bind, keys=keys, hwm=hwm)
+        socket.zmq.subscribe(b"")
+        super().__init__(socket, Decoder(Union[NOTICE_TYPES]))
