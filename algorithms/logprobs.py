@@ -20,7 +20,10 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy H = logsumexp(z) - sum_v softmax(z)_v z_v of softmax(logits / T): (..., V) -> (...)."""
+    """Entropy of softmax(z), z = logits / T: H = logsumexp(z) - sum_v softmax(z)_v z_v.
+
+    Shapes: (..., V) -> (...).
+    """
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature

@@ -1,0 +1,111 @@
+"""The bundled arithmetic task: seeded problems, their prompt text and the target response.
+
+A problem is ``a + b`` or ``a - b`` on non-negative integers. Each operand's digit count is
+drawn independently and uniformly from ``1..MAX_DIGITS``, so difficulty varies from one
+prompt to the next ("What is 7 + 2?" next to "What is 4821 - 3795?"): GRPO learns only from
+prompts where some samples succeed and some fail. Subtraction puts the larger operand first,
+so answers are never negative.
+
+Train and test problems are disjoint by construction: a problem's split is a pure function
+of the problem (a stable hash, see ``split_of``), so a training stream of any length never
+contains a test problem, whatever the seeds.
+
+The expected response is exactly ``<answer>{integer}</answer>``; the ground truth is the
+integer's decimal string. This module knows the task's text and nothing of tokenizers,
+models or files: ``buffer.dataset`` validates and writes the rows, and
+``algorithms.rewards.arithmetic`` scores responses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+DATA_SOURCE = "relay/arithmetic"
+MAX_DIGITS = 4
+TEST_BUCKETS = 1  # out of SPLIT_BUCKETS: a tenth of all problems is reserved for test
+SPLIT_BUCKETS = 10
+
+Operator = Literal["+", "-"]
+Split = Literal["train", "test"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One arithmetic problem, ``a op b``, with ``a >= b`` when ``op`` is ``-``."""
+
+    a: int
+    op: Operator
+    b: int
+
+    @property
+    def answer(self) -> int:
+        return self.a + self.b if self.op == "+" else self.a - self.b
+
+    @property
+    def question(self) -> str:
+        """The user message, e.g. ``What is 4821 - 379?``."""
+        return f"What is {self.a} {self.op} {self.b}?"
+
+    @property
+    def response(self) -> str:
+        """The target assistant message, e.g. ``<answer>4442</answer>``."""
+        return format_answer(self.answer)
+
+
+def format_answer(value: int) -> str:
+    """The response format the reward function expects: ``<answer>{integer}</answer>``."""
+    return f"<answer>{value}</answer>"
+
+
+def split_of(problem: Problem) -> Split:
+    """The split a problem belongs to, from a stable hash of its text (seed-independent)."""
+    digest = hashlib.blake2b(f"{problem.a}{problem.op}{problem.b}".encode(), digest_size=8)
+    bucket = int.from_bytes(digest.digest(), "big") % SPLIT_BUCKETS
+    return "test" if bucket < TEST_BUCKETS else "train"
+
+
+def iter_problems(seed: int, split: Split) -> Iterator[Problem]:
+    """An endless, seeded stream of problems of one split (repeats are possible)."""
+    rng = random.Random(f"{DATA_SOURCE}/{split}/{seed}")
+    while True:
+        problem = _draw(rng)
+        if split_of(problem) == split:
+            yield problem
+
+
+def sample_problems(seed: int, count: int, split: Split) -> list[Problem]:
+    """``count`` distinct problems of one split, in the order the seeded stream draws them."""
+    seen: dict[Problem, None] = {}
+    for problem in iter_problems(seed, split):
+        if len(seen) == count:
+            break
+        seen.setdefault(problem)
+    return list(seen)
+
+
+def verl_row(problem: Problem, split: Split, index: int) -> dict[str, Any]:
+    """The problem as a prompt row in verl's schema (``buffer.dataset`` validates it)."""
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": problem.question}],
+        "reward_model": {"style": "rule", "ground_truth": str(problem.answer)},
+        "extra_info": {"split": split, "index": index},
+    }
+
+
+def _draw(rng: random.Random) -> Problem:
+    op: Operator = rng.choice(("+", "-"))
+    a = _operand(rng, rng.randint(1, MAX_DIGITS))
+    b = _operand(rng, rng.randint(1, MAX_DIGITS))
+    if op == "-" and a < b:
+        a, b = b, a
+    return Problem(a, op, b)
+
+
+def _operand(rng: random.Random, digits: int) -> int:
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    return rng.randint(low, 10**digits - 1)
