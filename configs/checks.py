@@ -36,7 +36,7 @@ def check_topology(topology: Topology, source: str) -> None:
         if names.index(name) != i:
             raise ConfigError(source, f"generators[{i}].name",
                               f"{name!r} is already the name of generators[{names.index(name)}]")
-    hosts = {"buffer.host": topology.buffer.host}
+    hosts = {"buffer.host": topology.buffer.host, "launcher.host": topology.launcher.host}
     hosts.update({f"learner.hosts[{i}]": h for i, h in enumerate(topology.learner.hosts)})
     hosts.update({f"generators[{i}].host": g.host for i, g in enumerate(topology.generators)})
     security = topology.security

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import difflib
 import re
-import tomllib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import tomllib
 from msgspec import inspect as mi
 
 T = TypeVar("T", bound=msgspec.Struct)

@@ -41,13 +41,17 @@ class ProcessSpec(msgspec.Struct, kw_only=True, frozen=True):
         return is_loopback(self.host)
 
     def command_line(self, ssh: str = "ssh", remote_workdir: str = "") -> list[str]:
-        """The argv to execute here: the command itself, or wrapped in ssh for a remote host."""
+        """The argv to execute here: the command itself, or wrapped in ssh for a remote host.
+
+        Remote commands get a pseudo-terminal (``ssh -tt``) so that stopping the local ssh
+        hangs up, and so ends, the remote process.
+        """
         if self.local:
             return list(self.argv)
         remote = shlex.join(self.argv)
         if remote_workdir:
             remote = f"cd {shlex.quote(remote_workdir)} && {remote}"
-        return [*shlex.split(ssh), self.host, remote]
+        return [*shlex.split(ssh), "-tt", self.host, remote]
 
 
 def new_run_dir(run: RunConfig, now: float | None = None) -> Path:
@@ -56,7 +60,8 @@ def new_run_dir(run: RunConfig, now: float | None = None) -> Path:
     return Path(run.trainer.run_dir).resolve() / f"{run.tracking.experiment}-{stamp}"
 
 
-def build_plan(topology: Topology, run_dir: Path, python: str = sys.executable) -> list[ProcessSpec]:
+def build_plan(topology: Topology, run_dir: Path,
+               python: str = sys.executable) -> list[ProcessSpec]:
     """The buffer, the learner (one torchrun per learner host) and every generator."""
     local_py = python
     remote_py = topology.launcher.remote_python

@@ -66,8 +66,10 @@ class Security(_Section):
 
 
 class LauncherSettings(_Section):
-    """How the launcher itself runs: its metrics port and how it reaches remote hosts."""
+    """The launcher: where processes send their metrics (``host:metrics_port``, the
+    launcher's own address) and how it reaches remote hosts."""
 
+    host: str = "127.0.0.1"
     metrics_port: Port = 7452
     ssh: str = "ssh"
     remote_python: str = "python3"

@@ -1,0 +1,70 @@
+"""Prompt leases: which generator holds which prompts, and until when.
+
+A lease is granted for a batch of prompts; each prompt is answered by one rollout group.
+Prompts not answered by the lease's deadline, given back, or held by a generator that
+left or died return to the pool (the caller re-leases them first). This module knows
+leases and clocks; it knows nothing of sockets, datasets or staleness.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+
+from transport.messages import Prompt
+
+
+class Lease(msgspec.Struct, kw_only=True):
+    """Prompts leased to one generator; ``outstanding`` shrinks as groups come back."""
+
+    lease_id: str
+    generator_id: str
+    outstanding: dict[str, Prompt]
+    deadline: float
+
+
+class LeaseBook:
+    """All open leases, indexed by lease id."""
+
+    def __init__(self, timeout_s: float, id_prefix: str = "L") -> None:
+        self.timeout_s = timeout_s
+        self._leases: dict[str, Lease] = {}
+        self._ids = (f"{id_prefix}{i}" for i in itertools.count(1))
+
+    @property
+    def running(self) -> int:
+        """Prompts leased and not yet answered."""
+        return sum(len(lease.outstanding) for lease in self._leases.values())
+
+    def grant(self, generator_id: str, prompts: list[Prompt], now: float) -> Lease:
+        lease = Lease(lease_id=next(self._ids), generator_id=generator_id,
+                      outstanding={p.prompt_id: p for p in prompts},
+                      deadline=now + self.timeout_s)
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def complete(self, lease_id: str, prompt_id: str, generator_id: str) -> Prompt | None:
+        """Mark one prompt answered; None if that lease does not hold it (any more)."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.generator_id != generator_id:
+            return None
+        prompt = lease.outstanding.pop(prompt_id, None)
+        if not lease.outstanding:
+            del self._leases[lease_id]
+        return prompt
+
+    def give_back(self, lease_id: str, prompt_ids: list[str], generator_id: str) -> list[Prompt]:
+        """Prompts a generator returns unanswered."""
+        return [p for pid in prompt_ids
+                if (p := self.complete(lease_id, pid, generator_id)) is not None]
+
+    def expire(self, now: float) -> list[Prompt]:
+        """Remove leases past their deadline; return their unanswered prompts."""
+        expired = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+        return [p for lid in expired for p in self._leases.pop(lid).outstanding.values()]
+
+    def release(self, generator_id: str) -> list[Prompt]:
+        """Remove every lease of a generator that left; return their unanswered prompts."""
+        gone = [lid for lid, lease in self._leases.items() if lease.generator_id == generator_id]
+        return [p for lid in gone for p in self._leases.pop(lid).outstanding.values()]

@@ -1,0 +1,93 @@
+"""The buffer process: ``python -m buffer.main --run-dir RUN_DIR`` (started by the launcher).
+
+Serves the hub (``buffer.hub``) on the topology's buffer address, expires leases on a
+timer, pushes its gauges to the launcher's status line, and exits once the learner has
+ended the run and the generators have been told (or after a grace period).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+
+from buffer.dataset import PromptDataset
+from buffer.hub import Hub, HubSettings
+from buffer.prompt_source import PromptSource
+from buffer.rollout_log import RolloutLogWriter
+from buffer.store import FifoStore
+from configs.rundir import RunContext, bootstrap
+from transport.messages import Metrics
+from transport.sockets import Pusher, Server
+
+logger = logging.getLogger("relay.buffer")
+
+TICK_S = 0.25
+METRICS_EVERY_S = 1.0
+SHUTDOWN_GRACE_S = 10.0  # after the learner ends the run, wait this long for generators
+
+
+def build_hub(ctx: RunContext) -> Hub:
+    run = ctx.run
+    settings = HubSettings(
+        batch_size=run.data.train_batch_size, n=run.rollout.n,
+        max_staleness=run.buffer.max_staleness, prompts_per_lease=run.rollout.prompts_per_lease,
+        lease_timeout_s=run.buffer.lease_timeout_s,
+        heartbeat_timeout_s=run.buffer.heartbeat_timeout_s,
+        weights_address=ctx.weights_endpoint)
+    dataset = PromptDataset.from_files(run.data.train_files)
+    source = PromptSource(dataset, shuffle=run.data.shuffle, seed=run.data.seed)
+    log = RolloutLogWriter(ctx.run_dir / "rollouts") if run.buffer.rollout_log else None
+    logger.info("%d training prompts; serving %d groups of %d per step, max staleness %d",
+                len(dataset), settings.batch_size, settings.n, settings.max_staleness)
+    return Hub(settings, source, FifoStore(), log)
+
+
+def serve(ctx: RunContext, hub: Hub, stop: threading.Event) -> None:
+    server = Server(ctx.buffer_endpoint, hub.handle, keys=ctx.server_keys())
+    metrics = Pusher(ctx.metrics_endpoint, keys=ctx.client_keys())
+    logger.info("buffer serving on %s", server.endpoint)
+    next_tick = next_metrics = time.monotonic()
+    finished_at: float | None = None
+    try:
+        while not stop.is_set():
+            server.serve_once(TICK_S)
+            now = time.monotonic()
+            if now >= next_tick:
+                hub.tick()
+                next_tick = now + TICK_S
+            if now >= next_metrics:
+                metrics.send(Metrics(source="buffer", step=0, values=hub.stats(), time=time.time()))
+                next_metrics = now + METRICS_EVERY_S
+            if hub.finished:
+                finished_at = finished_at or now
+                if hub.generators == 0 or now - finished_at > SHUTDOWN_GRACE_S:
+                    break
+    finally:
+        if server.errors:
+            logger.warning("rejected requests by kind: %s", dict(server.errors))
+        server.close()
+        metrics.close(linger_s=0.5)
+        if hub.log is not None:
+            hub.log.close()
+    logger.info("buffer done: %s", {k: v for k, v in hub.stats().items() if v})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ctx, _ = bootstrap("buffer", argv)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logger.info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    serve(ctx, build_hub(ctx), stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""What every process of a run starts with: its run directory, configs, addresses, keys.
+
+The launcher writes the resolved ``topology.toml`` and ``run.toml`` into the run directory
+(``configs.plan``); the buffer, learner and generators read them back here, so every
+process of a run sees the same configuration. Addresses and CURVE keys are derived from
+the topology in one place.
+
+Keys folder layout (``tools/make-curve-keys.py`` writes it): ``server.key`` /
+``server.key_secret`` for every binding process, ``client.key`` / ``client.key_secret`` for
+every connecting one, and ``authorized/`` holding the public keys servers accept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+import msgspec
+
+from configs.checks import load_run_config, load_topology
+from configs.plan import RESOLVED_RUN, RESOLVED_TOPOLOGY
+from configs.run_schema import RunConfig
+from configs.topology_schema import Topology
+from transport.endpoints import tcp_endpoint
+from transport.security import ClientKeys, ServerKeys, load_keypair, load_public_key
+
+LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
+
+
+class RunContext(msgspec.Struct, kw_only=True, frozen=True):
+    """A process's view of its run."""
+
+    run_dir: Path
+    topology: Topology
+    run: RunConfig
+
+    @property
+    def buffer_endpoint(self) -> str:
+        return tcp_endpoint(self.topology.buffer.host, self.topology.buffer.port)
+
+    @property
+    def weights_endpoint(self) -> str:
+        learner = self.topology.learner
+        return tcp_endpoint(learner.hosts[0], learner.weights_port)
+
+    @property
+    def metrics_endpoint(self) -> str:
+        launcher = self.topology.launcher
+        return tcp_endpoint(launcher.host, launcher.metrics_port)
+
+    def server_keys(self) -> ServerKeys | None:
+        keys = self._keys_dir()
+        if keys is None:
+            return None
+        return ServerKeys(keypair=load_keypair(keys / "server.key_secret"),
+                          authorized_clients=keys / "authorized")
+
+    def client_keys(self) -> ClientKeys | None:
+        keys = self._keys_dir()
+        if keys is None:
+            return None
+        return ClientKeys(keypair=load_keypair(keys / "client.key_secret"),
+                          server_public_key=load_public_key(keys / "server.key"))
+
+    def _keys_dir(self) -> Path | None:
+        security = self.topology.security
+        return Path(security.keys_dir) if security.curve else None
+
+
+def load_run_dir(run_dir: str | Path) -> RunContext:
+    run_dir = Path(run_dir).resolve()
+    return RunContext(run_dir=run_dir, topology=load_topology(run_dir / RESOLVED_TOPOLOGY),
+                      run=load_run_config(run_dir / RESOLVED_RUN))
+
+
+def bootstrap(role: str, argv: list[str] | None = None,
+              extra: list[tuple[str, dict]] | None = None) -> tuple[RunContext, argparse.Namespace]:
+    """Parse ``--run-dir`` (and ``extra`` options), set up logging, load the run's configs."""
+    parser = argparse.ArgumentParser(prog=f"relay {role}")
+    parser.add_argument("--run-dir", required=True, help="run directory written by the launcher")
+    for flag, options in extra or []:
+        parser.add_argument(flag, **options)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("RELAY_LOG_LEVEL", "INFO"), format=LOG_FORMAT)
+    return load_run_dir(args.run_dir), args

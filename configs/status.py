@@ -1,0 +1,83 @@
+"""The launcher's live status line, built from the metrics the processes push.
+
+Interactive terminals get one line rewritten in place; logs (no tty) get the same line
+every ``LOG_EVERY_S`` seconds. Notes (a generator died...) always get a line of their own.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from transport.messages import Metrics
+
+LOG_EVERY_S = 10.0
+RENDER_EVERY_S = 0.5
+
+
+class StatusBoard:
+    def __init__(self, total_steps: int, interactive: bool) -> None:
+        self.total_steps = total_steps
+        self.interactive = interactive
+        self.learner: dict[str, float] = {}
+        self.buffer: dict[str, float] = {}
+        self.step = 0
+        self.started = time.monotonic()
+        self._last_render = 0.0
+        self._width = 0
+
+    def update(self, message: Metrics) -> None:
+        if message.source == "learner":
+            self.step = max(self.step, message.step)
+            self.learner.update(message.values)
+        elif message.source == "buffer":
+            self.buffer.update(message.values)
+
+    def generators_attached(self) -> int:
+        return int(self.buffer.get("buffer/generators", 0))
+
+    def line(self) -> str:
+        learner, buffer = self.learner, self.buffer
+        minutes, seconds = divmod(int(time.monotonic() - self.started), 60)
+        parts = [f"{minutes:02d}:{seconds:02d}", f"step {self.step}/{self.total_steps}",
+                 f"v{int(learner.get('version', 0))}"]
+        if "rollout/reward_mean" in learner:
+            parts.append(f"reward {learner['rollout/reward_mean']:.3f}")
+        if "eval/accuracy" in learner:
+            parts.append(f"acc {learner['eval/accuracy']:.1%}")
+        if "staleness/mean" in learner:
+            parts.append(f"stale {learner['staleness/mean']:.2f}")
+        if "perf/generator_tokens_per_s" in learner:
+            parts.append(f"gen {learner['perf/generator_tokens_per_s']:.0f} tok/s")
+        if "perf/learner_tokens_per_s" in learner:
+            parts.append(f"learn {learner['perf/learner_tokens_per_s']:.0f} tok/s")
+        parts.append(f"generators {self.generators_attached()}")
+        parts.append(f"buffered {int(buffer.get('buffer/occupancy', 0))}")
+        return " | ".join(parts)
+
+    def render(self) -> None:
+        now = time.monotonic()
+        every = RENDER_EVERY_S if self.interactive else LOG_EVERY_S
+        if now - self._last_render < every:
+            return
+        self._last_render = now
+        text = self.line()
+        if self.interactive:
+            sys.stdout.write("\r" + text.ljust(self._width))
+            self._width = len(text)
+        else:
+            sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+    def note(self, text: str) -> None:
+        if self.interactive and self._width:
+            sys.stdout.write("\n")
+            self._width = 0
+        print(f"launch-cluster: {text}", flush=True)
+
+    def finish(self) -> None:
+        if self.interactive and self._width:
+            sys.stdout.write("\r" + self.line().ljust(self._width) + "\n")
+        elif self.step:
+            sys.stdout.write(self.line() + "\n")
+        sys.stdout.flush()

@@ -1,0 +1,263 @@
+"""Running a resolved launch: start every process, watch them, stop them all cleanly.
+
+Order of events:
+
+1. prepare: build and cache a ``builtin:`` model if missing, pick free ports for port 0,
+   write the resolved configs into the run directory;
+2. start the buffer, the learner (torchrun) and the generators, each in its own process
+   group with its output in ``RUN_DIR/logs/<name>.log``;
+3. watch: a live status line from the metrics the processes push; a generator may die
+   (the run goes on while one is attached), an essential process may not;
+4. stop: when the learner finishes (exit 0), or on Ctrl-C, or when an essential process
+   dies, every process group gets SIGTERM, then SIGKILL after a grace period. Nothing is
+   left behind; the exit code says how it ended and the reason names the process.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import msgspec
+
+from configs.launch import ResolvedLaunch
+from configs.plan import (
+    RESOLVED_RUN,
+    RESOLVED_TOPOLOGY,
+    ProcessSpec,
+    build_plan,
+    write_resolved,
+)
+from configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
+from configs.rundir import RunContext
+from configs.status import StatusBoard
+from configs.topology_schema import Topology
+from transport.messages import Metrics
+from transport.sockets import Puller
+
+STOP_GRACE_S = 15.0  # SIGTERM, then this long, then SIGKILL
+FINISH_GRACE_S = 30.0  # after the learner is done, how long the others get to exit
+NO_GENERATOR_GRACE_S = 120.0  # the run fails when no generator is alive this long
+LOG_TAIL_LINES = 15
+
+
+class Outcome(msgspec.Struct, frozen=True):
+    code: int
+    reason: str
+
+
+def builtin_model(run: RunConfig) -> RunConfig:
+    """Build (once, cached) a ``builtin:`` model and point the config at it."""
+    if not run.model.path.startswith(BUILTIN_MODEL_PREFIX):
+        return run
+    from learner.tiny_model.build import build_tiny_model, default_model_dir
+
+    path = default_model_dir()
+    if not (path / "config.json").is_file():
+        print(f"launch-cluster: building the tiny default model into {path} (once; a few "
+              "minutes)", flush=True)
+
+        def progress(step: int, loss: float) -> None:
+            if step % 50 == 0:
+                print(f"\r  warm start step {step}, loss {loss:.3f}", end="", flush=True)
+
+        report = build_tiny_model(path, overwrite=True, on_step=progress)
+        print(f"\n  built in {report.seconds:.0f} s; held-out accuracy "
+              f"{report.heldout_accuracy:.1%}", flush=True)
+    return msgspec.structs.replace(run, model=msgspec.structs.replace(run.model, path=str(path)))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def assign_ports(topology: Topology) -> Topology:
+    """Replace every port 0 with a free port of this machine."""
+    replace = msgspec.structs.replace
+    buffer = topology.buffer if topology.buffer.port else replace(topology.buffer,
+                                                                  port=free_port())
+    learner = topology.learner
+    if not learner.weights_port:
+        learner = replace(learner, weights_port=free_port())
+    if not learner.master_port:
+        learner = replace(learner, master_port=free_port())
+    launcher = topology.launcher if topology.launcher.metrics_port else replace(
+        topology.launcher, metrics_port=free_port())
+    return replace(topology, buffer=buffer, learner=learner, launcher=launcher)
+
+
+class Running(msgspec.Struct):
+    spec: ProcessSpec
+    popen: subprocess.Popen
+    log: Path
+
+
+def push_run_dir(host: str, run_dir: Path, topology: Topology) -> None:
+    """Copy the resolved configs to the same run directory on a remote host, over ssh."""
+    ssh = [*shlex.split(topology.launcher.ssh), host]
+    subprocess.run([*ssh, f"mkdir -p {shlex.quote(str(run_dir))}"], check=True, timeout=60)
+    for name in (RESOLVED_TOPOLOGY, RESOLVED_RUN):
+        with open(run_dir / name, "rb") as source:
+            subprocess.run([*ssh, f"cat > {shlex.quote(str(run_dir / name))}"], stdin=source,
+                           check=True, timeout=60)
+
+
+def start(spec: ProcessSpec, topology: Topology, log_dir: Path) -> Running:
+    log = log_dir / f"{spec.name}.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log, "ab") as out:
+        popen = subprocess.Popen(spec.command_line(topology.launcher.ssh,
+                                                   topology.launcher.remote_workdir),
+                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True, env=env)
+    return Running(spec=spec, popen=popen, log=log)
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines))
+    except OSError:
+        return ""
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def stop_all(processes: list[Running]) -> None:
+    """SIGTERM every live process group, wait, SIGKILL what remains."""
+    for proc in processes:
+        if proc.popen.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in processes:
+        try:
+            proc.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in processes:
+        _signal_group(proc, signal.SIGKILL)  # the group may hold children of an exited leader
+        if proc.popen.poll() is None:
+            proc.popen.wait()
+
+
+def _signal_group(proc: Running, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Supervisor:
+    """Starts the plan and decides when and how the run ends."""
+
+    def __init__(self, resolved: ResolvedLaunch, topology: Topology, run: RunConfig) -> None:
+        self.resolved, self.topology, self.run = resolved, topology, run
+        self.run_dir = resolved.run_dir
+        self.processes: list[Running] = []
+        self.board = StatusBoard(total_steps=run.trainer.total_training_steps,
+                                 interactive=sys.stdout.isatty())
+
+    def execute(self) -> Outcome:
+        log_dir = self.run_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        context = RunContext(run_dir=self.run_dir, topology=self.topology, run=self.run)
+        metrics = Puller(context.metrics_endpoint, bind=True, keys=context.server_keys())
+        try:
+            plan = build_plan(self.topology, self.run_dir)
+            for host in sorted({spec.host for spec in plan if not spec.local}):
+                push_run_dir(host, self.run_dir, self.topology)
+            for spec in plan:
+                self.processes.append(start(spec, self.topology, log_dir))
+            print(f"launch-cluster: run directory {self.run_dir}", flush=True)
+            return self._watch(metrics)
+        except KeyboardInterrupt:
+            return Outcome(code=130, reason="interrupted (Ctrl-C); stopped every process")
+        finally:
+            self.board.finish()
+            stop_all(self.processes)
+            metrics.close()
+
+    def _watch(self, metrics: Puller) -> Outcome:
+        learner_done_at: float | None = None
+        no_generator_since: float | None = None
+        reported_dead: set[str] = set()
+        while True:
+            message = metrics.receive(0.25)
+            while message is not None:
+                if isinstance(message, Metrics):
+                    self.board.update(message)
+                message = metrics.receive(0.0)
+            self.board.render()
+            now = time.monotonic()
+            for proc in self.processes:
+                code = proc.popen.poll()
+                if code is None or proc.spec.name in reported_dead:
+                    continue
+                reported_dead.add(proc.spec.name)
+                if proc.spec.role == "learner" and code == 0:
+                    learner_done_at = learner_done_at or now
+                elif proc.spec.essential and code != 0 and learner_done_at is None:
+                    return self._died(proc, code)
+                elif proc.spec.role == "generator" and code != 0 and learner_done_at is None:
+                    self.board.note(f"generator {proc.spec.name} died ({describe_exit(code)}); "
+                                    f"training goes on. Log: {proc.log}")
+            if learner_done_at is not None:
+                if all(p.popen.poll() is not None for p in self.processes) or \
+                        now - learner_done_at > FINISH_GRACE_S:
+                    return Outcome(code=0, reason=f"trained {self.run.trainer.total_training_steps}"
+                                                  f" steps; results in {self.run_dir}")
+                continue
+            alive = [p for p in self.processes if p.spec.role == "generator"
+                     and p.popen.poll() is None]
+            attached = self.board.generators_attached()
+            if alive or attached:
+                no_generator_since = None
+            else:
+                no_generator_since = no_generator_since or now
+                if now - no_generator_since > NO_GENERATOR_GRACE_S:
+                    return Outcome(code=1, reason="every generator has died and none attached "
+                                                  f"for {NO_GENERATOR_GRACE_S:.0f} s; logs in "
+                                                  f"{self.run_dir / 'logs'}")
+
+    def _died(self, proc: Running, code: int) -> Outcome:
+        tail = log_tail(proc.log)
+        return Outcome(code=1, reason=f"essential process {proc.spec.name} ({proc.spec.role}) "
+                                      f"died: {describe_exit(code)}. Last lines of {proc.log}:\n"
+                                      f"{tail}")
+
+
+def launch(resolved: ResolvedLaunch) -> int:
+    """Run the launch to its end; returns the launcher's exit code."""
+    run = builtin_model(resolved.run)
+    topology = assign_ports(resolved.topology)
+    write_resolved(topology, run, resolved.run_dir)
+    supervisor = Supervisor(resolved, topology, run)
+    interrupted = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        outcome = supervisor.execute()
+    finally:
+        signal.signal(signal.SIGTERM, interrupted)
+    stream = sys.stdout if outcome.code == 0 else sys.stderr
+    print(f"launch-cluster: {outcome.reason}", file=stream, flush=True)
+    return outcome.code
+
+
+def _raise_interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt

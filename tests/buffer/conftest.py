@@ -1,0 +1,60 @@
+"""Builders shared by the buffer tests: datasets, hubs, rollout groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from buffer.dataset import ChatMessage, PromptDataset, PromptRow, RewardSpec
+from buffer.hub import Hub, HubSettings
+from buffer.prompt_source import PromptSource
+from buffer.store import FifoStore
+from transport.messages import Attach, Prompt, RolloutGroup, Sample
+
+
+def make_dataset(size: int) -> PromptDataset:
+    return PromptDataset([
+        PromptRow(prompt=(ChatMessage(role="user", content=f"What is {i} + 1?"),),
+                  data_source="relay/arithmetic",
+                  reward_model=RewardSpec(style="rule", ground_truth=str(i + 1)))
+        for i in range(size)])
+
+
+def make_sample(version: int = 0, length: int = 3, reward: float = 1.0) -> Sample:
+    return Sample(prompt_ids=torch.tensor([1, 2, 3], dtype=torch.int32),
+                  response_ids=torch.arange(4, 4 + length, dtype=torch.int32),
+                  logprobs=torch.full((length,), -0.5),
+                  versions=torch.full((length,), version, dtype=torch.int32), reward=reward)
+
+
+def make_group(lease_id: str, prompt: Prompt, n: int, version: int = 0,
+               generator_id: str = "g0") -> RolloutGroup:
+    return RolloutGroup(rollout_id=f"{lease_id}/{prompt.prompt_id}", lease_id=lease_id,
+                        prompt_id=prompt.prompt_id, generator_id=generator_id,
+                        samples=[make_sample(version) for _ in range(n)])
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def make_hub(clock: FakeClock):
+    def build(*, batch_size: int = 4, n: int = 2, max_staleness: int = 0, per_lease: int = 2,
+              lease_timeout_s: float = 60.0, rows: int = 100) -> Hub:
+        settings = HubSettings(batch_size=batch_size, n=n, max_staleness=max_staleness,
+                               prompts_per_lease=per_lease, lease_timeout_s=lease_timeout_s,
+                               heartbeat_timeout_s=30.0, weights_address="tcp://127.0.0.1:1")
+        hub = Hub(settings, PromptSource(make_dataset(rows), seed=0), FifoStore(), clock=clock)
+        hub.handle(Attach(generator_id="g0", engine="torch", device="cpu"))
+        return hub
+    return build

@@ -1,0 +1,165 @@
+"""The hub's rules: the staleness gate, lease expiry, admission, batches, shutdown."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from buffer.hub import Hub
+from transport.messages import (
+    Attach,
+    AttachAck,
+    Detach,
+    ErrorReply,
+    Heartbeat,
+    HeartbeatAck,
+    LeaseRequest,
+    LeaseReturn,
+    PromptLease,
+    RolloutAck,
+    SampleBatch,
+    SampleRequest,
+    Shutdown,
+    VersionUpdate,
+)
+
+from .conftest import make_group
+
+
+def lease(hub: Hub, generator_id: str = "g0", max_prompts: int = 100) -> PromptLease:
+    reply = hub.handle(LeaseRequest(generator_id=generator_id, max_prompts=max_prompts))
+    assert isinstance(reply, PromptLease)
+    return reply
+
+
+def answer(hub: Hub, granted: PromptLease, version: int = 0) -> list[RolloutAck]:
+    return [hub.handle(make_group(granted.lease_id, p, granted.n, version))
+            for p in granted.prompts]
+
+
+def test_eta_zero_admits_exactly_one_batch_per_version(make_hub) -> None:
+    hub = make_hub(batch_size=4, per_lease=3, max_staleness=0)
+    first, second = lease(hub), lease(hub)
+    assert (len(first.prompts), len(second.prompts)) == (3, 1)
+    assert lease(hub).prompts == []  # gate closed: 4 running = (0 + 0 + 1) * 4
+    assert all(a.accepted for a in answer(hub, first) + answer(hub, second))
+    assert lease(hub).prompts == []  # 4 accepted still fill version 0's budget
+    batch = hub.handle(SampleRequest(learner_rank=0, version=0, num_groups=4))
+    assert isinstance(batch, SampleBatch) and len(batch.groups) == 4
+    hub.handle(VersionUpdate(version=1))
+    third = lease(hub)
+    assert len(third.prompts) == 3 and third.min_version == 1
+
+
+def test_eta_bounds_leases_ahead_of_the_learner(make_hub) -> None:
+    hub = make_hub(batch_size=2, per_lease=10, max_staleness=2)
+    assert len(lease(hub).prompts) == 6  # (2 + 0 + 1) * 2
+    assert lease(hub).prompts == []
+
+
+def test_expired_lease_returns_its_prompts_first(make_hub, clock) -> None:
+    hub = make_hub(batch_size=4, per_lease=2, lease_timeout_s=10.0)
+    granted = lease(hub)
+    clock.now += 11.0
+    hub.tick()
+    assert hub.leases.running == 0 and hub.counts["prompts/expired"] == 2
+    again = lease(hub)
+    assert [p.prompt_id for p in again.prompts] == [p.prompt_id for p in granted.prompts]
+    late = answer(hub, granted)  # the old lease's answers come too late
+    assert [a.reason for a in late] == ["unknown_lease", "unknown_lease"]
+
+
+def test_duplicates_and_foreign_leases_are_rejected(make_hub) -> None:
+    hub = make_hub()
+    granted = lease(hub)
+    group = make_group(granted.lease_id, granted.prompts[0], granted.n)
+    assert hub.handle(group).accepted
+    assert hub.handle(group).reason == "duplicate"
+    other = make_group(granted.lease_id, granted.prompts[1], granted.n, generator_id="intruder")
+    assert hub.handle(other).reason == "unknown_lease"
+    assert hub.counts["rejected/duplicate"] == 1 and hub.counts["rejected/unknown_lease"] == 1
+    assert len(hub.store) == 1
+
+
+def test_malformed_group_is_rejected_and_its_prompt_returns(make_hub) -> None:
+    hub = make_hub(n=2)
+    granted = lease(hub)
+    group = make_group(granted.lease_id, granted.prompts[0], granted.n)
+    group.samples[1].logprobs = torch.zeros(7)  # does not match the 3 response tokens
+    ack = hub.handle(group)
+    assert not ack.accepted and ack.reason.startswith("malformed: sample 1")
+    short = make_group(granted.lease_id, granted.prompts[1], 1)
+    assert "1 samples, the lease asked for 2" in hub.handle(short).reason
+    assert hub.source.returned == 2 and len(hub.store) == 0
+
+
+def test_tokens_from_a_future_version_are_malformed(make_hub) -> None:
+    hub = make_hub()
+    granted = lease(hub)
+    ack = hub.handle(make_group(granted.lease_id, granted.prompts[0], granted.n, version=3))
+    assert "learner is at version 0" in ack.reason
+
+
+def test_stale_groups_are_dropped_before_training(make_hub) -> None:
+    hub = make_hub(batch_size=2, per_lease=2, max_staleness=1)
+    answer(hub, lease(hub), version=0)
+    hub.handle(VersionUpdate(version=1))
+    answer(hub, lease(hub), version=1)
+    batch = hub.handle(SampleRequest(learner_rank=0, version=2, num_groups=2))
+    assert len(batch.groups) == 2 and hub.counts["dropped/stale"] == 2
+    assert all(int(g.samples[0].versions[0]) == 1 for g in batch.groups)
+    assert batch.buffer_stats["buffer/dropped/stale"] == 2.0
+
+
+def test_not_enough_groups_means_retry(make_hub) -> None:
+    hub = make_hub(batch_size=4)
+    answer(hub, lease(hub))
+    batch = hub.handle(SampleRequest(learner_rank=0, version=0, num_groups=4))
+    assert batch.groups == [] and batch.retry_after_s > 0 and len(hub.store) == 2
+
+
+def test_detach_and_silence_return_leases(make_hub, clock) -> None:
+    hub = make_hub(batch_size=8, per_lease=2)
+    lease(hub)
+    hub.handle(Detach(generator_id="g0", reason="bye"))
+    assert hub.leases.running == 0 and hub.source.returned == 2
+    hub.handle(Attach(generator_id="g1", engine="torch", device="cpu"))
+    lease(hub, "g1")
+    clock.now += 31.0
+    hub.tick()
+    assert hub.generators == 0 and hub.source.returned == 2 + 2 - 2  # 2 re-leased, 2 back
+
+
+def test_unattached_generator_must_attach(make_hub) -> None:
+    hub = make_hub()
+    reply = hub.handle(LeaseRequest(generator_id="stranger", max_prompts=1))
+    assert isinstance(reply, ErrorReply) and reply.code == "not_attached"
+    beat = hub.handle(Heartbeat(generator_id="stranger", version=0))
+    assert isinstance(beat, HeartbeatAck) and not beat.known
+
+
+def test_lease_return_puts_prompts_back(make_hub) -> None:
+    hub = make_hub()
+    granted = lease(hub)
+    hub.handle(LeaseReturn(generator_id="g0", lease_id=granted.lease_id,
+                           prompt_ids=[p.prompt_id for p in granted.prompts]))
+    assert hub.source.returned == 2 and hub.leases.running == 0
+
+
+def test_shutdown_tells_generators_to_stop(make_hub) -> None:
+    hub = make_hub()
+    hub.handle(Shutdown(reason="done"))
+    assert isinstance(hub.handle(LeaseRequest(generator_id="g0", max_prompts=1)), Shutdown)
+    assert isinstance(hub.handle(Heartbeat(generator_id="g0", version=0)), Shutdown)
+    ack = hub.handle(Attach(generator_id="g9", engine="torch", device="cpu"))
+    assert isinstance(ack, AttachAck) and not ack.accepted
+
+
+def test_generator_throughput_over_a_window(make_hub, clock) -> None:
+    hub = make_hub()
+    for second, tokens in ((0, 0), (10, 500), (20, 1500)):
+        clock.now = 1000.0 + second
+        hub.handle(Heartbeat(generator_id="g0", version=0, generated_tokens=tokens))
+        hub.tick()
+    assert hub.stats()["buffer/generator_tokens_per_s"] == pytest.approx(1500 / 20)
+    assert hub.stats()["buffer/generator_tokens_total"] == 1500
