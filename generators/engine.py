@@ -1,0 +1,122 @@
+"""The interface every inference engine implements, and what it returns.
+
+An engine turns token-id prompts into completions with, per generated token, its
+behavior log-prob (``generators.sampling``) and the weight version that produced it. It
+loads new weight versions whole (a version is applied completely or not at all). Engines
+know models and tokens; they know nothing of sockets, leases or rewards.
+
+``ModelEngine`` is the shared base of the engines that run a transformers model in this
+process (``torch``, ``hf``): loading, padding, weight updates, cutting at eos.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping, Sequence
+
+import msgspec
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from generators.sampling import SamplingParams
+
+StepHook = Callable[[], None]
+"""Called between decode steps: the safe point to apply staged weights."""
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """One generated response (R tokens; the eos token included when it stopped)."""
+
+    token_ids: torch.Tensor  # (R,) int32
+    logprobs: torch.Tensor  # (R,) float32, behavior log-probs
+    versions: torch.Tensor  # (R,) int32, weight version per token
+    finish_reason: str  # "stop" (eos) or "length"
+
+
+class WeightMismatch(ValueError):
+    """A weight version does not fit the engine's model (names or shapes)."""
+
+
+class Engine(abc.ABC):
+    """Generates completions; holds one weight version at a time."""
+
+    name: str = "engine"
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 between_steps: StepHook | None = None) -> list[Completion]:
+        """One completion per prompt (repeat a prompt to sample it several times)."""
+
+    @abc.abstractmethod
+    def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replace every weight with ``tensors`` (all names, right shapes) and take ``version``.
+
+        Raises ``WeightMismatch`` and changes nothing when the set does not fit.
+        """
+
+
+class ModelEngine(Engine):
+    """An engine around a transformers causal LM held in this process."""
+
+    def __init__(self, model: PreTrainedModel, *, eos_ids: Sequence[int], pad_id: int,
+                 seed: int = 0) -> None:
+        super().__init__()
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.eos_ids = frozenset(eos_ids)
+        self.pad_id = pad_id
+        self.seed = seed
+        self._shapes = {n: p.shape for n, p in self.model.named_parameters()}
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype, device: str = "cpu",
+                        eos_ids: Sequence[int], pad_id: int, seed: int = 0,
+                        trust_remote_code: bool = False) -> ModelEngine:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
+        return cls(model.to(device), eos_ids=eos_ids, pad_id=pad_id, seed=seed)
+
+    @torch.no_grad()
+    def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        missing = sorted(set(self._shapes) - set(tensors))
+        extra = sorted(set(tensors) - set(self._shapes))
+        if missing or extra:
+            raise WeightMismatch(f"weight names differ: missing {missing[:5]}, "
+                                 f"unexpected {extra[:5]}")
+        for name, shape in self._shapes.items():
+            if tensors[name].shape != shape:
+                raise WeightMismatch(f"{name}: shape {tuple(tensors[name].shape)}, "
+                                     f"the model has {tuple(shape)}")
+        for name, param in self.model.named_parameters():
+            param.copy_(tensors[name])
+        self.version = version
+
+    def left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids and attention_mask (B, P) on the engine's device, prompts right-aligned."""
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(list(prompt))
+            attention[row, width - len(prompt):] = 1
+        return input_ids.to(self.device), attention.to(self.device)
+
+    def cut_at_eos(self, tokens: torch.Tensor, logprobs: torch.Tensor,
+                   versions: torch.Tensor) -> list[Completion]:
+        """Completions from (B, S) step outputs, each cut just after its first eos token."""
+        tokens, logprobs, versions = tokens.cpu(), logprobs.float().cpu(), versions.cpu()
+        is_eos = torch.isin(tokens, torch.tensor(sorted(self.eos_ids)))
+        out = []
+        for row in range(tokens.shape[0]):
+            stops = is_eos[row].nonzero()
+            length = int(stops[0]) + 1 if len(stops) else tokens.shape[1]
+            out.append(Completion(token_ids=tokens[row, :length].to(torch.int32),
+                                  logprobs=logprobs[row, :length].clone(),
+                                  versions=versions[row, :length].to(torch.int32),
+                                  finish_reason="stop" if len(stops) else "length"))
+        return out

@@ -1,0 +1,281 @@
+"""A generator's work loop: lease prompts, sample, score, send groups, keep weights fresh.
+
+Threads: the compute loop here (engine and rewards) talks to the buffer with its own
+request-reply socket; a ``Heartbeater`` thread keeps the generator's membership alive and
+hears the learner's version; a ``WeightReceiver`` thread stages new weights. Staged
+weights are applied only at safe points: before a lease that needs them, and between
+decode steps (the engine's hook), so in-flight prompts are never dropped.
+
+A lease whose weights never arrive, or whose generation fails, is returned to the buffer
+so its prompts go to another generator.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+from algorithms.rewards.result import RewardItem
+from algorithms.rewards.scorer import RewardScorer
+from generators.engine import Completion, Engine
+from generators.sampling import SamplingParams
+from generators.weight_receiver import WeightReceiver
+from transport.messages import (
+    Attach,
+    AttachAck,
+    Detach,
+    ErrorReply,
+    Heartbeat,
+    HeartbeatAck,
+    LeaseRequest,
+    LeaseReturn,
+    Prompt,
+    PromptLease,
+    RolloutAck,
+    RolloutGroup,
+    Sample,
+    Shutdown,
+)
+from transport.security import ClientKeys
+from transport.sockets import Client, PeerTimeout
+
+logger = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 30.0
+HEARTBEAT_EVERY_S = 1.0
+
+
+class GeneratorSettings(msgspec.Struct, kw_only=True, frozen=True):
+    generator_id: str
+    buffer_endpoint: str
+    weights_endpoint: str
+    params: SamplingParams
+    max_prompt_length: int
+    weights_timeout_s: float = 300.0  # how long a lease may wait for the weights it needs
+
+
+class Counters:
+    """Throughput counters shared with the heartbeat thread (plain ints: GIL-safe)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.seconds = 0.0
+        self.in_flight = 0
+        self.groups_sent = 0
+        self.groups_rejected = 0
+
+
+class Heartbeater:
+    """Sends heartbeats; notices the learner's version, a forgotten membership, shutdown."""
+
+    def __init__(self, settings: GeneratorSettings, engine: Engine, counters: Counters,
+                 keys: ClientKeys | None) -> None:
+        self._settings, self._engine, self._counters, self._keys = settings, engine, counters, keys
+        self.stop_requested = threading.Event()
+        self.reattach = threading.Event()
+        self.learner_version = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> Heartbeater:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(REQUEST_TIMEOUT_S)
+
+    def _run(self) -> None:
+        client = Client(self._settings.buffer_endpoint, keys=self._keys)
+        try:
+            while not self._done.wait(HEARTBEAT_EVERY_S):
+                beat = Heartbeat(generator_id=self._settings.generator_id,
+                                 version=self._engine.version,
+                                 in_flight_prompts=self._counters.in_flight,
+                                 generated_tokens=self._counters.tokens,
+                                 generation_seconds=self._counters.seconds)
+                try:
+                    reply = client.request(beat, REQUEST_TIMEOUT_S)
+                except PeerTimeout:
+                    logger.warning("the buffer did not answer a heartbeat")
+                    continue
+                if isinstance(reply, Shutdown):
+                    logger.info("buffer says: %s", reply.reason)
+                    self.stop_requested.set()
+                elif isinstance(reply, HeartbeatAck):
+                    self.learner_version = reply.learner_version
+                    if not reply.known:
+                        self.reattach.set()
+        finally:
+            client.close()
+
+
+class GeneratorLoop:
+    """The compute loop of one generator process."""
+
+    def __init__(self, settings: GeneratorSettings, engine: Engine, tokenizer,
+                 scorer: RewardScorer, keys: ClientKeys | None = None) -> None:
+        self.settings, self.engine, self.tokenizer = settings, engine, tokenizer
+        self.scorer = scorer
+        self.counters = Counters()
+        self._keys = keys
+        self._buffer = Client(settings.buffer_endpoint, keys=keys)
+        self._weights = WeightReceiver(settings.weights_endpoint, settings.generator_id, keys=keys)
+        self._heart = Heartbeater(settings, engine, self.counters, keys)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Work until ``stop`` is set or the buffer says the run is over."""
+        if not self._attach():
+            return
+        self._weights.start(self.engine.version)
+        self._heart.start()
+        try:
+            while not (stop.is_set() or self._heart.stop_requested.is_set()):
+                if self._heart.reattach.is_set():
+                    self._heart.reattach.clear()
+                    if not self._attach():
+                        return
+                self._work_once(stop)
+        finally:
+            self._heart.stop()
+            self._weights.stop()
+            self._detach()
+            self._buffer.close()
+
+    def _attach(self) -> bool:
+        reply = self._buffer.request(
+            Attach(generator_id=self.settings.generator_id, engine=self.engine.name,
+                   device=str(getattr(self.engine, "device", "")), host=socket.gethostname(),
+                   pid=os.getpid(), version=self.engine.version), REQUEST_TIMEOUT_S)
+        if not isinstance(reply, AttachAck) or not reply.accepted:
+            logger.info("not attached: %s", getattr(reply, "reason", reply))
+            return False
+        logger.info("attached to %s; learner at version %d", self.settings.buffer_endpoint,
+                    reply.learner_version)
+        return True
+
+    def _detach(self) -> None:
+        try:
+            self._buffer.request(Detach(generator_id=self.settings.generator_id,
+                                        reason="stopping"), 5.0)
+        except PeerTimeout:
+            logger.info("the buffer is gone; left without detaching")
+
+    # -- one lease ----------------------------------------------------------------------
+
+    def _work_once(self, stop: threading.Event) -> None:
+        reply = self._buffer.request(LeaseRequest(generator_id=self.settings.generator_id,
+                                                  max_prompts=1 << 16), REQUEST_TIMEOUT_S)
+        if isinstance(reply, Shutdown):
+            logger.info("buffer says: %s", reply.reason)
+            self._heart.stop_requested.set()
+        elif isinstance(reply, ErrorReply) and reply.code == "not_attached":
+            self._heart.reattach.set()
+        elif isinstance(reply, PromptLease) and reply.prompts:
+            self._serve(reply, stop)
+        elif isinstance(reply, PromptLease):
+            self.apply_staged_weights()
+            stop.wait(reply.retry_after_s)
+        else:
+            raise RuntimeError(f"unexpected reply to a lease request: {reply!r}")
+
+    def _serve(self, lease: PromptLease, stop: threading.Event) -> None:
+        logger.info("lease %s: %d prompts x %d samples", lease.lease_id, len(lease.prompts),
+                    lease.n)
+        self.apply_staged_weights()
+        if self.engine.version < lease.min_version and not self._wait_for(lease.min_version, stop):
+            self._give_back(lease, f"weights version {lease.min_version} never arrived")
+            return
+        self.counters.in_flight = len(lease.prompts)
+        prompt_ids = [self._tokenize(p) for p in lease.prompts]
+        try:
+            completions = self._generate(prompt_ids, lease.n)
+        except Exception:
+            self._give_back(lease, "generation failed")
+            raise
+        finally:
+            self.counters.in_flight = 0
+        for index, prompt in enumerate(lease.prompts):
+            group = completions[index * lease.n:(index + 1) * lease.n]
+            self._send(self._group(lease, prompt, prompt_ids[index], group))
+
+    def _generate(self, prompt_ids: list[list[int]], n: int) -> list[Completion]:
+        """``n`` completions per prompt, prompt after prompt."""
+        batch = [ids for ids in prompt_ids for _ in range(n)]
+        started = time.perf_counter()
+        completions = self.engine.generate(batch, self.settings.params,
+                                           between_steps=self.apply_staged_weights)
+        self.counters.seconds += time.perf_counter() - started
+        self.counters.tokens += sum(c.token_ids.numel() for c in completions)
+        return completions
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        limit = self.settings.max_prompt_length
+        if len(ids) > limit:
+            logger.warning("prompt %s has %d tokens; keeping the last %d (data.max_prompt_length)",
+                           prompt.prompt_id, len(ids), limit)
+            ids = ids[-limit:]
+        return list(ids)
+
+    def _group(self, lease: PromptLease, prompt: Prompt, prompt_ids: list[int],
+               completions: Sequence[Completion]) -> RolloutGroup:
+        texts = [self.tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True)
+                 for c in completions]
+        rewards = self.scorer.score([RewardItem(prompt.data_source, text, prompt.ground_truth,
+                                                prompt.extra_info) for text in texts])
+        prompt_tensor = torch.tensor(prompt_ids, dtype=torch.int32)
+        samples = [Sample(prompt_ids=prompt_tensor, response_ids=c.token_ids,
+                          logprobs=c.logprobs, versions=c.versions, reward=r.score,
+                          finish_reason=c.finish_reason, reward_info=r.info,
+                          reward_error=r.error, text=text)
+                   for c, r, text in zip(completions, rewards, texts, strict=True)]
+        return RolloutGroup(rollout_id=f"{lease.lease_id}/{prompt.prompt_id}",
+                            lease_id=lease.lease_id, prompt_id=prompt.prompt_id,
+                            generator_id=self.settings.generator_id, samples=samples,
+                            data_source=prompt.data_source, ground_truth=prompt.ground_truth)
+
+    def _send(self, group: RolloutGroup) -> None:
+        reply = self._buffer.request(group, REQUEST_TIMEOUT_S)
+        if isinstance(reply, RolloutAck) and reply.accepted:
+            self.counters.groups_sent += 1
+            return
+        self.counters.groups_rejected += 1
+        logger.warning("buffer rejected %s: %s", group.rollout_id,
+                       getattr(reply, "reason", None) or reply)
+
+    def _give_back(self, lease: PromptLease, reason: str) -> None:
+        logger.warning("returning lease %s: %s", lease.lease_id, reason)
+        self._buffer.request(LeaseReturn(generator_id=self.settings.generator_id,
+                                         lease_id=lease.lease_id,
+                                         prompt_ids=[p.prompt_id for p in lease.prompts],
+                                         reason=reason), REQUEST_TIMEOUT_S)
+
+    # -- weights ------------------------------------------------------------------------
+
+    def apply_staged_weights(self) -> None:
+        """Load a staged version if one is waiting (the safe-point hook)."""
+        staged = self._weights.take()
+        if staged is not None and staged.version > self.engine.version:
+            self.engine.load_weights(staged.version, staged.tensors)
+            logger.info("now generating with weights version %d", staged.version)
+
+    def _wait_for(self, version: int, stop: threading.Event) -> bool:
+        deadline = time.monotonic() + self.settings.weights_timeout_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            staged = self._weights.wait_for(version, timeout_s=0.5)
+            if staged is not None:
+                self.engine.load_weights(staged.version, staged.tensors)
+                logger.info("now generating with weights version %d", staged.version)
+                return True
+        return False

@@ -1,0 +1,54 @@
+"""Turning next-token logits into a sampled token and its behavior log-prob.
+
+The processed distribution is what the token was actually drawn from (vLLM's and AReaL's
+convention): logits / temperature, then top-k, then top-p (nucleus), renormalized. The
+behavior log-prob recorded for a token is its log-prob under that processed distribution,
+so the learner's importance weight pi_prox / pi_b compares against what was really sampled.
+Temperature 0 is greedy decoding (log-prob 0: a point mass).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
+    """How to sample; ``top_k`` <= 0 and ``top_p`` = 1 switch those filters off."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probs (B, V) of the processed distribution; filtered tokens get -inf."""
+    logits = logits.float() / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        drop_sorted = mass_before >= params.top_p  # the most likely token is always kept
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row: (B, V) logits -> tokens (B,) int64, behavior log-probs (B,)."""
+    if params.greedy:
+        tokens = logits.argmax(dim=-1)
+        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
+    logprobs = processed_logprobs(logits, params)
+    tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

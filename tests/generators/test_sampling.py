@@ -1,0 +1,47 @@
+"""The processed sampling distribution: temperature, top-k, top-p, against hand values."""
+
+import math
+
+import pytest
+import torch
+
+from generators.sampling import SamplingParams, processed_logprobs, sample_next
+
+LOGITS = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]])
+
+
+def probs(**kwargs) -> list[float]:
+    params = SamplingParams(max_new_tokens=1, **kwargs)
+    return processed_logprobs(LOGITS, params).exp()[0].tolist()
+
+
+def test_plain_softmax() -> None:
+    assert probs() == pytest.approx([0.5, 0.3, 0.15, 0.05])
+
+
+def test_temperature_two_flattens() -> None:
+    root = [math.sqrt(p) for p in (0.5, 0.3, 0.15, 0.05)]
+    assert probs(temperature=2.0) == pytest.approx([r / sum(root) for r in root])
+
+
+def test_top_k_renormalizes_the_k_best() -> None:
+    assert probs(top_k=2) == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    # cumulative 0.5, 0.8, 0.95: p = 0.75 needs the first two tokens
+    assert probs(top_p=0.75) == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
+    assert probs(top_p=0.4) == pytest.approx([1.0, 0.0, 0.0, 0.0])
+
+
+def test_sampled_logprob_is_under_the_processed_distribution() -> None:
+    params = SamplingParams(max_new_tokens=1, top_k=2)
+    tokens, logprobs = sample_next(LOGITS.repeat(200, 1), params, torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {0, 1}
+    expected = torch.where(tokens == 0, math.log(0.5 / 0.8), math.log(0.3 / 0.8))
+    torch.testing.assert_close(logprobs, expected.float())
+
+
+def test_greedy_takes_the_argmax_with_logprob_zero() -> None:
+    tokens, logprobs = sample_next(LOGITS, SamplingParams(max_new_tokens=1, temperature=0.0))
+    assert tokens.tolist() == [0] and logprobs.tolist() == [0.0]
