@@ -1,0 +1,71 @@
+"""Held-out evaluation of a published weight version.
+
+Rank 0 keeps an inference copy of the policy (``generators.torch_engine.TorchEngine``),
+loads each published version into it and decodes the validation prompts with
+``rollout.val_kwargs`` (greedy by default), scoring them with the task's reward function.
+Evaluating the published version means the number logged is the policy the generators
+actually run, and it costs the sharded training model no collectives.
+
+accuracy = mean over samples of ``info["acc"]`` when the reward function reports one
+(verl's math rewards do), else of ``score >= 1``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import msgspec
+
+from algorithms.rewards.result import RewardItem, RewardResult
+from algorithms.rewards.scorer import RewardScorer
+from buffer.dataset import PromptRow
+from generators.engine import ModelEngine
+from generators.sampling import SamplingParams
+
+EVAL_BATCH = 256
+
+
+class EvalResult(msgspec.Struct, frozen=True):
+    accuracy: float
+    reward_mean: float
+    response_length_mean: float
+    samples: int
+    by_source: dict[str, float]  # accuracy per data_source
+
+
+def is_correct(result: RewardResult) -> float:
+    if "acc" in result.info:
+        return float(result.info["acc"] > 0)
+    return float(result.score >= 1.0)
+
+
+def evaluate(engine: ModelEngine, tokenizer, rows: list[PromptRow], scorer: RewardScorer,
+             params: SamplingParams, n: int = 1, max_prompt_length: int = 1 << 30) -> EvalResult:
+    """Generate ``n`` responses per row and score them."""
+    correct = rewards = lengths = 0.0
+    per_source: dict[str, list[float]] = defaultdict(list)
+    for start in range(0, len(rows), EVAL_BATCH):
+        chunk = rows[start:start + EVAL_BATCH]
+        prompts = []
+        for row in chunk:
+            messages = [{"role": m.role, "content": m.content} for m in row.prompt]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+            prompts.extend([list(ids)[-max_prompt_length:]] * n)
+        completions = engine.generate(prompts, params)
+        items = []
+        for index, completion in enumerate(completions):
+            row = chunk[index // n]
+            text = tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True)
+            items.append(RewardItem(row.data_source, text, row.reward_model.ground_truth,
+                                    dict(row.extra_info)))
+            lengths += completion.token_ids.numel()
+        for item, result in zip(items, scorer.score(items), strict=True):
+            hit = is_correct(result)
+            correct += hit
+            rewards += result.score
+            per_source[item.data_source].append(hit)
+    total = max(len(rows) * n, 1)
+    return EvalResult(accuracy=correct / total, reward_mean=rewards / total,
+                      response_length_mean=lengths / total, samples=len(rows) * n,
+                      by_source={s: sum(v) / len(v) for s, v in per_source.items()})

@@ -1,0 +1,119 @@
+"""The learner: ``torchrun ... -m learner.main --run-dir RUN_DIR`` (started by the launcher).
+
+Parse, build, run, close: the process group (gloo on CPU, NCCL on GPU), the FSDP2 policy
+and optional reference, the optimizer and schedule; rank 0 also builds its link to the
+buffer, the weight server, the evaluator and the MLflow run. Then ``learner.loop``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from algorithms.rewards.config import RewardConfig
+from algorithms.rewards.scorer import RewardScorer
+from buffer.dataset import load_prompt_rows
+from configs.plan import RESOLVED_RUN, RESOLVED_TOPOLOGY
+from configs.rundir import RunContext, bootstrap
+from generators.main import eos_and_pad
+from generators.torch_engine import TorchEngine
+from learner.loop import RankZero, TrainLoop
+from learner.model import learner_device, load_sharded
+from learner.optim import build_optimizer, build_scheduler
+from learner.rollouts import BufferLink
+from learner.tracking import Tracker
+from learner.update import Learner, UpdateSettings
+from learner.weights import WeightServer
+from transport.sockets import Pusher
+
+logger = logging.getLogger("relay.learner")
+
+
+def build_learner(ctx: RunContext, device: torch.device) -> Learner:
+    run = ctx.run
+    dtype = getattr(torch, run.model.dtype)
+    model = load_sharded(run.model.path, compute_dtype=dtype, device=device,
+                         trust_remote_code=run.model.trust_remote_code)
+    reference = None
+    if run.actor.use_kl_loss:
+        reference = load_sharded(run.model.path, compute_dtype=dtype, device=device,
+                                 trust_remote_code=run.model.trust_remote_code, trainable=False)
+    optimizer = build_optimizer(model, run.actor.optim)
+    scheduler = build_scheduler(optimizer, total_steps=run.trainer.total_training_steps,
+                                optim=run.actor.optim)
+    settings = UpdateSettings(actor=run.actor, algorithm=run.algorithm,
+                              temperature=run.rollout.temperature,
+                              horizon=run.rollout.response_length,
+                              num_prompts=run.data.train_batch_size)
+    return Learner(model, optimizer, scheduler, settings, reference=reference)
+
+
+def build_rank_zero(ctx: RunContext, tokenizer, scorer: RewardScorer, eos: list[int],
+                    pad: int) -> RankZero:
+    run = ctx.run
+    tracker = Tracker(uri=run.tracking.uri, experiment=run.tracking.experiment,
+                      run_name=run.tracking.run_name, run_dir=ctx.run_dir)
+    tracker.log_config(run, [ctx.run_dir / RESOLVED_RUN, ctx.run_dir / RESOLVED_TOPOLOGY])
+    eval_engine = TorchEngine.from_pretrained(run.model.path, dtype=getattr(torch, run.model.dtype),
+                                              eos_ids=eos, pad_id=pad, seed=run.trainer.seed,
+                                              trust_remote_code=run.model.trust_remote_code)
+    val_rows = load_prompt_rows(run.data.val_files) if run.data.val_files else []
+    if val_rows:
+        scorer.check_data_sources({row.data_source for row in val_rows})
+    return RankZero(link=BufferLink(ctx.buffer_endpoint, keys=ctx.client_keys()),
+                    weights=WeightServer(ctx.weights_endpoint, keys=ctx.server_keys()).start(),
+                    tracker=tracker, status=Pusher(ctx.metrics_endpoint, keys=ctx.client_keys()),
+                    eval_engine=eval_engine, tokenizer=tokenizer, scorer=scorer,
+                    val_rows=val_rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ctx, _ = bootstrap("learner", argv)
+    run = ctx.run
+    placement = ctx.topology.learner
+    if placement.threads:
+        torch.set_num_threads(placement.threads)
+    device = learner_device(placement.device, int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=timedelta(minutes=30))
+    cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
+    rank = dist.get_rank()
+    torch.manual_seed(run.trainer.seed)
+    tokenizer = AutoTokenizer.from_pretrained(run.model.path,
+                                              trust_remote_code=run.model.trust_remote_code)
+    eos, pad = eos_and_pad(run.model.path, tokenizer)
+    learner = build_learner(ctx, device)
+    reward = run.custom_reward_function
+    scorer = RewardScorer(RewardConfig(
+        custom_function=f"{reward.path}:{reward.name}" if reward.path else "",
+        timeout_s=reward.timeout_s))
+    rank0 = build_rank_zero(ctx, tokenizer, scorer, eos, pad) if rank == 0 else None
+    checkpoint_dir = ctx.run_dir / "checkpoints" if not run.checkpoint.dir \
+        else ctx.run_dir.joinpath(run.checkpoint.dir)
+    loop = TrainLoop(run, learner, pad_id=pad, publish_dtype=getattr(torch, run.model.dtype),
+                     checkpoint_dir=checkpoint_dir, rank0=rank0, group=cpu_group)
+    ok = False
+    try:
+        loop.run_all()
+        ok = True
+    finally:
+        if rank0 is not None:
+            rank0.tracker.close(ok)
+            rank0.weights.stop()
+            rank0.status.close()
+            rank0.link.close()
+        scorer.close()
+        dist.destroy_process_group()
+    logger.info("learner finished %d steps at version %d", run.trainer.total_training_steps,
+                loop.version)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

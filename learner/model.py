@@ -1,0 +1,58 @@
+"""Loading the policy (and the frozen reference) and sharding them with FSDP2.
+
+The recipe, in order (torchtitan's): load fp32 master weights with the Auto classes;
+``fully_shard`` every transformer block (the classes the model lists in
+``_no_split_modules``), then the root, with a ``MixedPrecisionPolicy`` that computes in the
+run's dtype (bf16: ~7x faster matmuls on AMX CPUs and on GPUs) and reduces gradients in
+fp32. One rank is still FSDP2, so one code path serves every world size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM
+
+
+def learner_device(setting: str, local_rank: int) -> torch.device:
+    """``cpu``, ``cuda`` (one GPU per local rank) or ``auto`` (cuda when present)."""
+    if setting == "auto":
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("topology learner.device = 'cuda' but torch sees no GPU")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The transformer block classes to shard one by one (HF's ``_no_split_modules``)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    classes = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+    if not classes:
+        raise ValueError(f"{type(model).__name__} lists no _no_split_modules; cannot find its "
+                         "transformer blocks to shard")
+    return classes
+
+
+def load_sharded(path: str, *, compute_dtype: torch.dtype, device: torch.device,
+                 trust_remote_code: bool = False, trainable: bool = True) -> nn.Module:
+    """An HF causal LM from ``path``, fp32 master weights, FSDP2-sharded over the world."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 trust_remote_code=trust_remote_code)
+    model.to(device)
+    model.config.use_cache = False
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if dist.is_initialized():
+        blocks = block_classes(model)
+        for module in model.modules():
+            if isinstance(module, blocks):
+                fully_shard(module, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    return model

@@ -1,0 +1,89 @@
+"""The learner's link to the buffer: batches in, versions and the end of the run out.
+
+Rank 0 alone talks to the buffer; it broadcasts each batch to the other ranks as one
+``transport.records`` record over the CPU process group (the same codec as the wire,
+never pickle).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from transport.codec import Decoder, encode
+from transport.messages import Ack, SampleBatch, SampleRequest, Shutdown, VersionUpdate
+from transport.records import pack, unpack
+from transport.security import ClientKeys
+from transport.sockets import Client, PeerTimeout
+
+logger = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 60.0
+WAIT_LOG_EVERY_S = 30.0
+
+
+class BufferLink:
+    """Rank 0's requests to the buffer."""
+
+    def __init__(self, endpoint: str, keys: ClientKeys | None = None) -> None:
+        self._client = Client(endpoint, keys=keys)
+
+    def next_batch(self, version: int, num_groups: int) -> tuple[SampleBatch, float]:
+        """Wait for a batch of ``num_groups`` groups; return it and the seconds waited."""
+        started = last_log = time.monotonic()
+        request = SampleRequest(learner_rank=0, version=version, num_groups=num_groups)
+        while True:
+            try:
+                reply = self._client.request(request, REQUEST_TIMEOUT_S, expect=SampleBatch)
+            except PeerTimeout:
+                logger.warning("the buffer did not answer a sample request; asking again")
+                continue
+            assert isinstance(reply, SampleBatch)
+            if reply.groups:
+                return reply, time.monotonic() - started
+            now = time.monotonic()
+            if now - last_log > WAIT_LOG_EVERY_S:
+                last_log = now
+                logger.info("waiting for rollouts for %.0f s (buffer holds %.0f groups, "
+                            "%.0f generators attached)", now - started,
+                            reply.buffer_stats.get("buffer/occupancy", 0),
+                            reply.buffer_stats.get("buffer/generators", 0))
+            time.sleep(reply.retry_after_s)
+
+    def published(self, version: int, step: int) -> None:
+        self._client.request(VersionUpdate(version=version, step=step), REQUEST_TIMEOUT_S,
+                             expect=Ack)
+
+    def end_run(self, reason: str) -> None:
+        try:
+            self._client.request(Shutdown(reason=reason), 10.0, expect=Ack)
+        except PeerTimeout:
+            logger.warning("the buffer did not acknowledge the end of the run")
+
+    def close(self) -> None:
+        self._client.close()
+
+
+_DECODER = Decoder(SampleBatch)
+
+
+def broadcast_batch(batch: SampleBatch | None, group: dist.ProcessGroup | None) -> SampleBatch:
+    """Rank 0 passes its batch; every rank returns it."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        assert batch is not None
+        return batch
+    if dist.get_rank() == 0:
+        assert batch is not None
+        record = torch.frombuffer(bytearray(pack(encode(batch))), dtype=torch.uint8)
+        size = torch.tensor([record.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    if dist.get_rank() != 0:
+        record = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(record, src=0, group=group)
+    return batch if batch is not None else _DECODER.decode(
+        [bytearray(f) for f in unpack(record.numpy().tobytes())])

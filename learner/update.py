@@ -1,0 +1,228 @@
+"""One learner step: log-probs, advantages, the staleness-corrected loss, optimizer steps.
+
+The batch is the whole global batch on every rank (rank 0 broadcast it); each rank trains
+on rows ``rank::world`` of every mini-batch. Losses are sums divided by counts over the
+whole mini-batch (``algorithms.aggregation``), multiplied by the world size because FSDP
+averages gradients across ranks: so the update does not depend on the number of ranks or
+micro-batches. Every rank runs the same number of forward/backward passes (FSDP's
+collectives need it); a rank with fewer rows pads with a zero-weighted pass.
+
+Proximal log-probs are the policy's before this step's first optimizer step. With one
+update per step (one epoch, one mini-batch) they equal the detached log-probs of the same
+forward pass, which saves a forward pass; otherwise they are recomputed up front.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from algorithms.advantages import grpo_advantages
+from algorithms.aggregation import aggregate_loss
+from algorithms.kl import kl_penalty
+from algorithms.logprobs import entropy_from_logits, token_logprobs
+from algorithms.policy_loss import PolicyLossTerms, decoupled_ppo_loss
+from configs.run_schema import ActorConfig, AlgorithmConfig
+from learner.batch import TrainBatch
+
+
+class UpdateSettings(msgspec.Struct, kw_only=True, frozen=True):
+    """What the update reads from the run config."""
+
+    actor: ActorConfig
+    algorithm: AlgorithmConfig
+    temperature: float  # the rollout temperature: log-probs of softmax(logits / T)
+    horizon: int  # rollout.response_length, the constant of seq-mean-token-sum-norm
+    num_prompts: int  # groups in the batch (data.train_batch_size)
+
+
+def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
+                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (B, L-1) of the batch's tokens, and the entropy if asked."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    logits = out.logits[:, :-1]  # (B, L-1, V): position j predicts token j + 1
+    logprobs = token_logprobs(logits, batch.input_ids[:, 1:], temperature)
+    entropy = entropy_from_logits(logits, temperature) if with_entropy else None
+    return logprobs, entropy
+
+
+def _chunks(rows: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """``count`` nearly equal, possibly empty, pieces of ``rows``."""
+    return [rows[i::count] for i in range(count)] if count else []
+
+
+class _Sums:
+    """Diagnostics as sums (and maxima), all-reduced once at the end of the step."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+        self.maxima: dict[str, float] = {}
+
+    def add(self, name: str, value: torch.Tensor | float) -> None:
+        self.values[name] = self.values.get(name, 0.0) + float(value)
+
+    def max(self, name: str, value: float) -> None:
+        self.maxima[name] = max(self.maxima.get(name, -math.inf), value)
+
+    def reduced(self, group: dist.ProcessGroup | None) -> dict[str, float]:
+        return {**_all_reduce(self.values, dist.ReduceOp.SUM, group),
+                **_all_reduce(self.maxima, dist.ReduceOp.MAX, group)}
+
+
+def _all_reduce(values: dict[str, float], op: dist.ReduceOp,
+                group: dist.ProcessGroup | None) -> dict[str, float]:
+    names = sorted(values)
+    packed = torch.tensor([values[n] for n in names], dtype=torch.float64)
+    if dist.is_initialized() and names:
+        dist.all_reduce(packed, op=op, group=group)
+    return dict(zip(names, packed.tolist()))
+
+
+class Learner:
+    """The policy being trained, its optimizer and schedule, and the optional reference."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, settings: UpdateSettings,
+                 reference: nn.Module | None = None,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.settings, self.reference, self.group = settings, reference, group
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+
+    def mini_batches(self, batch: TrainBatch) -> Iterator[torch.Tensor]:
+        """Row indices of each mini-batch (whole groups, in order)."""
+        per_mini = self.settings.actor.ppo_mini_batch_size or self.settings.num_prompts
+        groups = torch.unique(batch.group_ids)
+        for start in range(0, len(groups), per_mini):
+            chosen = groups[start:start + per_mini]
+            yield torch.isin(batch.group_ids, chosen).nonzero().squeeze(-1)
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        """One learner step on the global ``batch``; returns rank-reduced diagnostics."""
+        actor = self.settings.actor
+        advantages = grpo_advantages(batch.rewards, batch.group_ids,
+                                     norm_by_std=self.settings.algorithm.norm_adv_by_std_in_grpo)
+        minis = list(self.mini_batches(batch))
+        single_update = actor.ppo_epochs == 1 and len(minis) == 1
+        self.model.train()
+        proximal = None if single_update else self._no_grad_logprobs(self.model, batch)
+        reference = self._no_grad_logprobs(self.reference, batch) if self.reference else None
+        sums = _Sums()
+        grad_norms: list[float] = []
+        for _epoch in range(actor.ppo_epochs):
+            for mini in minis:
+                self.optimizer.zero_grad(set_to_none=True)
+                self._accumulate(batch, mini, advantages, proximal, reference, sums)
+                grad_norms.append(self._optimizer_step(sums))
+        self.scheduler.step()
+        stats = sums.reduced(self.group)
+        tokens = max(stats.get("tokens", 0.0), 1.0)
+        metrics = {name.removesuffix("_sum"): value / tokens for name, value in stats.items()
+                   if name.endswith("_sum")}
+        updates = len(grad_norms)
+        metrics.update({
+            "actor/importance_weight_max": stats.get("actor/importance_weight_max", 0.0),
+            "actor/grad_norm": sum(grad_norms) / updates,
+            "actor/lr": self.scheduler.get_last_lr()[0],
+            "actor/updates_skipped": stats.get("skipped", 0.0) / self.world,
+            "actor/loss": stats.get("loss", 0.0) / updates,
+            "actor/tokens": stats.get("tokens", 0.0) / actor.ppo_epochs,
+        })
+        return metrics
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _local_rows(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+        """This rank's rows of a mini-batch in micro-batches; every rank gets as many."""
+        micro = self.settings.actor.ppo_micro_batch_size_per_gpu
+        most = math.ceil(len(rows) / self.world)
+        count = math.ceil(most / micro)
+        return _chunks(rows[self.rank::self.world], count), count
+
+    @torch.no_grad()
+    def _no_grad_logprobs(self, model: nn.Module, batch: TrainBatch) -> torch.Tensor:
+        """Log-probs of every row this rank trains on, in the batch's own grid."""
+        out = torch.zeros_like(batch.behavior_logprobs)
+        for mini in self.mini_batches(batch):
+            chunks, _ = self._local_rows(mini)
+            for chunk in chunks:
+                rows = chunk if len(chunk) else mini[:1]
+                part = batch.select(rows)
+                logprobs, _ = forward_logprobs(model, part, self.settings.temperature, False)
+                out[rows, :logprobs.shape[1]] = logprobs
+        return out
+
+    def _accumulate(self, batch: TrainBatch, mini: torch.Tensor, advantages: torch.Tensor,
+                    proximal: torch.Tensor | None, reference: torch.Tensor | None,
+                    sums: _Sums) -> None:
+        actor = self.settings.actor
+        mini_mask = batch.response_mask[mini]
+        totals = dict(num_tokens=float(mini_mask.sum()), num_seqs=float(len(mini)),
+                      horizon=self.settings.horizon)
+        chunks, _ = self._local_rows(mini)
+        for chunk in chunks:
+            weight = 1.0 if len(chunk) else 0.0  # an empty chunk still joins the collectives
+            rows = chunk if len(chunk) else mini[:1]
+            part = batch.select(rows)
+            width = part.response_mask.shape[1]
+            mask = part.response_mask * weight
+            logprobs, entropy = forward_logprobs(self.model, part, self.settings.temperature,
+                                                 with_entropy=True)
+            prox = logprobs.detach() if proximal is None else proximal[rows, :width]
+            adv = advantages[rows].unsqueeze(-1).expand_as(logprobs)
+            terms = decoupled_ppo_loss(
+                logprobs, prox, part.behavior_logprobs, adv,
+                clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+                clip_ratio_c=actor.clip_ratio_c, behav_imp_weight_cap=actor.behav_imp_weight_cap)
+            loss = aggregate_loss(terms.loss, mask, actor.loss_agg_mode, **totals)
+            if actor.entropy_coeff:
+                loss = loss - actor.entropy_coeff * aggregate_loss(entropy, mask,
+                                                                   actor.loss_agg_mode, **totals)
+            if reference is not None:
+                kl = kl_penalty(logprobs, reference[rows, :width], actor.kl_loss_type)
+                loss = loss + actor.kl_loss_coef * aggregate_loss(kl, mask, actor.loss_agg_mode,
+                                                                  **totals)
+                sums.add("actor/kl_sum", (kl.detach() * mask).sum())
+            (loss * self.world).backward()
+            with torch.no_grad():
+                self._diagnostics(terms, entropy, prox, part, mask, sums)
+                sums.add("loss", loss.detach())
+
+    def _diagnostics(self, terms: PolicyLossTerms, entropy: torch.Tensor,
+                     proximal: torch.Tensor, part: TrainBatch, mask: torch.Tensor,
+                     sums: _Sums) -> None:
+        cap = self.settings.actor.behav_imp_weight_cap
+        sums.add("tokens", mask.sum())
+        sums.add("actor/pg_loss_sum", (terms.loss.detach() * mask).sum())
+        sums.add("actor/entropy_sum", (entropy.detach() * mask).sum())
+        sums.add("actor/clip_frac_sum", (terms.clipped.float() * mask).sum())
+        sums.add("actor/approx_kl_sum", (terms.approx_kl * mask).sum())
+        sums.add("actor/ratio_mean_sum", (terms.ratio * mask).sum())
+        sums.add("actor/importance_weight_mean_sum", (terms.importance_weight_raw * mask).sum())
+        if cap > 0:
+            sums.add("actor/importance_weight_truncated_frac_sum",
+                     ((terms.importance_weight_raw > cap).float() * mask).sum())
+        proximal_gap = (proximal - part.behavior_logprobs).abs()
+        sums.add("actor/behav_prox_logprob_gap_sum", (proximal_gap * mask).sum())
+        on_response = terms.importance_weight_raw[mask > 0]
+        if on_response.numel():
+            sums.max("actor/importance_weight_max", float(on_response.max()))
+
+    def _optimizer_step(self, sums: _Sums) -> float:
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(),
+                                             self.settings.actor.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        norm = float(grad_norm)
+        if not math.isfinite(norm):
+            sums.add("skipped", 1.0)  # never step on a NaN/inf gradient
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm
+        self.optimizer.step()
+        return norm

@@ -1,0 +1,61 @@
+"""Helpers for end-to-end runs of ``tools/launch-cluster.py`` as a real subprocess tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER = ROOT / "tools" / "launch-cluster.py"
+REWARD_FN = Path(__file__).with_name("reward_fn.py")
+
+
+def small_run_overrides(model_dir: Path, run_root: Path, steps: int) -> list[str]:
+    """A few fast steps on the shipped arithmetic data, free ports, a custom reward."""
+    return [
+        f"model.path={model_dir}", "model.dtype=float32",
+        f"trainer.total_training_steps={steps}", "trainer.test_freq=2",
+        f"trainer.run_dir={run_root}", "data.train_batch_size=4", "rollout.n=4",
+        "rollout.response_length=8", "rollout.prompts_per_lease=2",
+        f"custom_reward_function.path={REWARD_FN}",
+        "topology.buffer.port=0", "topology.learner.weights_port=0",
+        "topology.launcher.metrics_port=0",
+    ]
+
+
+def launch(args: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, RELAY_LOG_LEVEL="INFO")
+    return subprocess.run([sys.executable, str(LAUNCHER), *args], capture_output=True,
+                          text=True, timeout=timeout_s, env=env, cwd=ROOT)
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that contain ``text`` (e.g. a run directory)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{proc.name}: {cmdline}")
+    return found
+
+
+def only_run_dir(root: Path) -> Path:
+    runs = [p for p in root.iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+@pytest.fixture
+def run_root(tmp_path: Path) -> Path:
+    root = tmp_path / "runs"
+    root.mkdir()
+    return root

@@ -1,0 +1,141 @@
+"""Failures while a run is going: a dead generator, a dead essential process, Ctrl-C.
+
+- Two generators; once gen0 reports a lease, it is SIGKILLed (its whole process group).
+  The run must still finish, and the buffer must have returned gen0's unanswered prompts
+  to the pool when the lease timed out (the heartbeat timeout is set longer, so the lease
+  timeout is what returns them).
+- The buffer is killed: the launcher stops everything and exits non-zero naming it.
+- Ctrl-C on the launcher: everything stops, exit code 130.
+In every case no process of the run is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import LAUNCHER, ROOT, processes_mentioning, small_run_overrides
+
+pytestmark = pytest.mark.e2e
+
+TOPOLOGY = """
+[buffer]
+port = 0
+[learner]
+weights_port = 0
+[launcher]
+metrics_port = 0
+[[generators]]
+name = "gen0"
+threads = 1
+[[generators]]
+name = "gen1"
+threads = 1
+"""
+
+
+def wait_for(path: Path, pattern: str, timeout_s: float) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            match = re.search(pattern, path.read_text(errors="replace"))
+            if match:
+                return match
+        time.sleep(0.02)
+    raise AssertionError(f"{pattern!r} never appeared in {path}")
+
+
+def pid_of(run_dir: Path, *fragments: str) -> int:
+    for line in processes_mentioning(str(run_dir)):
+        pid, cmdline = line.split(": ", 1)
+        if all(f in cmdline for f in fragments):
+            return int(pid)
+    raise AssertionError(f"no process of {run_dir} matching {fragments}")
+
+
+def start_launcher(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(LAUNCHER), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
+
+def first_run_dir(run_root: Path, timeout_s: float = 60) -> Path:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        runs = [p for p in run_root.iterdir() if (p / "logs").is_dir()]
+        if runs:
+            return runs[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no run directory appeared in {run_root}")
+
+
+def test_training_survives_a_dead_generator(random_model_dir: Path, run_root: Path,
+                                            tmp_path: Path) -> None:
+    topology = tmp_path / "topology.toml"
+    topology.write_text(TOPOLOGY)
+    run_config = ROOT / "configs" / "arithmetic-grpo.toml"
+    args = [a for a in small_run_overrides(random_model_dir, run_root, steps=6)
+            if not a.startswith("topology.")]
+    args += ["rollout.response_length=32", "trainer.val_before_train=false",
+             "trainer.test_freq=-1", "buffer.lease_timeout_s=4",
+             "buffer.heartbeat_timeout_s=600", "buffer.max_staleness=2",
+             f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    launcher = start_launcher([str(topology), str(run_config), *args])
+    try:
+        run_dir = first_run_dir(run_root)
+        lease = wait_for(run_dir / "logs" / "gen0.log", r"lease (L\d+): (\d+) prompts", 120)
+        os.killpg(pid_of(run_dir, "generators.main", "--name gen0"), signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, output
+    assert "generator gen0 died" in output
+    buffer_log = (run_dir / "logs" / "buffer.log").read_text()
+    expired = re.search(r"(\d+) leased prompts expired; back in the pool", buffer_log)
+    assert expired, f"lease {lease.group(1)} never expired:\n{buffer_log}"
+    assert processes_mentioning(str(run_dir)) == []
+
+
+def quick_args(model_dir: Path, run_root: Path, tmp_path: Path) -> list[str]:
+    return small_run_overrides(model_dir, run_root, steps=1000) + [
+        "trainer.val_before_train=false", "trainer.test_freq=-1",
+        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+
+
+def test_a_dead_buffer_ends_the_run_and_is_named(random_model_dir: Path, run_root: Path,
+                                                 tmp_path: Path) -> None:
+    launcher = start_launcher(quick_args(random_model_dir, run_root, tmp_path))
+    try:
+        run_dir = first_run_dir(run_root)
+        wait_for(run_dir / "logs" / "gen0.log", r"lease L\d+", 120)
+        os.kill(pid_of(run_dir, "buffer.main"), signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1, output
+    assert "essential process buffer (buffer) died: killed by SIGKILL" in output
+    assert processes_mentioning(str(run_dir)) == []
+
+
+def test_ctrl_c_stops_everything(random_model_dir: Path, run_root: Path,
+                                 tmp_path: Path) -> None:
+    launcher = start_launcher(quick_args(random_model_dir, run_root, tmp_path))
+    try:
+        run_dir = first_run_dir(run_root)
+        wait_for(run_dir / "logs" / "gen0.log", r"lease L\d+", 120)
+        launcher.send_signal(signal.SIGINT)
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, output
+    assert "interrupted" in output
+    assert processes_mentioning(str(run_dir)) == []

@@ -1,0 +1,40 @@
+"""Collating rollout groups into the shifted training grid."""
+
+import torch
+
+from learner.batch import collate
+from transport.messages import RolloutGroup, Sample
+
+
+def sample(prompt: list[int], response: list[int], version: int = 0) -> Sample:
+    return Sample(prompt_ids=torch.tensor(prompt, dtype=torch.int32),
+                  response_ids=torch.tensor(response, dtype=torch.int32),
+                  logprobs=-torch.arange(1, len(response) + 1, dtype=torch.float32) / 10,
+                  versions=torch.full((len(response),), version, dtype=torch.int32),
+                  reward=float(len(response)))
+
+
+def test_collate_places_response_tokens_on_the_shifted_grid() -> None:
+    groups = [RolloutGroup(rollout_id="a", lease_id="l", prompt_id="p", generator_id="g",
+                           samples=[sample([5, 6, 7], [8, 9]), sample([5, 6, 7], [8])]),
+              RolloutGroup(rollout_id="b", lease_id="l", prompt_id="q", generator_id="g",
+                           samples=[sample([4], [3, 2, 1], version=2)])]
+    batch = collate(groups, pad_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 8, 0], [4, 3, 2, 1, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0]]
+    # position j predicts token j + 1: responses start at prompt_length - 1
+    assert batch.response_mask.tolist() == [[0, 0, 1, 1], [0, 0, 1, 0], [1, 1, 1, 0]]
+    torch.testing.assert_close(batch.behavior_logprobs[2], torch.tensor([-0.1, -0.2, -0.3, 0.0]))
+    assert batch.versions[2].tolist() == [2, 2, 2, -1]
+    assert batch.versions[0].tolist()[:2] == [-1, -1]
+    assert batch.group_ids.tolist() == [0, 0, 1]
+    assert batch.rewards.tolist() == [2.0, 1.0, 3.0]
+    assert batch.response_lengths.tolist() == [2, 1, 3]
+
+
+def test_select_trims_unused_padding() -> None:
+    groups = [RolloutGroup(rollout_id="a", lease_id="l", prompt_id="p", generator_id="g",
+                           samples=[sample([1, 2, 3, 4], [5, 6]), sample([1], [2])])]
+    part = collate(groups, pad_id=0).select(torch.tensor([1]))
+    assert part.input_ids.tolist() == [[1, 2]]
+    assert part.response_mask.tolist() == [[1]]

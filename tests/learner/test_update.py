@@ -1,0 +1,126 @@
+"""eta = 0 reproduces synchronous on-policy GRPO.
+
+The learner (FSDP2 over a real gloo process group, the staleness-corrected loss) and a
+plain single-process GRPO written out below train on the very same on-policy rollouts for
+a few steps; their losses and parameters must agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from configs.run_schema import ActorConfig, AlgorithmConfig, OptimConfig
+from generators.sampling import SamplingParams
+from generators.torch_engine import TorchEngine
+from learner.batch import TrainBatch, collate
+from learner.model import load_sharded
+from learner.optim import build_optimizer, build_scheduler
+from learner.update import Learner, UpdateSettings
+from learner.weights import gather_full_weights
+from transport.messages import RolloutGroup, Sample
+
+PROMPTS = [[1, 271, 201, 273, 272, 223, 19, 20, 280, 2, 201, 1, 278, 201],
+           [1, 271, 201, 273, 21, 22, 2, 201, 1, 278, 201],
+           [1, 271, 201, 24, 25, 26, 27, 2, 201, 1, 278, 201]]
+N = 4
+LR = 1e-3
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+
+
+def synthetic_reward(response: torch.Tensor) -> float:
+    """Any deterministic function of the response with spread inside a group will do."""
+    return float(int(response[0]) % 2)
+
+
+def rollouts(engine: TorchEngine, step: int) -> list[RolloutGroup]:
+    completions = engine.generate([p for p in PROMPTS for _ in range(N)],
+                                  SamplingParams(max_new_tokens=6, temperature=1.0))
+    groups = []
+    for index, prompt in enumerate(PROMPTS):
+        samples = [Sample(prompt_ids=torch.tensor(prompt, dtype=torch.int32),
+                          response_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions,
+                          reward=synthetic_reward(c.token_ids))
+                   for c in completions[index * N:(index + 1) * N]]
+        groups.append(RolloutGroup(rollout_id=f"{step}/{index}", lease_id=str(step),
+                                   prompt_id=str(index), generator_id="g", samples=samples))
+    return groups
+
+
+def reference_grpo_step(model, optimizer, batch: TrainBatch) -> float:
+    """Plain synchronous GRPO: old log-probs = current ones, token-mean clipped surrogate."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(
+        -1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    rewards, groups = batch.rewards, batch.group_ids
+    advantages = torch.zeros_like(rewards)
+    for g in groups.unique():
+        members = groups == g
+        r = rewards[members]
+        advantages[members] = (r - r.mean()) / (r.std() + 1e-6)
+    adv = advantages[:, None]
+    ratio = torch.exp(logp - logp.detach())
+    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
+    mask = batch.response_mask
+    loss = (per_token * mask).sum() / mask.sum()
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return float(loss.detach())
+
+
+def build_learner(path: Path, **actor_overrides) -> Learner:
+    optim = OptimConfig(lr=LR, weight_decay=0.0)
+    actor = ActorConfig(clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, optim=optim,
+                        **actor_overrides)
+    model = load_sharded(str(path), compute_dtype=torch.float32, device=torch.device("cpu"))
+    optimizer = build_optimizer(model, optim)
+    settings = UpdateSettings(actor=actor, algorithm=AlgorithmConfig(), temperature=1.0,
+                              horizon=6, num_prompts=len(PROMPTS))
+    return Learner(model, optimizer, build_scheduler(optimizer, total_steps=10, optim=optim),
+                   settings)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_eta_zero_matches_plain_synchronous_grpo(random_model_dir: Path) -> None:
+    torch.manual_seed(0)
+    learner = build_learner(random_model_dir)
+    engine = TorchEngine.from_pretrained(str(random_model_dir), dtype=torch.float32, eos_ids=[2],
+                                         pad_id=0, seed=1)
+    reference = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
+    initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    for step in range(1, 4):
+        batch = collate(rollouts(engine, step), pad_id=0)
+        assert batch.rewards.std() > 0, "the test needs reward spread to move the weights"
+        metrics = learner.step(batch)
+        ref_loss = reference_grpo_step(reference, ref_optim, batch)
+        assert metrics["actor/loss"] == pytest.approx(ref_loss, abs=1e-5)
+        assert metrics["actor/importance_weight_max"] == pytest.approx(1.0, abs=1e-4)
+        full = gather_full_weights(learner.model, torch.float32)
+        for name, ref_param in reference.named_parameters():
+            torch.testing.assert_close(full[name], ref_param.detach(), atol=2e-5, rtol=1e-4)
+        engine.load_weights(step, full)  # publish: the next rollouts are on-policy again
+    moved = max(float((full[n] - initial[n]).abs().max()) for n in initial)
+    assert moved > 10 * LR / 10, "the parameters must have changed"
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_micro_batches_do_not_change_the_update(random_model_dir: Path) -> None:
+    engine = TorchEngine.from_pretrained(str(random_model_dir), dtype=torch.float32, eos_ids=[2],
+                                         pad_id=0, seed=2)
+    batch = collate(rollouts(engine, 1), pad_id=0)
+    results = []
+    for micro in (64, 5):
+        torch.manual_seed(0)
+        learner = build_learner(random_model_dir, ppo_micro_batch_size_per_gpu=micro,
+                                loss_agg_mode="seq-mean-token-mean")
+        metrics = learner.step(batch)
+        results.append((metrics["actor/loss"], gather_full_weights(learner.model, torch.float32)))
+    assert results[0][0] == pytest.approx(results[1][0], abs=1e-6)
+    for name, tensor in results[0][1].items():
+        torch.testing.assert_close(tensor, results[1][1][name], atol=1e-6, rtol=1e-5)
