@@ -89,7 +89,9 @@ class PromptDataset(torch.utils.data.Dataset):
         return self.rows[index]
 
 
-def load_prompt_rows(paths: PathLike | Iterable[PathLike], convert: Convert | None = None) -> list[PromptRow]:
+def load_prompt_rows(
+    paths: PathLike | Iterable[PathLike], convert: Convert | None = None
+) -> list[PromptRow]:
     """Read and validate every row of one or many ``.jsonl`` / ``.parquet`` files, in order.
 
     ``convert(record, index)`` first maps each raw record (``index`` counts records within
@@ -179,7 +181,9 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict[str, Any] | str]]:
 
 def _check_suffix(path: Path) -> None:
     if path.suffix not in SUFFIXES:
-        raise DatasetError(f"{path}: unsupported file type {path.suffix!r}, expected one of {SUFFIXES}")
+        raise DatasetError(
+            f"{path}: unsupported file type {path.suffix!r}, expected one of {SUFFIXES}"
+        )
 
 
 def _to_row(record: dict[str, Any]) -> PromptRow:

@@ -79,11 +79,10 @@ def iter_problems(seed: int, split: Split) -> Iterator[Problem]:
 
 def sample_problems(seed: int, count: int, split: Split) -> list[Problem]:
     """``count`` distinct problems of one split, in the order the seeded stream draws them."""
-    seen: dict[Problem, None] = {}
-    for problem in iter_problems(seed, split):
-        if len(seen) == count:
-            break
-        seen.setdefault(problem)
+    seen: dict[Problem, None] = {}  # an ordered set
+    stream = iter_problems(seed, split)
+    while len(seen) < count:
+        seen.setdefault(next(stream))
     return list(seen)
 
 

@@ -62,7 +62,9 @@ def test_optional_and_extra_columns(tmp_path):
 
 def test_many_files_of_both_formats_load_in_order(tmp_path):
     pq.write_table(pa.Table.from_pylist([_row(2), _row(3)]), tmp_path / "b.parquet")
-    rows = load_prompt_rows([_jsonl(tmp_path / "a.jsonl", [_row(0), _row(1)]), tmp_path / "b.parquet"])
+    rows = load_prompt_rows(
+        [_jsonl(tmp_path / "a.jsonl", [_row(0), _row(1)]), tmp_path / "b.parquet"]
+    )
     assert [r.reward_model.ground_truth for r in rows] == ["1", "2", "3", "4"]
     assert rows[3].prompt[1].content == "What is 3 + 1?"
 
@@ -85,7 +87,11 @@ BROKEN = [
     ("prompt", ..., "field `prompt`: missing"),
     ("prompt", [], "field `prompt`: expected `array` of length >= 1"),
     ("prompt", "What is 1 + 1?", "field `prompt`: expected `array`, got `str`"),
-    ("prompt.1.role", "human", "field `prompt[1].role`: invalid enum value 'human', expected one of"),
+    (
+        "prompt.1.role",
+        "human",
+        "field `prompt[1].role`: invalid enum value 'human', expected one of",
+    ),
     ("prompt.1.content", ..., "field `prompt[1].content`: missing"),
     ("prompt.0.content", 7, "field `prompt[0].content`: expected `str`, got `int`"),
     ("data_source", ..., "field `data_source`: missing"),
@@ -159,7 +165,9 @@ def test_convert_maps_foreign_records_and_its_errors_carry_the_location(tmp_path
     file = _jsonl(tmp_path / "raw.jsonl", [{"q": "a"}, {"q": "b"}, {"x": 1}])
     with pytest.raises(DatasetError, match=f"{file}:3: field `q`: missing"):
         load_prompt_rows(file, convert=convert)
-    rows = load_prompt_rows(_jsonl(tmp_path / "ok.jsonl", [{"q": "a"}, {"q": "b"}]), convert=convert)
+    rows = load_prompt_rows(
+        _jsonl(tmp_path / "ok.jsonl", [{"q": "a"}, {"q": "b"}]), convert=convert
+    )
     assert [(r.prompt[0].content, r.extra_info["index"]) for r in rows] == [("a", 0), ("b", 1)]
 
 

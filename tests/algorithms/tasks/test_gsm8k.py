@@ -32,7 +32,7 @@ def test_verl_row_matches_verls_preprocessing():
         "prompt": [
             {
                 "role": "user",
-                "content": 'What is 2 + 3? Let\'s think step by step and output the final answer '
+                "content": "What is 2 + 3? Let's think step by step and output the final answer "
                 'after "####".',
             }
         ],

@@ -1,0 +1,157 @@
+"""Build Relay's embedded default model: tokenizer, seeded init, warm start, save, measure.
+
+``build_tiny_model`` writes a directory that ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained`` load (weights, config, tokenizer with chat template,
+generation config with eos/pad), then measures it on the shipped test file
+(``configs/data/arithmetic-test.jsonl``) with ``evaluate.evaluate_model_dir``.
+
+The same seed gives bit-identical weights on the same machine and torch build: the
+tokenizer does not depend on the seed, the init is seeded, and the warm start draws its
+data from the seeded stream. The directory is assembled under a temporary name and renamed
+into place, so a crashed build never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+from buffer.dataset import load_prompt_rows
+from configs import CONFIG_DIR
+from learner.tiny_model.evaluate import evaluate_model_dir
+from learner.tiny_model.tokenizer import build_tokenizer
+from learner.tiny_model.warm_start import StepCallback, WarmStartConfig, warm_start
+
+TEST_FILE = CONFIG_DIR / "data" / "arithmetic-test.jsonl"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Architecture and init of the tiny Llama (defaults: ~0.56M parameters).
+
+    Measured on the warm start, 2 CPU threads: two layers of eight narrow heads learn this
+    task several times faster per step than 3-4 layers of fewer heads or a 256-wide model,
+    and an init std of 0.06 (Hugging Face's default is 0.02) leaves the early plateau sooner.
+    """
+
+    hidden_size: int = 128
+    layers: int = 2
+    heads: int = 8
+    intermediate_size: int = 512
+    max_positions: int = 256
+    init_std: float = 0.06
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """What ``build_tiny_model`` made and how good it is on the held-out test problems."""
+
+    path: Path
+    params: int
+    seconds: float  # whole build: tokenizer, warm start, save and evaluation
+    warm_start_steps: int
+    warm_start_seconds: float
+    final_loss: float  # mean response-token loss over the last warm-start steps
+    eval_problems: int
+    heldout_accuracy: float  # greedy
+    k: int  # samples per problem behind pass_at_1 / pass_at_k
+    pass_at_1: float
+    pass_at_k: float
+
+
+def default_model_dir() -> Path:
+    """Where the launcher caches the built model: ``$XDG_CACHE_HOME/relay/models/tiny-arith``."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "relay" / "models" / "tiny-arith"
+
+
+def build_tiny_model(
+    out_dir: str | os.PathLike[str],
+    seed: int = 0,
+    *,
+    warm_start_steps: int = WarmStartConfig.steps,
+    spec: ModelSpec = ModelSpec(),
+    eval_limit: int | None = None,
+    eval_k: int = 8,
+    overwrite: bool = False,
+    on_step: StepCallback | None = None,
+) -> BuildReport:
+    """Build, save and measure the tiny arithmetic model in ``out_dir``.
+
+    ``eval_limit`` evaluates only the first rows of the test file and ``eval_k`` sets the
+    samples per problem behind pass@k (both small for quick builds in tests).
+    ``on_step(step, loss)`` reports warm-start progress. Raises ``FileExistsError`` if
+    ``out_dir`` exists and ``overwrite`` is false, or if it is a non-empty directory that
+    holds no model (``overwrite`` replaces model directories, nothing else).
+    """
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    _check_replaceable(out_dir, overwrite)
+    rows = load_prompt_rows(TEST_FILE)[:eval_limit]
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(_llama_config(spec, tokenizer))
+    trained = warm_start(
+        model, tokenizer, WarmStartConfig(steps=warm_start_steps, seed=seed), on_step=on_step
+    )
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial, save_jinja_files=False)  # template in tokenizer_config.json
+    shutil.rmtree(out_dir, ignore_errors=True)
+    partial.rename(out_dir)
+
+    measured = evaluate_model_dir(out_dir, rows, k=eval_k, seed=seed)
+    return BuildReport(
+        path=out_dir,
+        params=sum(p.numel() for p in model.parameters()),
+        seconds=time.perf_counter() - started,
+        warm_start_steps=trained.steps,
+        warm_start_seconds=trained.seconds,
+        final_loss=trained.final_loss,
+        eval_problems=measured.problems,
+        heldout_accuracy=measured.greedy_accuracy,
+        k=measured.k,
+        pass_at_1=measured.pass_at_1,
+        pass_at_k=measured.pass_at_k,
+    )
+
+
+def _check_replaceable(out_dir: Path, overwrite: bool) -> None:
+    if not out_dir.exists():
+        return
+    if not overwrite:
+        raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--force) to rebuild it")
+    holds_other_things = out_dir.is_file() or (
+        any(out_dir.iterdir()) and not (out_dir / "config.json").is_file()
+    )
+    if holds_other_things:
+        raise FileExistsError(f"{out_dir} is not a model directory; refusing to replace it")
+
+
+def _llama_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.heads,
+        max_position_embeddings=spec.max_positions,
+        initializer_range=spec.init_std,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )

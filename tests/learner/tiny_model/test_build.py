@@ -1,0 +1,107 @@
+"""build_tiny_model: a loadable, deterministic Hugging Face model directory.
+
+The fast tests build with a few warm-start steps (seconds); the slow test does the full
+default build and checks the accuracy band the RL stage relies on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from learner.tiny_model.build import build_tiny_model
+
+FAST = {"warm_start_steps": 20, "eval_limit": 16, "eval_k": 2}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, **FAST)
+
+
+def _weights(path) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+
+def test_directory_loads_with_auto_classes(built):
+    tokenizer = AutoTokenizer.from_pretrained(built.path)
+    model = AutoModelForCausalLM.from_pretrained(built.path)
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    assert isinstance(model, LlamaForCausalLM)
+    assert model.config.vocab_size == len(tokenizer)
+    assert model.config.tie_word_embeddings
+    assert built.params == sum(p.numel() for p in model.parameters()) < 2_000_000
+    assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    saved = json.loads((built.path / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == tokenizer.chat_template
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12 + 30?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert prompt == "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_generate_continues_left_padded_prompts(built):
+    tokenizer = AutoTokenizer.from_pretrained(built.path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(built.path)
+    inputs = tokenizer.apply_chat_template(
+        [[{"role": "user", "content": q}] for q in ("What is 7 + 2?", "What is 4821 - 3795?")],
+        add_generation_prompt=True,
+        padding=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    output = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    new = output[:, inputs["input_ids"].shape[1] :]
+    assert new.shape[0] == 2 and 1 <= new.shape[1] <= 8
+    assert int(new.max()) < len(tokenizer)
+    # Twenty warm-start steps are enough to learn that a response opens with the answer tag.
+    assert all(text.startswith("<answer>") for text in tokenizer.batch_decode(new))
+
+
+def test_report_describes_the_build(built):
+    assert built.path.is_dir() and not built.path.with_name("model.partial").exists()
+    assert built.warm_start_steps == 20 and math.isfinite(built.final_loss)
+    assert built.eval_problems == 16 and built.k == 2
+    assert 0.0 <= built.heldout_accuracy <= 1.0 and 0.0 <= built.pass_at_1 <= built.pass_at_k <= 1.0
+    assert built.seconds >= built.warm_start_seconds > 0
+
+
+def test_same_seed_gives_identical_weights_and_another_seed_does_not(built, tmp_path):
+    again = build_tiny_model(tmp_path / "again", seed=0, **FAST)
+    other = build_tiny_model(tmp_path / "other", seed=1, **FAST)
+    reference, same, different = _weights(built.path), _weights(again.path), _weights(other.path)
+    assert all(torch.equal(reference[name], same[name]) for name in reference)
+    assert not all(torch.equal(reference[name], different[name]) for name in reference)
+    assert again.heldout_accuracy == built.heldout_accuracy
+
+
+def test_existing_directory_is_kept_unless_overwrite(built, tmp_path):
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        build_tiny_model(built.path, **FAST)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a model directory"):
+        build_tiny_model(tmp_path, overwrite=True, **FAST)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_default_build_leaves_room_for_rl(tmp_path):
+    report = build_tiny_model(tmp_path / "model")
+    assert report.eval_problems == 300 and report.k == 8
+    assert 0.05 <= report.heldout_accuracy <= 0.60
+    assert report.pass_at_k > report.heldout_accuracy + 0.05  # sampling finds more: room for RL
