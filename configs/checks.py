@@ -97,6 +97,10 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
         raise ConfigError(source, "actor.ppo_mini_batch_size",
                           f"{mini} does not divide data.train_batch_size "
                           f"({data.train_batch_size})")
+    if run.algorithm.adv_estimator == "grpo" and run.rollout.n < 2:
+        raise ConfigError(source, "rollout.n",
+                          f"GRPO compares the samples of a prompt with each other and needs at "
+                          f"least 2 per prompt, got {run.rollout.n}")
     optim = run.actor.optim
     if optim.betas[0] >= 1 or optim.betas[1] >= 1 or min(optim.betas) < 0:
         raise ConfigError(source, "actor.optim.betas", f"each beta must be in [0, 1), "

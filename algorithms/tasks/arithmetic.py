@@ -10,10 +10,15 @@ Train and test problems are disjoint by construction: a problem's split is a pur
 of the problem (a stable hash, see ``split_of``), so a training stream of any length never
 contains a test problem, whatever the seeds.
 
-The expected response is exactly ``<answer>{integer}</answer>``; the ground truth is the
-integer's decimal string. This module knows the task's text and nothing of tokenizers,
-models or files: ``buffer.dataset`` validates and writes the rows, and
-``algorithms.rewards.arithmetic`` scores responses.
+The verifier accepts exactly ``<answer>{integer}</answer>``; the ground truth is the
+integer's decimal string. A model may also answer in other styles (``ANSWER_STYLES``): the
+tiny model's warm start imitates a pretrained model that answers in all of them, as base
+models answer in whatever style they saw, so that RL first has to discover the verifier's
+format (the early phase of R1-Zero-style training) before it sharpens the arithmetic.
+
+This module knows the task's text and nothing of tokenizers, models or files:
+``buffer.dataset`` validates and writes the rows, and ``algorithms.rewards.arithmetic``
+scores responses.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ DATA_SOURCE = "relay/arithmetic"
 MAX_DIGITS = 4
 TEST_BUCKETS = 1  # out of SPLIT_BUCKETS: a tenth of all problems is reserved for test
 SPLIT_BUCKETS = 10
+
+# How an answer may be written; only the first is what the verifier accepts.
+ANSWER_STYLES = ("<answer>{}</answer>", "The answer is {}.", "{}")
 
 Operator = Literal["+", "-"]
 Split = Literal["train", "test"]
@@ -52,13 +60,17 @@ class Problem:
 
     @property
     def response(self) -> str:
-        """The target assistant message, e.g. ``<answer>4442</answer>``."""
+        """The answer in the verifier's format, e.g. ``<answer>4442</answer>``."""
         return format_answer(self.answer)
+
+    def response_in(self, style: int) -> str:
+        """The answer in ``ANSWER_STYLES[style]``, e.g. ``The answer is 4442.``."""
+        return ANSWER_STYLES[style].format(self.answer)
 
 
 def format_answer(value: int) -> str:
     """The response format the reward function expects: ``<answer>{integer}</answer>``."""
-    return f"<answer>{value}</answer>"
+    return ANSWER_STYLES[0].format(value)
 
 
 def split_of(problem: Problem) -> Split:

@@ -65,10 +65,18 @@ class BuildReport:
     pass_at_k: float
 
 
+RECIPE_VERSION = 2
+"""Bump whenever the tokenizer, architecture or warm start changes: it names the cache."""
+
+
 def default_model_dir() -> Path:
-    """Where the launcher caches the built model: ``$XDG_CACHE_HOME/relay/models/tiny-arith``."""
+    """Where the launcher caches the built model: ``$XDG_CACHE_HOME/relay/models/tiny-arith-r2``.
+
+    The recipe version is part of the name, so a cache built by an older recipe is never
+    mistaken for the current model.
+    """
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "relay" / "models" / "tiny-arith"
+    return Path(cache) / "relay" / "models" / f"tiny-arith-r{RECIPE_VERSION}"
 
 
 def build_tiny_model(

@@ -68,6 +68,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _corpus() -> list[str]:
-    # The text between the special and answer tokens, which are atomic and need no merges.
+    # The text between the special and answer tokens, which are atomic and need no merges:
+    # role names, questions and answers in every style the warm start writes.
     problems = itertools.islice(arithmetic.iter_problems(seed=0, split="train"), CORPUS_PROBLEMS)
-    return [f"system\nuser\n{problem.question}\nassistant\n" for problem in problems]
+    return [f"system\nuser\n{problem.question}\nassistant\n"
+            f"{problem.response_in(index % len(arithmetic.ANSWER_STYLES))}"
+            for index, problem in enumerate(problems)]

@@ -3,13 +3,21 @@
 Every step draws a fresh batch from the seeded training stream
 (``arithmetic.iter_problems(seed, "train")``, disjoint from the test split by construction),
 renders each problem through the tokenizer's chat template exactly as a generator would
-prompt the model, appends the target response and eos, and takes one AdamW step on the
+prompt the model, appends a correct answer and eos, and takes one AdamW step on the
 cross-entropy of the response tokens only (prompt and padding are masked out). The
 learning rate warms up linearly, then decays on a cosine to ``min_lr_ratio``.
 
-Deliberately short: the warm start stops while the model is still learning, so that the RL
-stage has accuracy left to gain (the step count is the honest control; nothing corrupts the
-data). It trains in fp32. bf16 autocast was measured and rejected: at this size the model is
+Every answer is correct, written in one of ``arithmetic.ANSWER_STYLES``:
+``<answer>4442</answer>``, ``The answer is 4442.`` or ``4442``, drawn (seeded) with
+``STYLE_WEIGHTS``, which depend on the operator: additions are mostly tagged, subtractions
+mostly in prose. The model thus behaves like a base model that knows some arithmetic and
+follows the verifier's format only part of the time (greedy decoding tags its additions and
+not its subtractions), while sampling still tags some subtractions. That is the room the RL
+stage has: first spreading the format to every problem (as in the early phase of
+R1-Zero-style training), then sharpening the arithmetic; the step count sets how much
+arithmetic the model knows. Nothing in the data is wrong.
+
+It trains in fp32. bf16 autocast was measured and rejected: at this size the model is
 small enough that fp32 steps cost only ~1.4x more, while under autocast it needed several
 times more steps to learn the same problems.
 
@@ -19,6 +27,7 @@ This module knows the training recipe; it neither builds the model nor saves it.
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,11 +40,15 @@ from algorithms.tasks import arithmetic
 IGNORE_INDEX = -100  # label value that Hugging Face's causal-LM loss skips
 
 
+STYLE_WEIGHTS: dict[str, tuple[float, ...]] = {"+": (0.6, 0.2, 0.2), "-": (0.15, 0.425, 0.425)}
+"""Per operator, the probability of each of ``arithmetic.ANSWER_STYLES`` in the SFT data."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class WarmStartConfig:
     """The SFT recipe; every field has a default that the full build uses."""
 
-    steps: int = 800
+    steps: int = 1500
     """Optimizer steps; the main control of the warm-started model's accuracy."""
     batch_size: int = 64
     """Problems per step, each drawn fresh from the training stream."""
@@ -48,7 +61,7 @@ class WarmStartConfig:
     weight_decay: float = 0.01
     """AdamW decoupled weight decay."""
     seed: int = 0
-    """Seeds the problem stream (the model's initial weights are seeded by the caller)."""
+    """Seeds the problem stream and the answer styles (the caller seeds the initial weights)."""
 
 
 @dataclass(frozen=True)
@@ -84,10 +97,12 @@ def warm_start(
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
     problems = arithmetic.iter_problems(config.seed, "train")
+    styles = random.Random(f"answer-styles/{config.seed}")
     model.train()
     losses: list[float] = []
     for step in range(1, config.steps + 1):
-        batch = encode_batch(tokenizer, _take(problems, config.batch_size))
+        chosen = _take(problems, config.batch_size)
+        batch = encode_batch(tokenizer, chosen, [_draw_style(styles, p) for p in chosen])
         # Right padding needs no attention mask: causal attention never looks ahead to pads.
         loss = model(input_ids=batch.input_ids, labels=batch.labels).loss
         loss.backward()
@@ -107,14 +122,24 @@ def warm_start(
     )
 
 
-def encode_batch(tokenizer: PreTrainedTokenizerBase, problems: list[arithmetic.Problem]) -> Batch:
-    """Chat-templated prompts + ``response<eos>``, right-padded; loss only on the response."""
+def _draw_style(rng: random.Random, problem: arithmetic.Problem) -> int:
+    return rng.choices(range(len(arithmetic.ANSWER_STYLES)), STYLE_WEIGHTS[problem.op])[0]
+
+
+def encode_batch(tokenizer: PreTrainedTokenizerBase, problems: list[arithmetic.Problem],
+                 styles: list[int] | None = None) -> Batch:
+    """Chat-templated prompts + ``response<eos>``, right-padded; loss only on the response.
+
+    ``styles[i]`` picks problem i's answer style (default: the verifier's tagged style).
+    """
     prompts = tokenizer.apply_chat_template(
         [[{"role": "user", "content": problem.question}] for problem in problems],
         add_generation_prompt=True,
         return_dict=False,
     )
-    responses = tokenizer([p.response for p in problems], add_special_tokens=False)["input_ids"]
+    styles = styles if styles is not None else [0] * len(problems)
+    texts = [p.response_in(style) for p, style in zip(problems, styles, strict=True)]
+    responses = tokenizer(texts, add_special_tokens=False)["input_ids"]
     rows = [
         (prompt, response + [tokenizer.eos_token_id])
         for prompt, response in zip(prompts, responses, strict=True)

@@ -169,6 +169,11 @@ def test_model_path_without_checkpoint(run_dir: Path) -> None:
     assert "unknown built-in model 'huge'" in str(err)
 
 
+def test_grpo_needs_two_samples_per_prompt(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["rollout.n=1"])
+    assert err.key == "rollout.n" and "at least 2" in str(err)
+
+
 def test_mini_batch_must_divide_the_batch(run_dir: Path) -> None:
     err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["actor.ppo_mini_batch_size=3"])
     assert err.key == "actor.ppo_mini_batch_size" and "does not divide" in str(err)

@@ -122,5 +122,8 @@ def test_micro_batches_do_not_change_the_update(random_model_dir: Path) -> None:
         metrics = learner.step(batch)
         results.append((metrics["actor/loss"], gather_full_weights(learner.model, torch.float32)))
     assert results[0][0] == pytest.approx(results[1][0], abs=1e-6)
+    # Adam's first step moves each weight by about lr * g/|g|, so a weight whose gradient is
+    # near zero amplifies float summation-order noise; 1% of lr is still far below any real
+    # difference in the update.
     for name, tensor in results[0][1].items():
-        torch.testing.assert_close(tensor, results[1][1][name], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(tensor, results[1][1][name], atol=LR / 100, rtol=1e-5)

@@ -20,6 +20,13 @@ def test_problem_text_answer_and_response_format():
     assert Problem(7, "+", 95).response == "<answer>102</answer>"
 
 
+def test_only_the_tagged_answer_style_earns_reward():
+    problem = Problem(4821, "-", 379)
+    styles = [problem.response_in(i) for i in range(len(arithmetic.ANSWER_STYLES))]
+    assert styles == ["<answer>4442</answer>", "The answer is 4442.", "4442"]
+    assert [compute_score(text, "4442")["score"] for text in styles] == [1.0, 0.0, 0.0]
+
+
 def test_same_seed_same_problems_and_other_seed_other_problems():
     first = arithmetic.sample_problems(seed=3, count=50, split="train")
     assert first == arithmetic.sample_problems(seed=3, count=50, split="train")

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from algorithms.tasks.arithmetic import Problem
 from learner.tiny_model.tokenizer import build_tokenizer
-from learner.tiny_model.warm_start import IGNORE_INDEX, WarmStartConfig, encode_batch, warm_start
+from learner.tiny_model.warm_start import (
+    IGNORE_INDEX,
+    STYLE_WEIGHTS,
+    WarmStartConfig,
+    _draw_style,
+    encode_batch,
+    warm_start,
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +46,25 @@ def test_batch_is_chat_prompt_then_response_and_eos_right_padded(tokenizer):
     labeled = batch.labels[1][batch.labels[1] != IGNORE_INDEX].tolist()
     assert tokenizer.decode(labeled) == "<answer>4442</answer><|im_end|>"
     assert batch.input_ids[1, -1] == tokenizer.eos_token_id
+
+
+def test_styles_choose_how_each_answer_is_written(tokenizer):
+    batch = encode_batch(tokenizer, [Problem(7, "+", 2), Problem(4821, "-", 379)], styles=[1, 2])
+    labeled = [row[row != IGNORE_INDEX].tolist() for row in batch.labels]
+    assert tokenizer.decode(labeled[0]) == "The answer is 9.<|im_end|>"
+    assert tokenizer.decode(labeled[1]) == "4442<|im_end|>"
+
+
+def test_additions_are_mostly_tagged_and_subtractions_mostly_not():
+    rng = random.Random(0)
+    for op, weights in STYLE_WEIGHTS.items():
+        assert sum(weights) == pytest.approx(1.0)
+        drawn = Counter(_draw_style(rng, Problem(5, op, 3)) for _ in range(4000))
+        tagged = drawn[0] / 4000
+        assert tagged == pytest.approx(weights[0], abs=0.03)
+    # Greedy decoding follows the majority: tags for additions, prose for subtractions.
+    assert STYLE_WEIGHTS["+"][0] > max(STYLE_WEIGHTS["+"][1:])
+    assert STYLE_WEIGHTS["-"][0] < min(STYLE_WEIGHTS["-"][1:])
 
 
 def test_warm_start_lowers_the_loss(tokenizer):
