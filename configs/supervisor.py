@@ -102,12 +102,18 @@ class Running(msgspec.Struct):
 
 
 def push_run_dir(host: str, run_dir: Path, topology: Topology) -> None:
-    """Copy the resolved configs to the same run directory on a remote host, over ssh."""
+    """Copy the resolved configs to the same run directory on a remote host, over ssh.
+
+    Each file is written under a temporary name and renamed into place, so a run directory
+    on a filesystem the hosts share is never truncated while it is being read.
+    """
     ssh = [*shlex.split(topology.launcher.ssh), host]
     subprocess.run([*ssh, f"mkdir -p {shlex.quote(str(run_dir))}"], check=True, timeout=60)
     for name in (RESOLVED_TOPOLOGY, RESOLVED_RUN):
+        target = shlex.quote(str(run_dir / name))
+        partial = shlex.quote(str(run_dir / f".{name}.{os.getpid()}.partial"))
         with open(run_dir / name, "rb") as source:
-            subprocess.run([*ssh, f"cat > {shlex.quote(str(run_dir / name))}"], stdin=source,
+            subprocess.run([*ssh, f"cat > {partial} && mv {partial} {target}"], stdin=source,
                            check=True, timeout=60)
 
 
