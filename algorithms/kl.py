@@ -10,16 +10,22 @@ With log-ratio d = log pi_theta(x) - log pi_ref(x) and x ~ pi_theta (Schulman, 2
 
 k3 is clamped to [-10, 10] as verl does. Names follow verl's ``kl_loss_type``/``kl_penalty``.
 Computed in fp32; gradient flows through ``logprobs`` only.
+
+KL in the reward (verl's ``algorithm.use_kl_in_reward``): ``kl_reward_penalty`` turns the
+estimator named by ``algorithm.kl_penalty`` into per-token rewards -beta * kl_t, and the
+coefficient beta comes from a controller built by ``make_kl_controller`` from
+``algorithm.kl_ctrl`` (``type``, ``kl_coef``, ``target_kl``, ``horizon``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
 K3_CLAMP = 10.0
+KLControllerType = Literal["fixed", "adaptive"]
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType) -> torch.Tensor:
@@ -34,3 +40,76 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType)
     if kind in ("low_var_kl", "k3"):
         return (torch.exp(-d) - 1.0 + d).clamp(-K3_CLAMP, K3_CLAMP)
     raise ValueError(f"unknown KL estimator {kind!r}; valid: kl/k1, abs, mse/k2, low_var_kl/k3")
+
+
+class FixedKLController:
+    """Constant KL coefficient: ``value`` stays ``kl_coef`` and ``update`` does nothing."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op; present so both controllers share one interface."""
+
+
+class AdaptiveKLController:
+    """Proportional controller steering the measured KL towards ``target_kl``.
+
+    Ziegler et al., 2019, "Fine-Tuning Language Models from Human Preferences", sec. 2.2
+    (arXiv:1909.08593). After each batch of ``n_steps`` samples with mean KL ``current_kl``:
+
+        error  = clip(current_kl / target_kl - 1, -0.2, 0.2)
+        value *= 1 + error * n_steps / horizon
+    """
+
+    ERROR_CLIP = 0.2
+
+    def __init__(self, kl_coef: float, target_kl: float, horizon: int) -> None:
+        self.value = kl_coef
+        self.target_kl = target_kl
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Scale ``value`` up when KL is above target, down when below (see class docstring)."""
+        error = min(max(current_kl / self.target_kl - 1.0, -self.ERROR_CLIP), self.ERROR_CLIP)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+def make_kl_controller(
+    kind: KLControllerType, kl_coef: float, target_kl: float, horizon: int
+) -> FixedKLController | AdaptiveKLController:
+    """Build the controller named by ``algorithm.kl_ctrl.type`` ("fixed" or "adaptive")."""
+    if kind == "fixed":
+        return FixedKLController(kl_coef)
+    if kind == "adaptive":
+        if target_kl <= 0:
+            raise ValueError(f"kl_ctrl.target_kl must be > 0 for adaptive, got {target_kl}")
+        if horizon <= 0:
+            raise ValueError(f"kl_ctrl.horizon must be > 0 for adaptive, got {horizon}")
+        return AdaptiveKLController(kl_coef, target_kl, horizon)
+    known = ", ".join(get_args(KLControllerType))
+    raise ValueError(f"unknown kl_ctrl.type {kind!r}; valid: {known}")
+
+
+def kl_reward_penalty(
+    logprobs: torch.Tensor,
+    reference_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    coef: float,
+    kl_type: KLType,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL penalty folded into the reward, as verl's ``apply_kl_penalty``.
+
+    With kl_t the per-token estimate of ``kl_type`` (see the module docstring) and m_t the
+    response mask, returns (both detached, fp32):
+
+        token_rewards  (B, T)  -coef * kl_t * m_t        added to the outcome rewards
+        sequence_kl    (B,)    sum_t kl_t m_t / sum_t m_t  (0 for an empty response)
+
+    The caller averages ``sequence_kl`` over the batch and passes it to the controller's
+    ``update(current_kl, n_steps=batch_size)``.
+    """
+    mask = response_mask.float()
+    kl = kl_penalty(logprobs.detach(), reference_logprobs, kl_type) * mask
+    sequence_kl = kl.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+    return -coef * kl, sequence_kl

@@ -1,84 +1,422 @@
-"""The decoupled PPO policy loss, with the staleness correction of asynchronous training.
+"""Policy-loss modes, as verl's ``actor.policy_loss.loss_mode``, on the proximal ratio.
 
-Three policies meet here (Hilton et al., 2022, "Batch size-invariance for policy
-optimization"; Fu et al., 2025, AReaL):
+Every mode is a pure function of the current log-probs ``logprobs`` (log pi_theta, the only
+input that carries gradient), the proximal log-probs ``proximal_logprobs`` (log pi_prox: the
+learner's weights before this update), the per-token ``advantages`` A and the float
+``response_mask`` m, all (B, T), and returns a per-token loss (B, T) plus detached diagnostics.
+The ratio is r = pi_theta / pi_prox. The off-policy correction between the behavior policy
+and pi_prox (importance weight and masks) lives elsewhere: the learner multiplies it into
+the per-token loss and then aggregates with its ``loss_agg_mode`` over the response mask.
 
-- behavior  pi_b: the (possibly stale) weights that sampled the tokens on a generator;
-- proximal  pi_prox: the learner's weights before this update (log-probs recomputed);
-- current   pi_theta: the weights being optimized.
+Log-prob arithmetic is in fp32 and token log ratios are clamped to [-20, 20] before
+exponentiation. Masked tokens never influence the loss or gradient of unmasked tokens, but
+their own entries are not zeroed: the aggregation masks them.
 
-Per response token, with advantage A and r = pi_theta / pi_prox:
-
-    pg1 = -A * r
-    pg2 = -A * clip(r, 1 - eps_low, 1 + eps_high)        (DAPO's clip-higher: eps_high > eps_low)
-    pg  = max(pg1, pg2)                                   (PPO, Schulman et al., 2017)
-    pg  = min(pg, -A * c)          where A < 0            (dual-clip, Ye et al., 2020; c > 1)
-    w   = min(pi_prox / pi_b, cap)                        (truncated importance weight; no grad)
-    loss_t = w * pg
-
-``cap = 0`` turns the importance weight off (w = 1). With eta = 0 (synchronous) behavior and
-proximal coincide, w = 1 and this is vanilla PPO. Log-prob arithmetic is in fp32 and the log
-ratio is clamped to [-20, 20] before exponentiation.
+    mode      per-token loss (eps_l, eps_h = clip_ratio_low/high)           loss_agg_mode
+    vanilla   max(-A r, -A clip(r, 1-eps_l, 1+eps_h)), dual-clip min(., -A c) for A<0  token-mean
+    gspo      the same clipped surrogate on s_i = exp(mean_t log r_it)      seq-mean-token-mean
+    clip_cov  vanilla without dual-clip, random high-covariance tokens -> 0 token-mean
+    kl_cov    -A r, plus ppo_kl_coef |log r| on the top-k covariance tokens token-mean
+    gpg       -A log pi_theta                                               token-mean
+    geo_mean  -A_i exp(mean_t clip_log(log r_it)) broadcast over the row    seq-mean-token-mean
+    cispo     -sg(clip(r, 1-eps_l, 1+eps_h)) A log pi_theta                 token-mean
+    sapo      -A (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos/tau_neg by sign of A
+                                                                            seq-mean-token-mean
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import msgspec
 import torch
+
+from algorithms.aggregation import masked_mean
 
 LOG_RATIO_CLAMP = 20.0
 
 
+@dataclass(frozen=True)
+class PolicyLossParams:
+    """Hyperparameters of the policy loss, named as verl's actor config.
+
+    loss_mode: a key of ``LOSS_MODES``.
+    clip_ratio_low, clip_ratio_high: eps_low / eps_high of the ratio clip (vanilla, gspo,
+        clip_cov, cispo; for geo_mean the bounds of log r). DAPO's clip-higher sets
+        eps_high > eps_low; GSPO's paper uses 3e-4 / 4e-4, GMPO's 0.4 / 0.4 (in log space).
+    clip_ratio_c: dual-clip bound c > 1 for A < 0 (vanilla only; Ye et al., 2020).
+    clip_cov_ratio: fraction of response tokens whose gradient clip_cov may detach.
+    clip_cov_lb, clip_cov_ub: clip_cov picks tokens with covariance in (lb, ub).
+    kl_cov_ratio: fraction of response tokens that kl_cov penalizes.
+    ppo_kl_coef: kl_cov's coefficient on |log r|.
+    tau_pos, tau_neg: SAPO's gate temperatures for A > 0 and A <= 0 (tau_neg > tau_pos
+        damps negative updates faster).
+    """
+
+    loss_mode: str = "vanilla"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+
+    def __post_init__(self) -> None:
+        _loss_mode_fn(self.loss_mode)
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1 (dual-clip bound), got {self.clip_ratio_c}")
+        if min(self.clip_ratio_low, self.clip_ratio_high) < 0.0:
+            raise ValueError("clip_ratio_low and clip_ratio_high must be >= 0")
+        if min(self.tau_pos, self.tau_neg) <= 0.0:
+            raise ValueError("tau_pos and tau_neg must be > 0")
+        if min(self.clip_cov_ratio, self.kl_cov_ratio) <= 0.0:
+            raise ValueError("clip_cov_ratio and kl_cov_ratio must be > 0")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError("clip_cov_lb must be < clip_cov_ub")
+
+
 class PolicyLossTerms(msgspec.Struct, frozen=True):
-    """Per-token loss (B, T) and detached per-token diagnostics (B, T)."""
+    """Per-token loss and detached per-token diagnostics, all (B, T)."""
 
-    loss: torch.Tensor
-    ratio: torch.Tensor  # pi_theta / pi_prox
-    clipped: torch.Tensor  # bool: the clipped branch was taken (PPO or dual clip)
-    importance_weight: torch.Tensor  # w after truncation
-    importance_weight_raw: torch.Tensor  # pi_prox / pi_b before truncation
-    approx_kl: torch.Tensor  # k3 estimate of KL(pi_prox || pi_theta) per token
+    loss: torch.Tensor  # fp32, to be aggregated by the learner over the response mask
+    ratio: torch.Tensor  # the ratio the mode clips (sequence-level ones broadcast over T)
+    clipped: torch.Tensor  # bool: the mode clipped, detached, gated out or penalized the token
+    approx_kl: torch.Tensor  # k3 estimate of KL(pi_prox || pi_theta): (r - 1) - log r
 
 
-def decoupled_ppo_loss(
+def vanilla_policy_loss(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,
-    behavior_logprobs: torch.Tensor,
     advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    params: PolicyLossParams,
     *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    behav_imp_weight_cap: float = 2.0,
+    generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
-    """The decoupled PPO loss per token (see the module docstring for the formula).
+    """PPO's clipped surrogate with clip-higher and dual-clip, per token (B, T).
 
-    Shapes: every input (B, T); ``advantages`` already broadcast over tokens. Only
-    ``logprobs`` carries gradient; the others are treated as constants.
+        pg  = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))    (Schulman et al., 2017;
+                                                                   DAPO, Yu et al., 2025)
+        pg  = min(pg, -A c)                      where A < 0      (dual-clip, Ye et al., 2020)
+
+    Recommended loss_agg_mode: token-mean.
     """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 (dual-clip bound), got {clip_ratio_c}")
-    logprobs = logprobs.float()
-    proximal = proximal_logprobs.detach().float()
-    behavior = behavior_logprobs.detach().float()
-    advantages = advantages.detach().float()
+    log_ratio = _log_ratio(logprobs, proximal_logprobs)
+    ratio = log_ratio.exp()
+    adv = _constant(advantages)
+    pg_loss, clipped = _clipped_surrogate(ratio, adv, params)
+    dual_bound = -adv * params.clip_ratio_c
+    dual_clipped = (adv < 0) & (dual_bound < pg_loss)
+    loss = torch.where(dual_clipped, dual_bound, pg_loss)
+    return _terms(loss, ratio, clipped | dual_clipped, log_ratio)
 
-    log_ratio = (logprobs - proximal).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    clip_pg_loss = torch.maximum(pg_loss1, pg_loss2)
-    pg_loss3 = -advantages * clip_ratio_c
-    dual_clipped = torch.minimum(clip_pg_loss, pg_loss3)
-    pg_loss = torch.where(advantages < 0, dual_clipped, clip_pg_loss)
 
-    with torch.no_grad():
-        raw_weight = torch.exp((proximal - behavior).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        weight = raw_weight.clamp(max=behav_imp_weight_cap) if behav_imp_weight_cap > 0 \
-            else torch.ones_like(raw_weight)
-        clipped = (pg_loss2 > pg_loss1) | ((advantages < 0) & (pg_loss3 < clip_pg_loss))
-        approx_kl = (ratio - 1.0) - log_ratio  # k3 of KL(prox || theta)
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    params: PolicyLossParams,
+    *,
+    generator: torch.Generator | None = None,
+) -> PolicyLossTerms:
+    """GSPO-token: the clipped surrogate on the length-normalized sequence ratio.
 
-    return PolicyLossTerms(loss=pg_loss * weight, ratio=ratio.detach(), clipped=clipped,
-                           importance_weight=weight, importance_weight_raw=raw_weight,
-                           approx_kl=approx_kl)
+    Zheng et al., 2025, "Group Sequence Policy Optimization". With |y_i| the row's mask sum,
+
+        s_i   = exp((1 / |y_i|) sum_t m_it log r_it)
+        s_it  = sg(s_i) * pi_theta(y_it) / sg(pi_theta(y_it))     (value s_i, grad s_i dlogp_it)
+        loss  = max(-A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high))
+
+    Shapes: (B, T) in and out; ``ratio`` is s_i broadcast over the row. Recommended
+    loss_agg_mode: seq-mean-token-mean, which gives GSPO's (1/B) sum_i of the sequence
+    objective and its gradient s_i A_i (1/|y_i|) sum_t grad log pi_theta(y_it).
+    """
+    log_ratio = _log_ratio(logprobs, proximal_logprobs)
+    mask = response_mask.float()
+    seq_log_ratio = (log_ratio.detach() * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    current = logprobs.float()
+    ratio = torch.exp(seq_log_ratio.unsqueeze(-1) + current - current.detach())
+    loss, clipped = _clipped_surrogate(ratio, _constant(advantages), params)
+    return _terms(loss, ratio, clipped, log_ratio)
+
+
+def clip_cov_policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    params: PolicyLossParams,
+    *,
+    generator: torch.Generator | None = None,
+) -> PolicyLossTerms:
+    """Clip-Cov: detach the gradient of a few tokens with high logp/advantage covariance.
+
+    Cui et al., 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+    Language Models". Over the batch's response tokens (means taken over the mask),
+
+        cov_t = (A_t - mean A) (log pi_theta_t - mean log pi_theta)
+        pick  = max(1, floor(clip_cov_ratio * sum m)) tokens drawn uniformly (``generator``)
+                among unmasked, not PPO-clipped tokens with clip_cov_lb < cov_t < clip_cov_ub
+        loss  = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), set to 0 on picked tokens
+
+    As in verl (and the paper's code) the picked tokens' loss is zeroed, which detaches their
+    gradient. No dual-clip. The count and means are over this call's batch. Shapes: (B, T) in
+    and out; ``clipped`` marks PPO-clipped and picked tokens. Recommended loss_agg_mode:
+    token-mean.
+    """
+    log_ratio = _log_ratio(logprobs, proximal_logprobs)
+    ratio = log_ratio.exp()
+    adv = _constant(advantages)
+    mask = response_mask.float()
+    pg_loss, ppo_clipped = _clipped_surrogate(ratio, adv, params)
+    cov = _centered_covariance(adv, logprobs, mask)
+    candidates = (mask > 0) & ~ppo_clipped & (cov > params.clip_cov_lb) & (cov < params.clip_cov_ub)
+    budget = max(int(params.clip_cov_ratio * float(mask.sum())), 1)
+    picked = _random_subset(candidates, budget, generator)
+    loss = pg_loss.masked_fill(picked, 0.0)
+    return _terms(loss, ratio, ppo_clipped | picked, log_ratio)
+
+
+def kl_cov_policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    params: PolicyLossParams,
+    *,
+    generator: torch.Generator | None = None,
+) -> PolicyLossTerms:
+    """KL-Cov: an unclipped surrogate with a KL penalty on the top-covariance tokens.
+
+    Cui et al., 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+    Language Models". With cov_t as in ``clip_cov_policy_loss`` and
+    k = max(1, floor(kl_cov_ratio * sum m)) unmasked tokens of largest cov_t,
+
+        loss = -A r + ppo_kl_coef |log r|     on the top-k tokens
+        loss = -A r                           elsewhere
+
+    No ratio clipping. Shapes: (B, T) in and out; ``clipped`` marks the penalized tokens.
+    Recommended loss_agg_mode: token-mean.
+    """
+    log_ratio = _log_ratio(logprobs, proximal_logprobs)
+    ratio = log_ratio.exp()
+    adv = _constant(advantages)
+    mask = response_mask.float()
+    valid = mask > 0
+    cov = _centered_covariance(adv, logprobs, mask).masked_fill(~valid, -torch.inf)
+    penalized = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+    num_valid = int(valid.sum())
+    if num_valid > 0:
+        k = max(int(params.kl_cov_ratio * num_valid), 1)
+        penalized[cov.reshape(-1).topk(k).indices] = True
+    penalized = penalized.view_as(valid)
+    loss = -adv * ratio + torch.where(penalized, params.ppo_kl_coef * log_ratio.abs(), 0.0)
+    return _terms(loss, ratio, penalized, log_ratio)
+
+
+def gpg_policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    params: PolicyLossParams,
+    *,
+    generator: torch.Generator | None = None,
+) -> PolicyLossTerms:
+    """GPG: plain policy gradient, no ratio and no clipping.
+
+    Chu et al., 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model
+    Reasoning".
+
+        loss = -A log pi_theta
+
+    Shapes: (B, T) in and out; ``ratio`` is r, reported only; ``clipped`` is all False.
+    Recommended loss_agg_mode: token-mean.
+    """
+    log_ratio = _log_ratio(logprobs, proximal_logprobs)
+    loss = -_constant(advantages) * logprobs.float()
+    return _terms(loss, log_ratio.exp(), torch.zeros_like(loss, dtype=torch.bool), log_ratio)
+
+
+def geo_mean_policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    params: PolicyLossParams,
+    *,
+    generator: torch.Generator | None = None,
+) -> PolicyLossTerms:
+    """GMPO: the geometric mean of token ratios, each clipped pessimistically in log space.
+
+    Zhao et al., 2025, "Geometric-Mean Policy Optimization". With sgn = sign(A) and
+    |y_i| the row's mask sum,
+
+        l_it  = sgn min(sgn log r_it, sgn clip(log r_it, -eps_low, eps_high))
+        A_i   = (1 / |y_i|) sum_t m_it A_it
+        L_i   = -A_i exp((1 / |y_i|) sum_t m_it l_it)
+        loss_it = L_i                                          (broadcast over the row)
+
+    Shapes: (B, T) in and out; ``ratio`` is the token ratio r that is clipped. Recommended
+    loss_agg_mode: seq-mean-token-mean, which gives GMPO's (1/B) sum_i L_i (token-mean would
+    weight each sequence by its length). The paper uses eps_low = eps_high = 0.4.
+    """
+    log_ratio = _log_ratio(logprobs, proximal_logprobs)
+    adv = _constant(advantages)
+    mask = response_mask.float()
+    sign = adv.sign()
+    bounded = log_ratio.clamp(-params.clip_ratio_low, params.clip_ratio_high)
+    token_log_ratio = sign * torch.minimum(sign * log_ratio, sign * bounded)
+    clipped = sign * bounded < sign * log_ratio
+    lengths = mask.sum(-1).clamp(min=1.0)
+    seq_ratio = torch.exp((token_log_ratio * mask).sum(-1) / lengths)
+    seq_advantage = (adv * mask).sum(-1) / lengths
+    loss = (-seq_advantage * seq_ratio).unsqueeze(-1).expand_as(log_ratio)
+    return _terms(loss, log_ratio.exp(), clipped, log_ratio)
+
+
+def cispo_policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    params: PolicyLossParams,
+    *,
+    generator: torch.Generator | None = None,
+) -> PolicyLossTerms:
+    """CISPO: REINFORCE weighted by the clipped, stop-gradient ratio; no token is dropped.
+
+    MiniMax, 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+    Attention".
+
+        loss = -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_theta
+
+    Shapes: (B, T) in and out; ``clipped`` marks r outside the bounds. The paper sets no
+    lower bound in effect (a large eps_low). Recommended loss_agg_mode: token-mean (the
+    paper normalizes by the total token count).
+    """
+    log_ratio = _log_ratio(logprobs, proximal_logprobs)
+    ratio = log_ratio.exp()
+    weight = ratio.detach().clamp(1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
+    loss = -weight * _constant(advantages) * logprobs.float()
+    return _terms(loss, ratio, weight != ratio.detach(), log_ratio)
+
+
+def sapo_policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    params: PolicyLossParams,
+    *,
+    generator: torch.Generator | None = None,
+) -> PolicyLossTerms:
+    """SAPO: a smooth sigmoid gate on the ratio instead of a hard clip.
+
+    Gao et al. (Qwen), 2025, "Soft Adaptive Policy Optimization".
+
+        tau  = tau_pos if A > 0 else tau_neg
+        loss = -A (4 / tau) sigmoid(tau (r - 1))
+
+    The gate's gradient 4 sigmoid (1 - sigmoid) r dlogp equals the plain policy gradient at
+    r = 1 and fades smoothly as r leaves 1. Shapes: (B, T) in and out; ``clipped`` is all
+    False. Recommended loss_agg_mode: seq-mean-token-mean (as verl enforces).
+    """
+    log_ratio = _log_ratio(logprobs, proximal_logprobs)
+    ratio = log_ratio.exp()
+    adv = _constant(advantages)
+    tau = torch.where(adv > 0, params.tau_pos, params.tau_neg)
+    loss = -adv * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return _terms(loss, ratio, torch.zeros_like(loss, dtype=torch.bool), log_ratio)
+
+
+LOSS_MODES: dict[str, Callable[..., PolicyLossTerms]] = {
+    "vanilla": vanilla_policy_loss,
+    "gspo": gspo_policy_loss,
+    "clip_cov": clip_cov_policy_loss,
+    "kl_cov": kl_cov_policy_loss,
+    "gpg": gpg_policy_loss,
+    "geo_mean": geo_mean_policy_loss,
+    "cispo": cispo_policy_loss,
+    "sapo": sapo_policy_loss,
+}
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    params: PolicyLossParams,
+    *,
+    generator: torch.Generator | None = None,
+) -> PolicyLossTerms:
+    """The per-token loss of ``params.loss_mode`` (see the module docstring).
+
+    Every input is (B, T); ``advantages`` already broadcast over tokens; ``response_mask``
+    float. ``generator`` drives clip_cov's random choice (the global RNG if None); other
+    modes are deterministic and ignore it.
+    """
+    mode_fn = _loss_mode_fn(params.loss_mode)
+    return mode_fn(logprobs, proximal_logprobs, advantages, response_mask, params,
+                   generator=generator)
+
+
+def _loss_mode_fn(loss_mode: str) -> Callable[..., PolicyLossTerms]:
+    if loss_mode not in LOSS_MODES:
+        raise ValueError(f"unknown loss_mode {loss_mode!r}; known: {', '.join(LOSS_MODES)}")
+    return LOSS_MODES[loss_mode]
+
+
+def _constant(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().float()
+
+
+def _log_ratio(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor) -> torch.Tensor:
+    """log r in fp32, clamped to [-20, 20]; gradient flows through ``logprobs`` only."""
+    log_ratio = logprobs.float() - _constant(proximal_logprobs)
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, params: PolicyLossParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) and where the clipped term won."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).detach()
+
+
+def _centered_covariance(
+    advantages: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """(A_t - mean A) (log pi_t - mean log pi) per token, means over the mask; no grad."""
+    logprobs = _constant(logprobs)
+    return ((advantages - masked_mean(advantages, mask))
+            * (logprobs - masked_mean(logprobs, mask)))
+
+
+def _random_subset(
+    candidates: torch.Tensor, budget: int, generator: torch.Generator | None
+) -> torch.Tensor:
+    """A bool mask of min(budget, #candidates) entries of ``candidates`` drawn uniformly."""
+    indices = candidates.reshape(-1).nonzero().squeeze(-1)
+    device = generator.device if generator is not None else torch.device("cpu")
+    order = torch.randperm(indices.numel(), generator=generator, device=device)
+    picked = torch.zeros(candidates.numel(), dtype=torch.bool, device=candidates.device)
+    picked[indices[order[:budget].to(indices.device)]] = True
+    return picked.view_as(candidates)
+
+
+def _terms(
+    loss: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, log_ratio: torch.Tensor
+) -> PolicyLossTerms:
+    log_ratio = log_ratio.detach()
+    return PolicyLossTerms(loss=loss, ratio=ratio.detach(), clipped=clipped.detach(),
+                           approx_kl=torch.expm1(log_ratio) - log_ratio)

@@ -19,6 +19,8 @@ from configs.topology_schema import Topology
 from transport.endpoints import is_loopback
 
 BUILTIN_MODELS = ("tiny-arith",)
+# Advantage estimators whose baseline comes from the other samples of the same prompt.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
 
 
 def load_topology(path: str | Path, overrides: Iterable[str] = ()) -> Topology:
@@ -97,10 +99,16 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
         raise ConfigError(source, "actor.ppo_mini_batch_size",
                           f"{mini} does not divide data.train_batch_size "
                           f"({data.train_batch_size})")
-    if run.algorithm.adv_estimator == "grpo" and run.rollout.n < 2:
+    estimator = run.algorithm.adv_estimator
+    if estimator in GROUP_ESTIMATORS and run.rollout.n < 2:
         raise ConfigError(source, "rollout.n",
-                          f"GRPO compares the samples of a prompt with each other and needs at "
-                          f"least 2 per prompt, got {run.rollout.n}")
+                          f"{estimator} compares the samples of a prompt with each other and "
+                          f"needs at least 2 per prompt, got {run.rollout.n}")
+    correction = run.algorithm.rollout_correction
+    if correction.rollout_rs_threshold_lower > correction.rollout_rs_threshold:
+        raise ConfigError(source, "algorithm.rollout_correction.rollout_rs_threshold_lower",
+                          f"{correction.rollout_rs_threshold_lower} is above "
+                          f"rollout_rs_threshold ({correction.rollout_rs_threshold})")
     optim = run.actor.optim
     if optim.betas[0] >= 1 or optim.betas[1] >= 1 or min(optim.betas) < 0:
         raise ConfigError(source, "actor.optim.betas", f"each beta must be in [0, 1), "

@@ -88,12 +88,37 @@ class OptimConfig(_Section):
     min_lr_ratio: Fraction = 0.0
 
 
+KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+
+
+class PolicyLossConfig(_Section):
+    """verl's ``actor.policy_loss``: the surrogate objective (``algorithms.policy_loss``).
+
+    ``loss_mode`` picks it; the other keys belong to the modes that name them
+    (``clip_cov_*`` to clip_cov, ``kl_cov_ratio`` and ``ppo_kl_coef`` to kl_cov, ``tau_*``
+    to sapo). Every mode clips or gates the ratio current / proximal.
+    """
+
+    loss_mode: Literal[
+        "vanilla", "gspo", "clip_cov", "kl_cov", "gpg", "geo_mean", "cispo", "sapo"
+    ] = "vanilla"
+    clip_cov_ratio: Fraction = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: Fraction = 0.0002
+    ppo_kl_coef: NonNegativeFloat = 0.1
+    tau_pos: PositiveFloat = 1.0
+    tau_neg: PositiveFloat = 1.05
+
+
 class ActorConfig(_Section):
     """The policy update (verl's ``actor_rollout_ref.actor``).
 
     ``ppo_mini_batch_size`` counts prompts per optimizer step; ``ppo_micro_batch_size_per_gpu``
-    counts sequences per forward/backward. ``behav_imp_weight_cap`` (AReaL's name) truncates
-    the importance weight proximal/behavior; 0 turns the correction off.
+    counts sequences per forward/backward. ``proximal_logprobs`` (Relay) says how the
+    proximal policy's log-probs are obtained when a step makes several updates:
+    ``recompute`` runs a forward pass with the weights before the step; ``a3po``
+    interpolates between behavior and current log-probs by version (A-3PO) and skips it.
     """
 
     clip_ratio_low: NonNegativeFloat = 0.2
@@ -102,23 +127,70 @@ class ActorConfig(_Section):
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
+    policy_loss: PolicyLossConfig = msgspec.field(default_factory=PolicyLossConfig)
     use_kl_loss: bool = False
-    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    kl_loss_type: KLEstimator = "low_var_kl"
     kl_loss_coef: NonNegativeFloat = 0.001
     entropy_coeff: float = 0.0
     grad_clip: PositiveFloat = 1.0
     ppo_epochs: Positive = 1
     ppo_mini_batch_size: NonNegative = 0  # 0: the whole train batch (one update per step)
     ppo_micro_batch_size_per_gpu: Positive = 64
-    behav_imp_weight_cap: NonNegativeFloat = 2.0
+    proximal_logprobs: Literal["recompute", "a3po"] = "recompute"  # Relay
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
 
 
-class AlgorithmConfig(_Section):
-    """Advantage estimation (verl's ``algorithm``)."""
+class KLControlConfig(_Section):
+    """verl's ``algorithm.kl_ctrl``: the coefficient of KL in the reward.
 
-    adv_estimator: Literal["grpo"] = "grpo"
+    ``fixed`` keeps ``kl_coef``; ``adaptive`` (Ziegler et al., 2019) moves it toward
+    ``target_kl`` over ``horizon`` samples.
+    """
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: NonNegativeFloat = 0.001
+    horizon: Positive = 10000
+    target_kl: PositiveFloat = 0.1
+
+
+class RolloutCorrectionConfig(_Section):
+    """verl's ``algorithm.rollout_correction``: behavior -> proximal off-policy correction.
+
+    ``rollout_is`` weights each token (``token``) or sequence (``sequence``) by the truncated
+    ratio proximal / behavior (cap ``rollout_is_threshold``); ``rollout_rs`` masks tokens,
+    sequences, or sequences by geometric-mean ratio outside
+    [``rollout_rs_threshold_lower``, ``rollout_rs_threshold``] (MIS / IcePop); ``m2po``
+    (Relay) masks the largest log-ratios until their second moment is at most ``m2po_tau``.
+    """
+
+    rollout_is: Literal["none", "token", "sequence"] = "token"
+    rollout_is_threshold: PositiveFloat = 2.0
+    rollout_rs: Literal["none", "token", "sequence", "geometric"] = "none"
+    rollout_rs_threshold: PositiveFloat = 2.0
+    rollout_rs_threshold_lower: PositiveFloat = 0.5
+    m2po: bool = False
+    m2po_tau: PositiveFloat = 0.04
+
+
+class AlgorithmConfig(_Section):
+    """Advantage estimation, KL in the reward and off-policy correction (verl's ``algorithm``).
+
+    ``gae`` (with a critic) and ``remax`` (greedy baselines from the generators) are not
+    available yet.
+    """
+
+    adv_estimator: Literal[
+        "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "gpg",
+        "grpo_passk"
+    ] = "grpo"
     norm_adv_by_std_in_grpo: bool = True
+    gamma: Fraction = 1.0
+    lam: Fraction = 1.0
+    use_kl_in_reward: bool = False
+    kl_penalty: KLEstimator = "kl"
+    kl_ctrl: KLControlConfig = msgspec.field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = msgspec.field(
+        default_factory=RolloutCorrectionConfig)
 
 
 class BufferConfig(_Section):

@@ -102,7 +102,7 @@ class TrainLoop:
         rollout = {} if self.rank0 is None else batch_metrics(batch, train, self.version,
                                                                self.run.buffer.max_staleness)
         trained_at = time.monotonic()
-        metrics = self.learner.step(train)
+        metrics = self.learner.step(train, self.version)
         train_seconds = time.monotonic() - trained_at
         if step % self.run.trainer.publish_every == 0:
             self._publish(step)

@@ -41,7 +41,7 @@ def build_learner(ctx: RunContext, device: torch.device) -> Learner:
     model = load_sharded(run.model.path, compute_dtype=dtype, device=device,
                          trust_remote_code=run.model.trust_remote_code)
     reference = None
-    if run.actor.use_kl_loss:
+    if run.actor.use_kl_loss or run.algorithm.use_kl_in_reward:
         reference = load_sharded(run.model.path, compute_dtype=dtype, device=device,
                                  trust_remote_code=run.model.trust_remote_code, trainable=False)
     optimizer = build_optimizer(model, run.actor.optim)

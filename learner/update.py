@@ -7,9 +7,23 @@ averages gradients across ranks: so the update does not depend on the number of 
 micro-batches. Every rank runs the same number of forward/backward passes (FSDP's
 collectives need it); a rank with fewer rows pads with a zero-weighted pass.
 
+Per token, the loss is the configured surrogate (``algorithms.policy_loss``, ratio current /
+proximal) times the off-policy correction (``algorithms.off_policy``: truncated importance
+weight proximal / behavior, rejection masks). Tokens a correction rejects contribute zero
+loss but still count in the aggregation's denominators, so rejecting never up-weights the
+tokens that remain (and the update stays independent of ranks and micro-batches).
+
 Proximal log-probs are the policy's before this step's first optimizer step. With one
 update per step (one epoch, one mini-batch) they equal the detached log-probs of the same
-forward pass, which saves a forward pass; otherwise they are recomputed up front.
+forward pass, which saves a forward pass. Otherwise they are recomputed up front
+(``actor.proximal_logprobs = "recompute"``) or, for every update after the first,
+interpolated between behavior and current log-probs by version (``"a3po"``), where the
+j-th of the step's u updates counts as version ``v + j / u``. KL in the reward and M2PO
+(a batch-level mask) need them up front in every case. M2PO's second moment is taken over
+the rows each rank trains (the whole batch at one rank).
+
+Advantages are computed once per step on the whole batch (``algorithms.advantages``), after
+KL in the reward, when on, has added ``-beta * KL(proximal || reference)`` per token.
 """
 
 from __future__ import annotations
@@ -22,11 +36,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from algorithms.advantages import grpo_advantages
+from algorithms.advantages import AdvantageInputs, AdvantageParams, compute_advantages
 from algorithms.aggregation import aggregate_loss
-from algorithms.kl import kl_penalty
+from algorithms.kl import kl_penalty, kl_reward_penalty, make_kl_controller
 from algorithms.logprobs import entropy_from_logits, token_logprobs
-from algorithms.policy_loss import PolicyLossTerms, decoupled_ppo_loss
+from algorithms.off_policy import (
+    Correction,
+    CorrectionParams,
+    a3po_proximal_logprobs,
+    off_policy_correction,
+)
+from algorithms.policy_loss import PolicyLossParams, PolicyLossTerms, policy_loss
 from configs.run_schema import ActorConfig, AlgorithmConfig
 from learner.batch import TrainBatch
 
@@ -94,6 +114,18 @@ class Learner:
         self.settings, self.reference, self.group = settings, reference, group
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        actor, algorithm = settings.actor, settings.algorithm
+        if (actor.use_kl_loss or algorithm.use_kl_in_reward) and reference is None:
+            raise ValueError("KL (actor.use_kl_loss or algorithm.use_kl_in_reward) needs the "
+                             "frozen reference model")
+        self.loss_params = PolicyLossParams(
+            clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+            clip_ratio_c=actor.clip_ratio_c, **msgspec.structs.asdict(actor.policy_loss))
+        self.correction = CorrectionParams(
+            **msgspec.structs.asdict(algorithm.rollout_correction))
+        ctrl = algorithm.kl_ctrl
+        self.kl_ctrl = make_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl,
+                                          ctrl.horizon) if algorithm.use_kl_in_reward else None
 
     def mini_batches(self, batch: TrainBatch) -> Iterator[torch.Tensor]:
         """Row indices of each mini-batch (whole groups, in order)."""
@@ -103,29 +135,54 @@ class Learner:
             chosen = groups[start:start + per_mini]
             yield torch.isin(batch.group_ids, chosen).nonzero().squeeze(-1)
 
-    def step(self, batch: TrainBatch) -> dict[str, float]:
-        """One learner step on the global ``batch``; returns rank-reduced diagnostics."""
-        actor = self.settings.actor
-        advantages = grpo_advantages(batch.rewards, batch.group_ids,
-                                     norm_by_std=self.settings.algorithm.norm_adv_by_std_in_grpo)
+    def step(self, batch: TrainBatch, version: int = 0) -> dict[str, float]:
+        """One learner step on the global ``batch`` by the policy at ``version``.
+
+        Returns rank-reduced diagnostics.
+        """
+        actor, algorithm = self.settings.actor, self.settings.algorithm
         minis = list(self.mini_batches(batch))
-        single_update = actor.ppo_epochs == 1 and len(minis) == 1
+        updates = actor.ppo_epochs * len(minis)
         self.model.train()
-        proximal = None if single_update else self._no_grad_logprobs(self.model, batch)
+        upfront = (updates > 1 and actor.proximal_logprobs == "recompute") \
+            or algorithm.use_kl_in_reward or self.correction.m2po
+        proximal = self._no_grad_logprobs(self.model, batch) if upfront else None
         reference = self._no_grad_logprobs(self.reference, batch) if self.reference else None
+        extra: dict[str, float] = {}
+        token_rewards = None
+        if self.kl_ctrl is not None:
+            token_rewards, sequence_kl = kl_reward_penalty(
+                proximal, reference, batch.response_mask, self.kl_ctrl.value,
+                algorithm.kl_penalty)
+            extra["actor/reward_kl_coef"] = self.kl_ctrl.value
+            extra["actor/reward_kl"] = float(sequence_kl.mean())
+            self.kl_ctrl.update(float(sequence_kl.mean()), n_steps=batch.rows)
+        advantages = compute_advantages(
+            algorithm.adv_estimator,
+            AdvantageInputs(rewards=batch.rewards, group_ids=batch.group_ids,
+                            response_mask=batch.response_mask, token_rewards=token_rewards),
+            AdvantageParams(norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
+                            gamma=algorithm.gamma))
+        correction = None
+        if proximal is not None:  # rows this rank does not train on are zero in both
+            local = self._local_mask(batch)
+            correction = off_policy_correction(proximal, batch.behavior_logprobs, local,
+                                               self.correction)
         sums = _Sums()
         grad_norms: list[float] = []
-        for _epoch in range(actor.ppo_epochs):
-            for mini in minis:
+        for epoch in range(actor.ppo_epochs):
+            for index, mini in enumerate(minis):
                 self.optimizer.zero_grad(set_to_none=True)
-                self._accumulate(batch, mini, advantages, proximal, reference, sums)
+                done = epoch * len(minis) + index
+                self._accumulate(batch, mini, advantages, proximal, reference, correction,
+                                 version + done / updates, version, sums)
                 grad_norms.append(self._optimizer_step(sums))
         self.scheduler.step()
         stats = sums.reduced(self.group)
         tokens = max(stats.get("tokens", 0.0), 1.0)
         metrics = {name.removesuffix("_sum"): value / tokens for name, value in stats.items()
                    if name.endswith("_sum")}
-        updates = len(grad_norms)
+        metrics.update(extra)
         metrics.update({
             "actor/importance_weight_max": stats.get("actor/importance_weight_max", 0.0),
             "actor/grad_norm": sum(grad_norms) / updates,
@@ -158,8 +215,17 @@ class Learner:
                 out[rows, :logprobs.shape[1]] = logprobs
         return out
 
+    def _local_mask(self, batch: TrainBatch) -> torch.Tensor:
+        """The response mask of the rows this rank trains on; other rows zero."""
+        mask = torch.zeros_like(batch.response_mask)
+        for mini in self.mini_batches(batch):
+            rows = mini[self.rank::self.world]
+            mask[rows] = batch.response_mask[rows]
+        return mask
+
     def _accumulate(self, batch: TrainBatch, mini: torch.Tensor, advantages: torch.Tensor,
                     proximal: torch.Tensor | None, reference: torch.Tensor | None,
+                    correction: Correction | None, current_version: float, version: int,
                     sums: _Sums) -> None:
         actor = self.settings.actor
         mini_mask = batch.response_mask[mini]
@@ -171,46 +237,63 @@ class Learner:
             rows = chunk if len(chunk) else mini[:1]
             part = batch.select(rows)
             width = part.response_mask.shape[1]
-            mask = part.response_mask * weight
             logprobs, entropy = forward_logprobs(self.model, part, self.settings.temperature,
                                                  with_entropy=True)
-            prox = logprobs.detach() if proximal is None else proximal[rows, :width]
-            adv = advantages[rows].unsqueeze(-1).expand_as(logprobs)
-            terms = decoupled_ppo_loss(
-                logprobs, prox, part.behavior_logprobs, adv,
-                clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-                clip_ratio_c=actor.clip_ratio_c, behav_imp_weight_cap=actor.behav_imp_weight_cap)
-            loss = aggregate_loss(terms.loss, mask, actor.loss_agg_mode, **totals)
+            prox = self._proximal(logprobs, part, proximal, rows, current_version, version)
+            if correction is None:
+                part_correction = off_policy_correction(prox, part.behavior_logprobs,
+                                                        part.response_mask, self.correction)
+            else:
+                part_correction = Correction(weight=correction.weight[rows, :width],
+                                             mask=correction.mask[rows, :width],
+                                             log_ratio=correction.log_ratio[rows, :width])
+            terms = policy_loss(logprobs, prox, advantages[rows, :width], part.response_mask,
+                                self.loss_params)
+            mask = part.response_mask * weight
+            kept = part_correction.mask * weight
+            loss = aggregate_loss(terms.loss * part_correction.weight, kept,
+                                  actor.loss_agg_mode, **totals)
             if actor.entropy_coeff:
                 loss = loss - actor.entropy_coeff * aggregate_loss(entropy, mask,
                                                                    actor.loss_agg_mode, **totals)
-            if reference is not None:
+            if actor.use_kl_loss:
                 kl = kl_penalty(logprobs, reference[rows, :width], actor.kl_loss_type)
                 loss = loss + actor.kl_loss_coef * aggregate_loss(kl, mask, actor.loss_agg_mode,
                                                                   **totals)
                 sums.add("actor/kl_sum", (kl.detach() * mask).sum())
             (loss * self.world).backward()
             with torch.no_grad():
-                self._diagnostics(terms, entropy, prox, part, mask, sums)
+                self._diagnostics(terms, part_correction, entropy, prox, part, mask, kept, sums)
                 sums.add("loss", loss.detach())
 
-    def _diagnostics(self, terms: PolicyLossTerms, entropy: torch.Tensor,
-                     proximal: torch.Tensor, part: TrainBatch, mask: torch.Tensor,
-                     sums: _Sums) -> None:
-        cap = self.settings.actor.behav_imp_weight_cap
+    def _proximal(self, logprobs: torch.Tensor, part: TrainBatch, proximal: torch.Tensor | None,
+                  rows: torch.Tensor, current_version: float, version: int) -> torch.Tensor:
+        """Proximal log-probs of ``part``: precomputed, exact (first update) or A-3PO."""
+        if proximal is not None:
+            return proximal[rows, :logprobs.shape[1]]
+        if current_version == version:  # nothing has been updated yet in this step
+            return logprobs.detach()
+        return a3po_proximal_logprobs(part.behavior_logprobs, logprobs.detach(), part.versions,
+                                      proximal_version=version,
+                                      current_version=current_version,
+                                      response_mask=part.response_mask)
+
+    def _diagnostics(self, terms: PolicyLossTerms, correction: Correction,
+                     entropy: torch.Tensor, proximal: torch.Tensor, part: TrainBatch,
+                     mask: torch.Tensor, kept: torch.Tensor, sums: _Sums) -> None:
         sums.add("tokens", mask.sum())
         sums.add("actor/pg_loss_sum", (terms.loss.detach() * mask).sum())
         sums.add("actor/entropy_sum", (entropy.detach() * mask).sum())
         sums.add("actor/clip_frac_sum", (terms.clipped.float() * mask).sum())
         sums.add("actor/approx_kl_sum", (terms.approx_kl * mask).sum())
         sums.add("actor/ratio_mean_sum", (terms.ratio * mask).sum())
-        sums.add("actor/importance_weight_mean_sum", (terms.importance_weight_raw * mask).sum())
-        if cap > 0:
-            sums.add("actor/importance_weight_truncated_frac_sum",
-                     ((terms.importance_weight_raw > cap).float() * mask).sum())
+        raw_weight = torch.exp(correction.log_ratio.clamp(-20.0, 20.0))  # proximal / behavior
+        sums.add("actor/importance_weight_mean_sum", (raw_weight * mask).sum())
+        sums.add("actor/is_weight_applied_mean_sum", (correction.weight * kept).sum())
+        sums.add("actor/rejected_frac_sum", (mask - kept).sum())
         proximal_gap = (proximal - part.behavior_logprobs).abs()
         sums.add("actor/behav_prox_logprob_gap_sum", (proximal_gap * mask).sum())
-        on_response = terms.importance_weight_raw[mask > 0]
+        on_response = raw_weight[mask > 0]
         if on_response.numel():
             sums.max("actor/importance_weight_max", float(on_response.max()))
 

@@ -1,10 +1,20 @@
-"""GRPO / Dr.GRPO advantages against hand-computed values."""
+"""Advantage estimators against hand-computed values."""
 
 import math
 
+import pytest
 import torch
 
-from algorithms.advantages import grpo_advantages
+from algorithms.advantages import (
+    ESTIMATORS,
+    AdvantageInputs,
+    AdvantageParams,
+    compute_advantages,
+    gae_advantages,
+    grpo_advantages,
+    sequence_scores,
+    token_level_rewards,
+)
 
 
 def test_grpo_normalizes_by_unbiased_group_std() -> None:
@@ -30,3 +40,208 @@ def test_groups_need_not_be_contiguous() -> None:
     adv = grpo_advantages(rewards, groups, norm_by_std=False)
     expected = torch.tensor([1 / 3, -1 / 3, -2 / 3, -1 / 3, 1 / 3, 2 / 3])
     torch.testing.assert_close(adv, expected)
+
+
+# ------------------------------------------------------------------ registry estimators
+# Common batch: 2 groups of 3, rewards 1,0,0 / 1,1,0, response lengths 3,2,1 / 4,2,3 (T = 4).
+
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+GROUPS = torch.tensor([0, 0, 0, 1, 1, 1])
+LENGTHS = [3, 2, 1, 4, 2, 3]
+
+
+def _mask(lengths: list[int], horizon: int = 4) -> torch.Tensor:
+    return torch.tensor([[1.0] * n + [0.0] * (horizon - n) for n in lengths])
+
+
+def _per_sample(values: list[float], lengths: list[int] = LENGTHS) -> torch.Tensor:
+    """Expected (B, T): each sample's value on its response tokens, 0 after."""
+    return torch.tensor(values).unsqueeze(-1) * _mask(lengths)
+
+
+def _common(**extra: torch.Tensor) -> AdvantageInputs:
+    return AdvantageInputs(rewards=REWARDS, group_ids=GROUPS, response_mask=_mask(LENGTHS),
+                           **extra)
+
+
+# Both groups have unbiased std sqrt(((2/3)^2 + (1/3)^2 + (1/3)^2) / 2) = sqrt(1/3).
+STD = math.sqrt(1 / 3)
+
+
+def test_grpo_estimator_normalizes_by_group_std() -> None:
+    adv = compute_advantages("grpo", _common())
+    # group 0: mean 1/3 -> centered 2/3, -1/3, -1/3; group 1: mean 2/3 -> 1/3, 1/3, -2/3
+    a, b = (2 / 3) / (STD + 1e-6), (1 / 3) / (STD + 1e-6)
+    torch.testing.assert_close(adv, _per_sample([a, -b, -b, b, b, -a]))
+
+
+def test_grpo_estimator_dr_grpo_only_centers() -> None:
+    adv = compute_advantages("grpo", _common(), AdvantageParams(norm_adv_by_std_in_grpo=False))
+    torch.testing.assert_close(adv, _per_sample([2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3]))
+
+
+def test_grpo_estimator_is_grpo_advantages_broadcast() -> None:
+    adv = compute_advantages("grpo", _common())
+    per_sample = grpo_advantages(REWARDS, GROUPS)
+    torch.testing.assert_close(adv, per_sample.unsqueeze(-1) * _mask(LENGTHS))
+
+
+def test_rloo_leave_one_out_baseline() -> None:
+    adv = compute_advantages("rloo", _common())
+    # n/(n-1) * (r - mean) with n = 3: 3/2 * (2/3, -1/3, -1/3) and 3/2 * (1/3, 1/3, -2/3);
+    # e.g. sample 0: 1 - mean(0, 0) = 1, sample 1: 0 - mean(1, 0) = -0.5
+    torch.testing.assert_close(adv, _per_sample([1.0, -0.5, -0.5, 0.5, 0.5, -1.0]))
+
+
+def test_rloo_group_of_one_is_zero() -> None:
+    inputs = AdvantageInputs(rewards=torch.tensor([1.0, 0.0, 5.0]),
+                             group_ids=torch.tensor([0, 0, 1]), response_mask=_mask([2, 2, 2]))
+    adv = compute_advantages("rloo", inputs)
+    # group 0: 2/1 * (1 - 0.5) = 1, 2/1 * (0 - 0.5) = -1; group 1 has one sample -> 0
+    torch.testing.assert_close(adv, _per_sample([1.0, -1.0, 0.0], [2, 2, 2]))
+
+
+def test_opo_length_weighted_baseline() -> None:
+    adv = compute_advantages("opo", _common())
+    # group 0: b = (3*1 + 2*0 + 1*0) / (3+2+1) = 1/2 -> 1/2, -1/2, -1/2
+    # group 1: b = (4*1 + 2*1 + 3*0) / (4+2+3) = 2/3 -> 1/3, 1/3, -2/3
+    torch.testing.assert_close(adv, _per_sample([0.5, -0.5, -0.5, 1 / 3, 1 / 3, -2 / 3]))
+
+
+def test_gpg_scales_centered_score_by_batch_over_nonzero() -> None:
+    adv = compute_advantages("gpg", _common())
+    # alpha = B / #nonzero scores = 6 / 3 = 2; centered as in Dr.GRPO, times 2
+    torch.testing.assert_close(adv, _per_sample([4 / 3, -2 / 3, -2 / 3, 2 / 3, 2 / 3, -4 / 3]))
+
+
+def test_grpo_passk_only_best_sample_gets_gap() -> None:
+    adv = compute_advantages("grpo_passk", _common())
+    # group 0: best = sample 0, gap 1 - 0 = 1, / (sqrt(1/3) + eps); group 1: tie 1 - 1 = 0
+    torch.testing.assert_close(adv, _per_sample([1 / (STD + 1e-6), 0, 0, 0, 0, 0]))
+
+
+def test_grpo_passk_second_best_and_std_flag() -> None:
+    inputs = AdvantageInputs(rewards=torch.tensor([1.0, 0.0, 0.0, 0.2, 0.9, 0.5]),
+                             group_ids=GROUPS, response_mask=_mask(LENGTHS))
+    plain = compute_advantages("grpo_passk", inputs,
+                               AdvantageParams(norm_adv_by_std_in_grpo=False))
+    # group 1: best 0.9 (sample 4), second 0.5 -> 0.4
+    torch.testing.assert_close(plain, _per_sample([1.0, 0, 0, 0, 0.4, 0]))
+    normed = compute_advantages("grpo_passk", inputs)
+    # group 1 std: mean 1.6/3, sum of squares 0.04+0.81+0.25 - 3*(1.6/3)^2 = 0.74/3, / 2
+    std1 = math.sqrt(0.37 / 3)
+    expected = [1 / (STD + 1e-6), 0, 0, 0, 0.4 / (std1 + 1e-6), 0]
+    torch.testing.assert_close(normed, _per_sample(expected))
+
+
+def test_reinforce_plus_plus_baseline_whitens_over_tokens() -> None:
+    inputs = AdvantageInputs(rewards=torch.tensor([1.0, 0.0]), group_ids=torch.tensor([0, 0]),
+                             response_mask=_mask([2, 1], 3))
+    adv = compute_advantages("reinforce_plus_plus_baseline", inputs)
+    # centered 0.5, -0.5 -> tokens 0.5, 0.5, -0.5; mean 1/6; deviations 1/3, 1/3, -2/3;
+    # unbiased var (1/9 + 1/9 + 4/9) / 2 = 1/3
+    sd = math.sqrt(1 / 3 + 1e-8)
+    expected = torch.tensor([[(1 / 3) / sd, (1 / 3) / sd, 0.0], [(-2 / 3) / sd, 0.0, 0.0]])
+    torch.testing.assert_close(adv, expected)
+
+
+def test_reinforce_plus_plus_discounted_returns_whitened() -> None:
+    inputs = AdvantageInputs(rewards=torch.tensor([1.0, 2.0]), group_ids=torch.tensor([0, 1]),
+                             response_mask=torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
+                             token_rewards=torch.tensor([[0.0, -0.1, 0.0], [-0.2, 0.0, 0.0]]))
+    adv = compute_advantages("reinforce_plus_plus", inputs, AdvantageParams(gamma=0.5))
+    # totals (outcome on the last response token): [0, -0.1, 1] and [-0.2, 2, -]
+    # returns: row 0: t2 = 1, t1 = -0.1 + 0.5*1 = 0.4, t0 = 0 + 0.5*0.4 = 0.2
+    #          row 1: t1 = 2, t0 = -0.2 + 0.5*2 = 0.8
+    # tokens 0.2, 0.4, 1, 0.8, 2: mean 4.4/5 = 0.88, deviations -0.68, -0.48, 0.12, -0.08, 1.12
+    # unbiased var = (0.4624 + 0.2304 + 0.0144 + 0.0064 + 1.2544) / 4 = 0.492
+    sd = math.sqrt(0.492 + 1e-8)
+    expected = torch.tensor([[-0.68 / sd, -0.48 / sd, 0.12 / sd], [-0.08 / sd, 1.12 / sd, 0.0]])
+    torch.testing.assert_close(adv, expected)
+
+
+def test_remax_returns_minus_greedy_baseline() -> None:
+    inputs = AdvantageInputs(rewards=torch.tensor([1.0, 0.0]), group_ids=torch.tensor([0, 1]),
+                             response_mask=torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
+                             token_rewards=torch.tensor([[0.0, -0.1, 0.0], [0.0, 0.0, 0.0]]),
+                             baseline_rewards=torch.tensor([0.5, 0.5]))
+    adv = compute_advantages("remax", inputs)
+    # row 0: totals [0, -0.1, 1] -> undiscounted returns [0.9, 0.9, 1] - 0.5
+    # row 1: totals [0, 0, -] -> returns 0 - 0.5 on the two response tokens
+    torch.testing.assert_close(adv, torch.tensor([[0.4, 0.4, 0.5], [-0.5, -0.5, 0.0]]))
+
+
+def test_remax_without_baseline_raises() -> None:
+    with pytest.raises(ValueError, match="baseline_rewards"):
+        compute_advantages("remax", _common())
+
+
+def test_unknown_estimator_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'") as info:
+        compute_advantages("ppo", _common())
+    for name in ESTIMATORS:
+        assert name in str(info.value)
+
+
+def test_mismatched_shapes_raise() -> None:
+    inputs = AdvantageInputs(rewards=REWARDS[:5], group_ids=GROUPS, response_mask=_mask(LENGTHS))
+    with pytest.raises(ValueError, match="rewards must have shape"):
+        compute_advantages("grpo", inputs)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_zero_off_the_response_mask(name: str) -> None:
+    inputs = _common(token_rewards=torch.full((6, 4), -0.05) * _mask(LENGTHS),
+                     baseline_rewards=torch.full((6,), 0.3))
+    adv = compute_advantages(name, inputs)
+    assert adv.shape == (6, 4) and adv.dtype == torch.float32
+    assert torch.isfinite(adv).all()
+    assert (adv[_mask(LENGTHS) == 0] == 0).all()
+    assert (adv != 0).any()
+
+
+def test_token_rewards_enter_through_their_masked_sum() -> None:
+    inputs = AdvantageInputs(rewards=torch.tensor([1.0, 0.0]), group_ids=torch.tensor([0, 0]),
+                             response_mask=_mask([2, 1], 3),
+                             token_rewards=torch.tensor([[-0.1, -0.1, 7.0], [-0.3, 7.0, 7.0]]))
+    adv = compute_advantages("rloo", inputs)
+    # scores (7.0 is off the mask, ignored): 1 - 0.2 = 0.8 and 0 - 0.3 = -0.3; mean 0.25
+    # n/(n-1) = 2: 2 * 0.55 = 1.1, 2 * -0.55 = -1.1
+    torch.testing.assert_close(adv, torch.tensor([[1.1, 1.1, 0.0], [-1.1, 0.0, 0.0]]))
+
+
+def test_token_level_rewards_put_outcome_on_last_response_token() -> None:
+    inputs = AdvantageInputs(rewards=torch.tensor([2.0, 3.0, 4.0]),
+                             group_ids=torch.tensor([0, 0, 0]),
+                             response_mask=torch.tensor([[1.0, 0.0, 1.0, 0.0],
+                                                         [1.0, 1.0, 1.0, 1.0],
+                                                         [0.0, 0.0, 0.0, 0.0]]),
+                             token_rewards=torch.tensor([[-0.5, 0.0, -0.5, 0.0],
+                                                         [0.1, 0.0, 0.0, 0.0],
+                                                         [0.0, 0.0, 0.0, 0.0]]))
+    expected = torch.tensor([[-0.5, 0.0, 1.5, 0.0],  # last response token is t = 2
+                             [0.1, 0.0, 0.0, 3.0],
+                             [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)  # empty response
+    torch.testing.assert_close(token_level_rewards(inputs), expected)
+    torch.testing.assert_close(sequence_scores(inputs),
+                               torch.tensor([1.0, 3.1, 4.0], dtype=torch.float64))
+
+
+def test_gae_against_hand_unrolled_three_tokens() -> None:
+    rewards = torch.tensor([[0.1, 0.0, 1.0], [0.1, 1.0, 5.0]])
+    values = torch.tensor([[0.5, 0.4, 0.6], [0.5, 0.4, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # row 1's t = 2 must not count
+    adv, returns = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8)
+    # gamma * lam = 0.72
+    # row 0: t2: delta = 1 - 0.6 = 0.4;               A2 = 0.4
+    #        t1: delta = 0 + 0.9*0.6 - 0.4 = 0.14;    A1 = 0.14 + 0.72*0.4 = 0.428
+    #        t0: delta = 0.1 + 0.9*0.4 - 0.5 = -0.04; A0 = -0.04 + 0.72*0.428 = 0.26816
+    # row 1: t1: delta = 1 - 0.4 = 0.6;               A1 = 0.6
+    #        t0: delta = -0.04;                       A0 = -0.04 + 0.72*0.6 = 0.392
+    raw = [0.26816, 0.428, 0.4, 0.392, 0.6]
+    torch.testing.assert_close(
+        returns, torch.tensor([[0.76816, 0.828, 1.0], [0.892, 1.0, 0.0]]))  # A + V
+    mean = sum(raw) / 5  # 0.417632
+    sd = math.sqrt(sum((a - mean) ** 2 for a in raw) / 4 + 1e-8)
+    white = [(a - mean) / sd for a in raw]
+    torch.testing.assert_close(adv, torch.tensor([white[:3], white[3:] + [0.0]]))

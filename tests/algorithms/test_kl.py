@@ -1,11 +1,17 @@
-"""KL estimators k1, abs, k2, k3 against hand-computed values."""
+"""KL estimators, KL-in-reward penalty and KL controllers against hand-computed values."""
 
 import math
 
 import pytest
 import torch
 
-from algorithms.kl import kl_penalty
+from algorithms.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    kl_penalty,
+    kl_reward_penalty,
+    make_kl_controller,
+)
 
 LOGP = torch.tensor([0.5, -0.5])
 REF = torch.zeros(2)
@@ -31,3 +37,88 @@ def test_k3_is_clamped() -> None:
 def test_unknown_estimator_is_named() -> None:
     with pytest.raises(ValueError, match="'k9'"):
         kl_penalty(LOGP, REF, "k9")  # type: ignore[arg-type]
+
+
+# --- KL in the reward: 2x3 batch, row 0 has 2 response tokens, row 1 has 1 -------------
+# d = logp - ref: row 0 = [1.0, 0.5, (2.0 masked)], row 1 = [-0.5, (3.0, 3.0 masked)]
+PEN_LOGP = torch.tensor([[1.0, 0.5, 2.0], [0.0, 3.0, 3.0]])
+PEN_REF = torch.tensor([[0.0, 0.0, 0.0], [0.5, 0.0, 0.0]])
+PEN_MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
+
+
+def test_reward_penalty_k1() -> None:
+    rewards, seq_kl = kl_reward_penalty(PEN_LOGP, PEN_REF, PEN_MASK, 0.1, "kl")
+    # -0.1 * [1.0, 0.5, 0] and -0.1 * [-0.5, 0, 0]
+    torch.testing.assert_close(rewards, torch.tensor([[-0.1, -0.05, 0.0], [0.05, 0.0, 0.0]]))
+    # (1.0 + 0.5) / 2 = 0.75 ; -0.5 / 1 = -0.5
+    torch.testing.assert_close(seq_kl, torch.tensor([0.75, -0.5]))
+
+
+def test_reward_penalty_k3() -> None:
+    rewards, seq_kl = kl_reward_penalty(PEN_LOGP, PEN_REF, PEN_MASK, 0.1, "low_var_kl")
+    # k3(d) = exp(-d) - 1 + d: k3(1) = e^-1 ~ 0.3679, k3(0.5) = e^-0.5 - 0.5 ~ 0.1065,
+    # k3(-0.5) = e^0.5 - 1.5 ~ 0.1487
+    k3_a, k3_b, k3_c = math.exp(-1.0), math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5
+    expected = torch.tensor([[-0.1 * k3_a, -0.1 * k3_b, 0.0], [-0.1 * k3_c, 0.0, 0.0]])
+    torch.testing.assert_close(rewards, expected)
+    torch.testing.assert_close(seq_kl, torch.tensor([(k3_a + k3_b) / 2, k3_c]))
+
+
+def test_reward_penalty_is_detached_and_handles_empty_rows() -> None:
+    logp = PEN_LOGP.clone().requires_grad_()
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    rewards, seq_kl = kl_reward_penalty(logp, PEN_REF, mask, 0.1, "kl")
+    assert not rewards.requires_grad and not seq_kl.requires_grad
+    # row 1 has no response tokens: no penalty and a KL of 0 rather than 0/0
+    torch.testing.assert_close(rewards[1], torch.zeros(3))
+    assert seq_kl[1].item() == 0.0
+
+
+def test_reward_penalty_unknown_estimator() -> None:
+    with pytest.raises(ValueError, match="'k9'"):
+        kl_reward_penalty(PEN_LOGP, PEN_REF, PEN_MASK, 0.1, "k9")  # type: ignore[arg-type]
+
+
+# --- controllers: kl_coef 0.1, target_kl 1.0, horizon 100, n_steps 10 ------------------
+@pytest.mark.parametrize("current_kl, expected", [
+    (1.1, 0.101),    # error 0.1: 0.1 * (1 + 0.1 * 10 / 100) = 0.1 * 1.01
+    (0.95, 0.0995),  # error -0.05: 0.1 * (1 - 0.05 * 10 / 100) = 0.1 * 0.995
+    (5.0, 0.102),    # error 4 clipped to 0.2: 0.1 * (1 + 0.2 * 0.1) = 0.1 * 1.02
+    (0.0, 0.098),    # error -1 clipped to -0.2: 0.1 * (1 - 0.2 * 0.1) = 0.1 * 0.98
+    (1.0, 0.1),      # at target: error 0, unchanged
+])
+def test_adaptive_controller_step(current_kl: float, expected: float) -> None:
+    ctrl = AdaptiveKLController(kl_coef=0.1, target_kl=1.0, horizon=100)
+    ctrl.update(current_kl, n_steps=10)
+    assert ctrl.value == pytest.approx(expected)
+
+
+def test_adaptive_controller_compounds() -> None:
+    ctrl = AdaptiveKLController(kl_coef=0.1, target_kl=1.0, horizon=100)
+    ctrl.update(2.0, n_steps=10)  # error 1 clipped to 0.2 -> 0.1 * 1.02 = 0.102
+    ctrl.update(2.0, n_steps=10)  # again -> 0.102 * 1.02 = 0.10404
+    assert ctrl.value == pytest.approx(0.10404)
+
+
+def test_fixed_controller_never_changes() -> None:
+    ctrl = FixedKLController(kl_coef=0.1)
+    for current_kl in (0.0, 1.0, 100.0):
+        ctrl.update(current_kl, n_steps=1000)
+    assert ctrl.value == 0.1
+
+
+def test_make_kl_controller() -> None:
+    fixed = make_kl_controller("fixed", kl_coef=0.1, target_kl=0.0, horizon=0)
+    assert isinstance(fixed, FixedKLController) and fixed.value == 0.1
+    adaptive = make_kl_controller("adaptive", kl_coef=0.1, target_kl=1.0, horizon=100)
+    assert isinstance(adaptive, AdaptiveKLController) and adaptive.value == 0.1
+
+
+@pytest.mark.parametrize("kind, target_kl, horizon, match", [
+    ("pid", 1.0, 100, r"'pid'.*fixed, adaptive"),
+    ("adaptive", 0.0, 100, "target_kl"),
+    ("adaptive", 1.0, 0, "horizon"),
+])
+def test_make_kl_controller_errors(kind: str, target_kl: float, horizon: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make_kl_controller(kind, 0.1, target_kl, horizon)  # type: ignore[arg-type]
