@@ -6,7 +6,14 @@ and detach; the learner reports versions, asks for batches and ends the run. ``H
 expires leases and silent generators. ``buffer.main`` puts a socket around it.
 
 Counters in ``Hub.stats()`` (``buffer/...``) say where every prompt and group went:
-accepted, rejected by reason (duplicate, unknown lease, malformed), dropped as stale.
+accepted, rejected by reason (duplicate, unknown lease, malformed), dropped as stale or by a
+replay filter (``dropped/zero_variance``), samples a filter took out of kept groups.
+
+Every sound, fresh group goes to the rollout log whole, before the store's filters, with
+what they did in ``metadata["buffer_admission"]``: an offline replay sees everything the
+generators produced and can tell what was trained on. A dropped group is not accepted: it
+frees its admission slot, so a replacement is leased. A filter that cannot go on
+(``ReplayFilterError``) ends the run: ``Hub.failure`` says why and ``buffer.main`` exits 1.
 """
 
 from __future__ import annotations
@@ -19,12 +26,13 @@ from collections.abc import Callable
 
 import msgspec
 
+from buffer.dynamic_sampling import ReplayFilterError
 from buffer.leases import LeaseBook
 from buffer.prompt_source import PromptSource
 from buffer.registry import Registry
 from buffer.rollout_log import RolloutLogWriter
 from buffer.staleness import lease_capacity, oldest_version, staleness
-from buffer.store import ReplayStore
+from buffer.store import Admission, ReplayStore
 from transport.messages import (
     Ack,
     Attach,
@@ -51,7 +59,8 @@ RETRY_AFTER_S = 0.1
 # Counters reported from the start (as 0) so that dashboards always have the series.
 COUNTERS = ("groups/accepted", "groups/served", "dropped/stale", "dropped/stale_on_arrival",
             "rejected/duplicate", "rejected/unknown_lease", "rejected/malformed",
-            "prompts/expired", "prompts/returned", "samples/reward_errors")
+            "prompts/expired", "prompts/returned", "samples/reward_errors",
+            "dropped/zero_variance", "samples/filtered")
 RECENT_ROLLOUT_IDS = 100_000  # remembered to name duplicates precisely
 RATE_WINDOW_S = 30.0  # generator throughput is averaged over this much wall time
 
@@ -84,6 +93,7 @@ class Hub:
         self.learner_version = 0
         self.accepted = 0  # groups admitted to the store and not dropped
         self.finished = False
+        self.failure = ""  # why the run must end with an error ("" while all is well)
         self.counts: Counter[str] = Counter({name: 0 for name in COUNTERS})
         self._recent_ids: OrderedDict[str, None] = OrderedDict()
         self._token_history: deque[tuple[float, int]] = deque()
@@ -106,7 +116,7 @@ class Hub:
 
     def _attach(self, msg: Attach) -> Message:
         if self.finished:
-            return AttachAck(accepted=False, reason="the run has finished")
+            return AttachAck(accepted=False, reason=self.end_reason)
         returned = self.leases.release(msg.generator_id)  # a restarted generator
         self.source.give_back(returned)
         self.registry.attach(msg, self.clock())
@@ -117,7 +127,7 @@ class Hub:
 
     def _heartbeat(self, msg: Heartbeat) -> Message:
         if self.finished:
-            return Shutdown(reason="the run has finished")
+            return Shutdown(reason=self.end_reason)
         known = self.registry.heartbeat(msg, self.clock())
         return HeartbeatAck(known=known, learner_version=self.learner_version)
 
@@ -127,7 +137,7 @@ class Hub:
 
     def _lease(self, msg: LeaseRequest) -> Message:
         if self.finished:
-            return Shutdown(reason="the run has finished")
+            return Shutdown(reason=self.end_reason)
         if not self.registry.touch(msg.generator_id, self.clock()):
             return ErrorReply(code="not_attached", detail=f"{msg.generator_id} must attach first")
         s = self.settings
@@ -166,12 +176,20 @@ class Hub:
             self.counts["dropped/stale_on_arrival"] += 1
             return RolloutAck(rollout_id=group.rollout_id, accepted=False, reason="stale")
         self._remember(group.rollout_id)
-        self.store.add(group)
-        self.accepted += 1
-        self.counts["groups/accepted"] += 1
+        try:
+            admission = self.store.add(group)
+        except ReplayFilterError as exc:
+            return self._fail(group, str(exc))
         self.counts["samples/reward_errors"] += sum(1 for s in group.samples if s.reward_error)
         if self.log is not None:
-            self.log.append(group)
+            self.log.append(with_admission(group, admission))
+        if not admission.kept:
+            self.counts[f"dropped/{admission.reason}"] += 1
+            return RolloutAck(rollout_id=group.rollout_id, accepted=False,
+                              reason=admission.reason)
+        self.accepted += 1
+        self.counts["groups/accepted"] += 1
+        self.counts["samples/filtered"] += len(group.samples) - len(admission.kept_samples)
         return RolloutAck(rollout_id=group.rollout_id, accepted=True)
 
     def _sample(self, msg: SampleRequest) -> Message:
@@ -223,6 +241,12 @@ class Hub:
             logger.warning("generator %s %s", generator_id, why)
         self.source.give_back(self.leases.release(generator_id))
 
+    def _fail(self, group: RolloutGroup, why: str) -> RolloutAck:
+        logger.error("the run cannot go on: %s", why)
+        self.failure = why
+        self.finished = True  # generators are told to stop
+        return RolloutAck(rollout_id=group.rollout_id, accepted=False, reason=f"run failed: {why}")
+
     def _reject(self, group: RolloutGroup, reason: str, detail: str = "") -> RolloutAck:
         self.counts[f"rejected/{reason}"] += 1
         logger.warning("rejected rollout %s from %s: %s %s", group.rollout_id, group.generator_id,
@@ -234,6 +258,10 @@ class Hub:
         self._recent_ids[rollout_id] = None
         if len(self._recent_ids) > RECENT_ROLLOUT_IDS:
             self._recent_ids.popitem(last=False)
+
+    @property
+    def end_reason(self) -> str:
+        return f"the run failed: {self.failure}" if self.failure else "the run has finished"
 
     @property
     def generators(self) -> int:
@@ -254,6 +282,13 @@ class Hub:
             "buffer/epoch": float(self.source.epoch),
         })
         return stats
+
+
+def with_admission(group: RolloutGroup, admission: Admission) -> RolloutGroup:
+    """The whole group, for the rollout log, noting which samples were kept (none when the
+    group was dropped) and why it was dropped."""
+    note = {"kept_samples": list(admission.kept_samples), "dropped": admission.reason}
+    return msgspec.structs.replace(group, metadata={**group.metadata, "buffer_admission": note})
 
 
 def group_problem(group: RolloutGroup, n: int, learner_version: int) -> str:

@@ -2,7 +2,9 @@
 
 Serves the hub (``buffer.hub``) on the topology's buffer address, expires leases on a
 timer, pushes its gauges to the launcher's status line, and exits once the learner has
-ended the run and the generators have been told (or after a grace period).
+ended the run and the generators have been told (or after a grace period). When a replay
+filter cannot go on (``Hub.failure``) it exits 1 at once, naming the cause: the launcher
+then ends the run as failed.
 """
 
 from __future__ import annotations
@@ -14,10 +16,15 @@ import threading
 import time
 
 from buffer.dataset import PromptDataset
+from buffer.dynamic_sampling import DynamicSampling
 from buffer.hub import Hub, HubSettings
+from buffer.pf_ppo import PolicyFiltration
 from buffer.prompt_source import PromptSource
 from buffer.rollout_log import RolloutLogWriter
-from buffer.store import FifoStore
+from buffer.store import FifoStore, FilteredStore, GroupFilter, ReplayStore
+from configs.checks import check_replay_filters
+from configs.plan import RESOLVED_RUN
+from configs.run_schema import RunConfig
 from configs.rundir import RunContext, bootstrap
 from transport.messages import Metrics
 from transport.sockets import Pusher, Server
@@ -29,8 +36,21 @@ METRICS_EVERY_S = 1.0
 SHUTDOWN_GRACE_S = 10.0  # after the learner ends the run, wait this long for generators
 
 
+def build_store(run: RunConfig) -> ReplayStore:
+    """The FIFO store, behind the replay filters the run config turns on."""
+    filters: list[GroupFilter] = []
+    dynamic, pf_ppo = run.buffer.filter_groups, run.buffer.pf_ppo
+    if dynamic.enable:
+        filters.append(DynamicSampling(dynamic.metric, run.data.train_batch_size,
+                                       dynamic.max_num_gen_batches))
+    if pf_ppo.enable:
+        filters.append(PolicyFiltration(pf_ppo.mode, pf_ppo.seed))
+    return FilteredStore(FifoStore(), filters) if filters else FifoStore()
+
+
 def build_hub(ctx: RunContext) -> Hub:
     run = ctx.run
+    check_replay_filters(run, str(ctx.run_dir / RESOLVED_RUN))
     settings = HubSettings(
         batch_size=run.data.train_batch_size, n=run.rollout.n,
         max_staleness=run.buffer.max_staleness, prompts_per_lease=run.rollout.prompts_per_lease,
@@ -42,10 +62,11 @@ def build_hub(ctx: RunContext) -> Hub:
     log = RolloutLogWriter(ctx.run_dir / "rollouts") if run.buffer.rollout_log else None
     logger.info("%d training prompts; serving %d groups of %d per step, max staleness %d",
                 len(dataset), settings.batch_size, settings.n, settings.max_staleness)
-    return Hub(settings, source, FifoStore(), log)
+    return Hub(settings, source, build_store(run), log)
 
 
 def serve(ctx: RunContext, hub: Hub, stop: threading.Event) -> None:
+    """Serve until the run ends, ``stop`` is set, or the hub fails (see ``Hub.failure``)."""
     server = Server(ctx.buffer_endpoint, hub.handle, keys=ctx.server_keys())
     metrics = Pusher(ctx.metrics_endpoint, keys=ctx.client_keys())
     logger.info("buffer serving on %s", server.endpoint)
@@ -61,6 +82,8 @@ def serve(ctx: RunContext, hub: Hub, stop: threading.Event) -> None:
             if now >= next_metrics:
                 metrics.send(Metrics(source="buffer", step=0, values=hub.stats(), time=time.time()))
                 next_metrics = now + METRICS_EVERY_S
+            if hub.failure:
+                break
             if hub.finished:
                 finished_at = finished_at or now
                 if hub.generators == 0 or now - finished_at > SHUTDOWN_GRACE_S:
@@ -85,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    serve(ctx, build_hub(ctx), stop)
+    hub = build_hub(ctx)
+    serve(ctx, hub, stop)
+    if hub.failure:
+        logger.error("run failed: %s", hub.failure)
+        return 1
     return 0
 
 

@@ -1,8 +1,11 @@
 """Where accepted rollout groups wait for the learner.
 
-``ReplayStore`` is the seam that replay policies plug into (prioritized sampling, PF-PPO
-filtering, reuse bounds come in later); ``FifoStore`` serves groups in arrival order, each
-once. A store drops groups that became too stale to train on, and says how many.
+``ReplayStore`` is the seam that replay policies plug into: ``add`` says whether a group was
+kept (``Admission``), and a store drops groups that became too stale to train on, and says
+how many. ``FifoStore`` serves groups in arrival order, each once. ``FilteredStore`` puts
+group filters in front of another store: DAPO dynamic sampling
+(``buffer.dynamic_sampling``) drops whole groups, PF-PPO (``buffer.pf_ppo``) keeps some
+samples of each.
 """
 
 from __future__ import annotations
@@ -23,8 +26,24 @@ class Taken(msgspec.Struct, frozen=True):
     dropped_stale: list[RolloutGroup]
 
 
+class Admission(msgspec.Struct, frozen=True):
+    """What a store did with a group: kept (``kept_samples``: indices of the samples it
+    kept, in order) or dropped (``reason``: the counter ``buffer/dropped/<reason>``)."""
+
+    kept_samples: tuple[int, ...] = ()
+    reason: str = ""
+
+    @property
+    def kept(self) -> bool:
+        return not self.reason
+
+
+def keep_all(group: RolloutGroup) -> Admission:
+    return Admission(kept_samples=tuple(range(len(group.samples))))
+
+
 class ReplayStore(Protocol):
-    def add(self, group: RolloutGroup) -> None: ...
+    def add(self, group: RolloutGroup) -> Admission: ...
 
     def take(self, num_groups: int, learner_version: int, max_staleness: int) -> Taken: ...
 
@@ -37,8 +56,9 @@ class FifoStore:
     def __init__(self) -> None:
         self._groups: deque[RolloutGroup] = deque()
 
-    def add(self, group: RolloutGroup) -> None:
+    def add(self, group: RolloutGroup) -> Admission:
         self._groups.append(group)
+        return keep_all(group)
 
     def take(self, num_groups: int, learner_version: int, max_staleness: int) -> Taken:
         """Drop groups staler than ``max_staleness``, then the oldest ``num_groups`` or none."""
@@ -52,3 +72,36 @@ class FifoStore:
 
     def __len__(self) -> int:
         return len(self._groups)
+
+
+class GroupFilter(Protocol):
+    """Returns the group to keep (possibly with fewer samples, the same objects), or the
+    reason to drop it."""
+
+    def __call__(self, group: RolloutGroup) -> RolloutGroup | str: ...
+
+
+class FilteredStore:
+    """Group filters, in order, in front of another store."""
+
+    def __init__(self, inner: ReplayStore, filters: list[GroupFilter]) -> None:
+        self.inner = inner
+        self.filters = filters
+
+    def add(self, group: RolloutGroup) -> Admission:
+        kept = group
+        for group_filter in self.filters:
+            filtered = group_filter(kept)
+            if isinstance(filtered, str):
+                return Admission(reason=filtered)
+            kept = filtered
+        self.inner.add(kept)
+        ids = {id(s) for s in kept.samples}
+        return Admission(kept_samples=tuple(i for i, s in enumerate(group.samples)
+                                            if id(s) in ids))
+
+    def take(self, num_groups: int, learner_version: int, max_staleness: int) -> Taken:
+        return self.inner.take(num_groups, learner_version, max_staleness)
+
+    def __len__(self) -> int:
+        return len(self.inner)

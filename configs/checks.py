@@ -64,6 +64,7 @@ def load_run_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfi
         path,
         overrides,
         path_keys=[("data", "train_files"), ("data", "val_files"), ("model", "path"),
+                   ("critic", "model", "path"),
                    ("checkpoint", "dir")],
         file_or_module_keys=[("custom_reward_function", "path")],
     )
@@ -94,6 +95,11 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
         raise ConfigError(source, "model.path",
                           f"no Hugging Face checkpoint at {model_path} (config.json missing); "
                           "give a local folder saved with save_pretrained")
+    critic_path = run.critic.model.path
+    if critic_path and not (Path(critic_path) / "config.json").is_file():
+        raise ConfigError(source, "critic.model.path",
+                          f"no Hugging Face checkpoint at {critic_path} (config.json missing)")
+    check_replay_filters(run, source)
     mini = run.actor.ppo_mini_batch_size
     if mini and data.train_batch_size % mini:
         raise ConfigError(source, "actor.ppo_mini_batch_size",
@@ -114,3 +120,27 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
         raise ConfigError(source, "actor.optim.betas", f"each beta must be in [0, 1), "
                                                         f"got {optim.betas}")
     return msgspec.structs.replace(run, data=data)
+
+
+def check_replay_filters(run: RunConfig, source: str) -> None:
+    """The buffer's replay filters (``buffer.filter_groups``, ``buffer.pf_ppo``) against the
+    samples per prompt and the advantage estimator."""
+    n = run.rollout.n
+    if run.buffer.filter_groups.enable and n < 2:
+        raise ConfigError(source, "buffer.filter_groups.enable",
+                          f"dynamic sampling drops groups whose samples all score the same and "
+                          f"needs at least 2 samples per prompt, got rollout.n = {n}")
+    pf_ppo = run.buffer.pf_ppo
+    if not pf_ppo.enable:
+        return
+    kept = 1 if pf_ppo.mode == "best" else 2
+    if n <= kept:
+        raise ConfigError(source, "buffer.pf_ppo.mode",
+                          f"{pf_ppo.mode!r} keeps {kept} of each prompt's samples and "
+                          f"rollout.n = {n}: nothing would be filtered; raise rollout.n")
+    estimator = run.algorithm.adv_estimator
+    if kept == 1 and estimator in GROUP_ESTIMATORS:
+        raise ConfigError(source, "buffer.pf_ppo.mode",
+                          f"'best' keeps one sample per prompt, but {estimator} compares the "
+                          f"samples of a prompt with each other (every advantage would be 0); "
+                          f"use 'best_random' or 'best_worst'")

@@ -175,13 +175,13 @@ class RolloutCorrectionConfig(_Section):
 class AlgorithmConfig(_Section):
     """Advantage estimation, KL in the reward and off-policy correction (verl's ``algorithm``).
 
-    ``gae`` (with a critic) and ``remax`` (greedy baselines from the generators) are not
-    available yet.
+    ``gae`` trains a critic (the ``critic`` section); ``remax`` (greedy baselines from the
+    generators) is not available yet.
     """
 
     adv_estimator: Literal[
-        "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "gpg",
-        "grpo_passk"
+        "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo",
+        "gpg", "grpo_passk"
     ] = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     gamma: Fraction = 1.0
@@ -193,14 +193,70 @@ class AlgorithmConfig(_Section):
         default_factory=RolloutCorrectionConfig)
 
 
+class CriticModelConfig(_Section):
+    """The critic's body: empty ``path`` initialises it from the policy checkpoint."""
+
+    path: str = ""
+
+
+class CriticConfig(_Section):
+    """PPO's value model (verl's ``critic``), used when ``algorithm.adv_estimator = "gae"``.
+
+    A causal-LM body with a scalar value head, trained by the learner each step on the
+    step's own GAE returns with the clipped value loss (``cliprange_value``); mini-batches
+    follow the actor's.
+    """
+
+    model: CriticModelConfig = msgspec.field(default_factory=CriticModelConfig)
+    optim: OptimConfig = msgspec.field(default_factory=lambda: OptimConfig(lr=1e-5))
+    cliprange_value: PositiveFloat = 0.5
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    grad_clip: PositiveFloat = 1.0
+    ppo_epochs: Positive = 1
+
+
+class FilterGroupsConfig(_Section):
+    """DAPO dynamic sampling (verl's ``algorithm.filter_groups``; ``buffer.dynamic_sampling``).
+
+    A group whose samples all score the same on ``metric`` (``score``: the reward; any
+    other name: that entry of each sample's ``reward_info``) is dropped and replaced by a
+    new generation. ``max_num_gen_batches`` caps the generation per learner batch at that
+    many batches' worth of groups; past it the run fails with an error (0: no cap).
+    """
+
+    enable: bool = False
+    metric: Annotated[str, msgspec.Meta(min_length=1)] = "score"
+    max_num_gen_batches: NonNegative = 0
+
+
+class PfPpoConfig(_Section):
+    """PF-PPO policy filtration per prompt group (Shen et al. 2025; ``buffer.pf_ppo``).
+
+    ``mode`` says which samples of each group are kept, ranked by reward: ``best`` (best of
+    n), ``best_random`` (the best and one other drawn at random, seeded by ``seed`` and the
+    group's rollout id), ``best_worst`` (the best and the worst).
+    """
+
+    enable: bool = False
+    mode: Literal["best", "best_random", "best_worst"] = "best_worst"
+    seed: int = 0
+
+
 class BufferConfig(_Section):
     """The hub's policies. ``max_staleness`` is eta: samples more than eta versions behind the
-    learner are never leased for nor trained on; eta = 0 is synchronous on-policy training."""
+    learner are never leased for nor trained on; eta = 0 is synchronous on-policy training.
+    ``filter_groups`` and ``pf_ppo`` are the replay filters (``buffer.store.FilteredStore``):
+    dynamic sampling judges each whole group first, then PF-PPO picks the samples of those
+    kept. The rollout log gets every sound group whole, before the filters."""
 
     max_staleness: NonNegative = 1
     lease_timeout_s: PositiveFloat = 120.0
     heartbeat_timeout_s: PositiveFloat = 30.0
-    rollout_log: bool = True  # Relay: append every accepted group to run_dir/rollouts/
+    rollout_log: bool = True  # Relay: append every group received to run_dir/rollouts/
+    filter_groups: FilterGroupsConfig = msgspec.field(default_factory=FilterGroupsConfig)
+    pf_ppo: PfPpoConfig = msgspec.field(default_factory=PfPpoConfig)
 
 
 class TrainerConfig(_Section):
@@ -211,6 +267,7 @@ class TrainerConfig(_Section):
     save_freq: int = -1
     publish_every: Positive = 1  # Relay: publish weights to generators every k steps
     val_before_train: bool = True
+    critic_warmup: NonNegative = 0  # steps that train only the critic (adv_estimator = gae)
     seed: int = 0
     run_dir: str = "runs"  # Relay: each run writes to run_dir/<experiment>-<time>/
 
@@ -249,6 +306,7 @@ class RunConfig(_Section):
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     actor: ActorConfig = msgspec.field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)

@@ -23,6 +23,7 @@ from configs.plan import RESOLVED_RUN, RESOLVED_TOPOLOGY
 from configs.rundir import RunContext, bootstrap
 from generators.main import eos_and_pad
 from generators.torch_engine import TorchEngine
+from learner.critic import Critic, load_value_model
 from learner.loop import RankZero, TrainLoop
 from learner.model import learner_device, load_sharded
 from learner.optim import build_optimizer, build_scheduler
@@ -50,8 +51,15 @@ def build_learner(ctx: RunContext, device: torch.device) -> Learner:
     settings = UpdateSettings(actor=run.actor, algorithm=run.algorithm,
                               temperature=run.rollout.temperature,
                               horizon=run.rollout.response_length,
-                              num_prompts=run.data.train_batch_size)
-    return Learner(model, optimizer, scheduler, settings, reference=reference)
+                              num_prompts=run.data.train_batch_size,
+                              critic_warmup=run.trainer.critic_warmup)
+    critic = None
+    if run.algorithm.adv_estimator == "gae":
+        value_model = load_value_model(run.critic.model.path or run.model.path,
+                                       compute_dtype=dtype, device=device,
+                                       trust_remote_code=run.model.trust_remote_code)
+        critic = Critic(value_model, run.critic, total_steps=run.trainer.total_training_steps)
+    return Learner(model, optimizer, scheduler, settings, reference=reference, critic=critic)
 
 
 def build_rank_zero(ctx: RunContext, tokenizer, scorer: RewardScorer, eos: list[int],

@@ -48,9 +48,14 @@ def load_sharded(path: str, *, compute_dtype: torch.dtype, device: torch.device,
     if not trainable:
         model.requires_grad_(False)
         model.eval()
+    return shard(model, compute_dtype=compute_dtype, blocks=block_classes(model))
+
+
+def shard(model: nn.Module, *, compute_dtype: torch.dtype,
+          blocks: tuple[type[nn.Module], ...]) -> nn.Module:
+    """``fully_shard`` each ``blocks`` module, then the root (no-op without a process group)."""
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if dist.is_initialized():
-        blocks = block_classes(model)
         for module in model.modules():
             if isinstance(module, blocks):
                 fully_shard(module, mp_policy=policy)

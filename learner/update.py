@@ -23,7 +23,9 @@ j-th of the step's u updates counts as version ``v + j / u``. KL in the reward a
 the rows each rank trains (the whole batch at one rank).
 
 Advantages are computed once per step on the whole batch (``algorithms.advantages``), after
-KL in the reward, when on, has added ``-beta * KL(proximal || reference)`` per token.
+KL in the reward, when on, has added ``-beta * KL(proximal || reference)`` per token. With
+``gae`` the critic predicts the values first, trains on this step's returns, and for the
+first ``trainer.critic_warmup`` steps the actor does not update.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from algorithms.advantages import AdvantageInputs, AdvantageParams, compute_advantages
+from algorithms.advantages import (
+    AdvantageInputs,
+    AdvantageParams,
+    compute_advantages,
+    gae_advantages,
+    token_level_rewards,
+)
 from algorithms.aggregation import aggregate_loss
 from algorithms.kl import kl_penalty, kl_reward_penalty, make_kl_controller
 from algorithms.logprobs import entropy_from_logits, token_logprobs
@@ -49,6 +57,7 @@ from algorithms.off_policy import (
 from algorithms.policy_loss import PolicyLossParams, PolicyLossTerms, policy_loss
 from configs.run_schema import ActorConfig, AlgorithmConfig
 from learner.batch import TrainBatch
+from learner.critic import Critic
 
 
 class UpdateSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -59,6 +68,7 @@ class UpdateSettings(msgspec.Struct, kw_only=True, frozen=True):
     temperature: float  # the rollout temperature: log-probs of softmax(logits / T)
     horizon: int  # rollout.response_length, the constant of seq-mean-token-sum-norm
     num_prompts: int  # groups in the batch (data.train_batch_size)
+    critic_warmup: int = 0  # trainer.critic_warmup: steps that update only the critic
 
 
 def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
@@ -108,13 +118,16 @@ class Learner:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, settings: UpdateSettings,
-                 reference: nn.Module | None = None,
+                 reference: nn.Module | None = None, critic: Critic | None = None,
                  group: dist.ProcessGroup | None = None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.settings, self.reference, self.group = settings, reference, group
+        self.settings, self.reference, self.critic, self.group = (settings, reference, critic,
+                                                                  group)
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         actor, algorithm = settings.actor, settings.algorithm
+        if algorithm.adv_estimator == "gae" and critic is None:
+            raise ValueError("algorithm.adv_estimator = 'gae' needs the critic")
         if (actor.use_kl_loss or algorithm.use_kl_in_reward) and reference is None:
             raise ValueError("KL (actor.use_kl_loss or algorithm.use_kl_in_reward) needs the "
                              "frozen reference model")
@@ -154,15 +167,28 @@ class Learner:
             token_rewards, sequence_kl = kl_reward_penalty(
                 proximal, reference, batch.response_mask, self.kl_ctrl.value,
                 algorithm.kl_penalty)
+            if dist.is_initialized():  # each rank has its own rows (the others are 0): sum
+                dist.all_reduce(token_rewards, group=self.group)
+                dist.all_reduce(sequence_kl, group=self.group)
             extra["actor/reward_kl_coef"] = self.kl_ctrl.value
             extra["actor/reward_kl"] = float(sequence_kl.mean())
             self.kl_ctrl.update(float(sequence_kl.mean()), n_steps=batch.rows)
-        advantages = compute_advantages(
-            algorithm.adv_estimator,
-            AdvantageInputs(rewards=batch.rewards, group_ids=batch.group_ids,
-                            response_mask=batch.response_mask, token_rewards=token_rewards),
-            AdvantageParams(norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
-                            gamma=algorithm.gamma))
+        inputs = AdvantageInputs(rewards=batch.rewards, group_ids=batch.group_ids,
+                                 response_mask=batch.response_mask, token_rewards=token_rewards)
+        if self.critic is not None:
+            old_values = self.critic.values(batch, minis, self._local_rows)
+            advantages, returns = gae_advantages(token_level_rewards(inputs), old_values,
+                                                 batch.response_mask, algorithm.gamma,
+                                                 algorithm.lam)
+            extra.update(self.critic.train(batch, minis, self._local_rows, old_values,
+                                           returns, self.settings.horizon))
+            if version < self.settings.critic_warmup:
+                return {**extra, "actor/updates_skipped": float(updates)}
+        else:
+            advantages = compute_advantages(
+                algorithm.adv_estimator, inputs,
+                AdvantageParams(norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
+                                gamma=algorithm.gamma))
         correction = None
         if proximal is not None:  # rows this rank does not train on are zero in both
             local = self._local_mask(batch)

@@ -8,7 +8,8 @@ import torch
 from buffer.dataset import ChatMessage, PromptDataset, PromptRow, RewardSpec
 from buffer.hub import Hub, HubSettings
 from buffer.prompt_source import PromptSource
-from buffer.store import FifoStore
+from buffer.rollout_log import RolloutLogWriter
+from buffer.store import FifoStore, ReplayStore
 from transport.messages import Attach, Prompt, RolloutGroup, Sample
 
 
@@ -28,10 +29,12 @@ def make_sample(version: int = 0, length: int = 3, reward: float = 1.0) -> Sampl
 
 
 def make_group(lease_id: str, prompt: Prompt, n: int, version: int = 0,
-               generator_id: str = "g0") -> RolloutGroup:
+               generator_id: str = "g0", rewards: list[float] | None = None) -> RolloutGroup:
+    """``n`` samples of reward 1.0, or one sample per entry of ``rewards``."""
+    rewards = [1.0] * n if rewards is None else rewards
     return RolloutGroup(rollout_id=f"{lease_id}/{prompt.prompt_id}", lease_id=lease_id,
                         prompt_id=prompt.prompt_id, generator_id=generator_id,
-                        samples=[make_sample(version) for _ in range(n)])
+                        samples=[make_sample(version, reward=r) for r in rewards])
 
 
 class FakeClock:
@@ -50,11 +53,13 @@ def clock() -> FakeClock:
 @pytest.fixture
 def make_hub(clock: FakeClock):
     def build(*, batch_size: int = 4, n: int = 2, max_staleness: int = 0, per_lease: int = 2,
-              lease_timeout_s: float = 60.0, rows: int = 100) -> Hub:
+              lease_timeout_s: float = 60.0, rows: int = 100,
+              store: ReplayStore | None = None, log: RolloutLogWriter | None = None) -> Hub:
         settings = HubSettings(batch_size=batch_size, n=n, max_staleness=max_staleness,
                                prompts_per_lease=per_lease, lease_timeout_s=lease_timeout_s,
                                heartbeat_timeout_s=30.0, weights_address="tcp://127.0.0.1:1")
-        hub = Hub(settings, PromptSource(make_dataset(rows), seed=0), FifoStore(), clock=clock)
+        store = FifoStore() if store is None else store
+        hub = Hub(settings, PromptSource(make_dataset(rows), seed=0), store, log, clock=clock)
         hub.handle(Attach(generator_id="g0", engine="torch", device="cpu"))
         return hub
     return build

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.e2e
 
 STEPS = 3
 CASES = {
+    "ppo-gae+critic-warmup": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95",
+                              "trainer.critic_warmup=1", "critic.optim.lr=1e-3"],
     "rloo+gspo": ["algorithm.adv_estimator=rloo", "actor.policy_loss.loss_mode=gspo",
                   "actor.loss_agg_mode=seq-mean-token-mean"],
     "reinforce++ +kl-in-reward": [

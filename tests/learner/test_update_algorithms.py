@@ -13,12 +13,14 @@ from algorithms.policy_loss import LOSS_MODES
 from configs.run_schema import (
     ActorConfig,
     AlgorithmConfig,
+    CriticConfig,
     KLControlConfig,
     OptimConfig,
     PolicyLossConfig,
 )
 from generators.torch_engine import TorchEngine
 from learner.batch import TrainBatch, collate
+from learner.critic import Critic, load_value_model
 from learner.model import load_sharded
 from learner.optim import build_optimizer, build_scheduler
 from learner.update import Learner, UpdateSettings
@@ -28,7 +30,7 @@ from .test_update import LR, PROMPTS, rollouts
 
 
 def make_learner(path: Path, actor: ActorConfig | None = None,
-                 algorithm: AlgorithmConfig | None = None) -> Learner:
+                 algorithm: AlgorithmConfig | None = None, critic_warmup: int = 0) -> Learner:
     actor = actor or ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0))
     algorithm = algorithm or AlgorithmConfig()
     model = load_sharded(str(path), compute_dtype=torch.float32, device=torch.device("cpu"))
@@ -37,11 +39,17 @@ def make_learner(path: Path, actor: ActorConfig | None = None,
         reference = load_sharded(str(path), compute_dtype=torch.float32,
                                  device=torch.device("cpu"), trainable=False)
     optimizer = build_optimizer(model, actor.optim)
+    critic = None
+    if algorithm.adv_estimator == "gae":
+        critic = Critic(load_value_model(str(path), compute_dtype=torch.float32,
+                                         device=torch.device("cpu")),
+                        CriticConfig(optim=OptimConfig(lr=1e-3, weight_decay=0.0)),
+                        total_steps=10)
     settings = UpdateSettings(actor=actor, algorithm=algorithm, temperature=1.0, horizon=6,
-                              num_prompts=len(PROMPTS))
+                              num_prompts=len(PROMPTS), critic_warmup=critic_warmup)
     return Learner(model, optimizer, build_scheduler(optimizer, total_steps=10,
                                                      optim=actor.optim), settings,
-                   reference=reference)
+                   reference=reference, critic=critic)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +71,7 @@ def initial_weights(learner: Learner) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.usefixtures("one_rank_group")
-@pytest.mark.parametrize("estimator", sorted(set(ESTIMATORS) - {"remax"}))
+@pytest.mark.parametrize("estimator", sorted(set(ESTIMATORS) - {"remax"} | {"gae"}))
 def test_every_estimator_trains(random_model_dir: Path, batch: TrainBatch,
                                 estimator: str) -> None:
     if estimator == "grpo_passk":  # only a group's unique best sample learns: one winner each
@@ -141,3 +149,21 @@ def test_rejection_masks_are_counted(random_model_dir: Path, batch: TrainBatch) 
     metrics = learner.step(shifted)
     assert metrics["actor/rejected_frac"] == pytest.approx(1.0)
     assert metrics["actor/importance_weight_mean"] == pytest.approx(math.e, rel=1e-4)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_ppo_critic_learns_the_returns_and_warms_up_first(random_model_dir: Path,
+                                                          batch: TrainBatch) -> None:
+    learner = make_learner(random_model_dir, algorithm=AlgorithmConfig(adv_estimator="gae"),
+                           critic_warmup=2)
+    before = initial_weights(learner)
+    errors = []
+    for version in range(4):
+        metrics = learner.step(batch, version=version)
+        errors.append(metrics["critic/vf_mse"])
+        if version < 2:  # warm-up: only the critic trains
+            assert "actor/loss" not in metrics and not moved(learner, before)
+    assert "actor/loss" in metrics and moved(learner, before)
+    # The zero-initialised head predicts 0 at first; fitting the same returns again and again
+    # must shrink the error.
+    assert errors[-1] < errors[0]

@@ -1,0 +1,141 @@
+"""PPO's critic: a causal-LM body with a scalar value head, trained by the learner.
+
+    V(s_t) = w . h_t + b
+
+where h_t is the body's last hidden state at position t (the prompt and the response up
+to token t). The body loads with ``AutoModel`` from the policy checkpoint (or
+``critic.model.path``); the head starts at zero, so every first prediction is 0. Values
+live on the learner's shifted grid (entry j is the value of the state before token j + 1,
+as log-probs are), and are computed by the learner in the very step whose advantages use
+them, so a stale value never enters GAE. Training follows the actor's mini-batches with
+the clipped value loss (``algorithms.value_loss``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import AutoModel
+
+from algorithms.aggregation import aggregate_loss
+from algorithms.value_loss import clipped_value_loss
+from configs.run_schema import CriticConfig
+from learner.batch import TrainBatch
+from learner.model import block_classes, shard
+from learner.optim import build_optimizer, build_scheduler
+
+LocalRows = Callable[[torch.Tensor], tuple[list[torch.Tensor], int]]
+
+
+class ValueModel(nn.Module):
+    """A transformer body and a linear value head: (B, L) token ids -> (B, L) values."""
+
+    def __init__(self, body: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.body = body
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask,
+                           use_cache=False).last_hidden_state
+        # A copy, not a view: FSDP2 hooks the output for backward, and views defeat that hook.
+        return self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)
+
+
+def load_value_model(path: str, *, compute_dtype: torch.dtype, device: torch.device,
+                     trust_remote_code: bool = False) -> ValueModel:
+    """The body of the causal LM at ``path`` plus a zero value head, FSDP2-sharded."""
+    body = AutoModel.from_pretrained(path, dtype=torch.float32,
+                                     trust_remote_code=trust_remote_code)
+    body.config.use_cache = False
+    model = ValueModel(body, body.config.hidden_size).to(device)
+    return shard(model, compute_dtype=compute_dtype, blocks=block_classes(body))
+
+
+class Critic:
+    """The value model, its optimizer and schedule, and how it predicts and trains."""
+
+    def __init__(self, model: ValueModel, config: CriticConfig, total_steps: int,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.model, self.config, self.group = model, config, group
+        self.optimizer = build_optimizer(model, config.optim)
+        self.scheduler = build_scheduler(self.optimizer, total_steps=total_steps,
+                                         optim=config.optim)
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+
+    def _grid_values(self, part: TrainBatch) -> torch.Tensor:
+        return self.model(part.input_ids, part.attention_mask)[:, :-1]
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch, minis: list[torch.Tensor],
+               local_rows: LocalRows) -> torch.Tensor:
+        """Values (B, L-1) of every row of the batch, identical on every rank."""
+        self.model.eval()
+        out = torch.zeros_like(batch.behavior_logprobs)
+        for mini in minis:
+            chunks, _ = local_rows(mini)
+            for chunk in chunks:
+                rows = chunk if len(chunk) else mini[:1]
+                values = self._grid_values(batch.select(rows))
+                if len(chunk):
+                    out[rows, :values.shape[1]] = values
+        if dist.is_initialized():  # each row was filled by exactly one rank
+            dist.all_reduce(out, group=self.group)
+        return out * batch.response_mask
+
+    def train(self, batch: TrainBatch, minis: list[torch.Tensor], local_rows: LocalRows,
+              old_values: torch.Tensor, returns: torch.Tensor,
+              horizon: int) -> dict[str, float]:
+        """Clipped value-loss updates over the actor's mini-batches; rank-reduced metrics."""
+        self.model.train()
+        sums = torch.zeros(4, dtype=torch.float64)  # loss*tokens, clipped, error^2, tokens
+        grad_norms: list[float] = []
+        for _epoch in range(self.config.ppo_epochs):
+            for mini in minis:
+                self.optimizer.zero_grad(set_to_none=True)
+                mini_mask = batch.response_mask[mini]
+                totals = dict(num_tokens=float(mini_mask.sum()), num_seqs=float(len(mini)),
+                              horizon=horizon)
+                chunks, _ = local_rows(mini)
+                for chunk in chunks:
+                    weight = 1.0 if len(chunk) else 0.0  # empty chunks join the collectives
+                    rows = chunk if len(chunk) else mini[:1]
+                    part = batch.select(rows)
+                    width = part.response_mask.shape[1]
+                    predicted = self._grid_values(part)
+                    terms = clipped_value_loss(predicted, old_values[rows, :width],
+                                               returns[rows, :width], self.config.cliprange_value)
+                    mask = part.response_mask * weight
+                    loss = aggregate_loss(terms.loss, mask, self.config.loss_agg_mode, **totals)
+                    (loss * self.world).backward()
+                    with torch.no_grad():
+                        error = (predicted - returns[rows, :width]) ** 2
+                        sums += torch.stack([(terms.loss * mask).sum(),
+                                             (terms.clipped.float() * mask).sum(),
+                                             (error * mask).sum(), mask.sum()]).double()
+                grad_norms.append(self._step())
+        self.scheduler.step()
+        if dist.is_initialized():
+            dist.all_reduce(sums, group=self.group)
+        tokens = max(float(sums[3]), 1.0)
+        return {"critic/vf_loss": float(sums[0]) / tokens,
+                "critic/vf_clipfrac": float(sums[1]) / tokens,
+                "critic/vf_mse": float(sums[2]) / tokens,
+                "critic/grad_norm": sum(grad_norms) / len(grad_norms),
+                "critic/lr": self.scheduler.get_last_lr()[0]}
+
+    def _step(self) -> float:
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        norm = float(grad_norm)
+        if math.isfinite(norm):  # never step on a NaN/inf gradient
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm

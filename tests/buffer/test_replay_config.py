@@ -1,0 +1,88 @@
+"""The replay filters' config: the store a run config builds, and the bad combinations."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from buffer.dynamic_sampling import DynamicSampling
+from buffer.main import build_store
+from buffer.pf_ppo import PolicyFiltration
+from buffer.store import FifoStore, FilteredStore
+from configs.checks import check_replay_filters
+from configs.loader import ConfigError
+from configs.run_schema import (
+    BufferConfig,
+    DataConfig,
+    FilterGroupsConfig,
+    ModelConfig,
+    PfPpoConfig,
+    RolloutConfig,
+    RunConfig,
+)
+
+
+def run_config(n: int = 4, estimator: str = "grpo", **buffer: object) -> RunConfig:
+    run = RunConfig(data=DataConfig(train_files=["t.parquet"], train_batch_size=8),
+                    model=ModelConfig(path="m"), rollout=RolloutConfig(n=n),
+                    buffer=BufferConfig(**buffer))
+    return msgspec.structs.replace(
+        run, algorithm=msgspec.structs.replace(run.algorithm, adv_estimator=estimator))
+
+
+def test_filters_are_off_by_default() -> None:
+    run = run_config()
+    assert isinstance(build_store(run), FifoStore)
+    check_replay_filters(run, "run.toml")
+
+
+def test_config_builds_dynamic_sampling_then_pf_ppo() -> None:
+    run = run_config(filter_groups=FilterGroupsConfig(enable=True, metric="acc",
+                                                      max_num_gen_batches=3),
+                     pf_ppo=PfPpoConfig(enable=True, mode="best_random", seed=5))
+    store = build_store(run)
+    assert isinstance(store, FilteredStore)
+    dynamic, pf = store.filters
+    assert isinstance(dynamic, DynamicSampling) and isinstance(pf, PolicyFiltration)
+    assert (dynamic.metric, dynamic.batch_size, dynamic.max_num_gen_batches) == ("acc", 8, 3)
+    assert (pf.mode, pf.seed) == ("best_random", 5)
+
+
+def test_toml_keys_follow_verl() -> None:
+    toml = b"""
+[filter_groups]
+enable = true
+metric = "acc"
+max_num_gen_batches = 10
+[pf_ppo]
+enable = true
+mode = "best"
+"""
+    config = msgspec.toml.decode(toml, type=BufferConfig)
+    assert config.filter_groups == FilterGroupsConfig(enable=True, metric="acc",
+                                                      max_num_gen_batches=10)
+    assert config.pf_ppo.mode == "best" and config.max_staleness == 1
+    with pytest.raises(msgspec.ValidationError, match="pf_ppo.mode"):
+        msgspec.toml.decode(b'[pf_ppo]\nmode = "top"', type=BufferConfig)
+
+
+@pytest.mark.parametrize(("run", "key", "words"), [
+    (run_config(n=1, filter_groups=FilterGroupsConfig(enable=True)),
+     "buffer.filter_groups.enable", "rollout.n = 1"),
+    (run_config(n=2, pf_ppo=PfPpoConfig(enable=True, mode="best_worst")),
+     "buffer.pf_ppo.mode", "nothing would be filtered"),
+    (run_config(n=1, estimator="reinforce_plus_plus", pf_ppo=PfPpoConfig(enable=True,
+                                                                          mode="best")),
+     "buffer.pf_ppo.mode", "keeps 1 of each prompt's samples and rollout.n = 1"),
+    (run_config(n=4, estimator="rloo", pf_ppo=PfPpoConfig(enable=True, mode="best")),
+     "buffer.pf_ppo.mode", "every advantage would be 0"),
+])
+def test_bad_combinations_name_the_key(run: RunConfig, key: str, words: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        check_replay_filters(run, "run.toml")
+    assert caught.value.key == key and words in str(caught.value)
+
+
+def test_best_of_n_is_fine_without_a_group_baseline() -> None:
+    check_replay_filters(run_config(n=4, estimator="reinforce_plus_plus",
+                                    pf_ppo=PfPpoConfig(enable=True, mode="best")), "run.toml")
