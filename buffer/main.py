@@ -22,8 +22,6 @@ from buffer.pf_ppo import PolicyFiltration
 from buffer.prompt_source import PromptSource
 from buffer.rollout_log import RolloutLogWriter
 from buffer.store import FifoStore, FilteredStore, GroupFilter, ReplayStore
-from configs.checks import check_replay_filters
-from configs.plan import RESOLVED_RUN
 from configs.run_schema import RunConfig
 from configs.rundir import RunContext, bootstrap
 from transport.messages import Metrics
@@ -50,7 +48,6 @@ def build_store(run: RunConfig) -> ReplayStore:
 
 def build_hub(ctx: RunContext) -> Hub:
     run = ctx.run
-    check_replay_filters(run, str(ctx.run_dir / RESOLVED_RUN))
     settings = HubSettings(
         batch_size=run.data.train_batch_size, n=run.rollout.n,
         max_staleness=run.buffer.max_staleness, prompts_per_lease=run.rollout.prompts_per_lease,

@@ -13,7 +13,6 @@ the clipped value loss (``algorithms.value_loss``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -26,7 +25,7 @@ from algorithms.value_loss import clipped_value_loss
 from configs.run_schema import CriticConfig
 from learner.batch import TrainBatch
 from learner.model import block_classes, shard
-from learner.optim import build_optimizer, build_scheduler
+from learner.optim import build_optimizer, build_scheduler, clipped_step
 
 LocalRows = Callable[[torch.Tensor], tuple[list[torch.Tensor], int]]
 
@@ -119,7 +118,8 @@ class Critic:
                         sums += torch.stack([(terms.loss * mask).sum(),
                                              (terms.clipped.float() * mask).sum(),
                                              (error * mask).sum(), mask.sum()]).double()
-                grad_norms.append(self._step())
+                grad_norms.append(clipped_step(self.model, self.optimizer,
+                                               self.config.grad_clip))
         self.scheduler.step()
         if dist.is_initialized():
             dist.all_reduce(sums, group=self.group)
@@ -129,13 +129,3 @@ class Critic:
                 "critic/vf_mse": float(sums[2]) / tokens,
                 "critic/grad_norm": sum(grad_norms) / len(grad_norms),
                 "critic/lr": self.scheduler.get_last_lr()[0]}
-
-    def _step(self) -> float:
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        norm = float(grad_norm)
-        if math.isfinite(norm):  # never step on a NaN/inf gradient
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm

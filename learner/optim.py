@@ -38,6 +38,22 @@ def lr_factor(step: int, *, total_steps: int, optim: OptimConfig) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+    """Clip the gradient norm to ``max_norm`` and step, unless the norm is NaN/inf.
+
+    Returns the norm before clipping (the full norm across FSDP shards). A non-finite
+    gradient is discarded instead of stepped on.
+    """
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    norm = float(grad_norm)
+    if math.isfinite(norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int,
                     optim: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(

@@ -58,6 +58,7 @@ from algorithms.policy_loss import PolicyLossParams, PolicyLossTerms, policy_los
 from configs.run_schema import ActorConfig, AlgorithmConfig
 from learner.batch import TrainBatch
 from learner.critic import Critic
+from learner.optim import clipped_step
 
 
 class UpdateSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -324,14 +325,9 @@ class Learner:
             sums.max("actor/importance_weight_max", float(on_response.max()))
 
     def _optimizer_step(self, sums: _Sums) -> float:
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(),
-                                             self.settings.actor.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        norm = float(grad_norm)
+        norm = clipped_step(self.model, self.optimizer, self.settings.actor.grad_clip)
         if not math.isfinite(norm):
-            sums.add("skipped", 1.0)  # never step on a NaN/inf gradient
-            self.optimizer.zero_grad(set_to_none=True)
-            return norm
+            sums.add("skipped", 1.0)  # the step was not taken
+        return norm
         self.optimizer.step()
         return norm

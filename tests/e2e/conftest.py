@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,19 @@ def only_run_dir(root: Path) -> Path:
     runs = [p for p in root.iterdir() if p.is_dir()]
     assert len(runs) == 1, runs
     return runs[0]
+
+
+@pytest.fixture
+def curve_keys(tmp_path: Path) -> Path:
+    """A CURVE keys folder: server and client pairs, the client authorized."""
+    from transport.security import create_keypair
+
+    keys = tmp_path / "keys"
+    for name in ("server", "client"):
+        create_keypair(keys, name)
+    (keys / "authorized").mkdir()
+    shutil.copy(keys / "client.key", keys / "authorized" / "client.key")
+    return keys
 
 
 @pytest.fixture

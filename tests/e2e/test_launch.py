@@ -7,7 +7,6 @@ a real MLflow store; the process tree must end by itself and leave nothing behin
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from buffer.rollout_log import read_rollout_log
-from transport.security import create_keypair
 
 from .conftest import launch, only_run_dir, processes_mentioning, small_run_overrides
 
@@ -33,13 +31,9 @@ EXPECTED_METRICS = [
 
 
 def test_a_short_run_trains_logs_and_exits_cleanly(random_model_dir: Path, run_root: Path,
-                                                    tmp_path: Path) -> None:
+                                                    curve_keys: Path, tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    keys = tmp_path / "keys"
-    create_keypair(keys, "server")
-    create_keypair(keys, "client")
-    (keys / "authorized").mkdir()
-    shutil.copy(keys / "client.key", keys / "authorized" / "client.key")
+    keys = curve_keys
     args = small_run_overrides(random_model_dir, run_root, steps=4) + [
         f"tracking.uri={uri}", "tracking.experiment=e2e", "actor.use_kl_loss=true",
         "actor.optim.lr=1e-3", "trainer.save_freq=4", "topology.security.curve=true",

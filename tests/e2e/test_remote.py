@@ -11,13 +11,10 @@ is the local one, as on a cluster's shared filesystem: the push must not truncat
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
-
-from transport.security import create_keypair
 
 from .conftest import ROOT, launch, only_run_dir, processes_mentioning, small_run_overrides
 
@@ -28,13 +25,9 @@ REMOTE_HOST = "gen-host.example"
 
 
 def test_a_remote_generator_is_started_over_ssh_and_trains(
-        random_model_dir: Path, run_root: Path, tmp_path: Path,
+        random_model_dir: Path, run_root: Path, curve_keys: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    keys = tmp_path / "keys"
-    for name in ("server", "client"):
-        create_keypair(keys, name)
-    (keys / "authorized").mkdir()
-    shutil.copy(keys / "client.key", keys / "authorized" / "client.key")
+    keys = curve_keys
     ssh_log = tmp_path / "ssh.log"
     monkeypatch.setenv("FAKE_SSH_LOG", str(ssh_log))
 
