@@ -55,13 +55,13 @@ Estimator = Callable[[AdvantageInputs, AdvantageParams], torch.Tensor]
 # ---------------------------------------------------------------------------- group helpers
 
 
-def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Dense group index 0..G-1 per sample (B,) and the number of groups G."""
     _, inverse = torch.unique(group_ids, return_inverse=True)
     return inverse, int(inverse.max()) + 1 if inverse.numel() else 0
 
 
-def _group_sum(values: torch.Tensor, inverse: torch.Tensor, num_groups: int) -> torch.Tensor:
+def group_sum(values: torch.Tensor, inverse: torch.Tensor, num_groups: int) -> torch.Tensor:
     """Sum of ``values`` (B,) over each group, (G,)."""
     total = torch.zeros(num_groups, dtype=values.dtype, device=values.device)
     return total.index_add_(0, inverse, values)
@@ -72,11 +72,11 @@ def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
 
     A group of one has std 0 (no spread to normalize by).
     """
-    inverse, num_groups = _group_index(group_ids)
+    inverse, num_groups = group_index(group_ids)
     values = values.to(torch.float64)
-    count = _group_sum(torch.ones_like(values), inverse, num_groups)
-    mean = _group_sum(values, inverse, num_groups) / count
-    sq_dev = _group_sum((values - mean[inverse]) ** 2, inverse, num_groups)
+    count = group_sum(torch.ones_like(values), inverse, num_groups)
+    mean = group_sum(values, inverse, num_groups) / count
+    sq_dev = group_sum((values - mean[inverse]) ** 2, inverse, num_groups)
     std = torch.where(count > 1, (sq_dev / (count - 1).clamp(min=1)).sqrt(),
                       torch.zeros_like(count))
     return mean[inverse], std[inverse], count[inverse]
@@ -123,7 +123,7 @@ def _broadcast(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (per_sample.to(torch.float64).unsqueeze(-1) * mask.to(torch.float64)).float()
 
 
-def _masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """verl's ``masked_whiten`` over all masked tokens of the batch, then masked:
 
         (x - mean_m(x)) / sqrt(var_m(x) + 1e-8),  var_m unbiased (Bessel over the token count)
@@ -207,10 +207,10 @@ def opo(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor:
     """
     scores = sequence_scores(inputs)
     lengths = inputs.response_mask.to(torch.float64).sum(-1)
-    inverse, num_groups = _group_index(inputs.group_ids)
-    weighted = _group_sum(lengths * scores, inverse, num_groups)
-    total_length = _group_sum(lengths, inverse, num_groups).clamp(min=1)  # token counts
-    count = _group_sum(torch.ones_like(scores), inverse, num_groups)
+    inverse, num_groups = group_index(inputs.group_ids)
+    weighted = group_sum(lengths * scores, inverse, num_groups)
+    total_length = group_sum(lengths, inverse, num_groups).clamp(min=1)  # token counts
+    count = group_sum(torch.ones_like(scores), inverse, num_groups)
     advantages = torch.where(count[inverse] > 1, scores - (weighted / total_length)[inverse],
                              torch.zeros_like(scores))
     return _broadcast(advantages, inputs.response_mask)
@@ -242,10 +242,10 @@ def grpo_passk(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor
     a group of one; here it gets 0.
     """
     scores = sequence_scores(inputs)
-    inverse, num_groups = _group_index(inputs.group_ids)
+    inverse, num_groups = group_index(inputs.group_ids)
     order = torch.argsort(scores, descending=True, stable=True)
     order = order[torch.argsort(inverse[order], stable=True)]  # by group, best first
-    count = _group_sum(torch.ones_like(scores), inverse, num_groups).long()
+    count = group_sum(torch.ones_like(scores), inverse, num_groups).long()
     first = torch.cumsum(count, 0) - count
     paired = count > 1
     best, second = order[first[paired]], order[first[paired] + 1]
@@ -269,7 +269,7 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs, params: AdvantageParam
     """
     mask = inputs.response_mask.to(torch.float64)
     centered = _centered(sequence_scores(inputs), inputs.group_ids)
-    return _masked_whiten(centered.unsqueeze(-1) * mask, mask).float()
+    return masked_whiten(centered.unsqueeze(-1) * mask, mask).float()
 
 
 def reinforce_plus_plus(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor:
@@ -282,7 +282,7 @@ def reinforce_plus_plus(inputs: AdvantageInputs, params: AdvantageParams) -> tor
     """
     mask = inputs.response_mask.to(torch.float64)
     returns = _discounted_returns(token_level_rewards(inputs), mask, params.gamma)
-    return _masked_whiten(returns, mask).float()
+    return masked_whiten(returns, mask).float()
 
 
 def remax(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor:
@@ -369,4 +369,4 @@ def gae_advantages(
         next_advantage = m * advantage + (1 - m) * next_advantage
         advantages[:, t] = next_advantage
     returns = (advantages + values) * mask
-    return _masked_whiten(advantages, mask).float(), returns.float()
+    return masked_whiten(advantages, mask).float(), returns.float()

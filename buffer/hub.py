@@ -75,6 +75,7 @@ class HubSettings(msgspec.Struct, kw_only=True, frozen=True):
     lease_timeout_s: float
     heartbeat_timeout_s: float
     weights_address: str
+    greedy_baseline: bool = False  # ReMax: every group carries its greedy response's reward
 
 
 class Hub:
@@ -152,7 +153,7 @@ class Hub:
         self.counts["leases/granted"] += 1
         return PromptLease(lease_id=lease.lease_id, prompts=list(lease.outstanding.values()),
                            n=s.n, min_version=max(0, self.learner_version - s.max_staleness),
-                           expires_in_s=s.lease_timeout_s)
+                           expires_in_s=s.lease_timeout_s, greedy_baseline=s.greedy_baseline)
 
     def _lease_return(self, msg: LeaseReturn) -> Message:
         prompts = self.leases.give_back(msg.lease_id, msg.prompt_ids, msg.generator_id)
@@ -167,7 +168,8 @@ class Hub:
         prompt = self.leases.complete(group.lease_id, group.prompt_id, group.generator_id)
         if prompt is None:
             return self._reject(group, "unknown_lease")
-        problem = group_problem(group, self.settings.n, self.learner_version)
+        problem = group_problem(group, self.settings.n, self.learner_version,
+                                self.settings.greedy_baseline)
         if problem:
             self.source.give_back([prompt])
             return self._reject(group, "malformed", problem)
@@ -194,13 +196,19 @@ class Hub:
 
     def _sample(self, msg: SampleRequest) -> Message:
         self.learner_version = max(self.learner_version, msg.version)
+        if msg.priorities:
+            try:
+                self.store.update_priorities(msg.priorities)
+            except ValueError as exc:
+                self.counts["rejected/malformed"] += 1
+                return ErrorReply(code="malformed", detail=f"priorities: {exc}")
         taken = self.store.take(msg.num_groups, self.learner_version, self.settings.max_staleness)
         if taken.dropped_stale:
             self.accepted -= len(taken.dropped_stale)  # they never train: free their slots
             self.counts["dropped/stale"] += len(taken.dropped_stale)
         if taken.groups:
             self.counts["groups/served"] += len(taken.groups)
-        return SampleBatch(groups=taken.groups, buffer_stats=self.stats(),
+        return SampleBatch(groups=taken.groups, weights=taken.weights, buffer_stats=self.stats(),
                            retry_after_s=0.0 if taken.groups else RETRY_AFTER_S)
 
     def _version(self, msg: VersionUpdate) -> Message:
@@ -270,6 +278,7 @@ class Hub:
     def stats(self) -> dict[str, float]:
         """Gauges and counters for the learner's tracker and the status line."""
         stats = {f"buffer/{k}": float(v) for k, v in self.counts.items()}
+        stats.update({f"buffer/{k}": v for k, v in self.store.stats().items()})
         stats.update({
             "buffer/occupancy": float(len(self.store)),
             "buffer/running_prompts": float(self.leases.running),
@@ -291,10 +300,15 @@ def with_admission(group: RolloutGroup, admission: Admission) -> RolloutGroup:
     return msgspec.structs.replace(group, metadata={**group.metadata, "buffer_admission": note})
 
 
-def group_problem(group: RolloutGroup, n: int, learner_version: int) -> str:
+def group_problem(group: RolloutGroup, n: int, learner_version: int,
+                  greedy_baseline: bool = False) -> str:
     """Why a group cannot be trained on, or "" when it is sound."""
     if len(group.samples) != n:
         return f"{len(group.samples)} samples, the lease asked for {n}"
+    if greedy_baseline and (group.baseline_reward is None
+                            or not math.isfinite(group.baseline_reward)):
+        return (f"baseline_reward is {group.baseline_reward}; the lease asked for the greedy "
+                "response's reward (ReMax's baseline)")
     for i, s in enumerate(group.samples):
         length = s.response_ids.numel()
         if s.prompt_ids.dim() != 1 or s.response_ids.dim() != 1 or s.prompt_ids.numel() == 0:

@@ -19,6 +19,7 @@ from buffer.dataset import PromptDataset
 from buffer.dynamic_sampling import DynamicSampling
 from buffer.hub import Hub, HubSettings
 from buffer.pf_ppo import PolicyFiltration
+from buffer.prioritized import PrioritizedStore
 from buffer.prompt_source import PromptSource
 from buffer.rollout_log import RolloutLogWriter
 from buffer.store import FifoStore, FilteredStore, GroupFilter, ReplayStore
@@ -35,7 +36,15 @@ SHUTDOWN_GRACE_S = 10.0  # after the learner ends the run, wait this long for ge
 
 
 def build_store(run: RunConfig) -> ReplayStore:
-    """The FIFO store, behind the replay filters the run config turns on."""
+    """The FIFO or prioritized store, behind the replay filters the run config turns on."""
+    replay = run.buffer.replay
+    inner: ReplayStore = FifoStore()
+    if replay.priority != "fifo":
+        max_age = run.buffer.max_staleness if replay.max_age < 0 else replay.max_age
+        inner = PrioritizedStore(replay.priority, alpha=replay.alpha, beta=replay.beta,
+                                 epsilon=replay.epsilon, max_reuse=replay.max_reuse,
+                                 max_age=max_age, pass_threshold=replay.pass_threshold,
+                                 seed=replay.seed)
     filters: list[GroupFilter] = []
     dynamic, pf_ppo = run.buffer.filter_groups, run.buffer.pf_ppo
     if dynamic.enable:
@@ -43,7 +52,7 @@ def build_store(run: RunConfig) -> ReplayStore:
                                        dynamic.max_num_gen_batches))
     if pf_ppo.enable:
         filters.append(PolicyFiltration(pf_ppo.mode, pf_ppo.seed))
-    return FilteredStore(FifoStore(), filters) if filters else FifoStore()
+    return FilteredStore(inner, filters) if filters else inner
 
 
 def build_hub(ctx: RunContext) -> Hub:
@@ -53,7 +62,8 @@ def build_hub(ctx: RunContext) -> Hub:
         max_staleness=run.buffer.max_staleness, prompts_per_lease=run.rollout.prompts_per_lease,
         lease_timeout_s=run.buffer.lease_timeout_s,
         heartbeat_timeout_s=run.buffer.heartbeat_timeout_s,
-        weights_address=ctx.weights_endpoint)
+        weights_address=ctx.weights_endpoint,
+        greedy_baseline=run.algorithm.adv_estimator == "remax")
     dataset = PromptDataset.from_files(run.data.train_files)
     source = PromptSource(dataset, shuffle=run.data.shuffle, seed=run.data.seed)
     log = RolloutLogWriter(ctx.run_dir / "rollouts") if run.buffer.rollout_log else None

@@ -2,7 +2,9 @@
 
 ``ReplayStore`` is the seam that replay policies plug into: ``add`` says whether a group was
 kept (``Admission``), and a store drops groups that became too stale to train on, and says
-how many. ``FifoStore`` serves groups in arrival order, each once. ``FilteredStore`` puts
+how many. ``FifoStore`` serves groups in arrival order, each once;
+``buffer.prioritized.PrioritizedStore`` draws them by priority, possibly more than once,
+with importance weights. ``FilteredStore`` puts
 group filters in front of another store: DAPO dynamic sampling
 (``buffer.dynamic_sampling``) drops whole groups, PF-PPO (``buffer.pf_ppo``) keeps some
 samples of each.
@@ -11,6 +13,7 @@ samples of each.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import Protocol
 
 import msgspec
@@ -20,10 +23,13 @@ from transport.messages import RolloutGroup
 
 
 class Taken(msgspec.Struct, frozen=True):
-    """A batch for the learner (empty when not enough groups are ready) and the drops."""
+    """A batch for the learner (empty when not enough groups are ready), the groups dropped
+    as stale before they were ever trained on, and each group's importance weight (empty:
+    all 1)."""
 
     groups: list[RolloutGroup]
     dropped_stale: list[RolloutGroup]
+    weights: list[float] = []
 
 
 class Admission(msgspec.Struct, frozen=True):
@@ -47,6 +53,12 @@ class ReplayStore(Protocol):
 
     def take(self, num_groups: int, learner_version: int, max_staleness: int) -> Taken: ...
 
+    def update_priorities(self, priorities: Mapping[str, float]) -> None:
+        """Priorities by rollout id that the learner measured while training."""
+
+    def stats(self) -> dict[str, float]:
+        """The store's own gauges and counters (``buffer/`` is prefixed by the hub)."""
+
     def __len__(self) -> int: ...
 
 
@@ -69,6 +81,12 @@ class FifoStore:
             return Taken(groups=[], dropped_stale=dropped)
         self._groups = deque(fresh[num_groups:])
         return Taken(groups=fresh[:num_groups], dropped_stale=dropped)
+
+    def update_priorities(self, priorities: Mapping[str, float]) -> None:
+        raise ValueError("the FIFO store has no priorities; buffer.replay.priority is 'fifo'")
+
+    def stats(self) -> dict[str, float]:
+        return {}
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -102,6 +120,12 @@ class FilteredStore:
 
     def take(self, num_groups: int, learner_version: int, max_staleness: int) -> Taken:
         return self.inner.take(num_groups, learner_version, max_staleness)
+
+    def update_priorities(self, priorities: Mapping[str, float]) -> None:
+        self.inner.update_priorities(priorities)
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
 
     def __len__(self) -> int:
         return len(self.inner)

@@ -20,7 +20,8 @@ from transport.endpoints import is_loopback
 
 BUILTIN_MODELS = ("tiny-arith",)
 # Advantage estimators whose baseline comes from the other samples of the same prompt.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk",
+                    "prime")
 
 
 def load_topology(path: str | Path, overrides: Iterable[str] = ()) -> Topology:
@@ -64,7 +65,7 @@ def load_run_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfi
         path,
         overrides,
         path_keys=[("data", "train_files"), ("data", "val_files"), ("model", "path"),
-                   ("critic", "model", "path"),
+                   ("critic", "model", "path"), ("reward_model", "model", "path"),
                    ("checkpoint", "dir")],
         file_or_module_keys=[("custom_reward_function", "path")],
     )
@@ -95,10 +96,11 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
         raise ConfigError(source, "model.path",
                           f"no Hugging Face checkpoint at {model_path} (config.json missing); "
                           "give a local folder saved with save_pretrained")
-    critic_path = run.critic.model.path
-    if critic_path and not (Path(critic_path) / "config.json").is_file():
-        raise ConfigError(source, "critic.model.path",
-                          f"no Hugging Face checkpoint at {critic_path} (config.json missing)")
+    for key, path in (("critic.model.path", run.critic.model.path),
+                      ("reward_model.model.path", run.reward_model.model.path)):
+        if path and not (Path(path) / "config.json").is_file():
+            raise ConfigError(source, key,
+                              f"no Hugging Face checkpoint at {path} (config.json missing)")
     check_replay_filters(run, source)
     mini = run.actor.ppo_mini_batch_size
     if mini and data.train_batch_size % mini:
@@ -122,14 +124,38 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
     return msgspec.structs.replace(run, data=data)
 
 
+def check_replay(run: RunConfig, source: str) -> None:
+    """``buffer.replay`` against the staleness bound and the advantage estimator."""
+    replay = run.buffer.replay
+    if replay.priority == "fifo":
+        for key, value, default in (("max_reuse", replay.max_reuse, 1),
+                                    ("max_age", replay.max_age, -1)):
+            if value != default:
+                raise ConfigError(source, f"buffer.replay.{key}",
+                                  "applies to replay by priority, but buffer.replay.priority "
+                                  "is 'fifo' (each group once, in order); set a priority "
+                                  "('uniform', 'advantage', 'pass_rate', 'td_error')")
+        return
+    if replay.max_age > run.buffer.max_staleness:
+        raise ConfigError(source, "buffer.replay.max_age",
+                          f"{replay.max_age} is above buffer.max_staleness "
+                          f"({run.buffer.max_staleness}): no group is trained on past the "
+                          f"staleness bound")
+    if replay.priority == "td_error" and run.algorithm.adv_estimator != "gae":
+        raise ConfigError(source, "buffer.replay.priority",
+                          f"'td_error' needs the critic's values (algorithm.adv_estimator = "
+                          f"'gae'), got {run.algorithm.adv_estimator!r}")
+
+
 def check_replay_filters(run: RunConfig, source: str) -> None:
-    """The buffer's replay filters (``buffer.filter_groups``, ``buffer.pf_ppo``) against the
-    samples per prompt and the advantage estimator."""
+    """The buffer's replay filters (``buffer.filter_groups``, ``buffer.pf_ppo``) and
+    ``buffer.replay`` against the samples per prompt and the advantage estimator."""
     n = run.rollout.n
     if run.buffer.filter_groups.enable and n < 2:
         raise ConfigError(source, "buffer.filter_groups.enable",
                           f"dynamic sampling drops groups whose samples all score the same and "
                           f"needs at least 2 samples per prompt, got rollout.n = {n}")
+    check_replay(run, source)
     pf_ppo = run.buffer.pf_ppo
     if not pf_ppo.enable:
         return

@@ -175,13 +175,16 @@ class RolloutCorrectionConfig(_Section):
 class AlgorithmConfig(_Section):
     """Advantage estimation, KL in the reward and off-policy correction (verl's ``algorithm``).
 
-    ``gae`` trains a critic (the ``critic`` section); ``remax`` (greedy baselines from the
-    generators) is not available yet.
+    ``gae`` trains a critic (the ``critic`` section); with ``remax`` the generators also
+    decode one greedy response per prompt, whose reward is the baseline; ``prime`` (*Relay*
+    name; verl's PRIME recipe runs it as its ``rloo``) trains an implicit process reward
+    model (the ``reward_model`` section) and weighs its token rewards by
+    ``reward_dpo_coef`` and the outcome rewards by ``reward_gt_coef``.
     """
 
     adv_estimator: Literal[
         "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo",
-        "gpg", "grpo_passk"
+        "gpg", "grpo_passk", "remax", "prime"
     ] = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     gamma: Fraction = 1.0
@@ -191,6 +194,8 @@ class AlgorithmConfig(_Section):
     kl_ctrl: KLControlConfig = msgspec.field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = msgspec.field(
         default_factory=RolloutCorrectionConfig)
+    reward_dpo_coef: NonNegativeFloat = 5.0  # prime: weight of the implicit process rewards
+    reward_gt_coef: NonNegativeFloat = 5.0  # prime: weight of the outcome rewards
 
 
 class CriticModelConfig(_Section):
@@ -215,6 +220,27 @@ class CriticConfig(_Section):
     ] = "token-mean"
     grad_clip: PositiveFloat = 1.0
     ppo_epochs: Positive = 1
+
+
+class PrmModelConfig(_Section):
+    """PRIME's implicit PRM: empty ``path`` initialises it from the policy checkpoint."""
+
+    path: str = ""
+    beta_train: PositiveFloat = 0.05
+    update: Literal["before", "after"] = "before"
+    optim: OptimConfig = msgspec.field(default_factory=lambda: OptimConfig(lr=1e-6))
+
+
+class RewardModelConfig(_Section):
+    """PRIME's implicit process reward model (verl's PRIME recipe ``reward_model``), used
+    when ``algorithm.adv_estimator = "prime"``: a causal LM trained each step on the
+    batch's outcome rewards (labels in [0, 1]) with the cross-entropy of
+    ``beta_train * sum_t log(pi_phi / pi_ref)``, before (``update = "before"``) or after it
+    scores the batch; ``learner.implicit_prm``.
+    """
+
+    model: PrmModelConfig = msgspec.field(default_factory=PrmModelConfig)
+    grad_clip: PositiveFloat = 10.0
 
 
 class FilterGroupsConfig(_Section):
@@ -244,12 +270,37 @@ class PfPpoConfig(_Section):
     seed: int = 0
 
 
+class ReplayConfig(_Section):
+    """How the buffer serves stored groups to the learner (*Relay*; ``buffer.prioritized``).
+
+    ``priority = "fifo"`` (the default) serves groups in arrival order, each once. Any
+    other value draws groups by priority ``p`` with probability proportional to
+    ``(p + epsilon)^alpha`` (``uniform``: all equal; ``advantage``: mean |reward - group
+    mean|; ``pass_rate``: 4 q (1 - q) with q the fraction of samples whose reward is >=
+    ``pass_threshold``; ``td_error``: mean |GAE return - value| reported by the learner,
+    needs ``algorithm.adv_estimator = "gae"``), weights each group's loss by the
+    importance weight ``(N P)^-beta`` normalized to max 1, trains on a group at most
+    ``max_reuse`` times and evicts it once its staleness exceeds ``max_age`` versions
+    (-1: ``buffer.max_staleness``; never more).
+    """
+
+    priority: Literal["fifo", "uniform", "advantage", "pass_rate", "td_error"] = "fifo"
+    alpha: NonNegativeFloat = 0.6
+    beta: Fraction = 0.4
+    epsilon: PositiveFloat = 1e-3
+    max_reuse: Positive = 1
+    max_age: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    pass_threshold: float = 0.5
+    seed: int = 0
+
+
 class BufferConfig(_Section):
     """The hub's policies. ``max_staleness`` is eta: samples more than eta versions behind the
     learner are never leased for nor trained on; eta = 0 is synchronous on-policy training.
     ``filter_groups`` and ``pf_ppo`` are the replay filters (``buffer.store.FilteredStore``):
     dynamic sampling judges each whole group first, then PF-PPO picks the samples of those
-    kept. The rollout log gets every sound group whole, before the filters."""
+    kept; ``replay`` says how the kept groups are served. The rollout log gets every sound
+    group whole, before the filters."""
 
     max_staleness: NonNegative = 1
     lease_timeout_s: PositiveFloat = 120.0
@@ -257,6 +308,7 @@ class BufferConfig(_Section):
     rollout_log: bool = True  # Relay: append every group received to run_dir/rollouts/
     filter_groups: FilterGroupsConfig = msgspec.field(default_factory=FilterGroupsConfig)
     pf_ppo: PfPpoConfig = msgspec.field(default_factory=PfPpoConfig)
+    replay: ReplayConfig = msgspec.field(default_factory=ReplayConfig)
 
 
 class TrainerConfig(_Section):
@@ -307,6 +359,7 @@ class RunConfig(_Section):
     actor: ActorConfig = msgspec.field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = msgspec.field(default_factory=RewardModelConfig)
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)

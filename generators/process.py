@@ -109,7 +109,8 @@ class Heartbeater:
                 if isinstance(reply, Shutdown):
                     logger.info("buffer says: %s", reply.reason)
                     self.stop_requested.set()
-                elif isinstance(reply, HeartbeatAck):
+                    return  # the buffer is about to go: a later heartbeat would hang
+                if isinstance(reply, HeartbeatAck):
                     self.learner_version = reply.learner_version
                     if not reply.known:
                         self.reattach.set()
@@ -193,26 +194,40 @@ class GeneratorLoop:
                     lease.n)
         self.apply_staged_weights()
         if self.engine.version < lease.min_version and not self._wait_for(lease.min_version, stop):
-            self._give_back(lease, f"weights version {lease.min_version} never arrived")
+            if self._heart.stop_requested.is_set():
+                logger.info("lease %s dropped: the run has ended", lease.lease_id)
+            else:
+                self._give_back(lease, f"weights version {lease.min_version} never arrived")
             return
         self.counters.in_flight = len(lease.prompts)
         prompt_ids = [self._tokenize(p) for p in lease.prompts]
         try:
-            completions = self._generate(prompt_ids, lease.n)
+            completions = self._generate(prompt_ids, lease.n, self.settings.params)
+            greedy = self._generate(prompt_ids, 1, self.greedy_params) \
+                if lease.greedy_baseline else None
         except Exception:
             self._give_back(lease, "generation failed")
             raise
         finally:
             self.counters.in_flight = 0
         for index, prompt in enumerate(lease.prompts):
-            group = completions[index * lease.n:(index + 1) * lease.n]
-            self._send(self._group(lease, prompt, prompt_ids[index], group))
+            group = self._group(lease, prompt, prompt_ids[index],
+                                completions[index * lease.n:(index + 1) * lease.n])
+            if greedy is not None:
+                group = self._with_baseline(group, prompt, greedy[index])
+            self._send(group)
 
-    def _generate(self, prompt_ids: list[list[int]], n: int) -> list[Completion]:
+    @property
+    def greedy_params(self) -> SamplingParams:
+        """Greedy decoding with the rollout's length limit (ReMax's baseline response)."""
+        return msgspec.structs.replace(self.settings.params, temperature=0.0)
+
+    def _generate(self, prompt_ids: list[list[int]], n: int,
+                  params: SamplingParams) -> list[Completion]:
         """``n`` completions per prompt, prompt after prompt."""
         batch = [ids for ids in prompt_ids for _ in range(n)]
         started = time.perf_counter()
-        completions = self.engine.generate(batch, self.settings.params,
+        completions = self.engine.generate(batch, params,
                                            between_steps=self.apply_staged_weights)
         self.counters.seconds += time.perf_counter() - started
         self.counters.tokens += sum(c.token_ids.numel() for c in completions)
@@ -245,6 +260,18 @@ class GeneratorLoop:
                             generator_id=self.settings.generator_id, samples=samples,
                             data_source=prompt.data_source, ground_truth=prompt.ground_truth)
 
+    def _with_baseline(self, group: RolloutGroup, prompt: Prompt,
+                       greedy: Completion) -> RolloutGroup:
+        """The group with the greedy response's reward as ``baseline_reward`` (ReMax)."""
+        text = self.tokenizer.decode(greedy.token_ids.tolist(), skip_special_tokens=True)
+        (result,) = self.scorer.score([RewardItem(prompt.data_source, text,
+                                                  prompt.ground_truth, prompt.extra_info)])
+        metadata = {**group.metadata, "greedy_text": text}
+        if result.error:
+            logger.warning("greedy baseline of %s scored 0: %s", group.rollout_id, result.error)
+            metadata["greedy_reward_error"] = result.error
+        return msgspec.structs.replace(group, baseline_reward=result.score, metadata=metadata)
+
     def _send(self, group: RolloutGroup) -> None:
         reply = self._buffer.request(group, REQUEST_TIMEOUT_S)
         if isinstance(reply, RolloutAck) and reply.accepted:
@@ -271,8 +298,11 @@ class GeneratorLoop:
             logger.info("now generating with weights version %d", staged.version)
 
     def _wait_for(self, version: int, stop: threading.Event) -> bool:
+        """Load weights ``version`` (or newer) once they arrive; False on a timeout or
+        when the run is stopping (the learner may be gone and never publish them)."""
         deadline = time.monotonic() + self.settings.weights_timeout_s
-        while not stop.is_set() and time.monotonic() < deadline:
+        while not (stop.is_set() or self._heart.stop_requested.is_set()) \
+                and time.monotonic() < deadline:
             staged = self._weights.wait_for(version, timeout_s=0.5)
             if staged is not None:
                 self.engine.load_weights(staged.version, staged.tensors)

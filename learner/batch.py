@@ -8,6 +8,9 @@ log-probs and versions sit at the same positions.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import msgspec
 import torch
 
@@ -25,6 +28,12 @@ class TrainBatch(msgspec.Struct, kw_only=True):
     rewards: torch.Tensor  # (B,) float32
     group_ids: torch.Tensor  # (B,) long: samples of one prompt share an id
     response_lengths: torch.Tensor  # (B,) long
+    # (B,) float32: the importance weight of each row's group under prioritized replay
+    # (``buffer.prioritized``), multiplying every token loss of the row; 1 otherwise
+    sample_weights: torch.Tensor
+    # (B,) float32: ReMax's baseline, the reward of the greedy response to the row's prompt
+    # (``RolloutGroup.baseline_reward``); NaN when the group has none
+    baseline_rewards: torch.Tensor
 
     @property
     def rows(self) -> int:
@@ -41,11 +50,16 @@ class TrainBatch(msgspec.Struct, kw_only=True):
         return TrainBatch(**picked)
 
 
-def collate(groups: list[RolloutGroup], pad_id: int) -> TrainBatch:
-    """Pack every sample of every group into one ``TrainBatch``."""
+def collate(groups: list[RolloutGroup], pad_id: int,
+            group_weights: Sequence[float] = ()) -> TrainBatch:
+    """Pack every sample of every group into one ``TrainBatch``; ``group_weights`` (one per
+    group, or empty for all 1) become the rows' ``sample_weights``."""
     samples = [(g_index, s) for g_index, g in enumerate(groups) for s in g.samples]
     if not samples:
         raise ValueError("cannot train on an empty batch")
+    if group_weights and len(group_weights) != len(groups):
+        raise ValueError(f"{len(group_weights)} group weights for {len(groups)} groups")
+    weights = list(group_weights) or [1.0] * len(groups)
     lengths = [s.prompt_ids.numel() + s.response_ids.numel() for _, s in samples]
     rows, width = len(samples), max(lengths)
     input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
@@ -66,4 +80,8 @@ def collate(groups: list[RolloutGroup], pad_id: int) -> TrainBatch:
         behavior_logprobs=behavior, versions=versions,
         rewards=torch.tensor([s.reward for _, s in samples], dtype=torch.float32),
         group_ids=torch.tensor([g for g, _ in samples], dtype=torch.long),
-        response_lengths=torch.tensor([s.response_ids.numel() for _, s in samples]))
+        response_lengths=torch.tensor([s.response_ids.numel() for _, s in samples]),
+        sample_weights=torch.tensor([weights[g] for g, _ in samples], dtype=torch.float32),
+        baseline_rewards=torch.tensor(
+            [math.nan if groups[g].baseline_reward is None else groups[g].baseline_reward
+             for g, _ in samples], dtype=torch.float32))

@@ -111,7 +111,8 @@ class Critic:
                     terms = clipped_value_loss(predicted, old_values[rows, :width],
                                                returns[rows, :width], self.config.cliprange_value)
                     mask = part.response_mask * weight
-                    loss = aggregate_loss(terms.loss, mask, self.config.loss_agg_mode, **totals)
+                    loss = aggregate_loss(terms.loss * part.sample_weights[:, None], mask,
+                                          self.config.loss_agg_mode, **totals)
                     (loss * self.world).backward()
                     with torch.no_grad():
                         error = (predicted - returns[rows, :width]) ** 2

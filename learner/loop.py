@@ -73,6 +73,7 @@ class TrainLoop:
         self.publish_dtype, self.checkpoint_dir = publish_dtype, checkpoint_dir
         self.rank0, self.group = rank0, group
         self.version = 0
+        self.priorities: dict[str, float] = {}  # td_error priorities for the next request
 
     def run_all(self) -> None:
         trainer = self.run.trainer
@@ -96,14 +97,19 @@ class TrainLoop:
         waited = 0.0
         batch = None
         if self.rank0 is not None:
-            batch, waited = self.rank0.link.next_batch(self.version, self.run.data.train_batch_size)
+            batch, waited = self.rank0.link.next_batch(self.version, self.run.data.train_batch_size,
+                                                       self.priorities)
         batch = broadcast_batch(batch, self.group)
-        train = collate(batch.groups, self.pad_id)
+        train = collate(batch.groups, self.pad_id, batch.weights)
         rollout = {} if self.rank0 is None else batch_metrics(batch, train, self.version,
                                                                self.run.buffer.max_staleness)
         trained_at = time.monotonic()
-        metrics = self.learner.step(train, self.version)
+        result = self.learner.step(train, self.version)
+        metrics = result.metrics
         train_seconds = time.monotonic() - trained_at
+        if self.run.buffer.replay.priority == "td_error":
+            self.priorities = {g.rollout_id: error
+                               for g, error in zip(batch.groups, result.td_errors)}
         if step % self.run.trainer.publish_every == 0:
             self._publish(step)
         if self.rank0 is None:

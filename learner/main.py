@@ -24,6 +24,7 @@ from configs.rundir import RunContext, bootstrap
 from generators.main import eos_and_pad
 from generators.torch_engine import TorchEngine
 from learner.critic import Critic, load_value_model
+from learner.implicit_prm import ImplicitPRM
 from learner.loop import RankZero, TrainLoop
 from learner.model import learner_device, load_sharded
 from learner.optim import build_optimizer, build_scheduler
@@ -41,8 +42,9 @@ def build_learner(ctx: RunContext, device: torch.device) -> Learner:
     dtype = getattr(torch, run.model.dtype)
     model = load_sharded(run.model.path, compute_dtype=dtype, device=device,
                          trust_remote_code=run.model.trust_remote_code)
+    estimator = run.algorithm.adv_estimator
     reference = None
-    if run.actor.use_kl_loss or run.algorithm.use_kl_in_reward:
+    if run.actor.use_kl_loss or run.algorithm.use_kl_in_reward or estimator == "prime":
         reference = load_sharded(run.model.path, compute_dtype=dtype, device=device,
                                  trust_remote_code=run.model.trust_remote_code, trainable=False)
     optimizer = build_optimizer(model, run.actor.optim)
@@ -53,13 +55,21 @@ def build_learner(ctx: RunContext, device: torch.device) -> Learner:
                               horizon=run.rollout.response_length,
                               num_prompts=run.data.train_batch_size,
                               critic_warmup=run.trainer.critic_warmup)
-    critic = None
-    if run.algorithm.adv_estimator == "gae":
+    critic = prm = None
+    if estimator == "gae":
         value_model = load_value_model(run.critic.model.path or run.model.path,
                                        compute_dtype=dtype, device=device,
                                        trust_remote_code=run.model.trust_remote_code)
         critic = Critic(value_model, run.critic, total_steps=run.trainer.total_training_steps)
-    return Learner(model, optimizer, scheduler, settings, reference=reference, critic=critic)
+    if estimator == "prime":
+        prm_model = load_sharded(run.reward_model.model.path or run.model.path,
+                                 compute_dtype=dtype, device=device,
+                                 trust_remote_code=run.model.trust_remote_code)
+        prm = ImplicitPRM(prm_model, run.reward_model,
+                          total_steps=run.trainer.total_training_steps,
+                          temperature=run.rollout.temperature)
+    return Learner(model, optimizer, scheduler, settings, reference=reference, critic=critic,
+                   prm=prm)
 
 
 def build_rank_zero(ctx: RunContext, tokenizer, scorer: RewardScorer, eos: list[int],

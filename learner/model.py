@@ -15,6 +15,9 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
+from algorithms.logprobs import entropy_from_logits, token_logprobs
+from learner.batch import TrainBatch
+
 
 def learner_device(setting: str, local_rank: int) -> torch.device:
     """``cpu``, ``cuda`` (one GPU per local rank) or ``auto`` (cuda when present)."""
@@ -61,3 +64,13 @@ def shard(model: nn.Module, *, compute_dtype: torch.dtype,
                 fully_shard(module, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
     return model
+
+
+def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
+                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (B, L-1) of the batch's tokens, and the entropy if asked."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    logits = out.logits[:, :-1]  # (B, L-1, V): position j predicts token j + 1
+    logprobs = token_logprobs(logits, batch.input_ids[:, 1:], temperature)
+    entropy = entropy_from_logits(logits, temperature) if with_entropy else None
+    return logprobs, entropy

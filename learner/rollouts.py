@@ -31,10 +31,16 @@ class BufferLink:
     def __init__(self, endpoint: str, keys: ClientKeys | None = None) -> None:
         self._client = Client(endpoint, keys=keys)
 
-    def next_batch(self, version: int, num_groups: int) -> tuple[SampleBatch, float]:
-        """Wait for a batch of ``num_groups`` groups; return it and the seconds waited."""
+    def next_batch(self, version: int, num_groups: int,
+                   priorities: dict[str, float] | None = None) -> tuple[SampleBatch, float]:
+        """Wait for a batch of ``num_groups`` groups; return it and the seconds waited.
+
+        ``priorities`` (replay priorities of the last batch, by rollout id) go with the
+        first request only.
+        """
         started = last_log = time.monotonic()
-        request = SampleRequest(learner_rank=0, version=version, num_groups=num_groups)
+        request = SampleRequest(learner_rank=0, version=version, num_groups=num_groups,
+                                priorities=priorities or {})
         while True:
             try:
                 reply = self._client.request(request, REQUEST_TIMEOUT_S, expect=SampleBatch)
@@ -44,6 +50,7 @@ class BufferLink:
             assert isinstance(reply, SampleBatch)
             if reply.groups:
                 return reply, time.monotonic() - started
+            request = SampleRequest(learner_rank=0, version=version, num_groups=num_groups)
             now = time.monotonic()
             if now - last_log > WAIT_LOG_EVERY_S:
                 last_log = now

@@ -23,9 +23,14 @@ j-th of the step's u updates counts as version ``v + j / u``. KL in the reward a
 the rows each rank trains (the whole batch at one rank).
 
 Advantages are computed once per step on the whole batch (``algorithms.advantages``), after
-KL in the reward, when on, has added ``-beta * KL(proximal || reference)`` per token. With
+KL in the reward, when on, has added ``-beta * KL(proximal || reference)`` per token. ReMax
+takes each group's greedy baseline reward from the batch; PRIME trains its implicit PRM
+(``learner.implicit_prm``) and adds its token rewards (``algorithms.prime``). With
 ``gae`` the critic predicts the values first, trains on this step's returns, and for the
-first ``trainer.critic_warmup`` steps the actor does not update.
+first ``trainer.critic_warmup`` steps the actor does not update; each group's mean
+|return - value| is its TD-error, the priority of prioritized replay by ``td_error``.
+Under prioritized replay each row's policy and value losses are multiplied by its group's
+importance weight (``TrainBatch.sample_weights``).
 """
 
 from __future__ import annotations
@@ -47,7 +52,6 @@ from algorithms.advantages import (
 )
 from algorithms.aggregation import aggregate_loss
 from algorithms.kl import kl_penalty, kl_reward_penalty, make_kl_controller
-from algorithms.logprobs import entropy_from_logits, token_logprobs
 from algorithms.off_policy import (
     Correction,
     CorrectionParams,
@@ -55,10 +59,33 @@ from algorithms.off_policy import (
     off_policy_correction,
 )
 from algorithms.policy_loss import PolicyLossParams, PolicyLossTerms, policy_loss
+from algorithms.prime import implicit_process_rewards, prime_advantages
 from configs.run_schema import ActorConfig, AlgorithmConfig
 from learner.batch import TrainBatch
 from learner.critic import Critic
+from learner.implicit_prm import ImplicitPRM
+from learner.model import forward_logprobs
 from learner.optim import clipped_step
+
+
+class StepResult(msgspec.Struct, frozen=True):
+    """Rank-reduced diagnostics, and per group of the batch (by group id) the mean TD-error
+    |R_t - V_t| over its response tokens (empty without a critic)."""
+
+    metrics: dict[str, float]
+    td_errors: list[float] = []
+
+
+def group_td_errors(returns: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+                    group_ids: torch.Tensor) -> list[float]:
+    """mean over each group's response tokens of |R_t - V_t|; all inputs (B, T) but
+    ``group_ids`` (B,)."""
+    groups = int(group_ids.max()) + 1
+    errors = ((returns - values).abs() * response_mask).sum(-1)
+    sums = torch.zeros(groups, dtype=torch.float64).index_add_(0, group_ids, errors.double())
+    tokens = torch.zeros(groups, dtype=torch.float64).index_add_(
+        0, group_ids, response_mask.sum(-1).double())
+    return (sums / tokens.clamp(min=1.0)).tolist()
 
 
 class UpdateSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -70,16 +97,6 @@ class UpdateSettings(msgspec.Struct, kw_only=True, frozen=True):
     horizon: int  # rollout.response_length, the constant of seq-mean-token-sum-norm
     num_prompts: int  # groups in the batch (data.train_batch_size)
     critic_warmup: int = 0  # trainer.critic_warmup: steps that update only the critic
-
-
-def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
-                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (B, L-1) of the batch's tokens, and the entropy if asked."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    logits = out.logits[:, :-1]  # (B, L-1, V): position j predicts token j + 1
-    logprobs = token_logprobs(logits, batch.input_ids[:, 1:], temperature)
-    entropy = entropy_from_logits(logits, temperature) if with_entropy else None
-    return logprobs, entropy
 
 
 def _chunks(rows: torch.Tensor, count: int) -> list[torch.Tensor]:
@@ -120,15 +137,18 @@ class Learner:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, settings: UpdateSettings,
                  reference: nn.Module | None = None, critic: Critic | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 prm: ImplicitPRM | None = None, group: dist.ProcessGroup | None = None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.settings, self.reference, self.critic, self.group = (settings, reference, critic,
-                                                                  group)
+        self.settings, self.reference, self.critic, self.prm, self.group = (
+            settings, reference, critic, prm, group)
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         actor, algorithm = settings.actor, settings.algorithm
         if algorithm.adv_estimator == "gae" and critic is None:
             raise ValueError("algorithm.adv_estimator = 'gae' needs the critic")
+        if algorithm.adv_estimator == "prime" and (prm is None or reference is None):
+            raise ValueError("algorithm.adv_estimator = 'prime' needs the implicit PRM and the "
+                             "frozen reference model")
         if (actor.use_kl_loss or algorithm.use_kl_in_reward) and reference is None:
             raise ValueError("KL (actor.use_kl_loss or algorithm.use_kl_in_reward) needs the "
                              "frozen reference model")
@@ -149,11 +169,8 @@ class Learner:
             chosen = groups[start:start + per_mini]
             yield torch.isin(batch.group_ids, chosen).nonzero().squeeze(-1)
 
-    def step(self, batch: TrainBatch, version: int = 0) -> dict[str, float]:
-        """One learner step on the global ``batch`` by the policy at ``version``.
-
-        Returns rank-reduced diagnostics.
-        """
+    def step(self, batch: TrainBatch, version: int = 0) -> StepResult:
+        """One learner step on the global ``batch`` by the policy at ``version``."""
         actor, algorithm = self.settings.actor, self.settings.algorithm
         minis = list(self.mini_batches(batch))
         updates = actor.ppo_epochs * len(minis)
@@ -164,9 +181,10 @@ class Learner:
         reference = self._no_grad_logprobs(self.reference, batch) if self.reference else None
         extra: dict[str, float] = {}
         token_rewards = None
+        td_errors: list[float] = []
         if self.kl_ctrl is not None:
             token_rewards, sequence_kl = kl_reward_penalty(
-                proximal, reference, batch.response_mask, self.kl_ctrl.value,
+                proximal, reference, self._local_mask(batch), self.kl_ctrl.value,
                 algorithm.kl_penalty)
             if dist.is_initialized():  # each rank has its own rows (the others are 0): sum
                 dist.all_reduce(token_rewards, group=self.group)
@@ -175,16 +193,22 @@ class Learner:
             extra["actor/reward_kl"] = float(sequence_kl.mean())
             self.kl_ctrl.update(float(sequence_kl.mean()), n_steps=batch.rows)
         inputs = AdvantageInputs(rewards=batch.rewards, group_ids=batch.group_ids,
-                                 response_mask=batch.response_mask, token_rewards=token_rewards)
+                                 response_mask=batch.response_mask, token_rewards=token_rewards,
+                                 baseline_rewards=self._greedy_baselines(batch))
         if self.critic is not None:
             old_values = self.critic.values(batch, minis, self._local_rows)
             advantages, returns = gae_advantages(token_level_rewards(inputs), old_values,
                                                  batch.response_mask, algorithm.gamma,
                                                  algorithm.lam)
+            td_errors = group_td_errors(returns, old_values, batch.response_mask,
+                                        batch.group_ids)
             extra.update(self.critic.train(batch, minis, self._local_rows, old_values,
                                            returns, self.settings.horizon))
             if version < self.settings.critic_warmup:
-                return {**extra, "actor/updates_skipped": float(updates)}
+                return StepResult({**extra, "actor/updates_skipped": float(updates)}, td_errors)
+        elif self.prm is not None:
+            advantages, extra_prm = self._prime_advantages(batch, minis, reference)
+            extra.update(extra_prm)
         else:
             advantages = compute_advantages(
                 algorithm.adv_estimator, inputs,
@@ -218,9 +242,39 @@ class Learner:
             "actor/loss": stats.get("loss", 0.0) / updates,
             "actor/tokens": stats.get("tokens", 0.0) / actor.ppo_epochs,
         })
-        return metrics
+        return StepResult(metrics, td_errors)
 
     # -- internals ----------------------------------------------------------------------
+
+    def _greedy_baselines(self, batch: TrainBatch) -> torch.Tensor | None:
+        """ReMax's baselines (B,), or None for the other estimators."""
+        if self.settings.algorithm.adv_estimator != "remax":
+            return None
+        if bool(batch.baseline_rewards.isnan().any()):
+            raise ValueError("remax needs every group's greedy baseline reward "
+                             "(RolloutGroup.baseline_reward); some groups came without one")
+        return batch.baseline_rewards
+
+    def _prime_advantages(self, batch: TrainBatch, minis: list[torch.Tensor],
+                          reference: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        """PRIME: train the implicit PRM (before or after scoring), score the batch's tokens,
+        combine with the outcome rewards (``algorithms.prime``)."""
+        assert self.prm is not None and reference is not None
+        algorithm, prm = self.settings.algorithm, self.prm
+        before = prm.config.model.update == "before"
+        metrics = prm.train(batch, minis, self._local_rows, reference) if before else {}
+        local = self._local_mask(batch)
+        process = implicit_process_rewards(self._no_grad_logprobs(prm.model, batch), reference,
+                                           local, prm.beta)
+        if dist.is_initialized():  # each row was scored by exactly one rank
+            dist.all_reduce(process, group=self.group)
+        if not before:
+            metrics = prm.train(batch, minis, self._local_rows, reference)
+        advantages, _ = prime_advantages(process, batch.rewards, batch.response_mask,
+                                         batch.group_ids, algorithm.reward_dpo_coef,
+                                         algorithm.reward_gt_coef)
+        metrics["prm/process_reward_mean"] = float(process.sum() / batch.response_mask.sum())
+        return advantages, metrics
 
     def _local_rows(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], int]:
         """This rank's rows of a mini-batch in micro-batches; every rank gets as many."""
@@ -278,7 +332,8 @@ class Learner:
                                 self.loss_params)
             mask = part.response_mask * weight
             kept = part_correction.mask * weight
-            loss = aggregate_loss(terms.loss * part_correction.weight, kept,
+            weighted = terms.loss * part_correction.weight * part.sample_weights[:, None]
+            loss = aggregate_loss(weighted, kept,
                                   actor.loss_agg_mode, **totals)
             if actor.entropy_coeff:
                 loss = loss - actor.entropy_coeff * aggregate_loss(entropy, mask,
@@ -328,6 +383,4 @@ class Learner:
         norm = clipped_step(self.model, self.optimizer, self.settings.actor.grad_clip)
         if not math.isfinite(norm):
             sums.add("skipped", 1.0)  # the step was not taken
-        return norm
-        self.optimizer.step()
         return norm

@@ -116,7 +116,9 @@ class PromptLease(Message):
 
     ``n`` samples are to be drawn per prompt with weights of at least ``min_version``. An
     empty lease means "nothing now" (staleness gate closed or data exhausted); retry after
-    ``retry_after_s``. Leases not answered within ``expires_in_s`` return to the pool.
+    ``retry_after_s``. Leases not answered within ``expires_in_s`` return to the pool. With
+    ``greedy_baseline`` (ReMax) the generator also decodes one greedy response per prompt
+    and sends its reward as the group's ``baseline_reward``.
     """
 
     lease_id: str
@@ -125,6 +127,7 @@ class PromptLease(Message):
     min_version: int = 0
     expires_in_s: float = 0.0
     retry_after_s: float = 0.0
+    greedy_baseline: bool = False
 
 
 class LeaseReturn(Message):
@@ -161,7 +164,11 @@ class Sample(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True, 
 
 
 class RolloutGroup(Message):
-    """All ``n`` samples for one leased prompt; ``rollout_id`` is unique per group."""
+    """All ``n`` samples for one leased prompt; ``rollout_id`` is unique per group.
+
+    ``baseline_reward`` is the reward of the greedy response to the prompt when the lease
+    asked for it (ReMax's baseline; the response's text is in ``metadata["greedy_text"]``).
+    """
 
     rollout_id: str
     lease_id: str
@@ -171,6 +178,7 @@ class RolloutGroup(Message):
     data_source: str = ""
     ground_truth: Any = None
     metadata: dict[str, Any] = {}
+    baseline_reward: float | None = None
 
 
 class RolloutAck(Message):
@@ -187,21 +195,28 @@ class RolloutAck(Message):
 
 
 class SampleRequest(Message):
-    """The learner asks for a batch of ``num_groups`` groups, trained at ``version``."""
+    """The learner asks for a batch of ``num_groups`` groups, trained at ``version``.
+
+    ``priorities`` carries the replay priorities (by rollout id) the learner measured on
+    its last batch, for prioritized replay by TD-error; empty otherwise.
+    """
 
     learner_rank: int
     version: int
     num_groups: int
+    priorities: dict[str, float] = {}
 
 
 class SampleBatch(Message):
     """A batch for the learner, or none yet (``groups`` empty; retry after a pause).
 
     ``buffer_stats`` carries the buffer's gauges and counters for the learner to log
-    (occupancy, drops by reason, generator throughput).
+    (occupancy, drops by reason, generator throughput). ``weights`` holds each group's
+    importance weight under prioritized replay (empty: all 1).
     """
 
     groups: list[RolloutGroup] = []
+    weights: list[float] = []
     retry_after_s: float = 0.0
     buffer_stats: dict[str, float] = {}
     exhausted: bool = False  # the dataset and the buffer have nothing more to give

@@ -54,10 +54,12 @@ def clock() -> FakeClock:
 def make_hub(clock: FakeClock):
     def build(*, batch_size: int = 4, n: int = 2, max_staleness: int = 0, per_lease: int = 2,
               lease_timeout_s: float = 60.0, rows: int = 100,
-              store: ReplayStore | None = None, log: RolloutLogWriter | None = None) -> Hub:
+              store: ReplayStore | None = None, log: RolloutLogWriter | None = None,
+              greedy_baseline: bool = False) -> Hub:
         settings = HubSettings(batch_size=batch_size, n=n, max_staleness=max_staleness,
                                prompts_per_lease=per_lease, lease_timeout_s=lease_timeout_s,
-                               heartbeat_timeout_s=30.0, weights_address="tcp://127.0.0.1:1")
+                               heartbeat_timeout_s=30.0, weights_address="tcp://127.0.0.1:1",
+                               greedy_baseline=greedy_baseline)
         store = FifoStore() if store is None else store
         hub = Hub(settings, PromptSource(make_dataset(rows), seed=0), store, log, clock=clock)
         hub.handle(Attach(generator_id="g0", engine="torch", device="cpu"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -163,3 +164,24 @@ def test_generator_throughput_over_a_window(make_hub, clock) -> None:
         hub.tick()
     assert hub.stats()["buffer/generator_tokens_per_s"] == pytest.approx(1500 / 20)
     assert hub.stats()["buffer/generator_tokens_total"] == 1500
+
+
+def test_remax_leases_ask_for_the_greedy_baseline_and_refuse_groups_without_it(make_hub) -> None:
+    hub = make_hub(batch_size=2, n=2, per_lease=2, greedy_baseline=True)
+    granted = lease(hub)
+    assert granted.greedy_baseline
+    first, second = (make_group(granted.lease_id, p, 2, rewards=[1.0, 0.0])
+                     for p in granted.prompts)
+    missing = hub.handle(first)
+    assert not missing.accepted and "baseline_reward is None" in missing.reason
+    assert hub.counts["rejected/malformed"] == 1
+    nan = hub.handle(msgspec.structs.replace(second, baseline_reward=float("nan")))
+    assert not nan.accepted and "greedy response's reward" in nan.reason
+    again = lease(hub)  # both prompts went back to the pool
+    assert len(again.prompts) == 2
+    for prompt in again.prompts:
+        group = make_group(again.lease_id, prompt, 2, rewards=[1.0, 0.0])
+        assert hub.handle(msgspec.structs.replace(group, baseline_reward=1.0)).accepted
+    batch = hub.handle(SampleRequest(learner_rank=0, version=0, num_groups=2))
+    assert [g.baseline_reward for g in batch.groups] == [1.0, 1.0]
+    assert not lease(make_hub()).greedy_baseline

@@ -1,4 +1,5 @@
-"""The replay filters' config: the store a run config builds, and the bad combinations."""
+"""The replay config: the store a run config builds (filters, prioritized replay), and the
+bad combinations."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from buffer.dynamic_sampling import DynamicSampling
 from buffer.main import build_store
 from buffer.pf_ppo import PolicyFiltration
+from buffer.prioritized import PrioritizedStore
 from buffer.store import FifoStore, FilteredStore
 from configs.checks import check_replay_filters
 from configs.loader import ConfigError
@@ -17,6 +19,7 @@ from configs.run_schema import (
     FilterGroupsConfig,
     ModelConfig,
     PfPpoConfig,
+    ReplayConfig,
     RolloutConfig,
     RunConfig,
 )
@@ -48,6 +51,19 @@ def test_config_builds_dynamic_sampling_then_pf_ppo() -> None:
     assert (pf.mode, pf.seed) == ("best_random", 5)
 
 
+def test_config_builds_the_prioritized_store_behind_the_filters() -> None:
+    run = run_config(max_staleness=3, pf_ppo=PfPpoConfig(enable=True),
+                     replay=ReplayConfig(priority="pass_rate", alpha=0.5, beta=0.7,
+                                         max_reuse=2, seed=3))
+    store = build_store(run)
+    assert isinstance(store, FilteredStore) and isinstance(store.inner, PrioritizedStore)
+    inner = store.inner
+    assert (inner.priority, inner.alpha, inner.beta, inner.max_reuse, inner.max_age) == (
+        "pass_rate", 0.5, 0.7, 2, 3)  # max_age -1: the staleness bound
+    alone = build_store(run_config(replay=ReplayConfig(priority="uniform", max_age=0)))
+    assert isinstance(alone, PrioritizedStore) and alone.max_age == 0
+
+
 def test_toml_keys_follow_verl() -> None:
     toml = b"""
 [filter_groups]
@@ -76,6 +92,11 @@ mode = "best"
      "buffer.pf_ppo.mode", "keeps 1 of each prompt's samples and rollout.n = 1"),
     (run_config(n=4, estimator="rloo", pf_ppo=PfPpoConfig(enable=True, mode="best")),
      "buffer.pf_ppo.mode", "every advantage would be 0"),
+    (run_config(replay=ReplayConfig(max_reuse=2)), "buffer.replay.max_reuse", "is 'fifo'"),
+    (run_config(replay=ReplayConfig(priority="uniform", max_age=2)), "buffer.replay.max_age",
+     "above buffer.max_staleness (1)"),
+    (run_config(replay=ReplayConfig(priority="td_error")), "buffer.replay.priority",
+     "needs the critic's values"),
 ])
 def test_bad_combinations_name_the_key(run: RunConfig, key: str, words: str) -> None:
     with pytest.raises(ConfigError) as caught:

@@ -2,8 +2,9 @@
 
 A few steps through the real launcher (buffer, torchrun learner, generator) for each case:
 the run must finish, log finite losses and gradient norms, and move every parameter.
-Every estimator and every loss mode appears at least once; corrections, KL in the reward
-and A-3PO ride along.
+Every estimator (ReMax with the generators' greedy baselines, PRIME with its implicit PRM)
+and every loss mode appears at least once; corrections, KL in the reward and A-3PO ride
+along.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM
+
+from buffer.rollout_log import read_rollout_log
 
 from .conftest import launch, only_run_dir, small_run_overrides
 
@@ -45,12 +48,18 @@ CASES = {
     "grpo+kl_cov+minibatches+geometric-rs": [
         "actor.policy_loss.loss_mode=kl_cov", "actor.ppo_mini_batch_size=2",
         "algorithm.rollout_correction.rollout_rs=geometric"],
+    "remax": ["algorithm.adv_estimator=remax"],
+    "prime": ["algorithm.adv_estimator=prime", "reward_model.model.optim.lr=1e-3"],
 }
+# Metrics a case must log every step besides the actor's.
+CASE_METRICS = {"ppo-gae+critic-warmup": ["critic/vf_loss"],
+                "prime": ["prm/loss", "prm/accuracy", "prm/grad_norm"]}
 
 
-@pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
-def test_algorithm_trains_end_to_end(overrides: list[str], random_model_dir: Path,
+@pytest.mark.parametrize("case", CASES)
+def test_algorithm_trains_end_to_end(case: str, random_model_dir: Path,
                                      run_root: Path, tmp_path: Path) -> None:
+    overrides = CASES[case]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = small_run_overrides(random_model_dir, run_root, steps=STEPS) + [
         f"tracking.uri={uri}", "tracking.experiment=algorithms", "actor.optim.lr=1e-3",
@@ -64,6 +73,7 @@ def test_algorithm_trains_end_to_end(overrides: list[str], random_model_dir: Pat
     warmup = 1 if "trainer.critic_warmup=1" in overrides else 0  # no actor update then
     expected = {"actor/loss": STEPS - warmup, "actor/grad_norm": STEPS - warmup,
                 "actor/pg_loss": STEPS - warmup, "rollout/reward_mean": STEPS}
+    expected.update({name: STEPS for name in CASE_METRICS.get(case, [])})
     for name, count in expected.items():
         history = client.get_metric_history(run.info.run_id, name)
         assert len(history) == count and all(math.isfinite(m.value) for m in history), name
@@ -73,3 +83,10 @@ def test_algorithm_trains_end_to_end(overrides: list[str], random_model_dir: Pat
     initial = AutoModelForCausalLM.from_pretrained(random_model_dir)
     moved = [not torch.equal(a, b) for a, b in zip(trained.parameters(), initial.parameters())]
     assert all(moved), "every parameter must have been trained"
+
+    groups = list(read_rollout_log(only_run_dir(run_root) / "rollouts"))
+    if case == "remax":  # every group came with its greedy response's reward and text
+        assert groups and all(g.baseline_reward in (0.0, 1.0) for g in groups)
+        assert all("greedy_text" in g.metadata for g in groups)
+    else:
+        assert all(g.baseline_reward is None for g in groups)

@@ -1,8 +1,10 @@
-"""The buffer's replay filters in a real run: DAPO dynamic sampling and PF-PPO together,
-and the dynamic-sampling cap ending a run whose every group is dropped."""
+"""The buffer's replay policies in a real run: DAPO dynamic sampling and PF-PPO together,
+the dynamic-sampling cap ending a run whose every group is dropped, and prioritized replay
+by TD-error with PPO's critic (groups reused, priorities fed back by the learner)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -77,3 +79,32 @@ def test_dynamic_sampling_cap_fails_the_run_with_a_clear_error(
     assert result.returncode != 0
     assert "essential process buffer" in result.stderr
     assert "max_num_gen_batches = 2" in result.stderr, result.stderr[-3000:]
+
+
+def test_prioritized_replay_by_td_error_reuses_groups_and_takes_the_learners_priorities(
+        random_model_dir: Path, run_root: Path, tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    steps = 5
+    args = small_run_overrides(random_model_dir, run_root, steps=steps) + [
+        f"tracking.uri={uri}", "tracking.experiment=replay", "trainer.test_freq=-1",
+        "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "buffer.max_staleness=2",
+        "buffer.replay.priority=td_error", "buffer.replay.max_reuse=3",
+        "buffer.replay.beta=1.0"]
+    result = launch(args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"trained {steps} steps" in result.stdout
+
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("replay").experiment_id])
+
+    def history(name: str) -> list[float]:
+        return [m.value for m in client.get_metric_history(run.info.run_id, name)]
+
+    assert history("buffer/replay/draws")[-1] >= steps * 4
+    assert history("buffer/replay/redraws")[-1] > 0  # some groups were trained on again
+    # New groups start at priority 1 (the largest seen before any report); once the learner
+    # reports TD-errors the stored priorities are those instead.
+    assert any(p != 1.0 for p in history("buffer/replay/priority_mean")[1:])
+    weights = history("buffer/replay/is_weight_min")
+    assert all(0.0 < w <= 1.0 for w in weights) and min(weights) < 1.0
+    assert all(math.isfinite(v) for v in history("critic/vf_loss") + history("actor/pg_loss"))

@@ -1,5 +1,6 @@
 """Collating rollout groups into the shifted training grid."""
 
+import pytest
 import torch
 
 from learner.batch import collate
@@ -38,3 +39,16 @@ def test_select_trims_unused_padding() -> None:
     part = collate(groups, pad_id=0).select(torch.tensor([1]))
     assert part.input_ids.tolist() == [[1, 2]]
     assert part.response_mask.tolist() == [[1]]
+
+
+def test_group_weights_become_per_row_sample_weights() -> None:
+    groups = [RolloutGroup(rollout_id="a", lease_id="l", prompt_id="p", generator_id="g",
+                           samples=[sample([1], [2]), sample([1], [3])]),
+              RolloutGroup(rollout_id="b", lease_id="l", prompt_id="q", generator_id="g",
+                           samples=[sample([4], [5])])]
+    assert collate(groups, pad_id=0).sample_weights.tolist() == [1.0, 1.0, 1.0]
+    weighted = collate(groups, pad_id=0, group_weights=[0.25, 1.0])
+    assert weighted.sample_weights.tolist() == [0.25, 0.25, 1.0]
+    assert weighted.select(torch.tensor([1, 2])).sample_weights.tolist() == [0.25, 1.0]
+    with pytest.raises(ValueError, match="1 group weights for 2 groups"):
+        collate(groups, pad_id=0, group_weights=[0.5])

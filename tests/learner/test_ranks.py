@@ -41,7 +41,7 @@ def train_two_steps(rank: int, world: int, port: int, model_dir: str, batch_file
         torch.manual_seed(0)
         batch = torch.load(batch_file, weights_only=False)
         learner = make_learner(Path(model_dir), algorithm=algorithm)
-        losses = [learner.step(batch, version=v)["actor/loss"] for v in range(2)]
+        losses = [learner.step(batch, version=v).metrics["actor/loss"] for v in range(2)]
         weights = gather_full_weights(learner.model, torch.float32)
         if rank == 0:
             torch.save({"losses": losses, "weights": weights}, out_file)

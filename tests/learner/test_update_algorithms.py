@@ -17,10 +17,13 @@ from configs.run_schema import (
     KLControlConfig,
     OptimConfig,
     PolicyLossConfig,
+    PrmModelConfig,
+    RewardModelConfig,
 )
 from generators.torch_engine import TorchEngine
 from learner.batch import TrainBatch, collate
 from learner.critic import Critic, load_value_model
+from learner.implicit_prm import ImplicitPRM
 from learner.model import load_sharded
 from learner.optim import build_optimizer, build_scheduler
 from learner.update import Learner, UpdateSettings
@@ -30,14 +33,22 @@ from .test_update import LR, PROMPTS, rollouts
 
 
 def make_learner(path: Path, actor: ActorConfig | None = None,
-                 algorithm: AlgorithmConfig | None = None, critic_warmup: int = 0) -> Learner:
+                 algorithm: AlgorithmConfig | None = None, critic_warmup: int = 0,
+                 reward_model: RewardModelConfig | None = None) -> Learner:
     actor = actor or ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0))
     algorithm = algorithm or AlgorithmConfig()
     model = load_sharded(str(path), compute_dtype=torch.float32, device=torch.device("cpu"))
-    reference = None
-    if actor.use_kl_loss or algorithm.use_kl_in_reward:
+    reference = prm = None
+    if actor.use_kl_loss or algorithm.use_kl_in_reward or algorithm.adv_estimator == "prime":
         reference = load_sharded(str(path), compute_dtype=torch.float32,
                                  device=torch.device("cpu"), trainable=False)
+    if algorithm.adv_estimator == "prime":
+        prm = ImplicitPRM(load_sharded(str(path), compute_dtype=torch.float32,
+                                       device=torch.device("cpu")),
+                          reward_model or RewardModelConfig(
+                              model=PrmModelConfig(optim=OptimConfig(lr=1e-3,
+                                                                     weight_decay=0.0))),
+                          total_steps=10, temperature=1.0)
     optimizer = build_optimizer(model, actor.optim)
     critic = None
     if algorithm.adv_estimator == "gae":
@@ -49,7 +60,7 @@ def make_learner(path: Path, actor: ActorConfig | None = None,
                               num_prompts=len(PROMPTS), critic_warmup=critic_warmup)
     return Learner(model, optimizer, build_scheduler(optimizer, total_steps=10,
                                                      optim=actor.optim), settings,
-                   reference=reference, critic=critic)
+                   reference=reference, critic=critic, prm=prm)
 
 
 @pytest.fixture(scope="module")
@@ -71,17 +82,19 @@ def initial_weights(learner: Learner) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.usefixtures("one_rank_group")
-@pytest.mark.parametrize("estimator", sorted(set(ESTIMATORS) - {"remax"} | {"gae"}))
+@pytest.mark.parametrize("estimator", sorted(set(ESTIMATORS) | {"gae", "prime"}))
 def test_every_estimator_trains(random_model_dir: Path, batch: TrainBatch,
                                 estimator: str) -> None:
+    batch = TrainBatch(**{f: getattr(batch, f) for f in batch.__struct_fields__})
     if estimator == "grpo_passk":  # only a group's unique best sample learns: one winner each
-        batch = TrainBatch(**{f: getattr(batch, f) for f in batch.__struct_fields__})
         first_of_group = torch.ones_like(batch.rewards, dtype=torch.bool)
         first_of_group[1:] = batch.group_ids[1:] != batch.group_ids[:-1]
         batch.rewards = first_of_group.float()
+    if estimator == "remax":  # the generators' greedy baselines: here, half of the rewards
+        batch.baseline_rewards = torch.full_like(batch.rewards, 0.5)
     learner = make_learner(random_model_dir, algorithm=AlgorithmConfig(adv_estimator=estimator))
     before = initial_weights(learner)
-    metrics = learner.step(batch)
+    metrics = learner.step(batch).metrics
     assert math.isfinite(metrics["actor/loss"]) and metrics["actor/grad_norm"] > 0
     assert moved(learner, before)
 
@@ -94,7 +107,7 @@ def test_every_loss_mode_trains(random_model_dir: Path, batch: TrainBatch, mode:
                                                      kl_cov_ratio=0.2))
     learner = make_learner(random_model_dir, actor=actor)
     before = initial_weights(learner)
-    metrics = learner.step(batch)
+    metrics = learner.step(batch).metrics
     assert math.isfinite(metrics["actor/loss"]) and metrics["actor/grad_norm"] > 0
     assert moved(learner, before)
 
@@ -115,7 +128,7 @@ def test_a3po_skips_the_proximal_forward_pass(random_model_dir: Path, batch: Tra
     a3po = make_learner(random_model_dir, actor=ActorConfig(
         optim=actor.optim, ppo_epochs=2, proximal_logprobs="a3po"))
     before = initial_weights(a3po)
-    metrics = a3po.step(batch, version=4)
+    metrics = a3po.step(batch, version=4).metrics
     assert calls == [] and math.isfinite(metrics["actor/loss"]) and moved(a3po, before)
 
 
@@ -125,13 +138,13 @@ def test_kl_in_reward_feeds_the_adaptive_controller(random_model_dir: Path,
     algorithm = AlgorithmConfig(use_kl_in_reward=True, kl_ctrl=KLControlConfig(
         type="adaptive", kl_coef=0.1, target_kl=0.01, horizon=100))
     learner = make_learner(random_model_dir, algorithm=algorithm)
-    first = learner.step(batch)
+    first = learner.step(batch).metrics
     # Policy == reference before the first update: KL 0, so the coefficient shrinks by the
     # clipped error: 0.1 * (1 - 0.2 * B / horizon) with B = 12 samples.
     assert first["actor/reward_kl"] == pytest.approx(0.0, abs=1e-6)
     assert first["actor/reward_kl_coef"] == pytest.approx(0.1)
     assert learner.kl_ctrl.value == pytest.approx(0.1 * (1 - 0.2 * batch.rows / 100))
-    second = learner.step(batch)
+    second = learner.step(batch).metrics
     assert second["actor/reward_kl"] > 0, "the policy has moved away from the reference"
 
 
@@ -146,7 +159,7 @@ def test_rejection_masks_are_counted(random_model_dir: Path, batch: TrainBatch) 
     correction = RolloutCorrectionConfig(rollout_rs="token")
     learner = make_learner(random_model_dir, algorithm=AlgorithmConfig(
         rollout_correction=correction))
-    metrics = learner.step(shifted)
+    metrics = learner.step(shifted).metrics
     assert metrics["actor/rejected_frac"] == pytest.approx(1.0)
     assert metrics["actor/importance_weight_mean"] == pytest.approx(math.e, rel=1e-4)
 
@@ -159,7 +172,7 @@ def test_ppo_critic_learns_the_returns_and_warms_up_first(random_model_dir: Path
     before = initial_weights(learner)
     errors = []
     for version in range(4):
-        metrics = learner.step(batch, version=version)
+        metrics = learner.step(batch, version=version).metrics
         errors.append(metrics["critic/vf_mse"])
         if version < 2:  # warm-up: only the critic trains
             assert "actor/loss" not in metrics and not moved(learner, before)
@@ -167,3 +180,68 @@ def test_ppo_critic_learns_the_returns_and_warms_up_first(random_model_dir: Path
     # The zero-initialised head predicts 0 at first; fitting the same returns again and again
     # must shrink the error.
     assert errors[-1] < errors[0]
+
+
+def with_sample_weights(batch: TrainBatch, weights: torch.Tensor) -> TrainBatch:
+    fields = {f: getattr(batch, f) for f in batch.__struct_fields__}
+    return TrainBatch(**{**fields, "sample_weights": weights})
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_replay_importance_weights_scale_each_rows_loss(random_model_dir: Path,
+                                                        batch: TrainBatch) -> None:
+    full = make_learner(random_model_dir).step(batch).metrics
+    half = make_learner(random_model_dir).step(
+        with_sample_weights(batch, torch.full_like(batch.rewards, 0.5))).metrics
+    assert half["actor/grad_norm"] == pytest.approx(0.5 * full["actor/grad_norm"], rel=1e-4)
+    # the loss is linear in the weights: one row alone plus the others alone is the whole
+    # (a group's samples have equal lengths here, so a whole group's token-mean loss is 0)
+    learning = next(g for g in batch.group_ids.unique()
+                    if batch.rewards[batch.group_ids == g].std() > 0)
+    first = torch.zeros_like(batch.rewards)
+    first[int((batch.group_ids == learning).nonzero()[0])] = 1.0
+    parts = [make_learner(random_model_dir).step(with_sample_weights(batch, w)).metrics
+             for w in (first, 1.0 - first)]
+    assert abs(parts[0]["actor/loss"]) > 1e-3
+    assert parts[0]["actor/loss"] + parts[1]["actor/loss"] == pytest.approx(full["actor/loss"],
+                                                                           abs=1e-6)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_ppo_reports_each_groups_td_error(random_model_dir: Path, batch: TrainBatch) -> None:
+    learner = make_learner(random_model_dir, algorithm=AlgorithmConfig(adv_estimator="gae",
+                                                                       lam=1.0))
+    result = learner.step(batch)
+    groups = int(batch.group_ids.max()) + 1
+    assert len(result.td_errors) == groups
+    # The value head starts at 0 and gamma = lam = 1: R_t = the sample's reward at every
+    # response token, so each group's TD-error is its token-weighted mean |reward|.
+    tokens = batch.response_mask.sum(-1)
+    for g in range(groups):
+        rows = batch.group_ids == g
+        expected = float((batch.rewards[rows].abs() * tokens[rows]).sum() / tokens[rows].sum())
+        assert result.td_errors[g] == pytest.approx(expected, rel=1e-5)
+    assert make_learner(random_model_dir).step(batch).td_errors == []
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_remax_without_greedy_baselines_names_the_problem(random_model_dir: Path,
+                                                         batch: TrainBatch) -> None:
+    learner = make_learner(random_model_dir, algorithm=AlgorithmConfig(adv_estimator="remax"))
+    with pytest.raises(ValueError, match="greedy baseline"):
+        learner.step(batch)  # collated from groups that carry no baseline_reward
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("update", ["before", "after"])
+def test_prime_trains_its_prm_towards_the_outcome_labels(random_model_dir: Path,
+                                                        batch: TrainBatch, update: str) -> None:
+    config = RewardModelConfig(model=PrmModelConfig(update=update, beta_train=0.5, optim=(
+        OptimConfig(lr=1e-3, weight_decay=0.0))))
+    learner = make_learner(random_model_dir, algorithm=AlgorithmConfig(adv_estimator="prime"),
+                           reward_model=config)
+    losses = [learner.step(batch, version=v).metrics["prm/loss"] for v in range(4)]
+    # the PRM starts equal to the reference: implicit reward 0, BCE log 2 for every label
+    assert losses[0] == pytest.approx(math.log(2), rel=1e-4)
+    assert losses[-1] < losses[0]
+    assert learner.step(batch).metrics["prm/accuracy"] > 0.5

@@ -1,0 +1,80 @@
+"""PRIME's implicit process reward model, trained online by the learner (``algorithms.prime``).
+
+A causal LM pi_phi, loaded like the policy (from ``reward_model.model.path`` or the policy
+checkpoint) and FSDP2-sharded, scored against the learner's frozen reference. Each step it
+learns from the batch's outcome labels (the verifier's rewards, in [0, 1]) with the
+cross-entropy of its sequence-level implicit reward, over the actor's mini-batches and
+on each rank's rows, as the critic does; its token-level rewards
+beta * (log pi_phi - log pi_ref) then enter PRIME's advantages. With
+``reward_model.model.update = "before"`` (verl's default) the step's scores come from the
+PRM after it trained on the batch; with ``"after"``, from the PRM before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from algorithms.prime import implicit_prm_loss
+from configs.run_schema import RewardModelConfig
+from learner.batch import TrainBatch
+from learner.model import forward_logprobs
+from learner.optim import build_optimizer, build_scheduler, clipped_step
+
+LocalRows = Callable[[torch.Tensor], tuple[list[torch.Tensor], int]]
+
+
+class ImplicitPRM:
+    """The PRM, its optimizer and schedule, and its training step."""
+
+    def __init__(self, model: nn.Module, config: RewardModelConfig, total_steps: int,
+                 temperature: float, group: dist.ProcessGroup | None = None) -> None:
+        self.model, self.config, self.temperature, self.group = model, config, temperature, group
+        self.optimizer = build_optimizer(model, config.model.optim)
+        self.scheduler = build_scheduler(self.optimizer, total_steps=total_steps,
+                                         optim=config.model.optim)
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+
+    @property
+    def beta(self) -> float:
+        return self.config.model.beta_train
+
+    def train(self, batch: TrainBatch, minis: list[torch.Tensor], local_rows: LocalRows,
+              reference_logprobs: torch.Tensor) -> dict[str, float]:
+        """One pass of CE updates on the batch's rewards as labels; rank-reduced metrics.
+
+        ``reference_logprobs`` (B, T) must hold this rank's rows (others may be 0).
+        """
+        self.model.train()
+        sums = torch.zeros(3, dtype=torch.float64)  # loss sum, right-side count, sequences
+        grad_norms: list[float] = []
+        for mini in minis:
+            self.optimizer.zero_grad(set_to_none=True)
+            chunks, _ = local_rows(mini)
+            for chunk in chunks:
+                weight = 1.0 if len(chunk) else 0.0  # empty chunks still join the collectives
+                rows = chunk if len(chunk) else mini[:1]
+                part = batch.select(rows)
+                width = part.response_mask.shape[1]
+                logprobs, _ = forward_logprobs(self.model, part, self.temperature, False)
+                reference = reference_logprobs[rows, :width]
+                per_sequence = implicit_prm_loss(logprobs, reference, part.response_mask,
+                                                 part.rewards, self.beta) * weight
+                (per_sequence.sum() / len(mini) * self.world).backward()
+                with torch.no_grad():
+                    implicit = ((logprobs - reference) * part.response_mask).sum(-1)
+                    right = ((implicit > 0) == (part.rewards > 0.5)).float() * weight
+                    sums += torch.stack([per_sequence.sum(), right.sum(),
+                                         torch.tensor(weight * len(rows))]).double()
+            grad_norms.append(clipped_step(self.model, self.optimizer, self.config.grad_clip))
+        self.scheduler.step()
+        if dist.is_initialized():
+            dist.all_reduce(sums, group=self.group)
+        sequences = max(float(sums[2]), 1.0)
+        return {"prm/loss": float(sums[0]) / sequences,
+                "prm/accuracy": float(sums[1]) / sequences,
+                "prm/grad_norm": sum(grad_norms) / len(grad_norms),
+                "prm/lr": self.scheduler.get_last_lr()[0]}
