@@ -19,8 +19,8 @@ forward pass, which saves a forward pass. Otherwise they are recomputed up front
 (``actor.proximal_logprobs = "recompute"``) or, for every update after the first,
 interpolated between behavior and current log-probs by version (``"a3po"``), where the
 j-th of the step's u updates counts as version ``v + j / u``. KL in the reward and M2PO
-(a batch-level mask) need them up front in every case. M2PO's second moment is taken over
-the rows each rank trains (the whole batch at one rank).
+(a batch-level mask) need them up front in every case; each rank computes its own rows and
+the ranks sum them, so M2PO's second moment is the whole batch's at any number of ranks.
 
 Advantages are computed once per step on the whole batch (``algorithms.advantages``), after
 KL in the reward, when on, has added ``-beta * KL(proximal || reference)`` per token. ReMax
@@ -177,7 +177,8 @@ class Learner:
         self.model.train()
         upfront = (updates > 1 and actor.proximal_logprobs == "recompute") \
             or algorithm.use_kl_in_reward or self.correction.m2po
-        proximal = self._no_grad_logprobs(self.model, batch) if upfront else None
+        proximal = self._gathered(self._no_grad_logprobs(self.model, batch), batch) \
+            if upfront else None
         reference = self._no_grad_logprobs(self.reference, batch) if self.reference else None
         extra: dict[str, float] = {}
         token_rewards = None
@@ -215,10 +216,9 @@ class Learner:
                 AdvantageParams(norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
                                 gamma=algorithm.gamma))
         correction = None
-        if proximal is not None:  # rows this rank does not train on are zero in both
-            local = self._local_mask(batch)
-            correction = off_policy_correction(proximal, batch.behavior_logprobs, local,
-                                               self.correction)
+        if proximal is not None:
+            correction = off_policy_correction(proximal, batch.behavior_logprobs,
+                                               batch.response_mask, self.correction)
         sums = _Sums()
         grad_norms: list[float] = []
         for epoch in range(actor.ppo_epochs):
@@ -296,13 +296,26 @@ class Learner:
                 out[rows, :logprobs.shape[1]] = logprobs
         return out
 
+    def _gathered(self, local: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        """``local`` (the rows this rank computed; other rows zero or padding) with every
+        rank's rows: each row is kept only by the rank that trains on it, then summed."""
+        whole = torch.zeros_like(local)
+        rows = self._own_rows(batch)
+        whole[rows] = local[rows]
+        if dist.is_initialized() and self.world > 1:
+            dist.all_reduce(whole, group=self.group)
+        return whole
+
     def _local_mask(self, batch: TrainBatch) -> torch.Tensor:
         """The response mask of the rows this rank trains on; other rows zero."""
         mask = torch.zeros_like(batch.response_mask)
-        for mini in self.mini_batches(batch):
-            rows = mini[self.rank::self.world]
-            mask[rows] = batch.response_mask[rows]
+        rows = self._own_rows(batch)
+        mask[rows] = batch.response_mask[rows]
         return mask
+
+    def _own_rows(self, batch: TrainBatch) -> torch.Tensor:
+        """Indices of the rows this rank trains on: ``rank::world`` of every mini-batch."""
+        return torch.cat([mini[self.rank::self.world] for mini in self.mini_batches(batch)])
 
     def _accumulate(self, batch: TrainBatch, mini: torch.Tensor, advantages: torch.Tensor,
                     proximal: torch.Tensor | None, reference: torch.Tensor | None,

@@ -3,7 +3,10 @@
 The batch is split across ranks row by row, and losses are normalised by whole-batch
 counts, so the number of ranks must not change the step. Checked with the plain GRPO
 update and with the paths that need cross-rank sums: KL in the reward feeding a
-batch-whitened estimator (REINFORCE++), and PPO's critic (values gathered from both ranks).
+batch-whitened estimator (REINFORCE++), PPO's critic (values gathered from both ranks), and
+M2PO, whose mask depends on the second moment over the whole batch (proximal log-probs
+gathered from both ranks; its tau is set so that the second step masks about a third of the
+tokens).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from configs.run_schema import AlgorithmConfig
+from configs.run_schema import AlgorithmConfig, RolloutCorrectionConfig
 from generators.torch_engine import TorchEngine
 from learner.batch import collate
 from learner.weights import gather_full_weights
@@ -30,6 +33,8 @@ ALGORITHMS = {
     "reinforce++ with kl in reward": AlgorithmConfig(adv_estimator="reinforce_plus_plus",
                                                      use_kl_in_reward=True),
     "ppo with critic": AlgorithmConfig(adv_estimator="gae", lam=0.95),
+    "m2po": AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(m2po=True,
+                                                                       m2po_tau=0.01)),
 }
 
 
@@ -41,10 +46,12 @@ def train_two_steps(rank: int, world: int, port: int, model_dir: str, batch_file
         torch.manual_seed(0)
         batch = torch.load(batch_file, weights_only=False)
         learner = make_learner(Path(model_dir), algorithm=algorithm)
-        losses = [learner.step(batch, version=v).metrics["actor/loss"] for v in range(2)]
+        metrics = [learner.step(batch, version=v).metrics for v in range(2)]
         weights = gather_full_weights(learner.model, torch.float32)
         if rank == 0:
-            torch.save({"losses": losses, "weights": weights}, out_file)
+            torch.save({"losses": [m["actor/loss"] for m in metrics],
+                        "rejected": [m["actor/rejected_frac"] for m in metrics],
+                        "weights": weights}, out_file)
     finally:
         dist.destroy_process_group()
 
@@ -68,5 +75,8 @@ def test_two_ranks_match_one(random_model_dir: Path, tmp_path: Path,
         results.append(torch.load(out, weights_only=False))
     one, two = results
     assert two["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    assert two["rejected"] == pytest.approx(one["rejected"], abs=1e-6)
+    if algorithm.rollout_correction.m2po:
+        assert 0 < one["rejected"][1] < 1
     for name, tensor in one["weights"].items():  # Adam amplifies noise where grads are ~0
         torch.testing.assert_close(two["weights"][name], tensor, atol=LR / 100, rtol=1e-4)
