@@ -1,7 +1,8 @@
 """PRIME's implicit process reward model, trained online by the learner (``algorithms.prime``).
 
 A causal LM pi_phi, loaded like the policy (from ``reward_model.model.path`` or the policy
-checkpoint) and FSDP2-sharded, scored against the learner's frozen reference. Each step it
+checkpoint) and FSDP2-sharded, scored against pi_ref, a frozen copy of the checkpoint it
+started from (the policy's reference model when that is the same checkpoint). Each step it
 learns from the batch's outcome labels (the verifier's rewards, in [0, 1]) with the
 cross-entropy of its sequence-level implicit reward, over the actor's mini-batches and
 on each rank's rows, as the critic does; its token-level rewards
@@ -28,11 +29,13 @@ LocalRows = Callable[[torch.Tensor], tuple[list[torch.Tensor], int]]
 
 
 class ImplicitPRM:
-    """The PRM, its optimizer and schedule, and its training step."""
+    """The PRM, its frozen reference, its optimizer and schedule, and its training step."""
 
-    def __init__(self, model: nn.Module, config: RewardModelConfig, total_steps: int,
-                 temperature: float, group: dist.ProcessGroup | None = None) -> None:
-        self.model, self.config, self.temperature, self.group = model, config, temperature, group
+    def __init__(self, model: nn.Module, reference: nn.Module, config: RewardModelConfig,
+                 total_steps: int, temperature: float,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.model, self.reference, self.config = model, reference, config
+        self.temperature, self.group = temperature, group
         self.optimizer = build_optimizer(model, config.model.optim)
         self.scheduler = build_scheduler(self.optimizer, total_steps=total_steps,
                                          optim=config.model.optim)

@@ -3,7 +3,8 @@
 Every rank runs ``TrainLoop.run``; rank 0 additionally talks to the buffer, serves weights,
 evaluates, tracks to MLflow and feeds the launcher's status line. Versions: the learner
 starts at version 0 (the checkpoint the generators loaded) and publishes version v + 1
-every ``trainer.publish_every`` steps.
+every ``trainer.publish_every`` steps, skipping a publish when the policy has not changed
+since the last one (the critic's warm-up).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class TrainLoop:
         self.publish_dtype, self.checkpoint_dir = publish_dtype, checkpoint_dir
         self.rank0, self.group = rank0, group
         self.version = 0
+        self.unpublished_update = False  # the policy changed since the last publish
         self.priorities: dict[str, float] = {}  # td_error priorities for the next request
 
     def run_all(self) -> None:
@@ -110,8 +112,9 @@ class TrainLoop:
         if self.run.buffer.replay.priority == "td_error":
             self.priorities = {g.rollout_id: error
                                for g, error in zip(batch.groups, result.td_errors)}
-        if step % self.run.trainer.publish_every == 0:
-            self._publish(step)
+        self.unpublished_update |= result.policy_updated
+        if step % self.run.trainer.publish_every == 0 and self.unpublished_update:
+            self._publish(step)  # not while the critic warms up: the policy is unchanged
         if self.rank0 is None:
             return
         metrics.update(rollout)
@@ -129,6 +132,7 @@ class TrainLoop:
     def _publish(self, step: int) -> None:
         tensors = gather_full_weights(self.learner.model, self.publish_dtype)
         self.version += 1
+        self.unpublished_update = False
         if self.rank0 is not None:
             self.rank0.weights.publish(bucketize(self.version, tensors))
             self.rank0.link.published(self.version, step)

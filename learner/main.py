@@ -43,8 +43,10 @@ def build_learner(ctx: RunContext, device: torch.device) -> Learner:
     model = load_sharded(run.model.path, compute_dtype=dtype, device=device,
                          trust_remote_code=run.model.trust_remote_code)
     estimator = run.algorithm.adv_estimator
+    prm_path = run.reward_model.model.path or run.model.path
+    prm_shares_reference = estimator == "prime" and prm_path == run.model.path
     reference = None
-    if run.actor.use_kl_loss or run.algorithm.use_kl_in_reward or estimator == "prime":
+    if run.actor.use_kl_loss or run.algorithm.use_kl_in_reward or prm_shares_reference:
         reference = load_sharded(run.model.path, compute_dtype=dtype, device=device,
                                  trust_remote_code=run.model.trust_remote_code, trainable=False)
     optimizer = build_optimizer(model, run.actor.optim)
@@ -62,10 +64,12 @@ def build_learner(ctx: RunContext, device: torch.device) -> Learner:
                                        trust_remote_code=run.model.trust_remote_code)
         critic = Critic(value_model, run.critic, total_steps=run.trainer.total_training_steps)
     if estimator == "prime":
-        prm_model = load_sharded(run.reward_model.model.path or run.model.path,
-                                 compute_dtype=dtype, device=device,
+        prm_model = load_sharded(prm_path, compute_dtype=dtype, device=device,
                                  trust_remote_code=run.model.trust_remote_code)
-        prm = ImplicitPRM(prm_model, run.reward_model,
+        prm_reference = reference if prm_shares_reference else load_sharded(
+            prm_path, compute_dtype=dtype, device=device,
+            trust_remote_code=run.model.trust_remote_code, trainable=False)
+        prm = ImplicitPRM(prm_model, prm_reference, run.reward_model,
                           total_steps=run.trainer.total_training_steps,
                           temperature=run.rollout.temperature)
     return Learner(model, optimizer, scheduler, settings, reference=reference, critic=critic,

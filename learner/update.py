@@ -69,11 +69,13 @@ from learner.optim import clipped_step
 
 
 class StepResult(msgspec.Struct, frozen=True):
-    """Rank-reduced diagnostics, and per group of the batch (by group id) the mean TD-error
-    |R_t - V_t| over its response tokens (empty without a critic)."""
+    """Rank-reduced diagnostics; per group of the batch (by group id) the mean TD-error
+    |R_t - V_t| over its response tokens (empty without a critic); whether the policy
+    changed (False during the critic's warm-up)."""
 
     metrics: dict[str, float]
     td_errors: list[float] = []
+    policy_updated: bool = True
 
 
 def group_td_errors(returns: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
@@ -96,7 +98,7 @@ class UpdateSettings(msgspec.Struct, kw_only=True, frozen=True):
     temperature: float  # the rollout temperature: log-probs of softmax(logits / T)
     horizon: int  # rollout.response_length, the constant of seq-mean-token-sum-norm
     num_prompts: int  # groups in the batch (data.train_batch_size)
-    critic_warmup: int = 0  # trainer.critic_warmup: steps that update only the critic
+    critic_warmup: int = 0  # trainer.critic_warmup: the first steps update only the critic
 
 
 def _chunks(rows: torch.Tensor, count: int) -> list[torch.Tensor]:
@@ -141,14 +143,14 @@ class Learner:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.settings, self.reference, self.critic, self.prm, self.group = (
             settings, reference, critic, prm, group)
+        self.steps_done = 0  # learner steps taken, counting the critic's warm-up
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         actor, algorithm = settings.actor, settings.algorithm
         if algorithm.adv_estimator == "gae" and critic is None:
             raise ValueError("algorithm.adv_estimator = 'gae' needs the critic")
-        if algorithm.adv_estimator == "prime" and (prm is None or reference is None):
-            raise ValueError("algorithm.adv_estimator = 'prime' needs the implicit PRM and the "
-                             "frozen reference model")
+        if algorithm.adv_estimator == "prime" and prm is None:
+            raise ValueError("algorithm.adv_estimator = 'prime' needs the implicit PRM")
         if (actor.use_kl_loss or algorithm.use_kl_in_reward) and reference is None:
             raise ValueError("KL (actor.use_kl_loss or algorithm.use_kl_in_reward) needs the "
                              "frozen reference model")
@@ -205,8 +207,10 @@ class Learner:
                                         batch.group_ids)
             extra.update(self.critic.train(batch, minis, self._local_rows, old_values,
                                            returns, self.settings.horizon))
-            if version < self.settings.critic_warmup:
-                return StepResult({**extra, "actor/updates_skipped": float(updates)}, td_errors)
+            if self.steps_done < self.settings.critic_warmup:
+                self.steps_done += 1
+                return StepResult({**extra, "actor/updates_skipped": float(updates)}, td_errors,
+                                  policy_updated=False)
         elif self.prm is not None:
             advantages, extra_prm = self._prime_advantages(batch, minis, reference)
             extra.update(extra_prm)
@@ -242,6 +246,7 @@ class Learner:
             "actor/loss": stats.get("loss", 0.0) / updates,
             "actor/tokens": stats.get("tokens", 0.0) / actor.ppo_epochs,
         })
+        self.steps_done += 1
         return StepResult(metrics, td_errors)
 
     # -- internals ----------------------------------------------------------------------
@@ -258,9 +263,12 @@ class Learner:
     def _prime_advantages(self, batch: TrainBatch, minis: list[torch.Tensor],
                           reference: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
         """PRIME: train the implicit PRM (before or after scoring), score the batch's tokens,
-        combine with the outcome rewards (``algorithms.prime``)."""
-        assert self.prm is not None and reference is not None
+        combine with the outcome rewards (``algorithms.prime``). ``reference``: the policy's
+        reference log-probs, reused when the PRM shares that reference model."""
+        assert self.prm is not None
         algorithm, prm = self.settings.algorithm, self.prm
+        if reference is None or prm.reference is not self.reference:
+            reference = self._no_grad_logprobs(prm.reference, batch)
         before = prm.config.model.update == "before"
         metrics = prm.train(batch, minis, self._local_rows, reference) if before else {}
         local = self._local_mask(batch)
@@ -345,9 +353,11 @@ class Learner:
                                 self.loss_params)
             mask = part.response_mask * weight
             kept = part_correction.mask * weight
-            weighted = terms.loss * part_correction.weight * part.sample_weights[:, None]
-            loss = aggregate_loss(weighted, kept,
-                                  actor.loss_agg_mode, **totals)
+            # rejected tokens add zero loss but stay in the denominators (aggregated under
+            # the response mask), so rejection never up-weights the tokens that remain
+            weighted = (terms.loss * part_correction.weight * part_correction.mask
+                        * part.sample_weights[:, None])
+            loss = aggregate_loss(weighted, mask, actor.loss_agg_mode, **totals)
             if actor.entropy_coeff:
                 loss = loss - actor.entropy_coeff * aggregate_loss(entropy, mask,
                                                                    actor.loss_agg_mode, **totals)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModel
 
 from algorithms.advantages import ESTIMATORS
 from algorithms.policy_loss import LOSS_MODES
@@ -29,22 +30,30 @@ from learner.optim import build_optimizer, build_scheduler
 from learner.update import Learner, UpdateSettings
 from learner.weights import gather_full_weights
 
+from ..conftest import save_random_model
 from .test_update import LR, PROMPTS, rollouts
 
 
 def make_learner(path: Path, actor: ActorConfig | None = None,
                  algorithm: AlgorithmConfig | None = None, critic_warmup: int = 0,
-                 reward_model: RewardModelConfig | None = None) -> Learner:
+                 reward_model: RewardModelConfig | None = None,
+                 critic_path: Path | None = None, prm_path: Path | None = None) -> Learner:
+    """A learner wired as ``learner.main.build_learner`` wires it; the critic and the PRM
+    start from ``critic_path`` / ``prm_path`` when given, else from the policy's ``path``."""
     actor = actor or ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0))
     algorithm = algorithm or AlgorithmConfig()
     model = load_sharded(str(path), compute_dtype=torch.float32, device=torch.device("cpu"))
     reference = prm = None
-    if actor.use_kl_loss or algorithm.use_kl_in_reward or algorithm.adv_estimator == "prime":
+    if actor.use_kl_loss or algorithm.use_kl_in_reward or (
+            algorithm.adv_estimator == "prime" and prm_path is None):
         reference = load_sharded(str(path), compute_dtype=torch.float32,
                                  device=torch.device("cpu"), trainable=False)
     if algorithm.adv_estimator == "prime":
-        prm = ImplicitPRM(load_sharded(str(path), compute_dtype=torch.float32,
-                                       device=torch.device("cpu")),
+        prm_reference = reference if prm_path is None else load_sharded(
+            str(prm_path), compute_dtype=torch.float32, device=torch.device("cpu"),
+            trainable=False)
+        prm = ImplicitPRM(load_sharded(str(prm_path or path), compute_dtype=torch.float32,
+                                       device=torch.device("cpu")), prm_reference,
                           reward_model or RewardModelConfig(
                               model=PrmModelConfig(optim=OptimConfig(lr=1e-3,
                                                                      weight_decay=0.0))),
@@ -52,7 +61,7 @@ def make_learner(path: Path, actor: ActorConfig | None = None,
     optimizer = build_optimizer(model, actor.optim)
     critic = None
     if algorithm.adv_estimator == "gae":
-        critic = Critic(load_value_model(str(path), compute_dtype=torch.float32,
+        critic = Critic(load_value_model(str(critic_path or path), compute_dtype=torch.float32,
                                          device=torch.device("cpu")),
                         CriticConfig(optim=OptimConfig(lr=1e-3, weight_decay=0.0)),
                         total_steps=10)
@@ -165,18 +174,55 @@ def test_rejection_masks_are_counted(random_model_dir: Path, batch: TrainBatch) 
 
 
 @pytest.mark.usefixtures("one_rank_group")
+def test_rejected_tokens_stay_in_each_sequences_denominator(random_model_dir: Path,
+                                                            batch: TrainBatch) -> None:
+    from configs.run_schema import RolloutCorrectionConfig
+
+    # Behavior log-probs shifted by -1 on the tail of each response: ratio e > 2 there, so
+    # token rejection drops those tokens; row i keeps its first ceil(L * (i % 4 + 1) / 4)
+    # tokens (on-policy). At the first update the PPO ratio is 1 and IS is off, so a kept
+    # token's loss is -A_s and seq-mean-token-mean over S sequences is
+    # sum_s -A_s * kept_s / L_s / S  (L_s: the whole response, rejected tokens included).
+    response = batch.response_mask
+    lengths = response.sum(-1)
+    kept = torch.ceil(lengths * (torch.arange(batch.rows) % 4 + 1) / 4)
+    tail = (response.cumsum(-1) > kept[:, None]) & response.bool()
+    shifted = TrainBatch(**{f: getattr(batch, f) for f in batch.__struct_fields__})
+    shifted.behavior_logprobs = batch.behavior_logprobs - tail.float()
+    actor = ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0),
+                        loss_agg_mode="seq-mean-token-mean")
+    correction = RolloutCorrectionConfig(rollout_is="none", rollout_rs="token")
+    learner = make_learner(random_model_dir, actor=actor,
+                           algorithm=AlgorithmConfig(rollout_correction=correction))
+    metrics = learner.step(shifted).metrics
+
+    advantages = torch.zeros(batch.rows, dtype=torch.float64)
+    for group in batch.group_ids.unique():
+        rows = batch.group_ids == group
+        rewards = batch.rewards[rows].double()
+        advantages[rows] = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+    expected = (-advantages * kept / lengths.clamp(min=1)).sum() / batch.rows
+    assert abs(expected) > 1e-3  # the rejected fractions differ, so the groups do not cancel
+    assert metrics["actor/rejected_frac"] == pytest.approx(float(tail.sum() / response.sum()),
+                                                           abs=1e-6)
+    assert metrics["actor/loss"] == pytest.approx(float(expected), abs=1e-5)
+
+
+@pytest.mark.usefixtures("one_rank_group")
 def test_ppo_critic_learns_the_returns_and_warms_up_first(random_model_dir: Path,
                                                           batch: TrainBatch) -> None:
     learner = make_learner(random_model_dir, algorithm=AlgorithmConfig(adv_estimator="gae"),
                            critic_warmup=2)
     before = initial_weights(learner)
-    errors = []
-    for version in range(4):
-        metrics = learner.step(batch, version=version).metrics
-        errors.append(metrics["critic/vf_mse"])
-        if version < 2:  # warm-up: only the critic trains
-            assert "actor/loss" not in metrics and not moved(learner, before)
-    assert "actor/loss" in metrics and moved(learner, before)
+    errors, updated = [], []
+    for step in range(4):  # the version stays 0: nothing is published during the warm-up
+        result = learner.step(batch, version=max(0, step - 2))
+        errors.append(result.metrics["critic/vf_mse"])
+        updated.append(result.policy_updated)
+        if step < 2:  # warm-up: only the critic trains, counted in learner steps
+            assert "actor/loss" not in result.metrics and not moved(learner, before)
+    assert updated == [False, False, True, True]
+    assert "actor/loss" in result.metrics and moved(learner, before)
     # The zero-initialised head predicts 0 at first; fitting the same returns again and again
     # must shrink the error.
     assert errors[-1] < errors[0]
@@ -245,3 +291,32 @@ def test_prime_trains_its_prm_towards_the_outcome_labels(random_model_dir: Path,
     assert losses[0] == pytest.approx(math.log(2), rel=1e-4)
     assert losses[-1] < losses[0]
     assert learner.step(batch).metrics["prm/accuracy"] > 0.5
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another checkpoint with the policy's tokenizer but different weights."""
+    return save_random_model(tmp_path_factory.mktemp("other-model"), seed=1)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_prm_from_its_own_checkpoint_is_scored_against_that_checkpoint(
+        random_model_dir: Path, other_model_dir: Path, batch: TrainBatch) -> None:
+    learner = make_learner(random_model_dir, algorithm=AlgorithmConfig(adv_estimator="prime"),
+                           prm_path=other_model_dir)
+    # implicit reward log(pi_phi / pi_ref) starts at 0 only if pi_ref is the PRM's own start
+    assert learner.step(batch).metrics["prm/loss"] == pytest.approx(math.log(2), rel=1e-4)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_critic_from_its_own_checkpoint_loads_that_body(random_model_dir: Path,
+                                                          other_model_dir: Path) -> None:
+    learner = make_learner(random_model_dir, algorithm=AlgorithmConfig(adv_estimator="gae"),
+                           critic_path=other_model_dir)
+    assert learner.critic is not None
+    body = gather_full_weights(learner.critic.model, torch.float32)
+    other = AutoModel.from_pretrained(other_model_dir).state_dict()
+    policy = AutoModel.from_pretrained(random_model_dir).state_dict()
+    name = "embed_tokens.weight"
+    assert torch.equal(body[f"body.{name}"], other[name])
+    assert not torch.equal(other[name], policy[name])
