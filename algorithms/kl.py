@@ -8,8 +8,14 @@ With log-ratio d = log pi_theta(x) - log pi_ref(x) and x ~ pi_theta (Schulman, 2
     k2  ("mse")         d^2 / 2                    biased, low variance
     k3  ("low_var_kl")  exp(-d) - 1 + d            unbiased, non-negative, low variance
 
-k3 is clamped to [-10, 10] as verl does. Names follow verl's ``kl_loss_type``/``kl_penalty``.
-Computed in fp32; gradient flows through ``logprobs`` only.
+k3 is clamped to [-10, 10] as verl does. A ``+`` after a name (``k3+``, ``low_var_kl+``, ...)
+is verl's straight-through form: the value of that estimator with the gradient of k2,
+
+    k+ = k2 - stopgrad(k2) + stopgrad(k)          value k, gradient d * grad(log pi_theta)
+
+which is the unbiased gradient of KL(pi_theta || pi_ref) for on-policy samples. Names follow
+verl's ``kl_loss_type``/``kl_penalty``. Computed in fp32; gradient flows through
+``logprobs`` only.
 
 KL in the reward (verl's ``algorithm.use_kl_in_reward``): ``kl_reward_penalty`` turns the
 estimator named by ``algorithm.kl_penalty`` into per-token rewards -beta * kl_t, and the
@@ -23,7 +29,8 @@ from typing import Literal, get_args
 
 import torch
 
-KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+                 "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
 K3_CLAMP = 10.0
 KLControllerType = Literal["fixed", "adaptive"]
 
@@ -31,6 +38,10 @@ KLControllerType = Literal["fixed", "adaptive"]
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType) -> torch.Tensor:
     """Per-token KL estimate (B, T) of the kind named (see the module docstring)."""
     d = logprobs.float() - ref_logprobs.detach().float()
+    if kind.endswith("+") and kind[:-1] in get_args(KLType):
+        value = kl_penalty(logprobs, ref_logprobs, kind[:-1])  # type: ignore[arg-type]
+        k2 = 0.5 * d.square()
+        return k2 - k2.detach() + value.detach()
     if kind in ("kl", "k1"):
         return d
     if kind == "abs":
@@ -39,7 +50,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType)
         return 0.5 * d.square()
     if kind in ("low_var_kl", "k3"):
         return (torch.exp(-d) - 1.0 + d).clamp(-K3_CLAMP, K3_CLAMP)
-    raise ValueError(f"unknown KL estimator {kind!r}; valid: kl/k1, abs, mse/k2, low_var_kl/k3")
+    raise ValueError(f"unknown KL estimator {kind!r}; valid: kl/k1, abs, mse/k2, low_var_kl/k3, "
+                     "each optionally with a trailing '+'")
 
 
 class FixedKLController:

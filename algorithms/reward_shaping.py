@@ -1,4 +1,4 @@
-"""Reward shaping applied by the learner on top of the verifier's reward.
+"""Reward shaping on top of the verifier's reward, applied by the generators.
 
 DAPO's overlong penalty (Yu et al., 2025): with maximum response length L_max, a soft
 buffer of L_cache tokens and factor f, a response of length L gets
@@ -7,7 +7,8 @@ buffer of L_cache tokens and factor f, a response of length L gets
              = ((L_max - L_cache) - L) / L_cache * f   if L_max - L_cache < L <= L_max
              = -f                                  if L > L_max
 
-added to its reward (verl: ``reward_model.overlong_buffer.{len, penalty_factor}``).
+added to its reward (``reward_model.overlong_buffer.{enable, len, penalty_factor}``, as in
+verl; L_max is ``rollout.response_length``).
 """
 
 from __future__ import annotations

@@ -8,13 +8,14 @@ file and the key.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
 
 from configs.loader import ConfigError, load
-from configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
+from configs.run_schema import BUILTIN_MODEL_PREFIX, VERL_ALIASES, RunConfig
 from configs.topology_schema import Topology
 from transport.endpoints import is_loopback
 
@@ -68,6 +69,7 @@ def load_run_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfi
                    ("critic", "model", "path"), ("reward_model", "model", "path"),
                    ("checkpoint", "dir")],
         file_or_module_keys=[("custom_reward_function", "path")],
+        aliases=VERL_ALIASES,
     )
     return check_run_config(run, str(path))
 
@@ -98,9 +100,13 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
                           "give a local folder saved with save_pretrained")
     for key, path in (("critic.model.path", run.critic.model.path),
                       ("reward_model.model.path", run.reward_model.model.path)):
-        if path and not (Path(path) / "config.json").is_file():
+        if not path:
+            continue
+        if not (Path(path) / "config.json").is_file():
             raise ConfigError(source, key,
                               f"no Hugging Face checkpoint at {path} (config.json missing)")
+        if not model_path.startswith(BUILTIN_MODEL_PREFIX):
+            check_same_vocabulary(source, key, path, model_path)
     check_replay_filters(run, source)
     mini = run.actor.ppo_mini_batch_size
     if mini and data.train_batch_size % mini:
@@ -112,6 +118,7 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
         raise ConfigError(source, "rollout.n",
                           f"{estimator} compares the samples of a prompt with each other and "
                           f"needs at least 2 per prompt, got {run.rollout.n}")
+    check_algorithm_combinations(run, source)
     correction = run.algorithm.rollout_correction
     if correction.rollout_rs_threshold_lower > correction.rollout_rs_threshold:
         raise ConfigError(source, "algorithm.rollout_correction.rollout_rs_threshold_lower",
@@ -122,6 +129,41 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
         raise ConfigError(source, "actor.optim.betas", f"each beta must be in [0, 1), "
                                                         f"got {optim.betas}")
     return msgspec.structs.replace(run, data=data)
+
+
+def check_same_vocabulary(source: str, key: str, path: str, policy_path: str) -> None:
+    """A critic or PRM reads the policy's token ids, so its vocabulary size must match."""
+    sizes = [json.loads((Path(p) / "config.json").read_text()).get("vocab_size")
+             for p in (path, policy_path)]
+    if sizes[0] != sizes[1]:
+        raise ConfigError(source, key,
+                          f"vocab_size {sizes[0]} differs from the policy's ({sizes[1]}, "
+                          f"model.path); it reads the policy's token ids, so it needs the "
+                          "policy's tokenizer")
+
+
+def check_algorithm_combinations(run: RunConfig, source: str) -> None:
+    """Settings that each work but not together."""
+    if run.actor.proximal_logprobs == "a3po" and run.trainer.publish_every > 1:
+        raise ConfigError(source, "actor.proximal_logprobs",
+                          "a3po interpolates by weight version and needs one version per "
+                          f"learner step, but trainer.publish_every = "
+                          f"{run.trainer.publish_every}; set trainer.publish_every = 1 or "
+                          "actor.proximal_logprobs = 'recompute'")
+    overlong = run.reward_model.overlong_buffer
+    if overlong.enable and not 0 < overlong.len <= run.rollout.response_length:
+        raise ConfigError(source, "reward_model.overlong_buffer.len",
+                          f"must be in (0, rollout.response_length = "
+                          f"{run.rollout.response_length}] when the overlong buffer is "
+                          f"enabled, got {overlong.len}")
+    if run.algorithm.adv_estimator == "prime" and overlong.enable:
+        raise ConfigError(source, "reward_model.overlong_buffer.enable",
+                          "prime trains its PRM on the rewards as labels in [0, 1], and the "
+                          "overlong penalty makes them negative; turn one of them off")
+    if run.algorithm.adv_estimator == "prime" and run.algorithm.use_kl_in_reward:
+        raise ConfigError(source, "algorithm.use_kl_in_reward",
+                          "prime builds its token rewards from the implicit PRM and does not "
+                          "take a KL penalty in the reward; use actor.use_kl_loss instead")
 
 
 def check_replay(run: RunConfig, source: str) -> None:

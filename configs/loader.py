@@ -6,15 +6,17 @@ expected; an unknown key suggests the closest valid one. Relative paths in a fil
 against that file's folder, relative paths given on the command line against the working
 directory.
 
-This module knows TOML and the schemas' shapes; it does not know what the keys mean beyond
-the few cross-key checks in ``configs.checks``.
+A schema may accept another project's name for a section (an alias, e.g. verl's
+``algorithm.filter_groups`` for ``buffer.filter_groups``), in the file and on the command
+line. This module knows TOML and the schemas' shapes; it does not know what the keys mean
+beyond the few cross-key checks in ``configs.checks``.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,6 +25,7 @@ import tomllib
 from msgspec import inspect as mi
 
 T = TypeVar("T", bound=msgspec.Struct)
+KeyPath = tuple[str, ...]
 
 COMMAND_LINE = "command line"
 
@@ -119,17 +122,20 @@ def type_at(root: type[msgspec.Struct], parts: Sequence[str | int]) -> mi.Type:
     return t
 
 
-def _leaf_paths(t: mi.Type, prefix: tuple[str | int, ...] = ()) -> Iterable[tuple[str | int, ...]]:
+def _key_paths(t: mi.Type, prefix: tuple[str | int, ...] = ()) -> Iterable[tuple[str | int, ...]]:
+    """Every key path of the schema, sections included (leaves after their section)."""
     fields = _struct_fields(t)
     if fields is None:
         inner = _unwrap(t)
         if isinstance(inner, mi.ListType) and _struct_fields(inner.item_type):
-            yield from _leaf_paths(inner.item_type, prefix + (0,))
+            yield from _key_paths(inner.item_type, prefix + (0,))
         else:
             yield prefix
         return
+    if prefix:
+        yield prefix
     for name, field in fields.items():
-        yield from _leaf_paths(field.type, prefix + (name,))
+        yield from _key_paths(field.type, prefix + (name,))
 
 
 def unknown_key_error(root: type[msgspec.Struct], source: str,
@@ -147,7 +153,7 @@ def unknown_key_error(root: type[msgspec.Struct], source: str,
     if close:
         hint = f"; did you mean {format_key(parent + (close[0],))!r}?"
     else:
-        elsewhere = [p for p in _leaf_paths(mi.type_info(root)) if p and p[-1] == bad]
+        elsewhere = [p for p in _key_paths(mi.type_info(root)) if p and p[-1] == bad]
         if elsewhere:
             hint = f"; did you mean {format_key(elsewhere[0])!r}?"
     section = f"[{format_key(parent)}]" if parent else "the top level"
@@ -228,8 +234,10 @@ def _set_path(data: dict[str, Any], parts: Sequence[str | int], value: Any, key:
 
 
 def apply_overrides(root: type[msgspec.Struct], data: dict[str, Any],
-                    overrides: Iterable[str]) -> set[tuple[str | int, ...]]:
-    """Apply ``key.sub=value`` strings to ``data`` in place; return the key paths touched."""
+                    overrides: Iterable[str],
+                    aliases: Mapping[KeyPath, KeyPath] | None = None) -> set[tuple[str | int, ...]]:
+    """Apply ``key.sub=value`` strings to ``data`` in place; return the key paths touched.
+    A key under an alias (see ``move_aliases``) is set under the key it stands for."""
     touched: set[tuple[str | int, ...]] = set()
     for text in overrides:
         key, sep, raw = text.partition("=")
@@ -240,6 +248,10 @@ def apply_overrides(root: type[msgspec.Struct], data: dict[str, Any],
             parts = parse_key(key)
         except ValueError as exc:
             raise ConfigError(COMMAND_LINE, key, str(exc)) from None
+        for alias, canonical in (aliases or {}).items():
+            if parts[:len(alias)] == alias:
+                parts = canonical + parts[len(alias):]
+                key = format_key(parts)
         try:
             type_at(root, parts)
         except KeyError as exc:
@@ -298,9 +310,30 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(str(path), "", f"not valid TOML: {exc}") from None
 
 
+def move_aliases(data: dict[str, Any], aliases: Mapping[KeyPath, KeyPath], source: str) -> None:
+    """Move each subtree found under an alias (another project's name for a section, e.g.
+    verl's ``algorithm.filter_groups``) to the key it stands for, in place."""
+    def find(parts: KeyPath) -> Any:
+        node: Any = data
+        for part in parts:
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    for alias, canonical in aliases.items():
+        parent = find(alias[:-1])
+        if not isinstance(parent, dict) or alias[-1] not in parent:
+            continue
+        if find(canonical) is not None:
+            raise ConfigError(source, format_key(alias),
+                              f"is another name for {format_key(canonical)}, which is also "
+                              "set; keep one of them")
+        _set_path(data, canonical, parent.pop(alias[-1]), format_key(canonical))
+
+
 def load(root: type[T], path: str | Path, overrides: Iterable[str] = (),
          path_keys: Iterable[tuple[str, ...]] = (),
-         file_or_module_keys: Iterable[tuple[str, ...]] = ()) -> T:
+         file_or_module_keys: Iterable[tuple[str, ...]] = (),
+         aliases: Mapping[KeyPath, KeyPath] | None = None) -> T:
     """Read ``path``, check its keys, apply overrides, resolve paths, decode into ``root``.
 
     ``path_keys`` name the string (or list-of-string) keys that hold file paths: relative
@@ -310,8 +343,9 @@ def load(root: type[T], path: str | Path, overrides: Iterable[str] = (),
     """
     path = Path(path)
     data = read_toml(path)
+    move_aliases(data, aliases or {}, str(path))
     check_unknown_keys(root, data, str(path))
-    touched = apply_overrides(root, data, overrides)
+    touched = apply_overrides(root, data, overrides, aliases)
 
     def source_of(parts: Sequence[str | int]) -> str:
         return COMMAND_LINE if any(tuple(parts[: len(t)]) == t for t in touched) else str(path)

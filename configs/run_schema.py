@@ -18,6 +18,9 @@ PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
+# verl's names for sections that live elsewhere here, accepted in files and overrides. PF-PPO
+# has none: verl's algorithm.pf_ppo reweights batch-wide, buffer.pf_ppo filters per group.
+VERL_ALIASES = {("algorithm", "filter_groups"): ("buffer", "filter_groups")}
 BUILTIN_MODEL_PREFIX = "builtin:"  # model.path = "builtin:tiny-arith": built and cached on demand
 
 
@@ -88,7 +91,8 @@ class OptimConfig(_Section):
     min_lr_ratio: Fraction = 0.0
 
 
-KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+                     "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
 
 
 class PolicyLossConfig(_Section):
@@ -231,20 +235,34 @@ class PrmModelConfig(_Section):
     optim: OptimConfig = msgspec.field(default_factory=lambda: OptimConfig(lr=1e-6))
 
 
+class OverlongBufferConfig(_Section):
+    """DAPO's soft overlong punishment (verl's ``reward_model.overlong_buffer``): a response
+    longer than ``rollout.response_length - len`` tokens loses up to ``penalty_factor``
+    reward, linearly over the last ``len`` tokens (``algorithms.reward_shaping``). Applied by
+    the generators, so the buffer's filters and the learner see the shaped reward; each
+    sample's ``reward_info["overlong_reward"]`` holds its penalty."""
+
+    enable: bool = False
+    len: NonNegative = 0
+    penalty_factor: NonNegativeFloat = 1.0
+
+
 class RewardModelConfig(_Section):
-    """PRIME's implicit process reward model (verl's PRIME recipe ``reward_model``), used
-    when ``algorithm.adv_estimator = "prime"``: a causal LM trained each step on the
-    batch's outcome rewards (labels in [0, 1]) with the cross-entropy of
+    """``model``: PRIME's implicit process reward model (verl's PRIME recipe
+    ``reward_model``), used when ``algorithm.adv_estimator = "prime"``: a causal LM trained
+    each step on the batch's outcome rewards (labels in [0, 1]) with the cross-entropy of
     ``beta_train * sum_t log(pi_phi / pi_ref)``, before (``update = "before"``) or after it
-    scores the batch; ``learner.implicit_prm``.
+    scores the batch; ``learner.implicit_prm``. ``overlong_buffer``: DAPO's length penalty
+    on every reward.
     """
 
     model: PrmModelConfig = msgspec.field(default_factory=PrmModelConfig)
     grad_clip: PositiveFloat = 10.0
+    overlong_buffer: OverlongBufferConfig = msgspec.field(default_factory=OverlongBufferConfig)
 
 
 class FilterGroupsConfig(_Section):
-    """DAPO dynamic sampling (verl's ``algorithm.filter_groups``; ``buffer.dynamic_sampling``).
+    """DAPO dynamic sampling (verl's ``algorithm.filter_groups``, accepted as another name).
 
     A group whose samples all score the same on ``metric`` (``score``: the reward; any
     other name: that entry of each sample's ``reward_info``) is dropped and replaced by a

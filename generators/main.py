@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                             top_k=run.rollout.top_k)
     settings = GeneratorSettings(generator_id=args.name, buffer_endpoint=ctx.buffer_endpoint,
                                  weights_endpoint=ctx.weights_endpoint, params=params,
-                                 max_prompt_length=run.data.max_prompt_length)
+                                 max_prompt_length=run.data.max_prompt_length,
+                                 overlong=run.reward_model.overlong_buffer)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

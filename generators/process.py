@@ -22,8 +22,10 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from algorithms.reward_shaping import overlong_penalty
 from algorithms.rewards.result import RewardItem
 from algorithms.rewards.scorer import RewardScorer
+from configs.run_schema import OverlongBufferConfig
 from generators.engine import Completion, Engine
 from generators.sampling import SamplingParams
 from generators.weight_receiver import WeightReceiver
@@ -59,6 +61,7 @@ class GeneratorSettings(msgspec.Struct, kw_only=True, frozen=True):
     params: SamplingParams
     max_prompt_length: int
     weights_timeout_s: float = 300.0  # how long a lease may wait for the weights it needs
+    overlong: OverlongBufferConfig = msgspec.field(default_factory=OverlongBufferConfig)
 
 
 class Counters:
@@ -250,15 +253,29 @@ class GeneratorLoop:
         rewards = self.scorer.score([RewardItem(prompt.data_source, text, prompt.ground_truth,
                                                 prompt.extra_info) for text in texts])
         prompt_tensor = torch.tensor(prompt_ids, dtype=torch.int32)
-        samples = [Sample(prompt_ids=prompt_tensor, response_ids=c.token_ids,
-                          logprobs=c.logprobs, versions=c.versions, reward=r.score,
-                          finish_reason=c.finish_reason, reward_info=r.info,
-                          reward_error=r.error, text=text)
-                   for c, r, text in zip(completions, rewards, texts, strict=True)]
+        samples = []
+        for c, r, text in zip(completions, rewards, texts, strict=True):
+            reward, info = self._shaped(r.score, r.info, c)
+            samples.append(Sample(prompt_ids=prompt_tensor, response_ids=c.token_ids,
+                                  logprobs=c.logprobs, versions=c.versions, reward=reward,
+                                  finish_reason=c.finish_reason, reward_info=info,
+                                  reward_error=r.error, text=text))
         return RolloutGroup(rollout_id=f"{lease.lease_id}/{prompt.prompt_id}",
                             lease_id=lease.lease_id, prompt_id=prompt.prompt_id,
                             generator_id=self.settings.generator_id, samples=samples,
                             data_source=prompt.data_source, ground_truth=prompt.ground_truth)
+
+    def _shaped(self, score: float, info: dict[str, float],
+                completion: Completion) -> tuple[float, dict[str, float]]:
+        """The reward with DAPO's overlong penalty added when it is on, and the penalty
+        recorded as ``info["overlong_reward"]``."""
+        overlong = self.settings.overlong
+        if not overlong.enable:
+            return score, info
+        penalty = float(overlong_penalty(torch.tensor([len(completion.token_ids)]),
+                                         self.settings.params.max_new_tokens, overlong.len,
+                                         overlong.penalty_factor)[0])
+        return score + penalty, {**info, "overlong_reward": penalty}
 
     def _with_baseline(self, group: RolloutGroup, prompt: Prompt,
                        greedy: Completion) -> RolloutGroup:
@@ -270,7 +287,8 @@ class GeneratorLoop:
         if result.error:
             logger.warning("greedy baseline of %s scored 0: %s", group.rollout_id, result.error)
             metadata["greedy_reward_error"] = result.error
-        return msgspec.structs.replace(group, baseline_reward=result.score, metadata=metadata)
+        baseline, _ = self._shaped(result.score, result.info, greedy)
+        return msgspec.structs.replace(group, baseline_reward=baseline, metadata=metadata)
 
     def _send(self, group: RolloutGroup) -> None:
         reply = self._buffer.request(group, REQUEST_TIMEOUT_S)

@@ -30,6 +30,17 @@ def test_estimators(kind: str, expected: list[float]) -> None:
     torch.testing.assert_close(kl_penalty(LOGP, REF, kind), torch.tensor(expected))
 
 
+@pytest.mark.parametrize("kind", ["k3+", "low_var_kl+"])
+def test_straight_through_has_k3s_value_and_k2s_gradient(kind: str) -> None:
+    logp = LOGP.clone().requires_grad_()
+    value = kl_penalty(logp, REF, kind)
+    # value: k3 at d = 0.5, -0.5; gradient of k2 = d^2 / 2 is d
+    torch.testing.assert_close(value.detach(),
+                               torch.tensor([math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5]))
+    value.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([0.5, -0.5]))
+
+
 def test_k3_is_clamped() -> None:
     assert kl_penalty(torch.tensor([-30.0]), torch.zeros(1), "k3").item() == 10.0
 

@@ -169,6 +169,50 @@ def test_model_path_without_checkpoint(run_dir: Path) -> None:
     assert "unknown built-in model 'huge'" in str(err)
 
 
+def test_critic_with_another_vocabulary_is_refused(run_dir: Path) -> None:
+    for name, vocab in (("policy", 100), ("critic", 200)):
+        (run_dir / name).mkdir()
+        (run_dir / name / "config.json").write_text(f'{{"vocab_size": {vocab}}}')
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   [f"model.path={run_dir / 'policy'}", f"critic.model.path={run_dir / 'critic'}"])
+    assert err.key == "critic.model.path" and "vocab_size 200 differs" in str(err)
+
+
+def test_verls_filter_groups_section_is_accepted_under_its_verl_name(run_dir: Path) -> None:
+    in_file = load_run_config(write(run_dir, GOOD_RUN + """
+[algorithm.filter_groups]
+enable = true
+metric = "acc"
+"""))
+    assert in_file.buffer.filter_groups.enable and in_file.buffer.filter_groups.metric == "acc"
+    overridden = load_run_config(write(run_dir, GOOD_RUN),
+                                 ["algorithm.filter_groups.max_num_gen_batches=3"])
+    assert overridden.buffer.filter_groups.max_num_gen_batches == 3
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN + """
+[algorithm.filter_groups]
+enable = true
+[buffer.filter_groups]
+enable = false
+"""))
+    assert err.key == "algorithm.filter_groups" and "buffer.filter_groups" in str(err)
+
+
+def test_a_section_in_the_wrong_place_points_to_where_it_lives(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["algorithm.pf_ppo.mode=best"])
+    assert err.key == "algorithm.pf_ppo" and "did you mean 'buffer.pf_ppo'" in str(err)
+
+
+def test_overlong_buffer_must_fit_the_response(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   ["reward_model.overlong_buffer.enable=true", "rollout.response_length=64",
+                    "reward_model.overlong_buffer.len=65"])
+    assert err.key == "reward_model.overlong_buffer.len" and "(0, rollout" in str(err)
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   ["reward_model.overlong_buffer.enable=true", "rollout.response_length=64",
+                    "reward_model.overlong_buffer.len=16", "algorithm.adv_estimator=prime"])
+    assert err.key == "reward_model.overlong_buffer.enable" and "[0, 1]" in str(err)
+
+
 def test_grpo_needs_two_samples_per_prompt(run_dir: Path) -> None:
     err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["rollout.n=1"])
     assert err.key == "rollout.n" and "at least 2" in str(err)
@@ -177,6 +221,18 @@ def test_grpo_needs_two_samples_per_prompt(run_dir: Path) -> None:
 def test_mini_batch_must_divide_the_batch(run_dir: Path) -> None:
     err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["actor.ppo_mini_batch_size=3"])
     assert err.key == "actor.ppo_mini_batch_size" and "does not divide" in str(err)
+
+
+def test_a3po_needs_one_version_per_step(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   ["actor.proximal_logprobs=a3po", "trainer.publish_every=2"])
+    assert err.key == "actor.proximal_logprobs" and "publish_every" in str(err)
+
+
+def test_prime_refuses_kl_in_the_reward(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   ["algorithm.adv_estimator=prime", "algorithm.use_kl_in_reward=true"])
+    assert err.key == "algorithm.use_kl_in_reward" and "use_kl_loss" in str(err)
 
 
 def test_default_configs_load() -> None:

@@ -36,7 +36,10 @@ CASES = {
         "algorithm.adv_estimator=reinforce_plus_plus_baseline",
         "actor.policy_loss.loss_mode=cispo", "algorithm.rollout_correction.rollout_is=sequence"],
     "opo+geo_mean": ["algorithm.adv_estimator=opo", "actor.policy_loss.loss_mode=geo_mean"],
-    "gpg+gpg": ["algorithm.adv_estimator=gpg", "actor.policy_loss.loss_mode=gpg"],
+    "gpg+gpg+overlong": ["algorithm.adv_estimator=gpg", "actor.policy_loss.loss_mode=gpg",
+                         "reward_model.overlong_buffer.enable=true",
+                         "reward_model.overlong_buffer.len=4",
+                         "reward_model.overlong_buffer.penalty_factor=0.5"],
     "passk+sapo+token-rs": [
         "algorithm.adv_estimator=grpo_passk", "actor.policy_loss.loss_mode=sapo",
         "algorithm.rollout_correction.rollout_rs=token",
@@ -77,6 +80,9 @@ def test_algorithm_trains_end_to_end(case: str, random_model_dir: Path,
     for name, count in expected.items():
         history = client.get_metric_history(run.info.run_id, name)
         assert len(history) == count and all(math.isfinite(m.value) for m in history), name
+    # one weight version per step that changed the policy: none during the critic's warm-up
+    versions = client.get_metric_history(run.info.run_id, "version")
+    assert max(m.value for m in versions) == STEPS - warmup
 
     trained = AutoModelForCausalLM.from_pretrained(
         only_run_dir(run_root) / "checkpoints" / f"step-{STEPS}" / "hf")
@@ -90,3 +96,12 @@ def test_algorithm_trains_end_to_end(case: str, random_model_dir: Path,
         assert all("greedy_text" in g.metadata for g in groups)
     else:
         assert all(g.baseline_reward is None for g in groups)
+    if "reward_model.overlong_buffer.enable=true" in overrides:
+        # response_length 8, buffer 4, factor 0.5: L > 4 tokens loses (L - 4) / 4 * 0.5
+        samples = [s for g in groups for s in g.samples]
+        assert any(len(s.response_ids) > 4 for s in samples)
+        for sample in samples:
+            penalty = -max(len(sample.response_ids) - 4, 0) / 4 * 0.5
+            assert sample.reward_info["overlong_reward"] == pytest.approx(penalty)
+            score = float(sum(map(ord, sample.text)) % 2)  # tests/e2e/reward_fn.py
+            assert sample.reward == pytest.approx(score + penalty)
