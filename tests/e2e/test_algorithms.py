@@ -3,8 +3,9 @@
 A few steps through the real launcher (buffer, torchrun learner, generator) for each case:
 the run must finish, log finite losses and gradient norms, and move every parameter.
 Every estimator (ReMax with the generators' greedy baselines, PRIME with its implicit PRM)
-and every loss mode appears at least once; corrections, KL in the reward and A-3PO ride
-along.
+and every loss mode appears at least once; the corrections, KL as a loss and in the reward,
+A-3PO, the overlong penalty and the buffer's replay policies (prioritized by pass rate,
+|advantage| and uniformly; PF-PPO best-worst) ride along.
 """
 
 from __future__ import annotations
@@ -27,19 +28,26 @@ STEPS = 3
 CASES = {
     "ppo-gae+critic-warmup": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95",
                               "trainer.critic_warmup=1", "critic.optim.lr=1e-3"],
-    "rloo+gspo": ["algorithm.adv_estimator=rloo", "actor.policy_loss.loss_mode=gspo",
-                  "actor.loss_agg_mode=seq-mean-token-mean"],
+    "rloo+gspo+pass-rate-replay": [
+        "algorithm.adv_estimator=rloo", "actor.policy_loss.loss_mode=gspo",
+        "actor.loss_agg_mode=seq-mean-token-mean", "buffer.replay.priority=pass_rate",
+        "buffer.replay.max_reuse=2"],
     "reinforce++ +kl-in-reward": [
         "algorithm.adv_estimator=reinforce_plus_plus", "algorithm.use_kl_in_reward=true",
         "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05"],
-    "reinforce++baseline+cispo+seq-is": [
+    "reinforce++baseline+cispo+seq-is+advantage-replay": [
         "algorithm.adv_estimator=reinforce_plus_plus_baseline",
-        "actor.policy_loss.loss_mode=cispo", "algorithm.rollout_correction.rollout_is=sequence"],
-    "opo+geo_mean": ["algorithm.adv_estimator=opo", "actor.policy_loss.loss_mode=geo_mean"],
-    "gpg+gpg+overlong": ["algorithm.adv_estimator=gpg", "actor.policy_loss.loss_mode=gpg",
-                         "reward_model.overlong_buffer.enable=true",
-                         "reward_model.overlong_buffer.len=4",
-                         "reward_model.overlong_buffer.penalty_factor=0.5"],
+        "actor.policy_loss.loss_mode=cispo", "algorithm.rollout_correction.rollout_is=sequence",
+        "buffer.replay.priority=advantage"],
+    "opo+geo_mean+no-is+seq-rs": [
+        "algorithm.adv_estimator=opo", "actor.policy_loss.loss_mode=geo_mean",
+        "algorithm.rollout_correction.rollout_is=none",
+        "algorithm.rollout_correction.rollout_rs=sequence"],
+    "gpg+gpg+overlong+pf-ppo-best-worst": [
+        "algorithm.adv_estimator=gpg", "actor.policy_loss.loss_mode=gpg",
+        "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
+        "reward_model.overlong_buffer.penalty_factor=0.5", "buffer.pf_ppo.enable=true",
+        "buffer.pf_ppo.mode=best_worst"],
     "passk+sapo+token-rs": [
         "algorithm.adv_estimator=grpo_passk", "actor.policy_loss.loss_mode=sapo",
         "algorithm.rollout_correction.rollout_rs=token",
@@ -48,10 +56,11 @@ CASES = {
         "algorithm.norm_adv_by_std_in_grpo=false", "actor.loss_agg_mode=seq-mean-token-sum-norm",
         "actor.policy_loss.loss_mode=clip_cov", "algorithm.rollout_correction.m2po=true",
         "actor.ppo_epochs=2", "actor.proximal_logprobs=a3po"],
-    "grpo+kl_cov+minibatches+geometric-rs": [
+    "grpo+kl_cov+minibatches+geometric-rs+uniform-replay": [
         "actor.policy_loss.loss_mode=kl_cov", "actor.ppo_mini_batch_size=2",
-        "algorithm.rollout_correction.rollout_rs=geometric"],
-    "remax": ["algorithm.adv_estimator=remax"],
+        "algorithm.rollout_correction.rollout_rs=geometric", "buffer.replay.priority=uniform"],
+    "remax+kl-loss-k3+": ["algorithm.adv_estimator=remax", "actor.use_kl_loss=true",
+                          "actor.kl_loss_type=k3+"],
     "prime": ["algorithm.adv_estimator=prime", "reward_model.model.optim.lr=1e-3"],
 }
 # Metrics a case must log every step besides the actor's.
@@ -91,7 +100,7 @@ def test_algorithm_trains_end_to_end(case: str, random_model_dir: Path,
     assert all(moved), "every parameter must have been trained"
 
     groups = list(read_rollout_log(only_run_dir(run_root) / "rollouts"))
-    if case == "remax":  # every group came with its greedy response's reward and text
+    if case.startswith("remax"):  # every group came with its greedy response's reward and text
         assert groups and all(g.baseline_reward in (0.0, 1.0) for g in groups)
         assert all("greedy_text" in g.metadata for g in groups)
     else:
