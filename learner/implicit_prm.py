@@ -49,7 +49,7 @@ class ImplicitPRM:
               reference_logprobs: torch.Tensor) -> dict[str, float]:
         """One pass of CE updates on the batch's rewards as labels; rank-reduced metrics.
 
-        ``reference_logprobs`` (B, T) must hold this rank's rows (others may be 0).
+        ``reference_logprobs`` (B, T): pi_ref's log-probs of the batch.
         """
         self.model.train()
         sums = torch.zeros(3, dtype=torch.float64)  # loss sum, right-side count, sequences

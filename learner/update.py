@@ -19,8 +19,10 @@ forward pass, which saves a forward pass. Otherwise they are recomputed up front
 (``actor.proximal_logprobs = "recompute"``) or, for every update after the first,
 interpolated between behavior and current log-probs by version (``"a3po"``), where the
 j-th of the step's u updates counts as version ``v + j / u``. KL in the reward and M2PO
-(a batch-level mask) need them up front in every case; each rank computes its own rows and
-the ranks sum them, so M2PO's second moment is the whole batch's at any number of ranks.
+(a batch-level mask) need them up front in every case. Every up-front pass (proximal,
+reference, PRIME's PRM) gives each rank the whole batch: each rank computes the rows it
+trains on and the ranks sum them, so batch-level quantities (KL in the reward, M2PO's second
+moment, PRIME's process rewards) are the same at any number of ranks.
 
 Advantages are computed once per step on the whole batch (``algorithms.advantages``), after
 KL in the reward, when on, has added ``-beta * KL(proximal || reference)`` per token. ReMax
@@ -48,6 +50,7 @@ from algorithms.advantages import (
     AdvantageParams,
     compute_advantages,
     gae_advantages,
+    group_sum,
     token_level_rewards,
 )
 from algorithms.aggregation import aggregate_loss
@@ -83,11 +86,10 @@ def group_td_errors(returns: torch.Tensor, values: torch.Tensor, response_mask: 
     """mean over each group's response tokens of |R_t - V_t|; all inputs (B, T) but
     ``group_ids`` (B,)."""
     groups = int(group_ids.max()) + 1
-    errors = ((returns - values).abs() * response_mask).sum(-1)
-    sums = torch.zeros(groups, dtype=torch.float64).index_add_(0, group_ids, errors.double())
-    tokens = torch.zeros(groups, dtype=torch.float64).index_add_(
-        0, group_ids, response_mask.sum(-1).double())
-    return (sums / tokens.clamp(min=1.0)).tolist()
+    errors = ((returns - values).abs() * response_mask).sum(-1).double()
+    tokens = response_mask.sum(-1).double()
+    return (group_sum(errors, group_ids, groups)
+            / group_sum(tokens, group_ids, groups).clamp(min=1.0)).tolist()
 
 
 class UpdateSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -179,19 +181,15 @@ class Learner:
         self.model.train()
         upfront = (updates > 1 and actor.proximal_logprobs == "recompute") \
             or algorithm.use_kl_in_reward or self.correction.m2po
-        proximal = self._gathered(self._no_grad_logprobs(self.model, batch), batch) \
-            if upfront else None
+        proximal = self._no_grad_logprobs(self.model, batch) if upfront else None
         reference = self._no_grad_logprobs(self.reference, batch) if self.reference else None
         extra: dict[str, float] = {}
         token_rewards = None
         td_errors: list[float] = []
         if self.kl_ctrl is not None:
             token_rewards, sequence_kl = kl_reward_penalty(
-                proximal, reference, self._local_mask(batch), self.kl_ctrl.value,
+                proximal, reference, batch.response_mask, self.kl_ctrl.value,
                 algorithm.kl_penalty)
-            if dist.is_initialized():  # each rank has its own rows (the others are 0): sum
-                dist.all_reduce(token_rewards, group=self.group)
-                dist.all_reduce(sequence_kl, group=self.group)
             extra["actor/reward_kl_coef"] = self.kl_ctrl.value
             extra["actor/reward_kl"] = float(sequence_kl.mean())
             self.kl_ctrl.update(float(sequence_kl.mean()), n_steps=batch.rows)
@@ -271,11 +269,8 @@ class Learner:
             reference = self._no_grad_logprobs(prm.reference, batch)
         before = prm.config.model.update == "before"
         metrics = prm.train(batch, minis, self._local_rows, reference) if before else {}
-        local = self._local_mask(batch)
         process = implicit_process_rewards(self._no_grad_logprobs(prm.model, batch), reference,
-                                           local, prm.beta)
-        if dist.is_initialized():  # each row was scored by exactly one rank
-            dist.all_reduce(process, group=self.group)
+                                           batch.response_mask, prm.beta)
         if not before:
             metrics = prm.train(batch, minis, self._local_rows, reference)
         advantages, _ = prime_advantages(process, batch.rewards, batch.response_mask,
@@ -293,37 +288,20 @@ class Learner:
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model: nn.Module, batch: TrainBatch) -> torch.Tensor:
-        """Log-probs of every row this rank trains on, in the batch's own grid."""
+        """Log-probs of every row of the batch, in its own grid: each rank computes the rows
+        it trains on (an empty chunk still runs a pass for FSDP's collectives, and is not
+        kept), and the ranks sum them."""
         out = torch.zeros_like(batch.behavior_logprobs)
         for mini in self.mini_batches(batch):
             chunks, _ = self._local_rows(mini)
             for chunk in chunks:
-                rows = chunk if len(chunk) else mini[:1]
-                part = batch.select(rows)
+                part = batch.select(chunk if len(chunk) else mini[:1])
                 logprobs, _ = forward_logprobs(model, part, self.settings.temperature, False)
-                out[rows, :logprobs.shape[1]] = logprobs
-        return out
-
-    def _gathered(self, local: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
-        """``local`` (the rows this rank computed; other rows zero or padding) with every
-        rank's rows: each row is kept only by the rank that trains on it, then summed."""
-        whole = torch.zeros_like(local)
-        rows = self._own_rows(batch)
-        whole[rows] = local[rows]
+                if len(chunk):
+                    out[chunk, :logprobs.shape[1]] = logprobs
         if dist.is_initialized() and self.world > 1:
-            dist.all_reduce(whole, group=self.group)
-        return whole
-
-    def _local_mask(self, batch: TrainBatch) -> torch.Tensor:
-        """The response mask of the rows this rank trains on; other rows zero."""
-        mask = torch.zeros_like(batch.response_mask)
-        rows = self._own_rows(batch)
-        mask[rows] = batch.response_mask[rows]
-        return mask
-
-    def _own_rows(self, batch: TrainBatch) -> torch.Tensor:
-        """Indices of the rows this rank trains on: ``rank::world`` of every mini-batch."""
-        return torch.cat([mini[self.rank::self.world] for mini in self.mini_batches(batch)])
+            dist.all_reduce(out, group=self.group)
+        return out
 
     def _accumulate(self, batch: TrainBatch, mini: torch.Tensor, advantages: torch.Tensor,
                     proximal: torch.Tensor | None, reference: torch.Tensor | None,

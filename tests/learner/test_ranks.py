@@ -3,8 +3,8 @@
 The batch is split across ranks row by row, and losses are normalised by whole-batch
 counts, so the number of ranks must not change the step. Checked with the plain GRPO
 update and with the paths that need cross-rank sums: KL in the reward feeding a
-batch-whitened estimator (REINFORCE++), PPO's critic (values gathered from both ranks), and
-M2PO, whose mask depends on the second moment over the whole batch (proximal log-probs
+batch-whitened estimator (REINFORCE++), PPO's critic (values gathered from both ranks),
+PRIME (process rewards from both ranks' rows, whitened over the batch), and M2PO, whose mask depends on the second moment over the whole batch (proximal log-probs
 gathered from both ranks; its tau is set so that the second step masks about a third of the
 tokens).
 """
@@ -33,6 +33,7 @@ ALGORITHMS = {
     "reinforce++ with kl in reward": AlgorithmConfig(adv_estimator="reinforce_plus_plus",
                                                      use_kl_in_reward=True),
     "ppo with critic": AlgorithmConfig(adv_estimator="gae", lam=0.95),
+    "prime": AlgorithmConfig(adv_estimator="prime"),
     "m2po": AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(m2po=True,
                                                                        m2po_tau=0.01)),
 }
