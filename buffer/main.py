@@ -9,6 +9,7 @@ then ends the run as failed.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import sys
@@ -24,7 +25,7 @@ from buffer.prompt_source import PromptSource
 from buffer.rollout_log import RolloutLogWriter
 from buffer.store import FifoStore, FilteredStore, GroupFilter, ReplayStore
 from configs.run_schema import RunConfig
-from configs.rundir import RunContext, bootstrap
+from configs.rundir import RunContext, configure_logging, load_run_dir
 from transport.messages import Metrics
 from transport.sockets import Pusher, Server
 
@@ -106,7 +107,11 @@ def serve(ctx: RunContext, hub: Hub, stop: threading.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ctx, _ = bootstrap("buffer", argv)
+    parser = argparse.ArgumentParser(prog="python -m buffer.main")
+    parser.add_argument("--run-dir", required=True, help="run directory written by the launcher")
+    args = parser.parse_args(argv)
+    configure_logging()
+    ctx = load_run_dir(args.run_dir)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -1,9 +1,10 @@
-"""What every process of a run starts with: its run directory, configs, addresses, keys.
+"""A process's view of its run: the run directory, both resolved configs, addresses, keys.
 
-The launcher writes the resolved ``topology.toml`` and ``run.toml`` into the run directory
-(``configs.plan``); the buffer, learner and generators read them back here, so every
-process of a run sees the same configuration. Addresses and CURVE keys are derived from
-the topology in one place.
+The launcher (``tools/launcher``) writes the resolved ``topology.toml`` and ``run.toml``
+into the run directory; the buffer, learner and generators read them back here with
+``load_run_dir``, so every process of a run sees the same configuration. Addresses and
+CURVE keys are derived from the topology in one place. This module reads files; it parses
+no command line and starts nothing.
 
 Keys folder layout (``tools/make-curve-keys.py`` writes it): ``server.key`` /
 ``server.key_secret`` for every binding process, ``client.key`` / ``client.key_secret`` for
@@ -12,7 +13,6 @@ every connecting one, and ``authorized/`` holding the public keys servers accept
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from pathlib import Path
@@ -20,13 +20,13 @@ from pathlib import Path
 import msgspec
 
 from configs.checks import load_run_config, load_topology
-from configs.plan import RESOLVED_RUN, RESOLVED_TOPOLOGY
 from configs.run_schema import RunConfig
 from configs.topology_schema import Topology
 from transport.endpoints import tcp_endpoint
 from transport.security import ClientKeys, ServerKeys, load_keypair, load_public_key
 
-LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
+RESOLVED_TOPOLOGY = "topology.toml"  # file names inside a run directory
+RESOLVED_RUN = "run.toml"
 
 
 class RunContext(msgspec.Struct, kw_only=True, frozen=True):
@@ -70,18 +70,15 @@ class RunContext(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def load_run_dir(run_dir: str | Path) -> RunContext:
+    """The run's resolved configs, checked as any config file is (``ConfigError``)."""
     run_dir = Path(run_dir).resolve()
     return RunContext(run_dir=run_dir, topology=load_topology(run_dir / RESOLVED_TOPOLOGY),
                       run=load_run_config(run_dir / RESOLVED_RUN))
 
 
-def bootstrap(role: str, argv: list[str] | None = None,
-              extra: list[tuple[str, dict]] | None = None) -> tuple[RunContext, argparse.Namespace]:
-    """Parse ``--run-dir`` (and ``extra`` options), set up logging, load the run's configs."""
-    parser = argparse.ArgumentParser(prog=f"relay {role}")
-    parser.add_argument("--run-dir", required=True, help="run directory written by the launcher")
-    for flag, options in extra or []:
-        parser.add_argument(flag, **options)
-    args = parser.parse_args(argv)
+LOG_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
+
+
+def configure_logging() -> None:
+    """Every process of a run logs lines in one format, at ``RELAY_LOG_LEVEL`` (INFO)."""
     logging.basicConfig(level=os.environ.get("RELAY_LOG_LEVEL", "INFO"), format=LOG_FORMAT)
-    return load_run_dir(args.run_dir), args

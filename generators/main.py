@@ -7,6 +7,7 @@ launcher, or by hand to attach an extra generator to a running job.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import sys
@@ -18,7 +19,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from algorithms.rewards.config import RewardConfig
 from algorithms.rewards.scorer import RewardScorer
 from buffer.dataset import load_prompt_rows
-from configs.rundir import RunContext, bootstrap
+from configs.rundir import RunContext, configure_logging, load_run_dir
 from configs.topology_schema import GeneratorPlacement
 from generators.engine import Engine
 from generators.hf_engine import HFEngine
@@ -68,8 +69,12 @@ def build_engine(ctx: RunContext, placement: GeneratorPlacement,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ctx, args = bootstrap("generator", argv, extra=[("--name", {"required": True,
-                                                                "help": "generator name"})])
+    parser = argparse.ArgumentParser(prog="python -m generators.main")
+    parser.add_argument("--run-dir", required=True, help="run directory written by the launcher")
+    parser.add_argument("--name", required=True, help="the generator's name in the topology")
+    args = parser.parse_args(argv)
+    configure_logging()
+    ctx = load_run_dir(args.run_dir)
     placements = {g.name: g for g in ctx.topology.generators}
     if args.name not in placements:
         logger.error("no generator named %r in the topology (have: %s)", args.name,

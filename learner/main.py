@@ -7,6 +7,7 @@ buffer, the weight server, the evaluator and the MLflow run. Then ``learner.loop
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -19,8 +20,13 @@ from transformers import AutoTokenizer
 from algorithms.rewards.config import RewardConfig
 from algorithms.rewards.scorer import RewardScorer
 from buffer.dataset import load_prompt_rows
-from configs.plan import RESOLVED_RUN, RESOLVED_TOPOLOGY
-from configs.rundir import RunContext, bootstrap
+from configs.rundir import (
+    RESOLVED_RUN,
+    RESOLVED_TOPOLOGY,
+    RunContext,
+    configure_logging,
+    load_run_dir,
+)
 from generators.main import eos_and_pad
 from generators.torch_engine import TorchEngine
 from learner.critic import Critic, load_value_model
@@ -96,7 +102,11 @@ def build_rank_zero(ctx: RunContext, tokenizer, scorer: RewardScorer, eos: list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    ctx, _ = bootstrap("learner", argv)
+    parser = argparse.ArgumentParser(prog="torchrun ... -m learner.main")
+    parser.add_argument("--run-dir", required=True, help="run directory written by the launcher")
+    args = parser.parse_args(argv)
+    configure_logging()
+    ctx = load_run_dir(args.run_dir)
     run = ctx.run
     placement = ctx.topology.learner
     if placement.threads:

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
-from configs.launch import dry_run_report, resolve_launch
+from launcher.resolve import dry_run_report, resolve_launch
 
 TOPOLOGY_PREFIX = "topology."
 
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         print(dry_run_report(resolved))
         return 0
-    from configs.supervisor import launch
+    from launcher.supervisor import launch
 
     return launch(resolved)
 

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from configs.plan import build_plan
 from configs.topology_schema import GeneratorPlacement, LearnerPlacement, Topology
+from launcher.plan import build_plan
 
 
 def test_local_plan_is_buffer_torchrun_and_generators() -> None:

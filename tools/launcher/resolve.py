@@ -13,9 +13,9 @@ from pathlib import Path
 import msgspec
 
 from configs.checks import load_run_config, load_topology
-from configs.plan import ProcessSpec, build_plan, new_run_dir
 from configs.run_schema import RunConfig
 from configs.topology_schema import Topology
+from launcher.plan import ProcessSpec, build_plan, new_run_dir
 
 
 class ResolvedLaunch(msgspec.Struct, kw_only=True, frozen=True):

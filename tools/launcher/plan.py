@@ -1,9 +1,9 @@
 """From a topology and a run config to the list of processes a run needs.
 
-The plan is pure data: the launcher (``tools/launch-cluster.py``) prints it with
-``--dry-run`` and starts it otherwise. Every process reads the resolved configs that the
-launcher writes into the run directory (``topology.toml`` and ``run.toml``), so what runs
-is exactly what was printed.
+The plan is pure data: ``tools/launch-cluster.py`` prints it with ``--dry-run`` and the
+supervisor starts it otherwise. Every process reads the resolved configs that the launcher
+writes into the run directory (``configs.rundir``), so what runs is exactly what was
+printed.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ from pathlib import Path
 import msgspec
 
 from configs.run_schema import RunConfig
+from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY
 from configs.topology_schema import Topology
 from transport.endpoints import is_loopback
-
-RESOLVED_TOPOLOGY = "topology.toml"
-RESOLVED_RUN = "run.toml"
 
 
 class ProcessSpec(msgspec.Struct, kw_only=True, frozen=True):

@@ -27,18 +27,12 @@ from pathlib import Path
 
 import msgspec
 
-from configs.launch import ResolvedLaunch
-from configs.plan import (
-    RESOLVED_RUN,
-    RESOLVED_TOPOLOGY,
-    ProcessSpec,
-    build_plan,
-    write_resolved,
-)
 from configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
-from configs.rundir import RunContext
-from configs.status import StatusBoard
+from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, RunContext
 from configs.topology_schema import Topology
+from launcher.plan import ProcessSpec, build_plan, write_resolved
+from launcher.resolve import ResolvedLaunch
+from launcher.status import StatusBoard
 from transport.messages import Metrics
 from transport.sockets import Puller
 

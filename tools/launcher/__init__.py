@@ -1,0 +1,9 @@
+"""The launcher's machinery behind ``tools/launch-cluster.py``.
+
+It owns turning a topology and a run config into running processes: ``resolve`` checks
+both configs and plans the run directory, ``plan`` lists the processes (buffer, torchrun
+learner, generators, evaluator) with their command lines, ``supervisor`` starts them
+(locally or over ssh), watches them and stops them all, ``status`` draws the live status
+line from the metrics they push. It knows nothing of training: what each process does is
+in its own package. Installed as the ``launcher`` package (see ``pyproject.toml``).
+"""
