@@ -1,1 +1,8 @@
-"""Relay algorithms package."""
+"""The algorithms: pure functions on tensors, each with its formula and paper.
+
+It owns advantage estimators, policy-loss modes, value loss, KL estimators and
+controllers, loss aggregation, off-policy corrections, reward shaping, PRIME's implicit
+rewards, the verifiable reward functions and the bundled tasks, and the config structs
+of those knobs (composed by ``configs.run_schema``). It knows nothing of processes,
+sockets, config files, models or ``torch.distributed``: tensors in, tensors out.
+"""

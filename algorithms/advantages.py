@@ -13,6 +13,15 @@ both as verl derives them from its ``token_level_rewards``:
                                                                       (``token_level_rewards``)
   used by the return-based ones: reinforce_plus_plus, remax, and ``gae_advantages``.
 
+Rejection (``algorithm.rollout_correction``'s ``rollout_rs`` or M2PO) decides which response
+tokens are trained on; verl rewrites the response mask with it before computing advantages,
+and so does Relay through ``kept_mask``: batch statistics are taken over the kept tokens
+(REINFORCE++'s and GAE's whitening, OPO's lengths), and advantages are 0 on rejected tokens.
+Rewards stay where the response put them, and returns still flow back along the whole
+response: unlike verl, whose return recursion treats a masked token as a tool-observation
+token (no reward of its own, nothing flows across), a rejected token here is a policy token
+whose reward is real, so a rejected last token does not erase its sequence's outcome.
+
 Every estimator returns a (B, T) float32 tensor that is 0 off the response mask. One deviation
 from verl holds throughout: a group of a single sample has its own score as baseline, so its
 advantage is 0 (before any batch whitening); verl uses the baseline 0 there, which makes the
@@ -27,12 +36,14 @@ from typing import Callable
 import torch
 
 _WHITEN_EPS = 1e-8  # verl's masked_whiten constant
+_STD_EPS = 1e-6  # added to the group std (verl's epsilon)
 
 
 @dataclass(frozen=True)
 class AdvantageInputs:
     """A batch's rewards. ``token_rewards`` is 0 off the response and excludes the outcome
-    reward; ``baseline_rewards`` is ReMax's reward of the greedy sample of each sample's prompt.
+    reward; ``baseline_rewards`` is ReMax's reward of the greedy sample of each sample's prompt;
+    ``kept_mask`` the response tokens the off-policy correction kept (None: all of them).
     """
 
     rewards: torch.Tensor  # (B,)
@@ -40,16 +51,20 @@ class AdvantageInputs:
     response_mask: torch.Tensor  # (B, T)
     token_rewards: torch.Tensor | None = None  # (B, T)
     baseline_rewards: torch.Tensor | None = None  # (B,)
+    kept_mask: torch.Tensor | None = None  # (B, T), within response_mask
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """The tokens trained on: the response mask times ``kept_mask`` (B, T)."""
+        if self.kept_mask is None:
+            return self.response_mask
+        return self.response_mask * self.kept_mask
 
 
-@dataclass(frozen=True)
-class AdvantageParams:
-    norm_adv_by_std_in_grpo: bool = True  # grpo / grpo_passk: divide by the group std
-    gamma: float = 1.0  # reinforce_plus_plus discount
-    eps: float = 1e-6  # added to the group std
-
-
-Estimator = Callable[[AdvantageInputs, AdvantageParams], torch.Tensor]
+# An estimator: (inputs, norm_adv_by_std_in_grpo, gamma) -> advantages (B, T); the scalars
+# are verl's algorithm.norm_adv_by_std_in_grpo (grpo, grpo_passk) and algorithm.gamma
+# (reinforce_plus_plus), ignored by the estimators that do not use them.
+Estimator = Callable[[AdvantageInputs, bool, float], torch.Tensor]
 
 
 # ---------------------------------------------------------------------------- group helpers
@@ -173,18 +188,18 @@ def grpo_advantages(
     return torch.where(count > 1, advantages, torch.zeros_like(advantages)).to(torch.float32)
 
 
-def grpo(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor:
+def grpo(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tensor:
     """``grpo``: ``grpo_advantages`` of the scores s (B,), broadcast over the response (B, T).
 
-    GRPO (arXiv 2402.03300) when ``params.norm_adv_by_std_in_grpo``, else Dr.GRPO
-    (arXiv 2503.20783).
+    GRPO (arXiv 2402.03300) when ``norm_by_std`` (``algorithm.norm_adv_by_std_in_grpo``),
+    else Dr.GRPO (arXiv 2503.20783).
     """
     advantages = grpo_advantages(sequence_scores(inputs), inputs.group_ids,
-                                 norm_by_std=params.norm_adv_by_std_in_grpo, eps=params.eps)
-    return _broadcast(advantages, inputs.response_mask)
+                                 norm_by_std=norm_by_std, eps=_STD_EPS)
+    return _broadcast(advantages, inputs.trained_mask)
 
 
-def rloo(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor:
+def rloo(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tensor:
     """``rloo``: REINFORCE leave-one-out (Ahmadian et al., 2024, arXiv 2402.14740):
 
         A_i = s_i - mean_{j != i in g} s_j = n/(n-1) * (s_i - mean_g(s))     (B,) -> (B, T)
@@ -195,28 +210,29 @@ def rloo(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor:
     mean, _, count = group_stats(scores, inputs.group_ids)
     advantages = torch.where(count > 1, count / (count - 1).clamp(min=1) * (scores - mean),
                              torch.zeros_like(scores))
-    return _broadcast(advantages, inputs.response_mask)
+    return _broadcast(advantages, inputs.trained_mask)
 
 
-def opo(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor:
+def opo(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tensor:
     """``opo``: On-Policy RL with Optimal reward baseline (Hao et al., 2025, arXiv 2505.23585):
 
         A_i = s_i - b_g,   b_g = sum_{j in g} |o_j| s_j / sum_{j in g} |o_j|     (B,) -> (B, T)
 
-    with |o_j| = sum_t m_jt the response length (a length-weighted group mean).
+    with |o_j| = sum_t m_jt the response length (a length-weighted group mean), counting the
+    kept tokens only under rejection (verl computes it on the rejection-rewritten mask).
     """
     scores = sequence_scores(inputs)
-    lengths = inputs.response_mask.to(torch.float64).sum(-1)
+    lengths = inputs.trained_mask.to(torch.float64).sum(-1)
     inverse, num_groups = group_index(inputs.group_ids)
     weighted = group_sum(lengths * scores, inverse, num_groups)
     total_length = group_sum(lengths, inverse, num_groups).clamp(min=1)  # token counts
     count = group_sum(torch.ones_like(scores), inverse, num_groups)
     advantages = torch.where(count[inverse] > 1, scores - (weighted / total_length)[inverse],
                              torch.zeros_like(scores))
-    return _broadcast(advantages, inputs.response_mask)
+    return _broadcast(advantages, inputs.trained_mask)
 
 
-def gpg(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor:
+def gpg(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tensor:
     """``gpg``: Group Policy Gradient (Chu et al., 2025, arXiv 2504.02546), as verl computes it:
 
         A_i = alpha * (s_i - mean_g(s)) / F_norm,   alpha = B / max(1, #{j : s_j != 0})
@@ -228,17 +244,17 @@ def gpg(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor:
     """
     scores = sequence_scores(inputs)
     alpha = scores.numel() / max(1, int(torch.count_nonzero(scores)))
-    return _broadcast(alpha * _centered(scores, inputs.group_ids), inputs.response_mask)
+    return _broadcast(alpha * _centered(scores, inputs.group_ids), inputs.trained_mask)
 
 
-def grpo_passk(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor:
+def grpo_passk(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tensor:
     """``grpo_passk``: Pass@k training (Chen et al., 2025, arXiv 2503.19595), as verl:
 
         A_i = (s_max - s_second) / (std_g(s) + eps)   for the best sample i of its group g
         A_j = 0                                        for every other sample   (B,) -> (B, T)
 
     s_second is the group's second-largest score (equal to s_max on a tie, giving 0), std_g the
-    unbiased group std; without ``params.norm_adv_by_std_in_grpo`` no division. verl raises on
+    unbiased group std; without ``norm_by_std`` no division. verl raises on
     a group of one; here it gets 0.
     """
     scores = sequence_scores(inputs)
@@ -250,42 +266,42 @@ def grpo_passk(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor
     paired = count > 1
     best, second = order[first[paired]], order[first[paired] + 1]
     gap = scores[best] - scores[second]
-    if params.norm_adv_by_std_in_grpo:
+    if norm_by_std:
         _, std, _ = group_stats(scores, inputs.group_ids)
-        gap = gap / (std[best] + params.eps)
+        gap = gap / (std[best] + _STD_EPS)
     advantages = torch.zeros_like(scores).index_put_((best,), gap)
-    return _broadcast(advantages, inputs.response_mask)
+    return _broadcast(advantages, inputs.trained_mask)
 
 
-def reinforce_plus_plus_baseline(inputs: AdvantageInputs, params: AdvantageParams
-                                 ) -> torch.Tensor:
+def reinforce_plus_plus_baseline(inputs: AdvantageInputs, norm_by_std: bool,
+                                 gamma: float) -> torch.Tensor:
     """``reinforce_plus_plus_baseline``: REINFORCE++ with a group baseline (Hu, 2025,
     arXiv 2501.03262):
 
         A_it = whiten_batch( m_it * (s_i - mean_g(s)) )                       (B, T)
 
-    whitened over all masked tokens of the batch (so longer responses weigh more in the
+    whitened over all trained tokens of the batch (so longer responses weigh more in the
     statistics, as in verl).
     """
-    mask = inputs.response_mask.to(torch.float64)
+    mask = inputs.trained_mask.to(torch.float64)
     centered = _centered(sequence_scores(inputs), inputs.group_ids)
     return masked_whiten(centered.unsqueeze(-1) * mask, mask).float()
 
 
-def reinforce_plus_plus(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor:
+def reinforce_plus_plus(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tensor:
     """``reinforce_plus_plus``: REINFORCE++ (Hu, 2025, arXiv 2501.03262):
 
         G_it = sum_{t' >= t} gamma^(t'-t) R_it',   A_it = whiten_batch(G_it)      (B, T)
 
-    on the token-level total rewards R, whitened over all masked tokens of the batch; the
-    return does not flow back across a masked position (verl's reset after EOS).
+    on the token-level total rewards R, whitened over all trained tokens of the batch; the
+    return does not flow back across a position off the response (verl's reset after EOS).
     """
     mask = inputs.response_mask.to(torch.float64)
-    returns = _discounted_returns(token_level_rewards(inputs), mask, params.gamma)
-    return masked_whiten(returns, mask).float()
+    returns = _discounted_returns(token_level_rewards(inputs), mask, gamma)
+    return masked_whiten(returns, inputs.trained_mask.to(torch.float64)).float()
 
 
-def remax(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor:
+def remax(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tensor:
     """``remax``: ReMax (Li et al., 2023, arXiv 2310.10505):
 
         A_it = m_it * (sum_{t' >= t} R_it' - b_i)                               (B, T)
@@ -297,7 +313,7 @@ def remax(inputs: AdvantageInputs, params: AdvantageParams) -> torch.Tensor:
     if inputs.baseline_rewards is None:
         raise ValueError("remax needs AdvantageInputs.baseline_rewards: the reward of the "
                          "greedy sample of each sample's prompt, shape (B,)")
-    mask = inputs.response_mask.to(torch.float64)
+    mask = inputs.trained_mask.to(torch.float64)
     returns = token_level_rewards(inputs).flip(-1).cumsum(-1).flip(-1)
     baseline = inputs.baseline_rewards.to(torch.float64).unsqueeze(-1)
     return ((returns - baseline) * mask).float()
@@ -320,7 +336,8 @@ def _check_shapes(inputs: AdvantageInputs) -> None:
         raise ValueError(f"response_mask must be (B, T), got {tuple(inputs.response_mask.shape)}")
     batch = inputs.response_mask.shape[:1]
     expected = {"rewards": batch, "group_ids": batch, "baseline_rewards": batch,
-                "token_rewards": inputs.response_mask.shape}
+                "token_rewards": inputs.response_mask.shape,
+                "kept_mask": inputs.response_mask.shape}
     for field, shape in expected.items():
         value = getattr(inputs, field)
         if value is not None and value.shape != shape:
@@ -329,13 +346,14 @@ def _check_shapes(inputs: AdvantageInputs) -> None:
 
 @torch.no_grad()
 def compute_advantages(
-    name: str, inputs: AdvantageInputs, params: AdvantageParams = AdvantageParams()
+    name: str, inputs: AdvantageInputs, *, norm_adv_by_std_in_grpo: bool, gamma: float
 ) -> torch.Tensor:
-    """Advantages (B, T) float32, 0 off the response, of the estimator registered as ``name``."""
+    """Advantages (B, T) float32, 0 off the trained tokens, of the estimator registered as
+    ``name``; ``norm_adv_by_std_in_grpo`` and ``gamma`` are verl's ``algorithm`` keys."""
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ESTIMATORS)}")
     _check_shapes(inputs)
-    return ESTIMATORS[name](inputs, params)
+    return ESTIMATORS[name](inputs, norm_adv_by_std_in_grpo, gamma)
 
 
 @torch.no_grad()
@@ -345,6 +363,7 @@ def gae_advantages(
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
+    kept_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al., 2016, arXiv 1506.02438), as verl:
 
@@ -354,8 +373,11 @@ def gae_advantages(
     where t+1 is the next *response* position (masked positions are skipped: their values and
     TD errors do not enter) and V, A are 0 past the last one. ``token_rewards`` are the
     token-level total rewards R (outcome reward included, e.g. ``token_level_rewards``).
-    Returns (advantages whitened over the batch's masked tokens, returns), both (B, T)
-    float32 and 0 off the response (verl leaves leftovers there).
+    Returns (advantages whitened over the batch's trained tokens, returns), both (B, T)
+    float32 and 0 off the response (verl leaves leftovers there). Under rejection
+    (``kept_mask``, see the module docstring) the whitening statistics are over the kept tokens
+    and advantages are 0 on the rejected ones; the recursion and the critic's returns still
+    run over the whole response.
     """
     rewards, values = token_rewards.to(torch.float64), values.to(torch.float64)
     mask = response_mask.to(torch.float64)
@@ -369,4 +391,5 @@ def gae_advantages(
         next_advantage = m * advantage + (1 - m) * next_advantage
         advantages[:, t] = next_advantage
     returns = (advantages + values) * mask
-    return masked_whiten(advantages, mask).float(), returns.float()
+    trained = mask if kept_mask is None else mask * kept_mask.to(torch.float64)
+    return masked_whiten(advantages, trained).float(), returns.float()

@@ -10,8 +10,18 @@ micro-batches or data-parallel ranks. With l the token loss and m the response m
     seq-mean-token-mean       (1/B) sum_i (sum_t m_it l_it / sum_t m_it)        (GRPO paper)
     seq-mean-token-sum-norm   (1/B) sum_i sum_t m_it l_it / L                   (Dr.GRPO)
 
-where B is the number of sequences and L a constant horizon (the maximum response length,
-``horizon``), so that no sequence's weight depends on its own length.
+where B is the number of sequences with at least one response token (a row whose response
+is empty, e.g. a padded or truncated one, is not a sequence and does not dilute the mean;
+verl's ``agg_loss`` excludes such rows too) and L a constant horizon (the maximum response
+length, ``horizon``), so that no sequence's weight depends on its own length.
+
+``seq-mean-token-sum-norm`` divides by B * L, as the Dr.GRPO paper's objective (Liu et al.,
+2025: (1/G) sum_i sum_t, with the sum normalized by the generation budget) and TRL's
+``dr_grpo`` do. verl divides by L only (``agg_loss``'s ``loss_scale_factor``) and then scales
+each micro-batch by 1 / gradient-accumulation steps, so its gradient is the micro-batch size
+times this one: a scale that depends on how the batch is split. Relay keeps the B * L form,
+the same scale as the other modes, independent of micro-batches and ranks. Adam cancels a
+constant gradient scale, so the difference shows mostly through ``actor.grad_clip``.
 """
 
 from __future__ import annotations
@@ -37,16 +47,16 @@ def aggregate_loss(
 ) -> torch.Tensor:
     """Aggregate per-token ``loss`` (B, T) under ``mask`` (B, T) into a scalar.
 
-    ``num_tokens`` and ``num_seqs`` default to this batch's counts; pass the global batch's
-    counts when this call sees only a micro-batch. ``horizon`` defaults to T.
+    ``num_tokens`` and ``num_seqs`` default to this batch's counts (``count_sequences``);
+    pass the global batch's counts when this call sees only a micro-batch. ``horizon``
+    defaults to T.
     """
     mask = mask.to(loss.dtype)
     token_sums = (loss * mask).sum(dim=-1)  # (B,)
     if mode == "token-mean":
         denom = mask.sum() if num_tokens is None else num_tokens
         return token_sums.sum() / max(float(denom), 1.0)
-    seqs = float(loss.shape[0] if num_seqs is None else num_seqs)
-    seqs = max(seqs, 1.0)
+    seqs = max(float(count_sequences(mask) if num_seqs is None else num_seqs), 1.0)
     if mode == "seq-mean-token-sum":
         return token_sums.sum() / seqs
     if mode == "seq-mean-token-mean":
@@ -55,6 +65,11 @@ def aggregate_loss(
     if mode == "seq-mean-token-sum-norm":
         return token_sums.sum() / (seqs * float(horizon if horizon else loss.shape[-1]))
     raise ValueError(f"unknown loss_agg_mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+
+
+def count_sequences(mask: torch.Tensor) -> int:
+    """The number of rows of ``mask`` (B, T) with at least one token: B in the formulas."""
+    return int((mask.sum(dim=-1) > 0).sum())
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,10 @@ With log-ratio d = log pi_theta(x) - log pi_ref(x) and x ~ pi_theta (Schulman, 2
     k2  ("mse")         d^2 / 2                    biased, low variance
     k3  ("low_var_kl")  exp(-d) - 1 + d            unbiased, non-negative, low variance
 
-k3 is clamped to [-10, 10] as verl does. A ``+`` after a name (``k3+``, ``low_var_kl+``, ...)
+For k3, d is clamped to [-20, 20] before exp(-d) and the result to [-10, 10], as verl
+does: without the first clamp exp(-d) overflows fp32 for d < -88.7 (a padded position, or
+a token the reference finds near impossible) and its gradient is NaN, even where the mask
+later multiplies it by 0. A ``+`` after a name (``k3+``, ``low_var_kl+``, ...)
 is verl's straight-through form: the value of that estimator with the gradient of k2,
 
     k+ = k2 - stopgrad(k2) + stopgrad(k)          value k, gradient d * grad(log pi_theta)
@@ -20,19 +23,36 @@ verl's ``kl_loss_type``/``kl_penalty``. Computed in fp32; gradient flows through
 KL in the reward (verl's ``algorithm.use_kl_in_reward``): ``kl_reward_penalty`` turns the
 estimator named by ``algorithm.kl_penalty`` into per-token rewards -beta * kl_t, and the
 coefficient beta comes from a controller built by ``make_kl_controller`` from
-``algorithm.kl_ctrl`` (``type``, ``kl_coef``, ``target_kl``, ``horizon``).
+``KLControlConfig`` (verl's ``algorithm.kl_ctrl``). ``KLType`` names the estimators for
+both ``actor.kl_loss_type`` and ``algorithm.kl_penalty``.
 """
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
+import msgspec
 import torch
 
 KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
                  "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
 K3_CLAMP = 10.0
+LOG_RATIO_CLAMP = 20.0  # |d| bound before exp(-d) in k3 (verl's)
 KLControllerType = Literal["fixed", "adaptive"]
+
+
+class KLControlConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """verl's ``algorithm.kl_ctrl``: the coefficient beta of KL in the reward.
+
+    ``type = "fixed"`` keeps ``kl_coef``; ``"adaptive"`` (Ziegler et al., 2019; see
+    ``AdaptiveKLController``) starts at ``kl_coef`` and moves it toward ``target_kl`` over
+    ``horizon`` samples.
+    """
+
+    type: KLControllerType = "fixed"
+    kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.001
+    horizon: Annotated[int, msgspec.Meta(gt=0)] = 10000
+    target_kl: Annotated[float, msgspec.Meta(gt=0)] = 0.1
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType) -> torch.Tensor:
@@ -49,6 +69,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType)
     if kind in ("mse", "k2"):
         return 0.5 * d.square()
     if kind in ("low_var_kl", "k3"):
+        d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # before exp: finite value and gradient
         return (torch.exp(-d) - 1.0 + d).clamp(-K3_CLAMP, K3_CLAMP)
     raise ValueError(f"unknown KL estimator {kind!r}; valid: kl/k1, abs, mse/k2, low_var_kl/k3, "
                      "each optionally with a trailing '+'")
@@ -87,20 +108,18 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-def make_kl_controller(
-    kind: KLControllerType, kl_coef: float, target_kl: float, horizon: int
-) -> FixedKLController | AdaptiveKLController:
-    """Build the controller named by ``algorithm.kl_ctrl.type`` ("fixed" or "adaptive")."""
-    if kind == "fixed":
-        return FixedKLController(kl_coef)
-    if kind == "adaptive":
-        if target_kl <= 0:
-            raise ValueError(f"kl_ctrl.target_kl must be > 0 for adaptive, got {target_kl}")
-        if horizon <= 0:
-            raise ValueError(f"kl_ctrl.horizon must be > 0 for adaptive, got {horizon}")
-        return AdaptiveKLController(kl_coef, target_kl, horizon)
+def make_kl_controller(config: KLControlConfig) -> FixedKLController | AdaptiveKLController:
+    """Build the controller ``config.type`` names ("fixed" or "adaptive")."""
+    if config.type == "fixed":
+        return FixedKLController(config.kl_coef)
+    if config.type == "adaptive":
+        if config.target_kl <= 0:
+            raise ValueError(f"kl_ctrl.target_kl must be > 0 for adaptive, got {config.target_kl}")
+        if config.horizon <= 0:
+            raise ValueError(f"kl_ctrl.horizon must be > 0 for adaptive, got {config.horizon}")
+        return AdaptiveKLController(config.kl_coef, config.target_kl, config.horizon)
     known = ", ".join(get_args(KLControllerType))
-    raise ValueError(f"unknown kl_ctrl.type {kind!r}; valid: {known}")
+    raise ValueError(f"unknown kl_ctrl.type {config.type!r}; valid: {known}")
 
 
 def kl_reward_penalty(

@@ -14,7 +14,7 @@ The parameter names follow verl's ``algorithm.rollout_correction`` (Liu, Li et a
 Mismatch"):
 
     rollout_is = token       w_t = min(r_t, C)                          (truncated IS, TIS)
-    rollout_is = sequence    w_t = min(exp(clamp(sum_s log r_s, -20, 20)), C)   for all t
+    rollout_is = sequence    w_t = min(exp(clamp(sum_s log r'_s, -20, 20)), C)  for all t
     rollout_rs = token       m_t = [lo <= r_t <= hi]                    (MIS / IcePop)
     rollout_rs = sequence    m_t = [lo <= exp(clamp(sum_s log r_s)) <= hi]      for all t
     rollout_rs = geometric   m_t = [lo <= exp(clamp(mean_s log r_s)) <= hi]     for all t
@@ -23,7 +23,10 @@ Mismatch"):
                              2025, "Prosperity before Collapse", M2PO)
 
 with C = ``rollout_is_threshold``, [lo, hi] = [``rollout_rs_threshold_lower``,
-``rollout_rs_threshold``], and sums / means over the sequence's response tokens. The final
+``rollout_rs_threshold``] (lo defaults to 1 / hi, as verl), and sums / means over the
+sequence's response tokens. log r' is the log ratio before the per-token clamp: sequence IS
+sums first and clamps the sum, as verl does (two opposite extreme tokens cancel); rejection
+reads the clamped per-token values, as verl's rejection does. The final
 mask is the response mask times every enabled rejection mask; each rejection test reads the
 log ratios of the whole response, independently of the others. Off the response the log
 ratio is 0 and the weight 1 (the mask is 0 there). All arithmetic is fp32.
@@ -36,8 +39,9 @@ current policy pi_theta according to policy versions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
+import msgspec
 import torch
 
 LOG_RATIO_CLAMP = 20.0
@@ -48,39 +52,37 @@ ROLLOUT_IS_MODES: tuple[str, ...] = RolloutIS.__args__  # type: ignore[attr-defi
 ROLLOUT_RS_MODES: tuple[str, ...] = RolloutRS.__args__  # type: ignore[attr-defined]
 
 
-@dataclass(frozen=True)
-class CorrectionParams:
-    """Which corrections to apply (see the module docstring for the formulas).
+class RolloutCorrectionConfig(msgspec.Struct, kw_only=True, frozen=True,
+                              forbid_unknown_fields=True):
+    """verl's ``algorithm.rollout_correction``: which corrections to apply (formulas: the
+    module docstring).
 
     ``rollout_is``: importance-weight level (``none``: w = 1); ``rollout_is_threshold``: its
-    truncation cap C. ``rollout_rs``: rejection level (``none``: no rejection), with the
-    accepted ratio interval [``rollout_rs_threshold_lower``, ``rollout_rs_threshold``].
-    ``m2po``: M2PO second-moment masking with bound ``m2po_tau``.
+    truncation cap C. ``rollout_rs``: rejection level (``none``: no rejection), accepting
+    ratios in [``rollout_rs_threshold_lower``, ``rollout_rs_threshold``]; the lower bound 0
+    (the default) means 1 / ``rollout_rs_threshold``, verl's default (a number, not an
+    absent key, because TOML has no null). ``m2po`` (*Relay*): M2PO second-moment masking
+    with bound ``m2po_tau``. ``configs.checks`` refuses a lower bound above the upper one.
     """
 
     rollout_is: RolloutIS = "token"
-    rollout_is_threshold: float = 2.0
+    rollout_is_threshold: Annotated[float, msgspec.Meta(gt=0)] = 2.0
     rollout_rs: RolloutRS = "none"
-    rollout_rs_threshold: float = 2.0
-    rollout_rs_threshold_lower: float = 0.5
+    rollout_rs_threshold: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    rollout_rs_threshold_lower: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     m2po: bool = False
-    m2po_tau: float = 0.04
+    m2po_tau: Annotated[float, msgspec.Meta(gt=0)] = 0.04
 
-    def __post_init__(self) -> None:
-        if self.rollout_is not in ROLLOUT_IS_MODES:
-            raise ValueError(f"rollout_is must be one of {ROLLOUT_IS_MODES}, "
-                             f"got {self.rollout_is!r}")
-        if self.rollout_rs not in ROLLOUT_RS_MODES:
-            raise ValueError(f"rollout_rs must be one of {ROLLOUT_RS_MODES}, "
-                             f"got {self.rollout_rs!r}")
-        for name in ("rollout_is_threshold", "rollout_rs_threshold",
-                     "rollout_rs_threshold_lower", "m2po_tau"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.rollout_rs_threshold_lower > self.rollout_rs_threshold:
-            raise ValueError(
-                f"rollout_rs_threshold_lower ({self.rollout_rs_threshold_lower}) must be <= "
-                f"rollout_rs_threshold ({self.rollout_rs_threshold})")
+    @property
+    def rejects(self) -> bool:
+        """Whether any rejection mask (``rollout_rs`` or M2PO) is on."""
+        return self.rollout_rs != "none" or self.m2po
+
+    @property
+    def rs_bounds(self) -> tuple[float, float]:
+        """The accepted ratio interval [lower, upper] of ``rollout_rs``."""
+        upper = self.rollout_rs_threshold
+        return (self.rollout_rs_threshold_lower or 1.0 / upper), upper
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ def off_policy_correction(
     proximal_logprobs: torch.Tensor,
     behavior_logprobs: torch.Tensor,
     response_mask: torch.Tensor,
-    params: CorrectionParams,
+    config: RolloutCorrectionConfig,
 ) -> Correction:
     """Importance weight and rejection mask for pi_prox / pi_b (formulas: module docstring).
 
@@ -133,11 +135,12 @@ def off_policy_correction(
     detached and fp32.
     """
     response = response_mask.detach().float()
-    log_ratio = _clamped_log_ratio(proximal_logprobs, behavior_logprobs, response)
-    weight = _importance_weight(log_ratio, response, params)
-    mask = response * _rejection_mask(log_ratio, response, params)
-    if params.m2po:
-        mask = mask * m2po_mask(log_ratio, response, params.m2po_tau)
+    raw = _raw_log_ratio(proximal_logprobs, behavior_logprobs, response)
+    log_ratio = raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    weight = _importance_weight(raw, response, config)
+    mask = response * _rejection_mask(log_ratio, response, config)
+    if config.m2po:
+        mask = mask * m2po_mask(log_ratio, response, config.m2po_tau)
     return Correction(weight=weight, mask=mask, log_ratio=log_ratio)
 
 
@@ -195,12 +198,12 @@ def a3po_proximal_logprobs(
     return torch.where(response_mask.bool(), approx, behavior)
 
 
-def _clamped_log_ratio(
+def _raw_log_ratio(
     proximal_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, response: torch.Tensor
 ) -> torch.Tensor:
-    """log pi_prox - log pi_b clamped to [-20, 20], 0 off the response; (B, T) fp32."""
+    """log pi_prox - log pi_b, 0 off the response (whatever is there); (B, T) fp32."""
     log_ratio = proximal_logprobs.detach().float() - behavior_logprobs.detach().float()
-    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * response
+    return torch.where(response > 0, log_ratio, torch.zeros_like(log_ratio))
 
 
 def _sequence_log_ratio(log_ratio: torch.Tensor, response: torch.Tensor,
@@ -213,26 +216,29 @@ def _sequence_log_ratio(log_ratio: torch.Tensor, response: torch.Tensor,
     return total.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).expand_as(log_ratio)
 
 
-def _importance_weight(log_ratio: torch.Tensor, response: torch.Tensor,
-                       params: CorrectionParams) -> torch.Tensor:
-    """Truncated IS weight (B, T): min(r, C) per token or per sequence; 1 off the response."""
-    if params.rollout_is == "none":
-        return torch.ones_like(log_ratio)
-    if params.rollout_is == "sequence":
-        log_ratio = _sequence_log_ratio(log_ratio, response, geometric=False)
-    weight = log_ratio.exp().clamp(max=params.rollout_is_threshold)
+def _importance_weight(raw_log_ratio: torch.Tensor, response: torch.Tensor,
+                       config: RolloutCorrectionConfig) -> torch.Tensor:
+    """Truncated IS weight (B, T): min(r, C) per token or per sequence; 1 off the response.
+    ``raw_log_ratio`` is unclamped: a sequence's sum is clamped once, after summing."""
+    if config.rollout_is == "none":
+        return torch.ones_like(raw_log_ratio)
+    if config.rollout_is == "sequence":
+        log_ratio = _sequence_log_ratio(raw_log_ratio, response, geometric=False)
+    else:
+        log_ratio = raw_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    weight = log_ratio.exp().clamp(max=config.rollout_is_threshold)
     return torch.where(response > 0, weight, torch.ones_like(weight))
 
 
 def _rejection_mask(log_ratio: torch.Tensor, response: torch.Tensor,
-                    params: CorrectionParams) -> torch.Tensor:
+                    config: RolloutCorrectionConfig) -> torch.Tensor:
     """Rejection mask (B, T): 1 where the token / sequence / geometric ratio lies in
     [lower, upper], else 0; all ones when ``rollout_rs`` is ``none``."""
-    if params.rollout_rs == "none":
+    if config.rollout_rs == "none":
         return torch.ones_like(log_ratio)
-    if params.rollout_rs != "token":
+    if config.rollout_rs != "token":
         log_ratio = _sequence_log_ratio(log_ratio, response,
-                                        geometric=params.rollout_rs == "geometric")
+                                        geometric=config.rollout_rs == "geometric")
+    lower, upper = config.rs_bounds
     ratio = log_ratio.exp()
-    accepted = (ratio >= params.rollout_rs_threshold_lower) & (ratio <= params.rollout_rs_threshold)
-    return accepted.float()
+    return ((ratio >= lower) & (ratio <= upper)).float()

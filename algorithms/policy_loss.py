@@ -5,79 +5,94 @@ input that carries gradient), the proximal log-probs ``proximal_logprobs`` (log 
 learner's weights before this update), the per-token ``advantages`` A and the float
 ``response_mask`` m, all (B, T), and returns a per-token loss (B, T) plus detached diagnostics.
 The ratio is r = pi_theta / pi_prox. The off-policy correction between the behavior policy
-and pi_prox (importance weight and masks) lives elsewhere: the learner multiplies it into
-the per-token loss and then aggregates with its ``loss_agg_mode`` over the response mask.
+and pi_prox is computed elsewhere (``algorithms.off_policy``); its rejection mask is the
+``response_mask`` given here (so a rejected token leaves GSPO's sequence ratio, GMPO's
+geometric mean and the covariance statistics of Clip-Cov / KL-Cov, as in verl, where the
+rejection rewrites the response mask), and its importance weights w are
+``importance_weights``: each token's loss is multiplied by its w, except in geo_mean, whose
+sequence loss is multiplied by the geometric mean of w over the sequence (as verl).
 
 Log-prob arithmetic is in fp32 and token log ratios are clamped to [-20, 20] before
 exponentiation. Masked tokens never influence the loss or gradient of unmasked tokens, but
-their own entries are not zeroed: the aggregation masks them.
+their own entries are not zeroed: the learner masks them when it aggregates.
 
-    mode      per-token loss (eps_l, eps_h = clip_ratio_low/high)           loss_agg_mode
-    vanilla   max(-A r, -A clip(r, 1-eps_l, 1+eps_h)), dual-clip min(., -A c) for A<0  token-mean
-    gspo      the same clipped surrogate on s_i = exp(mean_t log r_it)      seq-mean-token-mean
-    clip_cov  vanilla without dual-clip, random high-covariance tokens -> 0 token-mean
-    kl_cov    -A r, plus ppo_kl_coef |log r| on the top-k covariance tokens token-mean
-    gpg       -A log pi_theta                                               token-mean
+The ratio clip is verl's ``actor.clip_ratio_low`` / ``clip_ratio_high`` / ``clip_ratio_c``
+(eps_l, eps_h, c), passed to ``policy_loss`` as arguments; the rest of a mode's knobs are
+``PolicyLossConfig`` (verl's ``actor.policy_loss``).
+
+    mode      per-token loss                                                aggregation
+    vanilla   max(-A r, -A clip(r, 1-eps_l, 1+eps_h)), dual-clip min(., -A c) for A<0  configured
+    gspo      the same clipped surrogate on s_i = exp(min(mean_t log r_it, 10))
+                                                                            seq-mean-token-mean
+    clip_cov  vanilla without dual-clip, random high-covariance tokens -> 0 configured
+    kl_cov    -A r, plus ppo_kl_coef |log r| on the top-k covariance tokens configured
+    gpg       -A log pi_theta                                               configured
     geo_mean  -A_i exp(mean_t clip_log(log r_it)) broadcast over the row    seq-mean-token-mean
-    cispo     -sg(clip(r, 1-eps_l, 1+eps_h)) A log pi_theta                 token-mean
+    cispo     -sg(clip(r, 1-eps_l, 1+eps_h)) A log pi_theta                 configured
     sapo      -A (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos/tau_neg by sign of A
                                                                             seq-mean-token-mean
+
+Aggregation: verl aggregates gspo and sapo with ``seq-mean-token-mean`` and geo_mean with a
+plain mean over sequences whatever ``actor.loss_agg_mode`` says, since their objectives are
+per sequence (a token mean would weight each sequence by its length). ``policy_loss_agg_mode``
+returns the same choice (seq-mean-token-mean of a loss broadcast over the row is the mean over
+sequences); ``actor.loss_agg_mode`` still aggregates the entropy and KL-loss terms.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Annotated, Literal, NamedTuple
 
 import msgspec
 import torch
 
-from algorithms.aggregation import masked_mean
+from algorithms.aggregation import LossAggMode, masked_mean
 
 LOG_RATIO_CLAMP = 20.0
+GSPO_LOG_RATIO_MAX = 10.0  # verl's bound on GSPO's log s_i, for numerical stability
+
+LossMode = Literal["vanilla", "gspo", "clip_cov", "kl_cov", "gpg", "geo_mean", "cispo", "sapo"]
+# Modes whose objective is per sequence, and the aggregation verl forces for them.
+SEQUENCE_AGGREGATION: dict[str, LossAggMode] = {
+    "gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean",
+    "geo_mean": "seq-mean-token-mean"}
 
 
-@dataclass(frozen=True)
-class PolicyLossParams:
-    """Hyperparameters of the policy loss, named as verl's actor config.
+class PolicyLossConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """verl's ``actor.policy_loss``: which surrogate objective, and its own knobs.
 
-    loss_mode: a key of ``LOSS_MODES``.
-    clip_ratio_low, clip_ratio_high: eps_low / eps_high of the ratio clip (vanilla, gspo,
-        clip_cov, cispo; for geo_mean the bounds of log r). DAPO's clip-higher sets
-        eps_high > eps_low; GSPO's paper uses 3e-4 / 4e-4, GMPO's 0.4 / 0.4 (in log space).
-    clip_ratio_c: dual-clip bound c > 1 for A < 0 (vanilla only; Ye et al., 2020).
-    clip_cov_ratio: fraction of response tokens whose gradient clip_cov may detach.
-    clip_cov_lb, clip_cov_ub: clip_cov picks tokens with covariance in (lb, ub).
-    kl_cov_ratio: fraction of response tokens that kl_cov penalizes.
-    ppo_kl_coef: kl_cov's coefficient on |log r|.
-    tau_pos, tau_neg: SAPO's gate temperatures for A > 0 and A <= 0 (tau_neg > tau_pos
-        damps negative updates faster).
+    ``loss_mode``: a key of ``LOSS_MODES`` (see the module docstring). The other keys belong
+    to the modes that name them:
+
+    - ``clip_cov_ratio``: fraction of response tokens whose gradient clip_cov may detach;
+      ``clip_cov_lb``, ``clip_cov_ub``: clip_cov picks tokens with covariance in (lb, ub).
+    - ``kl_cov_ratio``: fraction of response tokens that kl_cov penalizes; ``ppo_kl_coef``:
+      its coefficient on |log r|.
+    - ``tau_pos``, ``tau_neg``: SAPO's gate temperatures for A > 0 and A <= 0 (tau_neg >
+      tau_pos damps negative updates faster).
+
+    The ratio clip (``actor.clip_ratio_low/high/c``) is verl's ``actor`` section's and is
+    passed to ``policy_loss`` beside this config. DAPO's clip-higher sets eps_high > eps_low;
+    GSPO's paper uses 3e-4 / 4e-4, GMPO's 0.4 / 0.4 (in log space).
     """
 
-    loss_mode: str = "vanilla"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    clip_cov_ratio: float = 0.0002
+    loss_mode: LossMode = "vanilla"
+    clip_cov_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.0002
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 0.1
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
+    kl_cov_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.0002
+    ppo_kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.1
+    tau_pos: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    tau_neg: Annotated[float, msgspec.Meta(gt=0)] = 1.05
 
-    def __post_init__(self) -> None:
-        _loss_mode_fn(self.loss_mode)
-        if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1 (dual-clip bound), got {self.clip_ratio_c}")
-        if min(self.clip_ratio_low, self.clip_ratio_high) < 0.0:
-            raise ValueError("clip_ratio_low and clip_ratio_high must be >= 0")
-        if min(self.tau_pos, self.tau_neg) <= 0.0:
-            raise ValueError("tau_pos and tau_neg must be > 0")
-        if min(self.clip_cov_ratio, self.kl_cov_ratio) <= 0.0:
-            raise ValueError("clip_cov_ratio and kl_cov_ratio must be > 0")
-        if self.clip_cov_lb >= self.clip_cov_ub:
-            raise ValueError("clip_cov_lb must be < clip_cov_ub")
+
+class _Clip(NamedTuple):
+    """verl's actor.clip_ratio_low / high / c, as given to ``policy_loss``."""
+
+    low: float
+    high: float
+    dual: float
 
 
 class PolicyLossTerms(msgspec.Struct, frozen=True):
@@ -94,7 +109,8 @@ def vanilla_policy_loss(
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    params: PolicyLossParams,
+    config: PolicyLossConfig,
+    clip: _Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -109,8 +125,8 @@ def vanilla_policy_loss(
     log_ratio = _log_ratio(logprobs, proximal_logprobs)
     ratio = log_ratio.exp()
     adv = _constant(advantages)
-    pg_loss, clipped = _clipped_surrogate(ratio, adv, params)
-    dual_bound = -adv * params.clip_ratio_c
+    pg_loss, clipped = _clipped_surrogate(ratio, adv, clip)
+    dual_bound = -adv * clip.dual
     dual_clipped = (adv < 0) & (dual_bound < pg_loss)
     loss = torch.where(dual_clipped, dual_bound, pg_loss)
     return _terms(loss, ratio, clipped | dual_clipped, log_ratio)
@@ -121,7 +137,8 @@ def gspo_policy_loss(
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    params: PolicyLossParams,
+    config: PolicyLossConfig,
+    clip: _Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -129,20 +146,22 @@ def gspo_policy_loss(
 
     Zheng et al., 2025, "Group Sequence Policy Optimization". With |y_i| the row's mask sum,
 
-        s_i   = exp((1 / |y_i|) sum_t m_it log r_it)
+        s_i   = exp(min((1 / |y_i|) sum_t m_it log r_it, 10))
         s_it  = sg(s_i) * pi_theta(y_it) / sg(pi_theta(y_it))     (value s_i, grad s_i dlogp_it)
         loss  = max(-A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high))
 
-    Shapes: (B, T) in and out; ``ratio`` is s_i broadcast over the row. Recommended
-    loss_agg_mode: seq-mean-token-mean, which gives GSPO's (1/B) sum_i of the sequence
-    objective and its gradient s_i A_i (1/|y_i|) sum_t grad log pi_theta(y_it).
+    The bound 10 on log s_i is verl's (no gradient past it). Shapes: (B, T) in and out;
+    ``ratio`` is s_i broadcast over the row. Aggregated with seq-mean-token-mean (as verl
+    forces), which gives GSPO's (1/B) sum_i of the sequence objective and its gradient
+    s_i A_i (1/|y_i|) sum_t grad log pi_theta(y_it).
     """
     log_ratio = _log_ratio(logprobs, proximal_logprobs)
     mask = response_mask.float()
     seq_log_ratio = (log_ratio.detach() * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
     current = logprobs.float()
-    ratio = torch.exp(seq_log_ratio.unsqueeze(-1) + current - current.detach())
-    loss, clipped = _clipped_surrogate(ratio, _constant(advantages), params)
+    log_seq_ratio = seq_log_ratio.unsqueeze(-1) + current - current.detach()
+    ratio = torch.exp(log_seq_ratio.clamp(max=GSPO_LOG_RATIO_MAX))
+    loss, clipped = _clipped_surrogate(ratio, _constant(advantages), clip)
     return _terms(loss, ratio, clipped, log_ratio)
 
 
@@ -151,7 +170,8 @@ def clip_cov_policy_loss(
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    params: PolicyLossParams,
+    config: PolicyLossConfig,
+    clip: _Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -174,10 +194,10 @@ def clip_cov_policy_loss(
     ratio = log_ratio.exp()
     adv = _constant(advantages)
     mask = response_mask.float()
-    pg_loss, ppo_clipped = _clipped_surrogate(ratio, adv, params)
+    pg_loss, ppo_clipped = _clipped_surrogate(ratio, adv, clip)
     cov = _centered_covariance(adv, logprobs, mask)
-    candidates = (mask > 0) & ~ppo_clipped & (cov > params.clip_cov_lb) & (cov < params.clip_cov_ub)
-    budget = max(int(params.clip_cov_ratio * float(mask.sum())), 1)
+    candidates = (mask > 0) & ~ppo_clipped & (cov > config.clip_cov_lb) & (cov < config.clip_cov_ub)
+    budget = max(int(config.clip_cov_ratio * float(mask.sum())), 1)
     picked = _random_subset(candidates, budget, generator)
     loss = pg_loss.masked_fill(picked, 0.0)
     return _terms(loss, ratio, ppo_clipped | picked, log_ratio)
@@ -188,7 +208,8 @@ def kl_cov_policy_loss(
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    params: PolicyLossParams,
+    config: PolicyLossConfig,
+    clip: _Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -213,10 +234,10 @@ def kl_cov_policy_loss(
     penalized = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
     num_valid = int(valid.sum())
     if num_valid > 0:
-        k = max(int(params.kl_cov_ratio * num_valid), 1)
+        k = max(int(config.kl_cov_ratio * num_valid), 1)
         penalized[cov.reshape(-1).topk(k).indices] = True
     penalized = penalized.view_as(valid)
-    loss = -adv * ratio + torch.where(penalized, params.ppo_kl_coef * log_ratio.abs(), 0.0)
+    loss = -adv * ratio + torch.where(penalized, config.ppo_kl_coef * log_ratio.abs(), 0.0)
     return _terms(loss, ratio, penalized, log_ratio)
 
 
@@ -225,7 +246,8 @@ def gpg_policy_loss(
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    params: PolicyLossParams,
+    config: PolicyLossConfig,
+    clip: _Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -249,7 +271,8 @@ def geo_mean_policy_loss(
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    params: PolicyLossParams,
+    config: PolicyLossConfig,
+    clip: _Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -263,15 +286,17 @@ def geo_mean_policy_loss(
         L_i   = -A_i exp((1 / |y_i|) sum_t m_it l_it)
         loss_it = L_i                                          (broadcast over the row)
 
-    Shapes: (B, T) in and out; ``ratio`` is the token ratio r that is clipped. Recommended
-    loss_agg_mode: seq-mean-token-mean, which gives GMPO's (1/B) sum_i L_i (token-mean would
-    weight each sequence by its length). The paper uses eps_low = eps_high = 0.4.
+    Shapes: (B, T) in and out; ``ratio`` is the token ratio r that is clipped. Aggregated
+    with seq-mean-token-mean, which gives GMPO's (1/B) sum_i L_i, verl's plain mean over
+    sequences (token-mean would weight each sequence by its length). The paper uses
+    eps_low = eps_high = 0.4. Importance weights enter as their geometric mean over the row
+    (``policy_loss``).
     """
     log_ratio = _log_ratio(logprobs, proximal_logprobs)
     adv = _constant(advantages)
     mask = response_mask.float()
     sign = adv.sign()
-    bounded = log_ratio.clamp(-params.clip_ratio_low, params.clip_ratio_high)
+    bounded = log_ratio.clamp(-clip.low, clip.high)
     token_log_ratio = sign * torch.minimum(sign * log_ratio, sign * bounded)
     clipped = sign * bounded < sign * log_ratio
     lengths = mask.sum(-1).clamp(min=1.0)
@@ -286,7 +311,8 @@ def cispo_policy_loss(
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    params: PolicyLossParams,
+    config: PolicyLossConfig,
+    clip: _Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -303,7 +329,7 @@ def cispo_policy_loss(
     """
     log_ratio = _log_ratio(logprobs, proximal_logprobs)
     ratio = log_ratio.exp()
-    weight = ratio.detach().clamp(1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
+    weight = ratio.detach().clamp(1.0 - clip.low, 1.0 + clip.high)
     loss = -weight * _constant(advantages) * logprobs.float()
     return _terms(loss, ratio, weight != ratio.detach(), log_ratio)
 
@@ -313,7 +339,8 @@ def sapo_policy_loss(
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    params: PolicyLossParams,
+    config: PolicyLossConfig,
+    clip: _Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -326,12 +353,12 @@ def sapo_policy_loss(
 
     The gate's gradient 4 sigmoid (1 - sigmoid) r dlogp equals the plain policy gradient at
     r = 1 and fades smoothly as r leaves 1. Shapes: (B, T) in and out; ``clipped`` is all
-    False. Recommended loss_agg_mode: seq-mean-token-mean (as verl enforces).
+    False. Aggregated with seq-mean-token-mean (as verl forces).
     """
     log_ratio = _log_ratio(logprobs, proximal_logprobs)
     ratio = log_ratio.exp()
     adv = _constant(advantages)
-    tau = torch.where(adv > 0, params.tau_pos, params.tau_neg)
+    tau = torch.where(adv > 0, config.tau_pos, config.tau_neg)
     loss = -adv * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     return _terms(loss, ratio, torch.zeros_like(loss, dtype=torch.bool), log_ratio)
 
@@ -353,25 +380,56 @@ def policy_loss(
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    params: PolicyLossParams,
+    config: PolicyLossConfig,
     *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+    importance_weights: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
-    """The per-token loss of ``params.loss_mode`` (see the module docstring).
+    """The per-token loss of ``config.loss_mode`` (see the module docstring).
 
-    Every input is (B, T); ``advantages`` already broadcast over tokens; ``response_mask``
-    float. ``generator`` drives clip_cov's random choice (the global RNG if None); other
-    modes are deterministic and ignore it.
+    Every tensor is (B, T); ``advantages`` already broadcast over tokens; ``response_mask``
+    float, the tokens that are trained on (the off-policy correction's mask, rejected tokens
+    0). ``clip_ratio_low`` / ``clip_ratio_high`` / ``clip_ratio_c``: verl's
+    ``actor.clip_ratio_*`` (eps_low, eps_high, the dual-clip bound c > 1).
+    ``importance_weights``: the detached off-policy weights w, multiplied into each token's
+    loss; geo_mean's sequence loss takes their geometric mean over the row,
+    exp(sum_t m_t log w_t / sum_t m_t), as verl. ``generator`` drives clip_cov's random choice
+    (the global RNG if None); other modes are deterministic and ignore it.
     """
-    mode_fn = _loss_mode_fn(params.loss_mode)
-    return mode_fn(logprobs, proximal_logprobs, advantages, response_mask, params,
-                   generator=generator)
+    mode_fn = _loss_mode_fn(config.loss_mode)
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (dual-clip bound), got {clip_ratio_c}")
+    clip = _Clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    terms = mode_fn(logprobs, proximal_logprobs, advantages, response_mask, config, clip,
+                    generator=generator)
+    if importance_weights is None:
+        return terms
+    weights = importance_weights.detach().float()
+    if config.loss_mode == "geo_mean":
+        weights = _geometric_row_mean(weights, response_mask.float()).expand_as(weights)
+    return msgspec.structs.replace(terms, loss=terms.loss * weights)
+
+
+def policy_loss_agg_mode(loss_mode: str, configured: LossAggMode) -> LossAggMode:
+    """How the policy loss of ``loss_mode`` is aggregated: seq-mean-token-mean for the
+    per-sequence objectives (gspo, sapo, geo_mean), as verl forces; ``configured``
+    (``actor.loss_agg_mode``) for the rest."""
+    return SEQUENCE_AGGREGATION.get(loss_mode, configured)
 
 
 def _loss_mode_fn(loss_mode: str) -> Callable[..., PolicyLossTerms]:
     if loss_mode not in LOSS_MODES:
         raise ValueError(f"unknown loss_mode {loss_mode!r}; known: {', '.join(LOSS_MODES)}")
     return LOSS_MODES[loss_mode]
+
+
+def _geometric_row_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """exp(sum_t m_t log v_t / sum_t m_t) per row, (B, 1); 1 for an empty row."""
+    logs = values.clamp(min=1e-10).log() * mask
+    return torch.exp(logs.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
 
 
 def _constant(tensor: torch.Tensor) -> torch.Tensor:
@@ -385,11 +443,11 @@ def _log_ratio(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor) -> torch
 
 
 def _clipped_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, params: PolicyLossParams
+    ratio: torch.Tensor, advantages: torch.Tensor, clip: _Clip
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) and where the clipped term won."""
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
+    clipped = -advantages * ratio.clamp(1.0 - clip.low, 1.0 + clip.high)
     return torch.maximum(unclipped, clipped), (clipped > unclipped).detach()
 
 

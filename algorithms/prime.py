@@ -5,7 +5,12 @@ implicit process reward model pi_phi is a causal LM (initialised from the policy
 against the frozen reference pi_ref; per response token t of sample i
 
     q_it = log pi_phi(y_it | y_i,<t) - log pi_ref(y_it | y_i,<t)
-    process reward   p_it = beta * q_it                                  (B, T)
+    process reward   p_it = beta * q_it   on every response token but the last, 0 there (B, T)
+
+The last token's process reward is 0 as in verl's PRIME recipe (``prime_dp_rm``, token
+granularity fills the scores up to, not including, the last response position): the last
+token is where the outcome reward sits, and the PRM's summed q is already trained to predict
+that outcome.
 
 It learns from outcome labels l_i in [0, 1] (the verifier's score) alone, with the
 cross-entropy of the sequence-level implicit reward:
@@ -34,8 +39,10 @@ from algorithms.advantages import group_index, group_sum, masked_whiten
 
 def implicit_process_rewards(prm_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                              response_mask: torch.Tensor, beta: float) -> torch.Tensor:
-    """p_it = beta * (log pi_phi - log pi_ref) on the response, 0 elsewhere; (B, T)."""
-    return beta * (prm_logprobs - ref_logprobs).float() * response_mask
+    """p_it = beta * (log pi_phi - log pi_ref) on the response but its last token, 0
+    elsewhere; (B, T) fp32."""
+    mask = response_mask.float() * (1.0 - last_token_mask(response_mask).float())
+    return beta * (prm_logprobs - ref_logprobs).float() * mask
 
 
 def implicit_prm_loss(prm_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
@@ -78,10 +85,12 @@ def last_token_mask(response_mask: torch.Tensor) -> torch.Tensor:
 
 def prime_advantages(process_rewards: torch.Tensor, outcome_rewards: torch.Tensor,
                      response_mask: torch.Tensor, group_ids: torch.Tensor,
-                     reward_dpo_coef: float,
-                     reward_gt_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages whitened over the batch's response tokens, returns), both (B, T) float32
-    and 0 off the response; see the module docstring."""
+                     reward_dpo_coef: float, reward_gt_coef: float,
+                     kept_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages whitened over the batch's trained tokens, returns), both (B, T) float32
+    and 0 off the response; see the module docstring. ``kept_mask``: the tokens the
+    off-policy correction kept (None: all); as in ``algorithms.advantages``, only the
+    whitening statistics see it, and rejected tokens get advantage 0."""
     mask = response_mask.to(torch.float64)
     total = torch.zeros_like(mask)
     if reward_dpo_coef:
@@ -91,4 +100,5 @@ def prime_advantages(process_rewards: torch.Tensor, outcome_rewards: torch.Tenso
         outcome = outcome_rewards.to(torch.float64).unsqueeze(-1) * last
         total += reward_gt_coef * leave_one_out(outcome, last, group_ids)
     returns = (total * mask).flip(-1).cumsum(-1).flip(-1) * mask
-    return masked_whiten(returns, mask).float(), returns.float()
+    trained = mask if kept_mask is None else mask * kept_mask.to(torch.float64)
+    return masked_whiten(returns, trained).float(), returns.float()

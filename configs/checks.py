@@ -119,11 +119,7 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
                           f"{estimator} compares the samples of a prompt with each other and "
                           f"needs at least 2 per prompt, got {run.rollout.n}")
     check_algorithm_combinations(run, source)
-    correction = run.algorithm.rollout_correction
-    if correction.rollout_rs_threshold_lower > correction.rollout_rs_threshold:
-        raise ConfigError(source, "algorithm.rollout_correction.rollout_rs_threshold_lower",
-                          f"{correction.rollout_rs_threshold_lower} is above "
-                          f"rollout_rs_threshold ({correction.rollout_rs_threshold})")
+    check_algorithm_sections(run, source)
     optim = run.actor.optim
     if optim.betas[0] >= 1 or optim.betas[1] >= 1 or min(optim.betas) < 0:
         raise ConfigError(source, "actor.optim.betas", f"each beta must be in [0, 1), "
@@ -140,6 +136,26 @@ def check_same_vocabulary(source: str, key: str, path: str, policy_path: str) ->
                           f"vocab_size {sizes[0]} differs from the policy's ({sizes[1]}, "
                           f"model.path); it reads the policy's token ids, so it needs the "
                           "policy's tokenizer")
+
+
+def check_algorithm_sections(run: RunConfig, source: str) -> None:
+    """Cross-key checks inside the sections defined in ``algorithms``."""
+    correction = run.algorithm.rollout_correction
+    lower, upper = correction.rs_bounds
+    if lower > upper and correction.rollout_rs_threshold_lower:
+        raise ConfigError(source, "algorithm.rollout_correction.rollout_rs_threshold_lower",
+                          f"{lower} is above algorithm.rollout_correction.rollout_rs_threshold "
+                          f"({upper}): no ratio would be accepted")
+    if lower > upper:
+        raise ConfigError(source, "algorithm.rollout_correction.rollout_rs_threshold",
+                          f"{upper} is below 1, so its default lower bound 1 / {upper} is above "
+                          "it and no ratio would be accepted; set rollout_rs_threshold_lower")
+    policy_loss = run.actor.policy_loss
+    if policy_loss.clip_cov_lb >= policy_loss.clip_cov_ub:
+        raise ConfigError(source, "actor.policy_loss.clip_cov_lb",
+                          f"{policy_loss.clip_cov_lb} must be below actor.policy_loss."
+                          f"clip_cov_ub ({policy_loss.clip_cov_ub}): clip_cov picks tokens "
+                          "whose covariance lies between them")
 
 
 def check_algorithm_combinations(run: RunConfig, source: str) -> None:

@@ -4,6 +4,13 @@ Section and key names follow verl's (``data.train_batch_size``, ``actor.clip_rat
 ``algorithm.adv_estimator``...) so that its users feel at home; Relay-only keys are marked.
 Every struct forbids unknown keys; ``configs.loader`` turns decoding failures into errors that
 name the file and the key. Paths are resolved against the config file's folder by the loader.
+
+A section that configures one piece of ``algorithms`` is defined beside that code and
+composed here, so each knob is defined once: ``actor.policy_loss``
+(``algorithms.policy_loss.PolicyLossConfig``), ``algorithm.kl_ctrl``
+(``algorithms.kl.KLControlConfig``), ``algorithm.rollout_correction``
+(``algorithms.off_policy.RolloutCorrectionConfig``) and ``custom_reward_function``
+(``algorithms.rewards.config.RewardConfig``).
 """
 
 from __future__ import annotations
@@ -11,6 +18,12 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import msgspec
+
+from algorithms.aggregation import LossAggMode
+from algorithms.kl import KLControlConfig, KLType
+from algorithms.off_policy import RolloutCorrectionConfig
+from algorithms.policy_loss import PolicyLossConfig
+from algorithms.rewards.config import RewardConfig
 
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -91,49 +104,29 @@ class OptimConfig(_Section):
     min_lr_ratio: Fraction = 0.0
 
 
-KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
-                     "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
-
-
-class PolicyLossConfig(_Section):
-    """verl's ``actor.policy_loss``: the surrogate objective (``algorithms.policy_loss``).
-
-    ``loss_mode`` picks it; the other keys belong to the modes that name them
-    (``clip_cov_*`` to clip_cov, ``kl_cov_ratio`` and ``ppo_kl_coef`` to kl_cov, ``tau_*``
-    to sapo). Every mode clips or gates the ratio current / proximal.
-    """
-
-    loss_mode: Literal[
-        "vanilla", "gspo", "clip_cov", "kl_cov", "gpg", "geo_mean", "cispo", "sapo"
-    ] = "vanilla"
-    clip_cov_ratio: Fraction = 0.0002
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: Fraction = 0.0002
-    ppo_kl_coef: NonNegativeFloat = 0.1
-    tau_pos: PositiveFloat = 1.0
-    tau_neg: PositiveFloat = 1.05
-
-
 class ActorConfig(_Section):
     """The policy update (verl's ``actor_rollout_ref.actor``).
 
-    ``ppo_mini_batch_size`` counts prompts per optimizer step; ``ppo_micro_batch_size_per_gpu``
-    counts sequences per forward/backward. ``proximal_logprobs`` (Relay) says how the
-    proximal policy's log-probs are obtained when a step makes several updates:
-    ``recompute`` runs a forward pass with the weights before the step; ``a3po``
-    interpolates between behavior and current log-probs by version (A-3PO) and skips it.
+    ``clip_ratio_low`` / ``clip_ratio_high`` / ``clip_ratio_c`` clip the ratio of every
+    ``policy_loss.loss_mode`` that clips (``algorithms.policy_loss``). ``loss_agg_mode``
+    aggregates the policy loss, except for the per-sequence objectives gspo, sapo and
+    geo_mean, which are always aggregated per sequence as verl does (the learner logs it),
+    and the entropy and KL-loss terms. ``ppo_mini_batch_size`` counts prompts per optimizer
+    step; ``ppo_micro_batch_size_per_gpu`` counts sequences per forward/backward.
+    ``proximal_logprobs`` (Relay) says how the proximal policy's log-probs are obtained when
+    a step makes several updates: ``recompute`` runs a forward pass with the weights before
+    the step; ``a3po`` interpolates between behavior and current log-probs by version
+    (A-3PO) and skips it, unless the batch needs them before the first update anyway (KL in
+    the reward, rejection by ``algorithm.rollout_correction``), when they are recomputed.
     """
 
     clip_ratio_low: NonNegativeFloat = 0.2
     clip_ratio_high: NonNegativeFloat = 0.2
     clip_ratio_c: Annotated[float, msgspec.Meta(gt=1)] = 3.0
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     policy_loss: PolicyLossConfig = msgspec.field(default_factory=PolicyLossConfig)
     use_kl_loss: bool = False
-    kl_loss_type: KLEstimator = "low_var_kl"
+    kl_loss_type: KLType = "low_var_kl"
     kl_loss_coef: NonNegativeFloat = 0.001
     entropy_coeff: float = 0.0
     grad_clip: PositiveFloat = 1.0
@@ -142,38 +135,6 @@ class ActorConfig(_Section):
     ppo_micro_batch_size_per_gpu: Positive = 64
     proximal_logprobs: Literal["recompute", "a3po"] = "recompute"  # Relay
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
-
-
-class KLControlConfig(_Section):
-    """verl's ``algorithm.kl_ctrl``: the coefficient of KL in the reward.
-
-    ``fixed`` keeps ``kl_coef``; ``adaptive`` (Ziegler et al., 2019) moves it toward
-    ``target_kl`` over ``horizon`` samples.
-    """
-
-    type: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: NonNegativeFloat = 0.001
-    horizon: Positive = 10000
-    target_kl: PositiveFloat = 0.1
-
-
-class RolloutCorrectionConfig(_Section):
-    """verl's ``algorithm.rollout_correction``: behavior -> proximal off-policy correction.
-
-    ``rollout_is`` weights each token (``token``) or sequence (``sequence``) by the truncated
-    ratio proximal / behavior (cap ``rollout_is_threshold``); ``rollout_rs`` masks tokens,
-    sequences, or sequences by geometric-mean ratio outside
-    [``rollout_rs_threshold_lower``, ``rollout_rs_threshold``] (MIS / IcePop); ``m2po``
-    (Relay) masks the largest log-ratios until their second moment is at most ``m2po_tau``.
-    """
-
-    rollout_is: Literal["none", "token", "sequence"] = "token"
-    rollout_is_threshold: PositiveFloat = 2.0
-    rollout_rs: Literal["none", "token", "sequence", "geometric"] = "none"
-    rollout_rs_threshold: PositiveFloat = 2.0
-    rollout_rs_threshold_lower: PositiveFloat = 0.5
-    m2po: bool = False
-    m2po_tau: PositiveFloat = 0.04
 
 
 class AlgorithmConfig(_Section):
@@ -194,7 +155,7 @@ class AlgorithmConfig(_Section):
     gamma: Fraction = 1.0
     lam: Fraction = 1.0
     use_kl_in_reward: bool = False
-    kl_penalty: KLEstimator = "kl"
+    kl_penalty: KLType = "kl"
     kl_ctrl: KLControlConfig = msgspec.field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = msgspec.field(
         default_factory=RolloutCorrectionConfig)
@@ -219,9 +180,7 @@ class CriticConfig(_Section):
     model: CriticModelConfig = msgspec.field(default_factory=CriticModelConfig)
     optim: OptimConfig = msgspec.field(default_factory=lambda: OptimConfig(lr=1e-5))
     cliprange_value: PositiveFloat = 0.5
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     grad_clip: PositiveFloat = 1.0
     ppo_epochs: Positive = 1
 
@@ -357,17 +316,6 @@ class CheckpointConfig(_Section):
     keep_last: Positive = 2
 
 
-class CustomRewardFunction(_Section):
-    """verl's ``custom_reward_function``: ``name`` in the Python file or module ``path``.
-
-    Empty ``path``: the reward is chosen by each row's ``data_source``.
-    """
-
-    path: str = ""
-    name: str = "compute_score"
-    timeout_s: PositiveFloat = 5.0  # Relay: per-sample limit; past it the reward is 0
-
-
 class RunConfig(_Section):
     """The whole of a run config."""
 
@@ -382,6 +330,11 @@ class RunConfig(_Section):
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
-    custom_reward_function: CustomRewardFunction = msgspec.field(
-        default_factory=CustomRewardFunction
-    )
+    custom_reward_function: RewardConfig = msgspec.field(default_factory=RewardConfig)
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates held-out data: validation files, and a cadence
+        (``trainer.test_freq`` or ``trainer.val_before_train``)."""
+        return bool(self.data.val_files) and (self.trainer.test_freq > 0
+                                              or self.trainer.val_before_train)

@@ -13,21 +13,18 @@ the clipped value loss (``algorithms.value_loss``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import AutoModel
 
-from algorithms.aggregation import aggregate_loss
+from algorithms.aggregation import aggregate_loss, count_sequences
 from algorithms.value_loss import clipped_value_loss
 from configs.run_schema import CriticConfig
 from learner.batch import TrainBatch
+from learner.micro_batches import MicroBatches
 from learner.model import block_classes, shard
 from learner.optim import build_optimizer, build_scheduler, clipped_step
-
-LocalRows = Callable[[torch.Tensor], tuple[list[torch.Tensor], int]]
 
 
 class ValueModel(nn.Module):
@@ -73,22 +70,20 @@ class Critic:
 
     @torch.no_grad()
     def values(self, batch: TrainBatch, minis: list[torch.Tensor],
-               local_rows: LocalRows) -> torch.Tensor:
+               micro: MicroBatches) -> torch.Tensor:
         """Values (B, L-1) of every row of the batch, identical on every rank."""
         self.model.eval()
         out = torch.zeros_like(batch.behavior_logprobs)
         for mini in minis:
-            chunks, _ = local_rows(mini)
-            for chunk in chunks:
-                rows = chunk if len(chunk) else mini[:1]
-                values = self._grid_values(batch.select(rows))
-                if len(chunk):
-                    out[rows, :values.shape[1]] = values
+            for each in micro.passes(batch, mini):
+                values = self._grid_values(each.part)
+                if each.owned():
+                    out[each.rows, :values.shape[1]] = values
         if dist.is_initialized():  # each row was filled by exactly one rank
             dist.all_reduce(out, group=self.group)
         return out * batch.response_mask
 
-    def train(self, batch: TrainBatch, minis: list[torch.Tensor], local_rows: LocalRows,
+    def train(self, batch: TrainBatch, minis: list[torch.Tensor], micro: MicroBatches,
               old_values: torch.Tensor, returns: torch.Tensor,
               horizon: int) -> dict[str, float]:
         """Clipped value-loss updates over the actor's mini-batches; rank-reduced metrics."""
@@ -99,18 +94,15 @@ class Critic:
             for mini in minis:
                 self.optimizer.zero_grad(set_to_none=True)
                 mini_mask = batch.response_mask[mini]
-                totals = dict(num_tokens=float(mini_mask.sum()), num_seqs=float(len(mini)),
-                              horizon=horizon)
-                chunks, _ = local_rows(mini)
-                for chunk in chunks:
-                    weight = 1.0 if len(chunk) else 0.0  # empty chunks join the collectives
-                    rows = chunk if len(chunk) else mini[:1]
-                    part = batch.select(rows)
+                totals = dict(num_tokens=float(mini_mask.sum()),
+                              num_seqs=count_sequences(mini_mask), horizon=horizon)
+                for each in micro.passes(batch, mini):
+                    rows, part = each.rows, each.part
                     width = part.response_mask.shape[1]
                     predicted = self._grid_values(part)
                     terms = clipped_value_loss(predicted, old_values[rows, :width],
                                                returns[rows, :width], self.config.cliprange_value)
-                    mask = part.response_mask * weight
+                    mask = part.response_mask * each.weight
                     loss = aggregate_loss(terms.loss * part.sample_weights[:, None], mask,
                                           self.config.loss_agg_mode, **totals)
                     (loss * self.world).backward()

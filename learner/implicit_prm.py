@@ -13,8 +13,6 @@ PRM after it trained on the batch; with ``"after"``, from the PRM before.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,10 +20,9 @@ from torch import nn
 from algorithms.prime import implicit_prm_loss
 from configs.run_schema import RewardModelConfig
 from learner.batch import TrainBatch
+from learner.micro_batches import MicroBatches
 from learner.model import forward_logprobs
 from learner.optim import build_optimizer, build_scheduler, clipped_step
-
-LocalRows = Callable[[torch.Tensor], tuple[list[torch.Tensor], int]]
 
 
 class ImplicitPRM:
@@ -45,7 +42,7 @@ class ImplicitPRM:
     def beta(self) -> float:
         return self.config.model.beta_train
 
-    def train(self, batch: TrainBatch, minis: list[torch.Tensor], local_rows: LocalRows,
+    def train(self, batch: TrainBatch, minis: list[torch.Tensor], micro: MicroBatches,
               reference_logprobs: torch.Tensor) -> dict[str, float]:
         """One pass of CE updates on the batch's rewards as labels; rank-reduced metrics.
 
@@ -56,11 +53,8 @@ class ImplicitPRM:
         grad_norms: list[float] = []
         for mini in minis:
             self.optimizer.zero_grad(set_to_none=True)
-            chunks, _ = local_rows(mini)
-            for chunk in chunks:
-                weight = 1.0 if len(chunk) else 0.0  # empty chunks still join the collectives
-                rows = chunk if len(chunk) else mini[:1]
-                part = batch.select(rows)
+            for each in micro.passes(batch, mini):
+                rows, part, weight = each.rows, each.part, each.weight
                 width = part.response_mask.shape[1]
                 logprobs, _ = forward_logprobs(self.model, part, self.temperature, False)
                 reference = reference_logprobs[rows, :width]

@@ -1,10 +1,12 @@
 """AdamW and the learning-rate schedule, with verl's knobs.
 
-Warm-up is linear over ``lr_warmup_steps`` (or ``lr_warmup_steps_ratio`` of the run when
-that is -1); after it the rate is constant, or follows a cosine from ``lr`` down to
-``min_lr_ratio * lr`` at the last step:
+The schedules are transformers' (``get_constant_schedule_with_warmup``,
+``get_cosine_with_min_lr_schedule_with_warmup``), as verl's are. Warm-up is linear over
+``lr_warmup_steps`` (or ``lr_warmup_steps_ratio`` of the run when that is -1); after it the
+rate is constant, or follows a cosine from ``lr`` down to ``min_lr_ratio * lr`` at the last
+step. At scheduler step s (0-based), with W warm-up steps of T:
 
-    warm-up   lr * (s + 1) / W                                   s < W
+    warm-up   lr * s / W                                         s < W
     constant  lr
     cosine    lr * (m + (1 - m) * (1 + cos(pi * (s - W) / (T - W))) / 2)
 """
@@ -15,6 +17,10 @@ import math
 
 import torch
 from torch import nn
+from transformers import (
+    get_constant_schedule_with_warmup,
+    get_cosine_with_min_lr_schedule_with_warmup,
+)
 
 from configs.run_schema import OptimConfig
 
@@ -25,17 +31,11 @@ def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
                              weight_decay=optim.weight_decay)
 
 
-def lr_factor(step: int, *, total_steps: int, optim: OptimConfig) -> float:
-    """The multiplier of ``optim.lr`` at scheduler step ``step`` (0-based)."""
-    warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 \
-        else int(optim.lr_warmup_steps_ratio * total_steps)
-    if step < warmup:
-        return (step + 1) / warmup
-    if optim.warmup_style == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-    floor = optim.min_lr_ratio
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """``lr_warmup_steps``, or ``lr_warmup_steps_ratio`` of the run when that is -1."""
+    if optim.lr_warmup_steps >= 0:
+        return optim.lr_warmup_steps
+    return int(optim.lr_warmup_steps_ratio * total_steps)
 
 
 def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
@@ -56,5 +56,9 @@ def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: f
 
 def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int,
                     optim: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps=total_steps, optim=optim))
+    warmup = warmup_steps(optim, total_steps)
+    if optim.warmup_style == "constant":
+        return get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+        min_lr_rate=optim.min_lr_ratio)

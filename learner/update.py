@@ -4,28 +4,37 @@ The batch is the whole global batch on every rank (rank 0 broadcast it); each ra
 on rows ``rank::world`` of every mini-batch. Losses are sums divided by counts over the
 whole mini-batch (``algorithms.aggregation``), multiplied by the world size because FSDP
 averages gradients across ranks: so the update does not depend on the number of ranks or
-micro-batches. Every rank runs the same number of forward/backward passes (FSDP's
-collectives need it); a rank with fewer rows pads with a zero-weighted pass.
+micro-batches. The batch is cut by ``learner.micro_batches`` (as for the critic and the
+PRM): every rank runs the same number of forward/backward passes (FSDP's collectives need
+it), and a rank with fewer rows pads with a zero-weighted stand-in pass.
 
 Per token, the loss is the configured surrogate (``algorithms.policy_loss``, ratio current /
-proximal) times the off-policy correction (``algorithms.off_policy``: truncated importance
-weight proximal / behavior, rejection masks). Tokens a correction rejects contribute zero
-loss but still count in the aggregation's denominators, so rejecting never up-weights the
-tokens that remain (and the update stays independent of ranks and micro-batches).
+proximal) under the off-policy correction (``algorithms.off_policy``: truncated importance
+weight proximal / behavior, rejection masks); the loss mode receives the rejection mask as
+its response mask and the weights, so a rejected token also leaves GSPO's sequence ratio and
+GMPO's geometric mean. Tokens a correction rejects contribute zero policy, entropy and
+KL-loss terms but still count in the aggregation's denominators, so rejecting never
+up-weights the tokens that remain (and the update stays independent of ranks and
+micro-batches). The policy loss of gspo, sapo and geo_mean is aggregated per sequence, as
+verl does (``algorithms.policy_loss.policy_loss_agg_mode``); ``actor.loss_agg_mode``
+aggregates everything else.
 
 Proximal log-probs are the policy's before this step's first optimizer step. With one
 update per step (one epoch, one mini-batch) they equal the detached log-probs of the same
 forward pass, which saves a forward pass. Otherwise they are recomputed up front
 (``actor.proximal_logprobs = "recompute"``) or, for every update after the first,
 interpolated between behavior and current log-probs by version (``"a3po"``), where the
-j-th of the step's u updates counts as version ``v + j / u``. KL in the reward and M2PO
-(a batch-level mask) need them up front in every case. Every up-front pass (proximal,
+j-th of the step's u updates counts as version ``v + j / u``. KL in the reward and rejection
+(``rollout_rs`` or M2PO) need them up front in every case, a3po or not: the rejection mask
+enters the advantages, as verl applies it to the response mask before ``compute_advantage``.
+Every up-front pass (proximal,
 reference, PRIME's PRM) gives each rank the whole batch: each rank computes the rows it
 trains on and the ranks sum them, so batch-level quantities (KL in the reward, M2PO's second
 moment, PRIME's process rewards) are the same at any number of ranks.
 
 Advantages are computed once per step on the whole batch (``algorithms.advantages``), after
-KL in the reward, when on, has added ``-beta * KL(proximal || reference)`` per token. ReMax
+KL in the reward, when on, has added ``-beta * KL(proximal || reference)`` per token, and
+over the tokens the rejection kept (whitening, OPO's lengths; ``kept_mask``). ReMax
 takes each group's greedy baseline reward from the batch; PRIME trains its implicit PRM
 (``learner.implicit_prm``) and adds its token rewards (``algorithms.prime``). With
 ``gae`` the critic predicts the values first, trains on this step's returns, and for the
@@ -37,8 +46,8 @@ importance weight (``TrainBatch.sample_weights``).
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterator
 
 import msgspec
 import torch
@@ -47,28 +56,25 @@ from torch import nn
 
 from algorithms.advantages import (
     AdvantageInputs,
-    AdvantageParams,
     compute_advantages,
     gae_advantages,
     group_sum,
     token_level_rewards,
 )
-from algorithms.aggregation import aggregate_loss
+from algorithms.aggregation import aggregate_loss, count_sequences
 from algorithms.kl import kl_penalty, kl_reward_penalty, make_kl_controller
-from algorithms.off_policy import (
-    Correction,
-    CorrectionParams,
-    a3po_proximal_logprobs,
-    off_policy_correction,
-)
-from algorithms.policy_loss import PolicyLossParams, PolicyLossTerms, policy_loss
+from algorithms.off_policy import Correction, a3po_proximal_logprobs, off_policy_correction
+from algorithms.policy_loss import PolicyLossTerms, policy_loss, policy_loss_agg_mode
 from algorithms.prime import implicit_process_rewards, prime_advantages
 from configs.run_schema import ActorConfig, AlgorithmConfig
 from learner.batch import TrainBatch
 from learner.critic import Critic
 from learner.implicit_prm import ImplicitPRM
+from learner.micro_batches import MicroBatches
 from learner.model import forward_logprobs
 from learner.optim import clipped_step
+
+logger = logging.getLogger("relay.learner")
 
 
 class StepResult(msgspec.Struct, frozen=True):
@@ -90,22 +96,6 @@ def group_td_errors(returns: torch.Tensor, values: torch.Tensor, response_mask: 
     tokens = response_mask.sum(-1).double()
     return (group_sum(errors, group_ids, groups)
             / group_sum(tokens, group_ids, groups).clamp(min=1.0)).tolist()
-
-
-class UpdateSettings(msgspec.Struct, kw_only=True, frozen=True):
-    """What the update reads from the run config."""
-
-    actor: ActorConfig
-    algorithm: AlgorithmConfig
-    temperature: float  # the rollout temperature: log-probs of softmax(logits / T)
-    horizon: int  # rollout.response_length, the constant of seq-mean-token-sum-norm
-    num_prompts: int  # groups in the batch (data.train_batch_size)
-    critic_warmup: int = 0  # trainer.critic_warmup: the first steps update only the critic
-
-
-def _chunks(rows: torch.Tensor, count: int) -> list[torch.Tensor]:
-    """``count`` nearly equal, possibly empty, pieces of ``rows``."""
-    return [rows[i::count] for i in range(count)] if count else []
 
 
 class _Sums:
@@ -136,19 +126,30 @@ def _all_reduce(values: dict[str, float], op: dist.ReduceOp,
 
 
 class Learner:
-    """The policy being trained, its optimizer and schedule, and the optional reference."""
+    """The policy being trained, its optimizer and schedule, and the optional reference.
+
+    It reads its own sections, ``actor`` and ``algorithm``, and four numbers from elsewhere in
+    the run config: ``temperature`` (``rollout.temperature``: log-probs of
+    softmax(logits / T)), ``horizon`` (``rollout.response_length``, the constant of
+    seq-mean-token-sum-norm), ``num_prompts`` (``data.train_batch_size``, groups per batch)
+    and ``critic_warmup`` (``trainer.critic_warmup``: the first steps update only the critic).
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, settings: UpdateSettings,
-                 reference: nn.Module | None = None, critic: Critic | None = None,
-                 prm: ImplicitPRM | None = None, group: dist.ProcessGroup | None = None) -> None:
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, *, actor: ActorConfig,
+                 algorithm: AlgorithmConfig, temperature: float, horizon: int, num_prompts: int,
+                 critic_warmup: int = 0, reference: nn.Module | None = None,
+                 critic: Critic | None = None, prm: ImplicitPRM | None = None,
+                 group: dist.ProcessGroup | None = None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.settings, self.reference, self.critic, self.prm, self.group = (
-            settings, reference, critic, prm, group)
+        self.actor, self.algorithm = actor, algorithm
+        self.temperature, self.horizon = temperature, horizon
+        self.num_prompts, self.critic_warmup = num_prompts, critic_warmup
+        self.reference, self.critic, self.prm, self.group = reference, critic, prm, group
         self.steps_done = 0  # learner steps taken, counting the critic's warm-up
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        actor, algorithm = settings.actor, settings.algorithm
+        self.micro = MicroBatches(groups_per_mini_batch=actor.ppo_mini_batch_size or num_prompts,
+                                  micro_batch_size=actor.ppo_micro_batch_size_per_gpu, group=group)
         if algorithm.adv_estimator == "gae" and critic is None:
             raise ValueError("algorithm.adv_estimator = 'gae' needs the critic")
         if algorithm.adv_estimator == "prime" and prm is None:
@@ -156,33 +157,32 @@ class Learner:
         if (actor.use_kl_loss or algorithm.use_kl_in_reward) and reference is None:
             raise ValueError("KL (actor.use_kl_loss or algorithm.use_kl_in_reward) needs the "
                              "frozen reference model")
-        self.loss_params = PolicyLossParams(
-            clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-            clip_ratio_c=actor.clip_ratio_c, **msgspec.structs.asdict(actor.policy_loss))
-        self.correction = CorrectionParams(
-            **msgspec.structs.asdict(algorithm.rollout_correction))
-        ctrl = algorithm.kl_ctrl
-        self.kl_ctrl = make_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl,
-                                          ctrl.horizon) if algorithm.use_kl_in_reward else None
-
-    def mini_batches(self, batch: TrainBatch) -> Iterator[torch.Tensor]:
-        """Row indices of each mini-batch (whole groups, in order)."""
-        per_mini = self.settings.actor.ppo_mini_batch_size or self.settings.num_prompts
-        groups = torch.unique(batch.group_ids)
-        for start in range(0, len(groups), per_mini):
-            chosen = groups[start:start + per_mini]
-            yield torch.isin(batch.group_ids, chosen).nonzero().squeeze(-1)
+        self.correction = algorithm.rollout_correction
+        self.kl_ctrl = make_kl_controller(algorithm.kl_ctrl) if algorithm.use_kl_in_reward \
+            else None
+        mode = actor.policy_loss.loss_mode
+        self.pg_agg_mode = policy_loss_agg_mode(mode, actor.loss_agg_mode)
+        if self.pg_agg_mode != actor.loss_agg_mode and self.micro.rank == 0:
+            logger.info("actor.policy_loss.loss_mode = %r: its policy loss is aggregated with "
+                        "%s, as verl does; actor.loss_agg_mode = %r aggregates the entropy and "
+                        "KL-loss terms", mode, self.pg_agg_mode, actor.loss_agg_mode)
 
     def step(self, batch: TrainBatch, version: int = 0) -> StepResult:
         """One learner step on the global ``batch`` by the policy at ``version``."""
-        actor, algorithm = self.settings.actor, self.settings.algorithm
-        minis = list(self.mini_batches(batch))
+        actor, algorithm = self.actor, self.algorithm
+        minis = self.micro.mini_batches(batch)
         updates = actor.ppo_epochs * len(minis)
         self.model.train()
         upfront = (updates > 1 and actor.proximal_logprobs == "recompute") \
-            or algorithm.use_kl_in_reward or self.correction.m2po
+            or algorithm.use_kl_in_reward or self.correction.rejects
         proximal = self._no_grad_logprobs(self.model, batch) if upfront else None
         reference = self._no_grad_logprobs(self.reference, batch) if self.reference else None
+        correction = None
+        if proximal is not None:
+            correction = off_policy_correction(proximal, batch.behavior_logprobs,
+                                               batch.response_mask, self.correction)
+        # the rejection mask enters the advantages (verl: before compute_advantage)
+        kept = correction.mask if correction is not None and self.correction.rejects else None
         extra: dict[str, float] = {}
         token_rewards = None
         td_errors: list[float] = []
@@ -195,32 +195,27 @@ class Learner:
             self.kl_ctrl.update(float(sequence_kl.mean()), n_steps=batch.rows)
         inputs = AdvantageInputs(rewards=batch.rewards, group_ids=batch.group_ids,
                                  response_mask=batch.response_mask, token_rewards=token_rewards,
-                                 baseline_rewards=self._greedy_baselines(batch))
+                                 baseline_rewards=self._greedy_baselines(batch), kept_mask=kept)
         if self.critic is not None:
-            old_values = self.critic.values(batch, minis, self._local_rows)
+            old_values = self.critic.values(batch, minis, self.micro)
             advantages, returns = gae_advantages(token_level_rewards(inputs), old_values,
                                                  batch.response_mask, algorithm.gamma,
-                                                 algorithm.lam)
+                                                 algorithm.lam, kept_mask=kept)
             td_errors = group_td_errors(returns, old_values, batch.response_mask,
                                         batch.group_ids)
-            extra.update(self.critic.train(batch, minis, self._local_rows, old_values,
-                                           returns, self.settings.horizon))
-            if self.steps_done < self.settings.critic_warmup:
+            extra.update(self.critic.train(batch, minis, self.micro, old_values, returns,
+                                           self.horizon))
+            if self.steps_done < self.critic_warmup:
                 self.steps_done += 1
                 return StepResult({**extra, "actor/updates_skipped": float(updates)}, td_errors,
                                   policy_updated=False)
         elif self.prm is not None:
-            advantages, extra_prm = self._prime_advantages(batch, minis, reference)
+            advantages, extra_prm = self._prime_advantages(batch, minis, reference, kept)
             extra.update(extra_prm)
         else:
             advantages = compute_advantages(
                 algorithm.adv_estimator, inputs,
-                AdvantageParams(norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
-                                gamma=algorithm.gamma))
-        correction = None
-        if proximal is not None:
-            correction = off_policy_correction(proximal, batch.behavior_logprobs,
-                                               batch.response_mask, self.correction)
+                norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo, gamma=algorithm.gamma)
         sums = _Sums()
         grad_norms: list[float] = []
         for epoch in range(actor.ppo_epochs):
@@ -251,7 +246,7 @@ class Learner:
 
     def _greedy_baselines(self, batch: TrainBatch) -> torch.Tensor | None:
         """ReMax's baselines (B,), or None for the other estimators."""
-        if self.settings.algorithm.adv_estimator != "remax":
+        if self.algorithm.adv_estimator != "remax":
             return None
         if bool(batch.baseline_rewards.isnan().any()):
             raise ValueError("remax needs every group's greedy baseline reward "
@@ -259,46 +254,38 @@ class Learner:
         return batch.baseline_rewards
 
     def _prime_advantages(self, batch: TrainBatch, minis: list[torch.Tensor],
-                          reference: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+                          reference: torch.Tensor | None, kept: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, dict[str, float]]:
         """PRIME: train the implicit PRM (before or after scoring), score the batch's tokens,
         combine with the outcome rewards (``algorithms.prime``). ``reference``: the policy's
-        reference log-probs, reused when the PRM shares that reference model."""
+        reference log-probs, reused when the PRM shares that reference model; ``kept``: the
+        rejection's mask, or None."""
         assert self.prm is not None
-        algorithm, prm = self.settings.algorithm, self.prm
+        algorithm, prm = self.algorithm, self.prm
         if reference is None or prm.reference is not self.reference:
             reference = self._no_grad_logprobs(prm.reference, batch)
         before = prm.config.model.update == "before"
-        metrics = prm.train(batch, minis, self._local_rows, reference) if before else {}
+        metrics = prm.train(batch, minis, self.micro, reference) if before else {}
         process = implicit_process_rewards(self._no_grad_logprobs(prm.model, batch), reference,
                                            batch.response_mask, prm.beta)
         if not before:
-            metrics = prm.train(batch, minis, self._local_rows, reference)
+            metrics = prm.train(batch, minis, self.micro, reference)
         advantages, _ = prime_advantages(process, batch.rewards, batch.response_mask,
                                          batch.group_ids, algorithm.reward_dpo_coef,
-                                         algorithm.reward_gt_coef)
+                                         algorithm.reward_gt_coef, kept_mask=kept)
         metrics["prm/process_reward_mean"] = float(process.sum() / batch.response_mask.sum())
         return advantages, metrics
-
-    def _local_rows(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], int]:
-        """This rank's rows of a mini-batch in micro-batches; every rank gets as many."""
-        micro = self.settings.actor.ppo_micro_batch_size_per_gpu
-        most = math.ceil(len(rows) / self.world)
-        count = math.ceil(most / micro)
-        return _chunks(rows[self.rank::self.world], count), count
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model: nn.Module, batch: TrainBatch) -> torch.Tensor:
         """Log-probs of every row of the batch, in its own grid: each rank computes the rows
-        it trains on (an empty chunk still runs a pass for FSDP's collectives, and is not
-        kept), and the ranks sum them."""
+        it trains on (a stand-in pass is not kept), and the ranks sum them."""
         out = torch.zeros_like(batch.behavior_logprobs)
-        for mini in self.mini_batches(batch):
-            chunks, _ = self._local_rows(mini)
-            for chunk in chunks:
-                part = batch.select(chunk if len(chunk) else mini[:1])
-                logprobs, _ = forward_logprobs(model, part, self.settings.temperature, False)
-                if len(chunk):
-                    out[chunk, :logprobs.shape[1]] = logprobs
+        for mini in self.micro.mini_batches(batch):
+            for each in self.micro.passes(batch, mini):
+                logprobs, _ = forward_logprobs(model, each.part, self.temperature, False)
+                if each.owned():
+                    out[each.rows, :logprobs.shape[1]] = logprobs
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(out, group=self.group)
         return out
@@ -307,17 +294,14 @@ class Learner:
                     proximal: torch.Tensor | None, reference: torch.Tensor | None,
                     correction: Correction | None, current_version: float, version: int,
                     sums: _Sums) -> None:
-        actor = self.settings.actor
+        actor = self.actor
         mini_mask = batch.response_mask[mini]
-        totals = dict(num_tokens=float(mini_mask.sum()), num_seqs=float(len(mini)),
-                      horizon=self.settings.horizon)
-        chunks, _ = self._local_rows(mini)
-        for chunk in chunks:
-            weight = 1.0 if len(chunk) else 0.0  # an empty chunk still joins the collectives
-            rows = chunk if len(chunk) else mini[:1]
-            part = batch.select(rows)
+        totals = dict(num_tokens=float(mini_mask.sum()), num_seqs=count_sequences(mini_mask),
+                      horizon=self.horizon)
+        for each in self.micro.passes(batch, mini):
+            rows, part, weight = each.rows, each.part, each.weight
             width = part.response_mask.shape[1]
-            logprobs, entropy = forward_logprobs(self.model, part, self.settings.temperature,
+            logprobs, entropy = forward_logprobs(self.model, part, self.temperature,
                                                  with_entropy=True)
             prox = self._proximal(logprobs, part, proximal, rows, current_version, version)
             if correction is None:
@@ -327,22 +311,24 @@ class Learner:
                 part_correction = Correction(weight=correction.weight[rows, :width],
                                              mask=correction.mask[rows, :width],
                                              log_ratio=correction.log_ratio[rows, :width])
-            terms = policy_loss(logprobs, prox, advantages[rows, :width], part.response_mask,
-                                self.loss_params)
+            terms = policy_loss(logprobs, prox, advantages[rows, :width], part_correction.mask,
+                                actor.policy_loss, clip_ratio_low=actor.clip_ratio_low,
+                                clip_ratio_high=actor.clip_ratio_high,
+                                clip_ratio_c=actor.clip_ratio_c,
+                                importance_weights=part_correction.weight)
             mask = part.response_mask * weight
             kept = part_correction.mask * weight
             # rejected tokens add zero loss but stay in the denominators (aggregated under
             # the response mask), so rejection never up-weights the tokens that remain
-            weighted = (terms.loss * part_correction.weight * part_correction.mask
-                        * part.sample_weights[:, None])
-            loss = aggregate_loss(weighted, mask, actor.loss_agg_mode, **totals)
+            weighted = terms.loss * part_correction.mask * part.sample_weights[:, None]
+            loss = aggregate_loss(weighted, mask, self.pg_agg_mode, **totals)
             if actor.entropy_coeff:
-                loss = loss - actor.entropy_coeff * aggregate_loss(entropy, mask,
-                                                                   actor.loss_agg_mode, **totals)
+                loss = loss - actor.entropy_coeff * aggregate_loss(
+                    entropy * part_correction.mask, mask, actor.loss_agg_mode, **totals)
             if actor.use_kl_loss:
                 kl = kl_penalty(logprobs, reference[rows, :width], actor.kl_loss_type)
-                loss = loss + actor.kl_loss_coef * aggregate_loss(kl, mask, actor.loss_agg_mode,
-                                                                  **totals)
+                loss = loss + actor.kl_loss_coef * aggregate_loss(
+                    kl * part_correction.mask, mask, actor.loss_agg_mode, **totals)
                 sums.add("actor/kl_sum", (kl.detach() * mask).sum())
             (loss * self.world).backward()
             with torch.no_grad():
@@ -381,7 +367,7 @@ class Learner:
             sums.max("actor/importance_weight_max", float(on_response.max()))
 
     def _optimizer_step(self, sums: _Sums) -> float:
-        norm = clipped_step(self.model, self.optimizer, self.settings.actor.grad_clip)
+        norm = clipped_step(self.model, self.optimizer, self.actor.grad_clip)
         if not math.isfinite(norm):
             sums.add("skipped", 1.0)  # the step was not taken
         return norm

@@ -1,13 +1,15 @@
-"""Settings of reward scoring, shared by the scorer and its worker process.
+"""Settings of reward scoring (verl's ``custom_reward_function`` section), shared by the
+scorer and its worker process.
 
 The config lives in its own module, not beside ``RewardScorer``, because two processes
 build from it: the caller (routing, time limits) and the worker (which function to call).
+``configs.run_schema`` composes it as ``custom_reward_function``.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import get_args
+from typing import Annotated, get_args
 
 import msgspec
 
@@ -18,41 +20,50 @@ from algorithms.rewards.result import ScoreFn
 
 
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """How rewards are computed and bounded.
+    """verl's ``custom_reward_function`` section: how rewards are computed and bounded.
 
-    - ``custom_function``: ``"module:function"`` or ``"path/to/file.py:function"`` with
-      verl's ``compute_score`` signature. When set it scores EVERY data_source (verl's
-      ``custom_reward_function`` semantics) and always runs in the worker process. Empty:
-      built-in rules chosen by data_source (``registry``).
-    - ``timeout_s``: per-sample limit for calls in the worker; past it the sample gets 0.0
-      with a ``timeout`` error and the worker is killed and replaced.
-    - ``startup_timeout_s``: limit for (re)starting the worker, including importing the
-      custom function's module. Exceeding it raises ``RewardWorkerError``.
-    - ``in_process_builtins``: run the linear-time built-in rules (arithmetic, GSM8K) in
-      the caller's process, with no time limit (they need none): 4-7x the throughput of
-      the worker round-trip, and no worker process at all for a run that only uses them
-      (``tools/bench-rewards.py``). Math-Verify rules and custom functions always run in
-      the worker.
-    - ``gsm8k_method`` / ``gsm8k_format_score``: verl's GSM8K options (``gsm8k``).
+    - ``path``, ``name``: the function ``name`` in the Python file or module ``path``, with
+      verl's ``compute_score`` signature (``custom_function`` joins them as
+      ``"path:name"``). When set it scores EVERY data_source (verl's semantics) and always
+      runs in the worker process. Empty ``path``: built-in rules chosen by data_source
+      (``registry``).
+    - ``timeout_s`` (*Relay*): per-sample limit for calls in the worker; past it the sample
+      gets 0.0 with a ``timeout`` error and the worker is killed and replaced.
+    - ``startup_timeout_s`` (*Relay*): limit for (re)starting the worker, including importing
+      the custom function's module. Exceeding it raises ``RewardWorkerError``.
+    - ``in_process_builtins`` (*Relay*): run the linear-time built-in rules (arithmetic,
+      GSM8K) in the caller's process, with no time limit (they need none): 4-7x the
+      throughput of the worker round-trip, and no worker process at all for a run that only
+      uses them (``tools/bench-rewards.py``). Math-Verify rules and custom functions always
+      run in the worker.
+    - ``gsm8k_method`` / ``gsm8k_format_score`` (*Relay* keys for verl's GSM8K options,
+      ``gsm8k``).
     """
 
-    custom_function: str = ""
-    timeout_s: float = 5.0
-    startup_timeout_s: float = 60.0
+    path: str = ""
+    name: Annotated[str, msgspec.Meta(min_length=1)] = "compute_score"
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    startup_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     in_process_builtins: bool = True
     gsm8k_method: gsm8k.Method = "strict"
     gsm8k_format_score: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "startup_timeout_s"):
-            value = getattr(self, name)
+        # Decoding checks these against the annotations first; this guards direct construction.
+        for field in ("timeout_s", "startup_timeout_s"):
+            value = getattr(self, field)
             if not value > 0:
-                raise ValueError(f"RewardConfig.{name} must be > 0 seconds, got {value!r}")
+                raise ValueError(f"RewardConfig.{field} must be > 0 seconds, got {value!r}")
         if self.gsm8k_method not in get_args(gsm8k.Method):
             raise ValueError(
                 f"RewardConfig.gsm8k_method must be one of {get_args(gsm8k.Method)}, "
                 f"got {self.gsm8k_method!r}"
             )
+
+    @property
+    def custom_function(self) -> str:
+        """``"path:name"``, the spec ``load_score_fn`` reads; empty without a ``path``."""
+        return f"{self.path}:{self.name}" if self.path else ""
 
 
 def build_score_fn(config: RewardConfig) -> ScoreFn:

@@ -16,7 +16,7 @@ configuration errors and for a worker that cannot be started at all.
 
 Typical use in a generator loop::
 
-    with RewardScorer(RewardConfig(custom_function=spec)) as scorer:
+    with RewardScorer(RewardConfig(path="my_rewards.py", name="compute_score")) as scorer:
         scorer.check_data_sources(dataset_sources)
         for prompt, completions in groups:
             results = scorer.score([
@@ -42,7 +42,7 @@ class RewardScorer:
 
     Thread-safe (calls are serialized). Close it, or use it as a context manager, to stop
     the worker process; a custom function's worker is started (and the function loaded)
-    here, so a bad ``custom_function`` raises ``RewardLoadError`` at construction.
+    here, so a bad ``path`` or ``name`` raises ``RewardLoadError`` at construction.
     """
 
     def __init__(self, config: RewardConfig | None = None) -> None:

@@ -8,13 +8,19 @@ import torch
 from algorithms.advantages import (
     ESTIMATORS,
     AdvantageInputs,
-    AdvantageParams,
     compute_advantages,
     gae_advantages,
     grpo_advantages,
     sequence_scores,
     token_level_rewards,
 )
+
+
+def estimate(name: str, inputs: AdvantageInputs, *, norm_adv_by_std_in_grpo: bool = True,
+             gamma: float = 1.0) -> torch.Tensor:
+    """``compute_advantages`` with verl's algorithm defaults for its two scalars."""
+    return compute_advantages(name, inputs, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+                              gamma=gamma)
 
 
 def test_grpo_normalizes_by_unbiased_group_std() -> None:
@@ -69,25 +75,25 @@ STD = math.sqrt(1 / 3)
 
 
 def test_grpo_estimator_normalizes_by_group_std() -> None:
-    adv = compute_advantages("grpo", _common())
+    adv = estimate("grpo", _common())
     # group 0: mean 1/3 -> centered 2/3, -1/3, -1/3; group 1: mean 2/3 -> 1/3, 1/3, -2/3
     a, b = (2 / 3) / (STD + 1e-6), (1 / 3) / (STD + 1e-6)
     torch.testing.assert_close(adv, _per_sample([a, -b, -b, b, b, -a]))
 
 
 def test_grpo_estimator_dr_grpo_only_centers() -> None:
-    adv = compute_advantages("grpo", _common(), AdvantageParams(norm_adv_by_std_in_grpo=False))
+    adv = estimate("grpo", _common(), norm_adv_by_std_in_grpo=False)
     torch.testing.assert_close(adv, _per_sample([2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3]))
 
 
 def test_grpo_estimator_is_grpo_advantages_broadcast() -> None:
-    adv = compute_advantages("grpo", _common())
+    adv = estimate("grpo", _common())
     per_sample = grpo_advantages(REWARDS, GROUPS)
     torch.testing.assert_close(adv, per_sample.unsqueeze(-1) * _mask(LENGTHS))
 
 
 def test_rloo_leave_one_out_baseline() -> None:
-    adv = compute_advantages("rloo", _common())
+    adv = estimate("rloo", _common())
     # n/(n-1) * (r - mean) with n = 3: 3/2 * (2/3, -1/3, -1/3) and 3/2 * (1/3, 1/3, -2/3);
     # e.g. sample 0: 1 - mean(0, 0) = 1, sample 1: 0 - mean(1, 0) = -0.5
     torch.testing.assert_close(adv, _per_sample([1.0, -0.5, -0.5, 0.5, 0.5, -1.0]))
@@ -96,26 +102,26 @@ def test_rloo_leave_one_out_baseline() -> None:
 def test_rloo_group_of_one_is_zero() -> None:
     inputs = AdvantageInputs(rewards=torch.tensor([1.0, 0.0, 5.0]),
                              group_ids=torch.tensor([0, 0, 1]), response_mask=_mask([2, 2, 2]))
-    adv = compute_advantages("rloo", inputs)
+    adv = estimate("rloo", inputs)
     # group 0: 2/1 * (1 - 0.5) = 1, 2/1 * (0 - 0.5) = -1; group 1 has one sample -> 0
     torch.testing.assert_close(adv, _per_sample([1.0, -1.0, 0.0], [2, 2, 2]))
 
 
 def test_opo_length_weighted_baseline() -> None:
-    adv = compute_advantages("opo", _common())
+    adv = estimate("opo", _common())
     # group 0: b = (3*1 + 2*0 + 1*0) / (3+2+1) = 1/2 -> 1/2, -1/2, -1/2
     # group 1: b = (4*1 + 2*1 + 3*0) / (4+2+3) = 2/3 -> 1/3, 1/3, -2/3
     torch.testing.assert_close(adv, _per_sample([0.5, -0.5, -0.5, 1 / 3, 1 / 3, -2 / 3]))
 
 
 def test_gpg_scales_centered_score_by_batch_over_nonzero() -> None:
-    adv = compute_advantages("gpg", _common())
+    adv = estimate("gpg", _common())
     # alpha = B / #nonzero scores = 6 / 3 = 2; centered as in Dr.GRPO, times 2
     torch.testing.assert_close(adv, _per_sample([4 / 3, -2 / 3, -2 / 3, 2 / 3, 2 / 3, -4 / 3]))
 
 
 def test_grpo_passk_only_best_sample_gets_gap() -> None:
-    adv = compute_advantages("grpo_passk", _common())
+    adv = estimate("grpo_passk", _common())
     # group 0: best = sample 0, gap 1 - 0 = 1, / (sqrt(1/3) + eps); group 1: tie 1 - 1 = 0
     torch.testing.assert_close(adv, _per_sample([1 / (STD + 1e-6), 0, 0, 0, 0, 0]))
 
@@ -123,11 +129,10 @@ def test_grpo_passk_only_best_sample_gets_gap() -> None:
 def test_grpo_passk_second_best_and_std_flag() -> None:
     inputs = AdvantageInputs(rewards=torch.tensor([1.0, 0.0, 0.0, 0.2, 0.9, 0.5]),
                              group_ids=GROUPS, response_mask=_mask(LENGTHS))
-    plain = compute_advantages("grpo_passk", inputs,
-                               AdvantageParams(norm_adv_by_std_in_grpo=False))
+    plain = estimate("grpo_passk", inputs, norm_adv_by_std_in_grpo=False)
     # group 1: best 0.9 (sample 4), second 0.5 -> 0.4
     torch.testing.assert_close(plain, _per_sample([1.0, 0, 0, 0, 0.4, 0]))
-    normed = compute_advantages("grpo_passk", inputs)
+    normed = estimate("grpo_passk", inputs)
     # group 1 std: mean 1.6/3, sum of squares 0.04+0.81+0.25 - 3*(1.6/3)^2 = 0.74/3, / 2
     std1 = math.sqrt(0.37 / 3)
     expected = [1 / (STD + 1e-6), 0, 0, 0, 0.4 / (std1 + 1e-6), 0]
@@ -137,7 +142,7 @@ def test_grpo_passk_second_best_and_std_flag() -> None:
 def test_reinforce_plus_plus_baseline_whitens_over_tokens() -> None:
     inputs = AdvantageInputs(rewards=torch.tensor([1.0, 0.0]), group_ids=torch.tensor([0, 0]),
                              response_mask=_mask([2, 1], 3))
-    adv = compute_advantages("reinforce_plus_plus_baseline", inputs)
+    adv = estimate("reinforce_plus_plus_baseline", inputs)
     # centered 0.5, -0.5 -> tokens 0.5, 0.5, -0.5; mean 1/6; deviations 1/3, 1/3, -2/3;
     # unbiased var (1/9 + 1/9 + 4/9) / 2 = 1/3
     sd = math.sqrt(1 / 3 + 1e-8)
@@ -149,7 +154,7 @@ def test_reinforce_plus_plus_discounted_returns_whitened() -> None:
     inputs = AdvantageInputs(rewards=torch.tensor([1.0, 2.0]), group_ids=torch.tensor([0, 1]),
                              response_mask=torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
                              token_rewards=torch.tensor([[0.0, -0.1, 0.0], [-0.2, 0.0, 0.0]]))
-    adv = compute_advantages("reinforce_plus_plus", inputs, AdvantageParams(gamma=0.5))
+    adv = estimate("reinforce_plus_plus", inputs, gamma=0.5)
     # totals (outcome on the last response token): [0, -0.1, 1] and [-0.2, 2, -]
     # returns: row 0: t2 = 1, t1 = -0.1 + 0.5*1 = 0.4, t0 = 0 + 0.5*0.4 = 0.2
     #          row 1: t1 = 2, t0 = -0.2 + 0.5*2 = 0.8
@@ -165,7 +170,7 @@ def test_remax_returns_minus_greedy_baseline() -> None:
                              response_mask=torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
                              token_rewards=torch.tensor([[0.0, -0.1, 0.0], [0.0, 0.0, 0.0]]),
                              baseline_rewards=torch.tensor([0.5, 0.5]))
-    adv = compute_advantages("remax", inputs)
+    adv = estimate("remax", inputs)
     # row 0: totals [0, -0.1, 1] -> undiscounted returns [0.9, 0.9, 1] - 0.5
     # row 1: totals [0, 0, -] -> returns 0 - 0.5 on the two response tokens
     torch.testing.assert_close(adv, torch.tensor([[0.4, 0.4, 0.5], [-0.5, -0.5, 0.0]]))
@@ -173,12 +178,12 @@ def test_remax_returns_minus_greedy_baseline() -> None:
 
 def test_remax_without_baseline_raises() -> None:
     with pytest.raises(ValueError, match="baseline_rewards"):
-        compute_advantages("remax", _common())
+        estimate("remax", _common())
 
 
 def test_unknown_estimator_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'") as info:
-        compute_advantages("ppo", _common())
+        estimate("ppo", _common())
     for name in ESTIMATORS:
         assert name in str(info.value)
 
@@ -186,14 +191,14 @@ def test_unknown_estimator_names_the_known_ones() -> None:
 def test_mismatched_shapes_raise() -> None:
     inputs = AdvantageInputs(rewards=REWARDS[:5], group_ids=GROUPS, response_mask=_mask(LENGTHS))
     with pytest.raises(ValueError, match="rewards must have shape"):
-        compute_advantages("grpo", inputs)
+        estimate("grpo", inputs)
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_zero_off_the_response_mask(name: str) -> None:
     inputs = _common(token_rewards=torch.full((6, 4), -0.05) * _mask(LENGTHS),
                      baseline_rewards=torch.full((6,), 0.3))
-    adv = compute_advantages(name, inputs)
+    adv = estimate(name, inputs)
     assert adv.shape == (6, 4) and adv.dtype == torch.float32
     assert torch.isfinite(adv).all()
     assert (adv[_mask(LENGTHS) == 0] == 0).all()
@@ -204,7 +209,7 @@ def test_token_rewards_enter_through_their_masked_sum() -> None:
     inputs = AdvantageInputs(rewards=torch.tensor([1.0, 0.0]), group_ids=torch.tensor([0, 0]),
                              response_mask=_mask([2, 1], 3),
                              token_rewards=torch.tensor([[-0.1, -0.1, 7.0], [-0.3, 7.0, 7.0]]))
-    adv = compute_advantages("rloo", inputs)
+    adv = estimate("rloo", inputs)
     # scores (7.0 is off the mask, ignored): 1 - 0.2 = 0.8 and 0 - 0.3 = -0.3; mean 0.25
     # n/(n-1) = 2: 2 * 0.55 = 1.1, 2 * -0.55 = -1.1
     torch.testing.assert_close(adv, torch.tensor([[1.1, 1.1, 0.0], [-1.1, 0.0, 0.0]]))
@@ -245,3 +250,48 @@ def test_gae_against_hand_unrolled_three_tokens() -> None:
     sd = math.sqrt(sum((a - mean) ** 2 for a in raw) / 4 + 1e-8)
     white = [(a - mean) / sd for a in raw]
     torch.testing.assert_close(adv, torch.tensor([white[:3], white[3:] + [0.0]]))
+
+
+# ------------------------------------------------------------- rejection (kept_mask)
+
+
+def test_opo_lengths_count_only_the_kept_tokens() -> None:
+    # one group: rewards 1, 0; responses of 4 and 2 tokens; the correction rejected the last
+    # 3 tokens of the first. Kept lengths 1 and 2: baseline (1*1 + 2*0) / 3 = 1/3 (the whole
+    # lengths would give 4/6), so A = 2/3, -1/3, on the kept tokens only.
+    inputs = AdvantageInputs(rewards=torch.tensor([1.0, 0.0]), group_ids=torch.tensor([0, 0]),
+                             response_mask=_mask([4, 2]),
+                             kept_mask=torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1]]))
+    adv = estimate("opo", inputs)
+    torch.testing.assert_close(adv, torch.tensor([[2 / 3, 0, 0, 0], [-1 / 3, -1 / 3, 0, 0]]))
+
+
+def test_reinforce_plus_plus_whitens_over_the_kept_tokens_with_returns_over_the_response() -> None:
+    # rewards 1 and 0, responses of 2 and 1 tokens (gamma 1): returns [1, 1] and [0]. The
+    # correction rejected the first row's last token: its reward still flows back (return 1
+    # at t0), and the whitening is over the 2 kept tokens, returns 1 and 0: mean 1/2, unbiased
+    # var 1/2 -> +-(1/2) / sqrt(1/2); the rejected token gets 0.
+    inputs = AdvantageInputs(rewards=torch.tensor([1.0, 0.0]), group_ids=torch.tensor([0, 1]),
+                             response_mask=_mask([2, 1], 3),
+                             kept_mask=torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]]))
+    adv = estimate("reinforce_plus_plus", inputs)
+    a = 0.5 / math.sqrt(0.5 + 1e-8)
+    torch.testing.assert_close(adv, torch.tensor([[a, 0.0, 0.0], [-a, 0.0, 0.0]]))
+
+
+def test_gae_whitens_over_the_kept_tokens_and_keeps_the_critics_returns() -> None:
+    # the three-token case above with row 0's t1 rejected: the raw advantages and returns
+    # are unchanged; the whitening is over the 4 kept ones [0.26816, 0.4, 0.392, 0.6]
+    rewards = torch.tensor([[0.1, 0.0, 1.0], [0.1, 1.0, 5.0]])
+    values = torch.tensor([[0.5, 0.4, 0.6], [0.5, 0.4, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    kept = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
+    adv, returns = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8, kept_mask=kept)
+    torch.testing.assert_close(
+        returns, torch.tensor([[0.76816, 0.828, 1.0], [0.892, 1.0, 0.0]]))
+    raw = [0.26816, 0.4, 0.392, 0.6]
+    mean = sum(raw) / 4
+    sd = math.sqrt(sum((a - mean) ** 2 for a in raw) / 3 + 1e-8)
+    white = [(a - mean) / sd for a in raw]
+    torch.testing.assert_close(adv, torch.tensor([[white[0], 0.0, white[1]],
+                                                  [white[2], white[3], 0.0]]))

@@ -19,6 +19,26 @@ def test_modes(mode: str, expected: float) -> None:
     assert aggregate_loss(LOSS, MASK, mode).item() == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("mode, expected", [
+    ("seq-mean-token-sum", 6 / 1),
+    ("seq-mean-token-mean", (6 / 3) / 1),
+    ("seq-mean-token-sum-norm", 6 / (1 * 3)),
+])
+def test_rows_without_response_tokens_are_not_sequences(mode: str, expected: float) -> None:
+    # row 1 has no response token: B = 1, not 2
+    mask = torch.tensor([[1, 1, 1], [0, 0, 0]])
+    assert aggregate_loss(LOSS, mask, mode).item() == pytest.approx(expected)
+
+
+def test_seq_mean_token_sum_norm_divides_by_sequences_and_horizon_not_verls_horizon_only() -> None:
+    # Relay (Dr.GRPO paper, TRL): sum / (B * L) = 10 / (2 * 3); verl's agg_loss: sum / L =
+    # 10 / 3 (before its per-micro-batch gradient-accumulation scaling). See the module
+    # docstring for why Relay keeps B * L.
+    got = aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm").item()
+    assert got == pytest.approx(10 / 6)
+    assert got != pytest.approx(10 / 3)
+
+
 def test_horizon_is_a_constant_for_dr_grpo() -> None:
     got = aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm", horizon=10)
     assert got.item() == pytest.approx(10 / 20)

@@ -8,6 +8,7 @@ import torch
 from algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,
+    KLControlConfig,
     kl_penalty,
     kl_reward_penalty,
     make_kl_controller,
@@ -43,6 +44,25 @@ def test_straight_through_has_k3s_value_and_k2s_gradient(kind: str) -> None:
 
 def test_k3_is_clamped() -> None:
     assert kl_penalty(torch.tensor([-30.0]), torch.zeros(1), "k3").item() == 10.0
+
+
+@pytest.mark.parametrize("kind", ["k3", "low_var_kl", "k3+"])
+def test_k3_gradient_is_finite_past_fp32_overflow(kind: str) -> None:
+    # d = logp - ref = [-0.1, -99.9 (masked), 94.9]: exp(-d) overflows fp32 at d < -88.7
+    # unless d is first clamped to [-20, 20]. Clamped, the masked token and the +94.9 token
+    # sit on the clamp (k3 there: exp(20) - 21 -> 10, and exp(-20) + 19 -> 10): gradient 0.
+    # The first token: k3 = exp(0.1) - 1.1, gradient d k3 / d logp = 1 - exp(-d) = 1 - e^0.1
+    # (k3+ takes k2's gradient d = -0.1 there, and 0 on the masked token).
+    logprobs = torch.tensor([[-0.5, -100.0, -0.1]], requires_grad=True)
+    ref = torch.tensor([[-0.4, -0.1, -95.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    kl = kl_penalty(logprobs, ref, kind)
+    (grad,) = torch.autograd.grad((kl * mask).sum(), logprobs)
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(kl.detach()[:, 0], torch.tensor([math.exp(0.1) - 1.1]))
+    first = -0.1 if kind == "k3+" else 1.0 - math.exp(0.1)
+    third = 94.9 if kind == "k3+" else 0.0
+    torch.testing.assert_close(grad, torch.tensor([[first, 0.0, third]]))
 
 
 def test_unknown_estimator_is_named() -> None:
@@ -119,9 +139,10 @@ def test_fixed_controller_never_changes() -> None:
 
 
 def test_make_kl_controller() -> None:
-    fixed = make_kl_controller("fixed", kl_coef=0.1, target_kl=0.0, horizon=0)
+    fixed = make_kl_controller(KLControlConfig(kl_coef=0.1, target_kl=0.0, horizon=0))
     assert isinstance(fixed, FixedKLController) and fixed.value == 0.1
-    adaptive = make_kl_controller("adaptive", kl_coef=0.1, target_kl=1.0, horizon=100)
+    adaptive = make_kl_controller(KLControlConfig(type="adaptive", kl_coef=0.1, target_kl=1.0,
+                                                  horizon=100))
     assert isinstance(adaptive, AdaptiveKLController) and adaptive.value == 0.1
 
 
@@ -132,4 +153,5 @@ def test_make_kl_controller() -> None:
 ])
 def test_make_kl_controller_errors(kind: str, target_kl: float, horizon: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        make_kl_controller(kind, 0.1, target_kl, horizon)  # type: ignore[arg-type]
+        make_kl_controller(KLControlConfig(type=kind, kl_coef=0.1,  # type: ignore[arg-type]
+                                           target_kl=target_kl, horizon=horizon))

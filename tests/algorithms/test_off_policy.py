@@ -2,11 +2,12 @@
 
 import math
 
+import msgspec
 import pytest
 import torch
 
 from algorithms.off_policy import (
-    CorrectionParams,
+    RolloutCorrectionConfig,
     a3po_proximal_logprobs,
     off_policy_correction,
 )
@@ -29,7 +30,8 @@ def logprobs(ratios: list[list[float | None]]) -> tuple[torch.Tensor, ...]:
 
 def test_token_is_is_truncated_per_token() -> None:
     prox, behav, mask = logprobs([[3.0, 1.5, 0.5, 1.0, None]])
-    out = off_policy_correction(prox, behav, mask, CorrectionParams(rollout_is_threshold=2.0))
+    config = RolloutCorrectionConfig(rollout_is_threshold=2.0)
+    out = off_policy_correction(prox, behav, mask, config)
     # r = 3, 1.5, 0.5, 1 -> min(r, 2) = 2, 1.5, 0.5, 1; off the response: weight 1
     torch.testing.assert_close(out.weight, torch.tensor([[2.0, 1.5, 0.5, 1.0, 1.0]]))
     torch.testing.assert_close(out.mask, mask)
@@ -40,7 +42,8 @@ def test_token_is_is_truncated_per_token() -> None:
 def test_sequence_is_is_the_truncated_product_over_the_response() -> None:
     prox, behav, mask = logprobs([[1.5, 1.2, None], [2.0, 3.0, 0.5], [0.25, None, None]])
     out = off_policy_correction(prox, behav, mask,
-                                CorrectionParams(rollout_is="sequence", rollout_is_threshold=2.0))
+                                RolloutCorrectionConfig(rollout_is="sequence",
+                                                        rollout_is_threshold=2.0))
     # row 0: exp(ln 1.5 + ln 1.2) = 1.8 (< 2), padding 1
     # row 1: exp(ln 2 + ln 3 + ln 0.5) = 3 -> truncated to 2
     # row 2: 0.25
@@ -49,30 +52,52 @@ def test_sequence_is_is_the_truncated_product_over_the_response() -> None:
     torch.testing.assert_close(out.mask, mask)
 
 
+def test_sequence_is_sums_the_log_ratios_before_clamping() -> None:
+    # token log ratios +25 and -30: verl sums first (-5) and clamps the sum, weight e^-5;
+    # clamping each token first (+20, -20) would cancel them to a weight of 1.
+    prox = torch.zeros(1, 3)
+    behav = torch.tensor([[-25.0, 30.0, -40.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # off the response: never summed
+    out = off_policy_correction(prox, behav, mask, RolloutCorrectionConfig(rollout_is="sequence"))
+    torch.testing.assert_close(out.weight, torch.tensor([[math.exp(-5.0)] * 2 + [1.0]]))
+    # the per-token log ratio reported stays clamped
+    torch.testing.assert_close(out.log_ratio, torch.tensor([[20.0, -20.0, 0.0]]))
+
+
 def test_sequence_log_ratio_is_clamped_before_exp() -> None:
     prox = torch.zeros(1, 2)
     behav = torch.full((1, 2), 30.0)
     out = off_policy_correction(prox, behav, torch.ones(1, 2),
-                                CorrectionParams(rollout_is="sequence"))
-    # per token -30 -> clamped to -20; sum -40 -> clamped to -20; weight exp(-20)
+                                RolloutCorrectionConfig(rollout_is="sequence"))
+    # per token -30 (reported clamped to -20); sum -60 -> clamped to -20; weight exp(-20)
     torch.testing.assert_close(out.log_ratio, torch.full((1, 2), -20.0))
     torch.testing.assert_close(out.weight, torch.full((1, 2), math.exp(-20.0)))
 
 
 def test_token_rejection_masks_tokens_outside_the_interval() -> None:
     prox, behav, mask = logprobs([[3.0, 1.5, 0.25, 1.0, None]])
-    params = CorrectionParams(**NO_IS, rollout_rs="token", rollout_rs_threshold=2.0,
-                              rollout_rs_threshold_lower=0.5)
+    params = RolloutCorrectionConfig(**NO_IS, rollout_rs="token", rollout_rs_threshold=2.0,
+                                     rollout_rs_threshold_lower=0.5)
     out = off_policy_correction(prox, behav, mask, params)
     # 3 > 2 rejected, 1.5 kept, 0.25 < 0.5 rejected, 1 kept; padding stays 0
     torch.testing.assert_close(out.mask, torch.tensor([[0.0, 1.0, 0.0, 1.0, 0.0]]))
     torch.testing.assert_close(out.weight, torch.ones(1, 5))
 
 
+def test_lower_rejection_bound_defaults_to_one_over_the_upper() -> None:
+    # rollout_rs_threshold = 4 and no lower bound: verl's 1 / 4. Ratio 0.4 is kept (a fixed
+    # lower default of 0.5 would reject it), 0.2 < 0.25 rejected, 3 kept.
+    prox, behav, mask = logprobs([[0.4, 0.2, 3.0]])
+    config = RolloutCorrectionConfig(**NO_IS, rollout_rs="token", rollout_rs_threshold=4.0)
+    assert config.rs_bounds == (0.25, 4.0)
+    out = off_policy_correction(prox, behav, mask, config)
+    torch.testing.assert_close(out.mask, torch.tensor([[1.0, 0.0, 1.0]]))
+
+
 def test_sequence_rejection_masks_whole_sequences_by_the_product() -> None:
     prox, behav, mask = logprobs([[1.5, 1.5, None], [1.5, 0.8, None], [0.5, 0.5, 1.0]])
-    params = CorrectionParams(**NO_IS, rollout_rs="sequence", rollout_rs_threshold=2.0,
-                              rollout_rs_threshold_lower=0.5)
+    params = RolloutCorrectionConfig(**NO_IS, rollout_rs="sequence", rollout_rs_threshold=2.0,
+                                     rollout_rs_threshold_lower=0.5)
     out = off_policy_correction(prox, behav, mask, params)
     # row 0: 1.5 * 1.5 = 2.25 > 2 -> rejected, though each token is inside [0.5, 2]
     # row 1: 1.5 * 0.8 = 1.2 -> kept (padding stays 0)
@@ -82,8 +107,8 @@ def test_sequence_rejection_masks_whole_sequences_by_the_product() -> None:
 
 def test_geometric_rejection_uses_the_mean_log_ratio_over_the_response() -> None:
     prox, behav, mask = logprobs([[1.5, 1.5, None], [3.0, 1 / 3, None], [1.3, 1.3, None]])
-    params = CorrectionParams(**NO_IS, rollout_rs="geometric", rollout_rs_threshold=1.25,
-                              rollout_rs_threshold_lower=0.8)
+    params = RolloutCorrectionConfig(**NO_IS, rollout_rs="geometric", rollout_rs_threshold=1.25,
+                                     rollout_rs_threshold_lower=0.8)
     out = off_policy_correction(prox, behav, mask, params)
     # row 0: geometric mean sqrt(1.5 * 1.5) = 1.5 > 1.25 -> rejected
     # row 1: sqrt(3 * 1/3) = 1 -> kept, though each token is far from 1
@@ -103,7 +128,7 @@ def m2po_inputs() -> tuple[torch.Tensor, ...]:
 def test_m2po_masks_the_largest_squared_log_ratios_until_within_tau() -> None:
     prox, behav, mask = m2po_inputs()
     out = off_policy_correction(prox, behav, mask,
-                                CorrectionParams(**NO_IS, m2po=True, m2po_tau=0.03))
+                                RolloutCorrectionConfig(**NO_IS, m2po=True, m2po_tau=0.03))
     # (log r)^2 over the 6 response tokens: 0.25, 0.01, 0, 0.01, 0.16, 0.01 (sum 0.44)
     # keep all:           0.44 / 6 = 0.0733 > 0.03
     # mask 0.25 (0.5):    0.19 / 5 = 0.038  > 0.03
@@ -115,15 +140,15 @@ def test_m2po_masks_the_largest_squared_log_ratios_until_within_tau() -> None:
 def test_m2po_masks_nothing_when_the_second_moment_is_within_tau() -> None:
     prox, behav, mask = m2po_inputs()
     out = off_policy_correction(prox, behav, mask,
-                                CorrectionParams(**NO_IS, m2po=True, m2po_tau=0.08))
+                                RolloutCorrectionConfig(**NO_IS, m2po=True, m2po_tau=0.08))
     # 0.44 / 6 = 0.0733 <= 0.08
     torch.testing.assert_close(out.mask, mask)
 
 
 def test_every_rejection_mask_multiplies_into_the_mask() -> None:
     prox, behav, mask = m2po_inputs()
-    params = CorrectionParams(**NO_IS, rollout_rs="token", rollout_rs_threshold=1.2,
-                              rollout_rs_threshold_lower=0.5, m2po=True, m2po_tau=0.03)
+    params = RolloutCorrectionConfig(**NO_IS, rollout_rs="token", rollout_rs_threshold=1.2,
+                                     rollout_rs_threshold_lower=0.5, m2po=True, m2po_tau=0.03)
     out = off_policy_correction(prox, behav, mask, params)
     # token RS rejects e^0.5 = 1.65 > 1.2 only; M2PO (independently) rejects 0.5 and -0.4
     torch.testing.assert_close(out.mask, torch.tensor([[0.0, 1, 1, 0], [1, 0, 1, 0]]))
@@ -131,7 +156,7 @@ def test_every_rejection_mask_multiplies_into_the_mask() -> None:
 
 def test_none_mode_gives_unit_weight_and_the_response_mask() -> None:
     prox, behav, mask = logprobs([[3.0, 0.01, None], [100.0, 1.0, 1.0]])
-    out = off_policy_correction(prox, behav, mask, CorrectionParams(**NO_IS))
+    out = off_policy_correction(prox, behav, mask, RolloutCorrectionConfig(**NO_IS))
     torch.testing.assert_close(out.weight, torch.ones(2, 3))
     torch.testing.assert_close(out.mask, mask)
 
@@ -139,7 +164,7 @@ def test_none_mode_gives_unit_weight_and_the_response_mask() -> None:
 def test_outputs_are_detached_fp32() -> None:
     prox = torch.zeros(1, 2, dtype=torch.bfloat16, requires_grad=True)
     out = off_policy_correction(prox, torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.long),
-                                CorrectionParams(rollout_rs="token", m2po=True))
+                                RolloutCorrectionConfig(rollout_rs="token", m2po=True))
     for tensor in (out.weight, out.mask, out.log_ratio):
         assert tensor.dtype == torch.float32 and not tensor.requires_grad
 
@@ -147,8 +172,9 @@ def test_outputs_are_detached_fp32() -> None:
 def test_metrics_count_only_response_tokens() -> None:
     prox, behav, mask = logprobs([[3.0, 1.5, None], [1.0, 0.25, None], [1.0, None, None],
                                   [None, None, None]])
-    params = CorrectionParams(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token",
-                              rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.5)
+    params = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0,
+                                     rollout_rs="token", rollout_rs_threshold=2.0,
+                                     rollout_rs_threshold_lower=0.5)
     metrics = off_policy_correction(prox, behav, mask, params).metrics(mask)
     # weights on the 5 response tokens: 2 (3 truncated), 1.5, 1, 0.25, 1
     assert metrics["is_weight_mean"] == pytest.approx((2 + 1.5 + 1 + 0.25 + 1) / 5)  # 1.15
@@ -162,22 +188,21 @@ def test_metrics_count_only_response_tokens() -> None:
 
 def test_metrics_of_an_empty_response_are_zero() -> None:
     out = off_policy_correction(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2),
-                                CorrectionParams())
+                                RolloutCorrectionConfig())
     assert set(out.metrics(torch.zeros(1, 2)).values()) == {0.0}
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(rollout_rs_threshold=1.5, rollout_rs_threshold_lower=2.0), "must be <="),
-    (dict(rollout_is_threshold=0.0), "rollout_is_threshold must be > 0"),
-    (dict(rollout_rs_threshold=-1.0), "rollout_rs_threshold must be > 0"),
-    (dict(rollout_rs_threshold_lower=0.0), "rollout_rs_threshold_lower must be > 0"),
-    (dict(m2po_tau=0.0), "m2po_tau must be > 0"),
-    (dict(rollout_is="seq"), "rollout_is must be one of"),
-    (dict(rollout_rs="geo"), "rollout_rs must be one of"),
+@pytest.mark.parametrize(("key", "value"), [
+    ("rollout_is_threshold", 0.0),
+    ("rollout_rs_threshold", -1.0),
+    ("rollout_rs_threshold_lower", -0.5),
+    ("m2po_tau", 0.0),
+    ("rollout_is", "seq"),
+    ("rollout_rs", "geo"),
 ])
-def test_invalid_params_raise(kwargs: dict, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        CorrectionParams(**kwargs)
+def test_invalid_values_are_refused_when_decoded_naming_the_key(key: str, value: object) -> None:
+    with pytest.raises(msgspec.ValidationError, match=f"`\\$.{key}`"):
+        msgspec.convert({key: value}, RolloutCorrectionConfig)
 
 
 def a3po(versions: list[int], proximal_version: int, current_version: int) -> torch.Tensor:

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from algorithms.policy_loss import LOSS_MODES, PolicyLossParams, PolicyLossTerms, policy_loss
+from algorithms.policy_loss import (
+    LOSS_MODES,
+    PolicyLossConfig,
+    PolicyLossTerms,
+    policy_loss,
+    policy_loss_agg_mode,
+)
 
 LOGPROBS = [[-1.0, -2.0, -0.5], [-1.5, -0.5, -3.0]]
 RATIOS = [[1.5, 0.5, 1.1], [0.5, 5.0, math.exp(5.0)]]
@@ -38,9 +44,16 @@ def make_case(row_advantages: tuple[float, float]) -> Case:
     return Case(logprobs, proximal, advantages, torch.tensor(MASK))
 
 
-def run(case: Case, generator: torch.Generator | None = None, **params: object) -> PolicyLossTerms:
+CLIP = dict(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)  # ActorConfig's
+
+
+def run(case: Case, generator: torch.Generator | None = None,
+        importance_weights: torch.Tensor | None = None, **params: object) -> PolicyLossTerms:
+    """``params``: PolicyLossConfig's keys and the actor's clip_ratio_* (defaults as verl's)."""
+    clip = {key: params.pop(key, value) for key, value in CLIP.items()}
     return policy_loss(case.logprobs, case.proximal_logprobs, case.advantages, case.mask,
-                       PolicyLossParams(**params), generator=generator)
+                       PolicyLossConfig(**params), **clip,  # type: ignore[arg-type]
+                       importance_weights=importance_weights, generator=generator)
 
 
 def masked(values: torch.Tensor, case: Case) -> torch.Tensor:
@@ -95,7 +108,7 @@ def test_vanilla_gradient_flows_only_through_unclipped_tokens() -> None:
 def test_vanilla_on_policy_is_minus_advantage() -> None:
     logprobs = torch.tensor([[-0.3, -1.2]], requires_grad=True)
     terms = policy_loss(logprobs, logprobs.detach(), torch.tensor([[2.0, -1.0]]),
-                        torch.ones(1, 2), PolicyLossParams())
+                        torch.ones(1, 2), PolicyLossConfig(), **CLIP)
     # r = 1: loss = -A, no clipping, KL 0
     torch.testing.assert_close(terms.loss, torch.tensor([[-2.0, 1.0]]))
     torch.testing.assert_close(terms.approx_kl, torch.zeros(1, 2))
@@ -237,7 +250,7 @@ def test_every_mode_is_fp32_and_differentiates_only_logprobs(mode: str) -> None:
     proximal = (logprobs.detach().float() - 0.1).requires_grad_()
     advantages = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]], requires_grad=True)
     terms = policy_loss(logprobs, proximal, advantages, torch.tensor(MASK),
-                        PolicyLossParams(loss_mode=mode), generator=torch.Generator())
+                        PolicyLossConfig(loss_mode=mode), **CLIP, generator=torch.Generator())
     assert terms.loss.dtype == torch.float32 and terms.loss.shape == (2, 3)
     assert terms.clipped.dtype == torch.bool
     assert not any(t.requires_grad for t in (terms.ratio, terms.clipped, terms.approx_kl))
@@ -248,9 +261,59 @@ def test_every_mode_is_fp32_and_differentiates_only_logprobs(mode: str) -> None:
 
 def test_unknown_mode_names_the_known_modes() -> None:
     with pytest.raises(ValueError, match="vanilla, gspo, clip_cov"):
-        PolicyLossParams(loss_mode="ppo2")
+        run(make_case((1.0, -1.0)), loss_mode="ppo2")
 
 
 def test_dual_clip_bound_must_exceed_one() -> None:
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        PolicyLossParams(clip_ratio_c=1.0)
+        run(make_case((1.0, -1.0)), clip_ratio_c=1.0)
+
+
+@pytest.mark.parametrize("mode", ["gspo", "sapo", "geo_mean"])
+def test_sequence_objectives_are_aggregated_per_sequence_as_verl_forces(mode: str) -> None:
+    # verl aggregates gspo and sapo with seq-mean-token-mean and geo_mean with a plain mean
+    # over sequences, whatever actor.loss_agg_mode says; the token-level modes follow it.
+    for configured in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        assert policy_loss_agg_mode(mode, configured) == "seq-mean-token-mean"
+        assert policy_loss_agg_mode("vanilla", configured) == configured
+
+
+def test_gspo_sequence_log_ratio_is_bounded_at_ten() -> None:
+    # every token log ratio 12: log s_i = 12 -> bounded at 10 (verl), s_i = e^10; A = -1 and
+    # s_i above 1 + eps_high: the unclipped -A s_i wins, loss e^10, and no gradient past the
+    # bound.
+    logprobs = torch.tensor([[-0.5, -0.5]], requires_grad=True)
+    terms = policy_loss(logprobs, logprobs.detach() - 12.0, torch.full((1, 2), -1.0),
+                        torch.ones(1, 2), PolicyLossConfig(loss_mode="gspo"), **CLIP)
+    torch.testing.assert_close(terms.loss, torch.full((1, 2), math.exp(10.0)))
+    (gradient,) = torch.autograd.grad(terms.loss.sum(), logprobs)
+    torch.testing.assert_close(gradient, torch.zeros(1, 2))
+
+
+def test_geo_mean_rejected_token_leaves_the_mean_and_is_weights_combine_geometrically() -> None:
+    # One row, A = +1, token log ratios [0.1, -0.2, 0.3]; the off-policy correction rejected
+    # the middle token (mask 0 there) and weighs the others w = [2, -, 0.5].
+    # Geometric mean over the kept tokens: exp((0.1 + 0.3) / 2) = e^0.2 (clip 0.4 not hit);
+    # the IS weights enter as their geometric mean over the kept tokens: sqrt(2 * 0.5) = 1
+    # (their arithmetic mean would be 1.25). Loss per token -e^0.2; gradient of the row's
+    # sequence loss L = -exp(mean l) w.r.t. log pi: -e^0.2 / 2 on each kept token, 0 on the
+    # rejected one (it must not reach the geometric mean).
+    logprobs = torch.tensor([[-1.0, -1.0, -1.0]], requires_grad=True)
+    proximal = logprobs.detach() - torch.tensor([[0.1, -0.2, 0.3]])
+    kept = torch.tensor([[1.0, 0.0, 1.0]])
+    weights = torch.tensor([[2.0, 7.0, 0.5]])  # 7: a rejected token's weight plays no part
+    terms = policy_loss(logprobs, proximal, torch.ones(1, 3), kept,
+                        PolicyLossConfig(loss_mode="geo_mean"), clip_ratio_low=0.4,
+                        clip_ratio_high=0.4, clip_ratio_c=3.0, importance_weights=weights)
+    torch.testing.assert_close(terms.loss, torch.full((1, 3), -math.exp(0.2)))
+    (gradient,) = torch.autograd.grad(terms.loss[0, 0], logprobs)  # L_i itself
+    torch.testing.assert_close(gradient,
+                               torch.tensor([[-math.exp(0.2) / 2, 0.0, -math.exp(0.2) / 2]]))
+
+
+def test_token_modes_multiply_each_tokens_loss_by_its_is_weight() -> None:
+    case = make_case((1.0, -1.0))
+    weights = torch.tensor([[2.0, 0.5, 1.0], [1.5, 0.25, 9.0]])
+    plain = run(case, loss_mode="vanilla", clip_ratio_high=0.28)
+    weighted = run(case, loss_mode="vanilla", clip_ratio_high=0.28, importance_weights=weights)
+    torch.testing.assert_close(weighted.loss, plain.loss * weights)

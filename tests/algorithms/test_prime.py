@@ -18,11 +18,13 @@ from algorithms.prime import (
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
 
 
-def test_process_rewards_are_beta_times_the_log_ratio_on_the_response() -> None:
+def test_process_rewards_are_beta_times_the_log_ratio_but_not_on_the_last_token() -> None:
+    # beta * q on the response, except each row's last response token (row 0: t1, row 1: t2),
+    # as verl's prime_dp_rm: row 0 [0.1 * 0.5, (last: 0), pad], row 1 [0, 0.1 * 1, (last: 0)]
     prm = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]])
     ref = torch.tensor([[-1.5, -1.0, -1.0], [-0.5, -1.5, 0.0]])
     rewards = implicit_process_rewards(prm, ref, MASK, beta=0.1)
-    torch.testing.assert_close(rewards, torch.tensor([[0.05, -0.1, 0.0], [0.0, 0.1, -0.05]]))
+    torch.testing.assert_close(rewards, torch.tensor([[0.05, 0.0, 0.0], [0.0, 0.1, 0.0]]))
 
 
 def test_prm_loss_is_the_bce_of_the_summed_implicit_reward() -> None:

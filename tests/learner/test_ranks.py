@@ -4,8 +4,9 @@ The batch is split across ranks row by row, and losses are normalised by whole-b
 counts, so the number of ranks must not change the step. Checked with the plain GRPO
 update and with the paths that need cross-rank sums: KL in the reward feeding a
 batch-whitened estimator (REINFORCE++), PPO's critic (values gathered from both ranks),
-PRIME (process rewards from both ranks' rows, whitened over the batch), and M2PO, whose mask depends on the second moment over the whole batch (proximal log-probs
-gathered from both ranks; its tau is set so that the second step masks about a third of the
+PRIME (process rewards from both ranks' rows, whitened over the batch), and M2PO, whose
+mask depends on the second moment over the whole batch (proximal log-probs gathered from
+both ranks; its tau is set so that the second step masks about a third of the
 tokens).
 """
 
@@ -19,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from configs.run_schema import AlgorithmConfig, RolloutCorrectionConfig
+from algorithms.off_policy import RolloutCorrectionConfig
+from configs.run_schema import AlgorithmConfig
 from generators.torch_engine import TorchEngine
 from learner.batch import collate
 from learner.weights import gather_full_weights

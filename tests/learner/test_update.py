@@ -19,7 +19,7 @@ from generators.torch_engine import TorchEngine
 from learner.batch import TrainBatch, collate
 from learner.model import load_sharded
 from learner.optim import build_optimizer, build_scheduler
-from learner.update import Learner, UpdateSettings
+from learner.update import Learner
 from learner.weights import gather_full_weights
 from transport.messages import RolloutGroup, Sample
 
@@ -79,10 +79,9 @@ def build_learner(path: Path, **actor_overrides) -> Learner:
                         **actor_overrides)
     model = load_sharded(str(path), compute_dtype=torch.float32, device=torch.device("cpu"))
     optimizer = build_optimizer(model, optim)
-    settings = UpdateSettings(actor=actor, algorithm=AlgorithmConfig(), temperature=1.0,
-                              horizon=6, num_prompts=len(PROMPTS))
     return Learner(model, optimizer, build_scheduler(optimizer, total_steps=10, optim=optim),
-                   settings)
+                   actor=actor, algorithm=AlgorithmConfig(), temperature=1.0, horizon=6,
+                   num_prompts=len(PROMPTS))
 
 
 @pytest.mark.usefixtures("one_rank_group")

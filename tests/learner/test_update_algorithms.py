@@ -10,14 +10,14 @@ import torch
 from transformers import AutoModel
 
 from algorithms.advantages import ESTIMATORS
-from algorithms.policy_loss import LOSS_MODES
+from algorithms.kl import KLControlConfig
+from algorithms.off_policy import RolloutCorrectionConfig
+from algorithms.policy_loss import LOSS_MODES, PolicyLossConfig
 from configs.run_schema import (
     ActorConfig,
     AlgorithmConfig,
     CriticConfig,
-    KLControlConfig,
     OptimConfig,
-    PolicyLossConfig,
     PrmModelConfig,
     RewardModelConfig,
 )
@@ -27,7 +27,7 @@ from learner.critic import Critic, load_value_model
 from learner.implicit_prm import ImplicitPRM
 from learner.model import load_sharded
 from learner.optim import build_optimizer, build_scheduler
-from learner.update import Learner, UpdateSettings
+from learner.update import Learner
 from learner.weights import gather_full_weights
 
 from ..conftest import save_random_model
@@ -65,10 +65,10 @@ def make_learner(path: Path, actor: ActorConfig | None = None,
                                          device=torch.device("cpu")),
                         CriticConfig(optim=OptimConfig(lr=1e-3, weight_decay=0.0)),
                         total_steps=10)
-    settings = UpdateSettings(actor=actor, algorithm=algorithm, temperature=1.0, horizon=6,
-                              num_prompts=len(PROMPTS), critic_warmup=critic_warmup)
     return Learner(model, optimizer, build_scheduler(optimizer, total_steps=10,
-                                                     optim=actor.optim), settings,
+                                                     optim=actor.optim),
+                   actor=actor, algorithm=algorithm, temperature=1.0, horizon=6,
+                   num_prompts=len(PROMPTS), critic_warmup=critic_warmup,
                    reference=reference, critic=critic, prm=prm)
 
 
@@ -159,8 +159,6 @@ def test_kl_in_reward_feeds_the_adaptive_controller(random_model_dir: Path,
 
 @pytest.mark.usefixtures("one_rank_group")
 def test_rejection_masks_are_counted(random_model_dir: Path, batch: TrainBatch) -> None:
-    from configs.run_schema import RolloutCorrectionConfig
-
     # Behavior log-probs shifted by -1 on every token: ratio proximal / behavior = e > 2, so
     # token rejection outside [0.5, 2] drops every token and nothing is learned.
     shifted = TrainBatch(**{f: getattr(batch, f) for f in batch.__struct_fields__})
@@ -176,8 +174,6 @@ def test_rejection_masks_are_counted(random_model_dir: Path, batch: TrainBatch) 
 @pytest.mark.usefixtures("one_rank_group")
 def test_rejected_tokens_stay_in_each_sequences_denominator(random_model_dir: Path,
                                                             batch: TrainBatch) -> None:
-    from configs.run_schema import RolloutCorrectionConfig
-
     # Behavior log-probs shifted by -1 on the tail of each response: ratio e > 2 there, so
     # token rejection drops those tokens; row i keeps its first ceil(L * (i % 4 + 1) / 4)
     # tokens (on-policy). At the first update the PPO ratio is 1 and IS is off, so a kept
@@ -206,6 +202,184 @@ def test_rejected_tokens_stay_in_each_sequences_denominator(random_model_dir: Pa
     assert metrics["actor/rejected_frac"] == pytest.approx(float(tail.sum() / response.sum()),
                                                            abs=1e-6)
     assert metrics["actor/loss"] == pytest.approx(float(expected), abs=1e-5)
+
+
+def copy_of(batch: TrainBatch) -> TrainBatch:
+    return TrainBatch(**{f: getattr(batch, f) for f in batch.__struct_fields__})
+
+
+def with_varied_lengths(batch: TrainBatch) -> TrainBatch:
+    """Row i keeps its first L_i - i % 4 response tokens (the fixture's are all as long; the
+    rest become padding, which leaves the kept tokens' log-probs as they were)."""
+    out = copy_of(batch)
+    keep = batch.response_mask.sum(-1) - torch.arange(batch.rows) % 4
+    out.response_mask = batch.response_mask * (batch.response_mask.cumsum(-1) <= keep[:, None])
+    return out
+
+
+def grpo_by_hand(batch: TrainBatch) -> torch.Tensor:
+    """(r - group mean) / (unbiased group std + 1e-6) per row, (B,) float64."""
+    advantages = torch.zeros(batch.rows, dtype=torch.float64)
+    for group in batch.group_ids.unique():
+        rows = batch.group_ids == group
+        rewards = batch.rewards[rows].double()
+        advantages[rows] = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+    return advantages
+
+
+ROW_WEIGHTS = torch.linspace(0.2, 1.0, 12)  # replay weights, so that groups do not cancel
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("mode", ["gspo", "sapo", "geo_mean"])
+def test_sequence_loss_modes_are_aggregated_per_sequence_whatever_loss_agg_mode(
+        random_model_dir: Path, batch: TrainBatch, mode: str) -> None:
+    # verl aggregates gspo and sapo with seq-mean-token-mean and geo_mean with a mean over
+    # sequences, ignoring actor.loss_agg_mode (token-mean here). At the first update the ratio
+    # is 1, so every token of row i has the loss l_i = -A_i (gspo, geo_mean) or
+    # -A_i (4 / tau) sigmoid(0) = -2 A_i / tau (sapo, tau 1 for A > 0, 1.05 otherwise), and
+    # the loss is (1/B) sum_i w_i l_i; token-mean would weight each row by its length.
+    batch = with_sample_weights(with_varied_lengths(batch), ROW_WEIGHTS)
+    actor = ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0),
+                        policy_loss=PolicyLossConfig(loss_mode=mode))
+    metrics = make_learner(random_model_dir, actor=actor).step(batch).metrics
+    advantages = grpo_by_hand(batch)
+    per_row = -advantages * (2 / torch.where(advantages > 0, 1.0, 1.05) if mode == "sapo" else 1)
+    weighted = ROW_WEIGHTS.double() * per_row
+    lengths = batch.response_mask.sum(-1).double()
+    expected = float(weighted.sum() / batch.rows)
+    assert abs(expected - float((weighted * lengths).sum() / lengths.sum())) > 1e-3
+    assert metrics["actor/loss"] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_geo_mean_takes_the_geometric_mean_of_the_is_weights(random_model_dir: Path,
+                                                             batch: TrainBatch) -> None:
+    # Behavior log-probs 0.5 below the proximal ones on even positions: IS weight e^0.5 (< the
+    # cap 2) there, 1 elsewhere. geo_mean's sequence loss -A_i is multiplied by the weights'
+    # geometric mean over the row, exp(0.5 * n_even_i / L_i), as verl (their arithmetic mean,
+    # as a per-token weight under seq-mean-token-mean, would give another number).
+    batch = with_sample_weights(with_varied_lengths(batch), ROW_WEIGHTS)
+    shift = torch.zeros_like(batch.behavior_logprobs)
+    shift[:, ::2] = 0.5
+    shift = shift * batch.response_mask
+    shifted = copy_of(batch)
+    shifted.behavior_logprobs = batch.behavior_logprobs - shift
+    actor = ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0),
+                        policy_loss=PolicyLossConfig(loss_mode="geo_mean"))
+    metrics = make_learner(random_model_dir, actor=actor).step(shifted).metrics
+    lengths = batch.response_mask.sum(-1).double()
+    per_row = -grpo_by_hand(batch) * ROW_WEIGHTS.double()
+    geometric = torch.exp(shift.double().sum(-1) / lengths)
+    arithmetic = (shift.double().exp() * batch.response_mask).sum(-1) / lengths
+    expected = float((per_row * geometric).sum() / batch.rows)
+    assert abs(expected - float((per_row * arithmetic).sum() / batch.rows)) > 1e-4
+    assert metrics["actor/loss"] == pytest.approx(expected, abs=1e-5)
+
+
+def rejecting_tails(batch: TrainBatch, kept: torch.Tensor) -> tuple[TrainBatch, torch.Tensor]:
+    """The batch with behavior log-probs 1 below on each row's tokens past ``kept`` (B,):
+    token rejection outside [0.5, 2] drops them (ratio e). Returns it and its tail mask."""
+    response = batch.response_mask
+    tail = (response.cumsum(-1) > kept[:, None]) & response.bool()
+    shifted = copy_of(batch)
+    shifted.behavior_logprobs = batch.behavior_logprobs - tail.float()
+    return shifted, tail
+
+
+TOKEN_REJECTION = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(
+    rollout_is="none", rollout_rs="token"))
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("mode", ["gspo", "geo_mean"])
+def test_the_loss_mode_sees_the_rejection_mask(random_model_dir: Path, batch: TrainBatch,
+                                               mode: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # The response mask the loss mode gets is the correction's: a rejected token leaves
+    # GSPO's sequence ratio and GMPO's geometric mean (and gets no gradient through them).
+    import learner.update as update
+
+    seen: list[torch.Tensor] = []
+    original = update.policy_loss
+    monkeypatch.setattr(update, "policy_loss",
+                        lambda *args, **kw: seen.append(args[3].clone()) or original(*args, **kw))
+    shifted, tail = rejecting_tails(batch, torch.full((batch.rows,), 2.0))
+    actor = ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0),
+                        policy_loss=PolicyLossConfig(loss_mode=mode))
+    make_learner(random_model_dir, actor=actor, algorithm=TOKEN_REJECTION).step(shifted)
+    kept = (batch.response_mask * ~tail)[:, :seen[0].shape[1]]
+    assert torch.equal(seen[0], kept)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_rejection_enters_the_advantages(random_model_dir: Path, batch: TrainBatch,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # OPO's baseline is weighted by response lengths; verl rejects before compute_advantage,
+    # so the lengths are the kept ones: A_i = r_i - sum_g k_j r_j / sum_g k_j. Row i keeps
+    # k_i = ceil(L_i (i % 4 + 1) / 4) tokens; with one update per step the proximal pass
+    # must now run up front. Loss (seq-mean-token-mean, IS off, ratio 1):
+    # (1/B) sum_i -w_i A_i k_i / L_i.
+    calls: list[int] = []
+    original = Learner._no_grad_logprobs
+    monkeypatch.setattr(Learner, "_no_grad_logprobs",
+                        lambda self, model, b: calls.append(1) or original(self, model, b))
+    lengths = batch.response_mask.sum(-1)
+    kept = torch.ceil(lengths * (torch.arange(batch.rows) % 4 + 1) / 4)
+    shifted, _ = rejecting_tails(with_sample_weights(batch, ROW_WEIGHTS), kept)
+    actor = ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0),
+                        loss_agg_mode="seq-mean-token-mean")
+    algorithm = AlgorithmConfig(adv_estimator="opo",
+                                rollout_correction=TOKEN_REJECTION.rollout_correction)
+    metrics = make_learner(random_model_dir, actor=actor, algorithm=algorithm).step(
+        shifted).metrics
+    assert calls == [1], "rejection needs the proximal log-probs before the advantages"
+    rewards, advantages = batch.rewards.double(), torch.zeros(batch.rows, dtype=torch.float64)
+    for group in batch.group_ids.unique():
+        rows = batch.group_ids == group
+        baseline = (kept[rows].double() * rewards[rows]).sum() / kept[rows].sum()
+        advantages[rows] = rewards[rows] - baseline
+    expected = float((-advantages * ROW_WEIGHTS.double() * kept / lengths).sum() / batch.rows)
+    assert abs(expected) > 1e-3
+    assert metrics["actor/loss"] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_rejected_tokens_add_no_entropy_or_kl_loss(random_model_dir: Path,
+                                                   batch: TrainBatch) -> None:
+    # Every token rejected (behavior 1 below: ratio e > 2), with an entropy bonus and a KL
+    # loss against a reference moved away from the policy: nothing is left to train on, so
+    # the loss and the gradient are 0 (the entropy and KL terms must be masked too).
+    shifted, _ = rejecting_tails(batch, torch.zeros(batch.rows))
+    actor = ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0), entropy_coeff=0.01,
+                        use_kl_loss=True)
+    learner = make_learner(random_model_dir, actor=actor, algorithm=AlgorithmConfig(
+        rollout_correction=RolloutCorrectionConfig(rollout_rs="token")))
+    with torch.no_grad():
+        for parameter in learner.reference.parameters():
+            parameter.add_(0.05)
+    metrics = learner.step(shifted).metrics
+    assert metrics["actor/rejected_frac"] == pytest.approx(1.0)
+    assert metrics["actor/loss"] == pytest.approx(0.0, abs=1e-7)
+    assert metrics["actor/grad_norm"] == pytest.approx(0.0, abs=1e-7)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_rows_without_response_tokens_are_not_counted_as_sequences(random_model_dir: Path,
+                                                                   batch: TrainBatch) -> None:
+    # Row 0's response is emptied: B = 11 sequences in seq-mean-token-mean, not 12. Its
+    # reward still counts in its group's GRPO statistics (as in verl). Ratio 1: the loss is
+    # (1/11) sum_{i > 0} -w_i A_i.
+    empty = with_sample_weights(batch, ROW_WEIGHTS)
+    empty.response_mask = batch.response_mask.clone()
+    empty.response_mask[0] = 0.0
+    actor = ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0),
+                        loss_agg_mode="seq-mean-token-mean")
+    metrics = make_learner(random_model_dir, actor=actor).step(empty).metrics
+    advantages = grpo_by_hand(batch)
+    advantages[0] = 0.0
+    expected = float((-advantages * ROW_WEIGHTS.double()).sum() / (batch.rows - 1))
+    assert metrics["actor/loss"] == pytest.approx(expected, abs=1e-5)
 
 
 @pytest.mark.usefixtures("one_rank_group")

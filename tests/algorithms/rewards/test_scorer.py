@@ -31,7 +31,6 @@ from algorithms.rewards import (
 )
 
 FNS = Path(__file__).with_name("reward_fns.py")
-SPEC = f"{FNS}:compute_score"
 LIMIT_S = 1.0
 SOURCE = "test/custom"
 
@@ -76,7 +75,7 @@ def live_pid(scorer: RewardScorer) -> int:
 
 @pytest.fixture(scope="module")
 def scorer() -> Iterator[RewardScorer]:
-    with RewardScorer(RewardConfig(custom_function=SPEC, timeout_s=LIMIT_S)) as shared:
+    with RewardScorer(RewardConfig(path=str(FNS), timeout_s=LIMIT_S)) as shared:
         yield shared
 
 
@@ -137,7 +136,7 @@ def test_extra_info_reaches_the_function_and_unsendable_items_fail_alone(
 
 
 def test_reward_functions_are_called_with_keywords_like_verl() -> None:
-    with RewardScorer(RewardConfig(custom_function=f"{FNS}:reordered")) as custom:
+    with RewardScorer(RewardConfig(path=str(FNS), name="reordered")) as custom:
         results = custom.score([RewardItem(SOURCE, "42", "42"), RewardItem(SOURCE, "4", "42")])
     assert [r.score for r in results] == [1.0, 0.0]
 
@@ -244,8 +243,8 @@ def test_unknown_data_source_raises_at_check_and_at_score() -> None:
 
 
 def test_custom_function_by_module_name_scores_every_source() -> None:
-    spec = "algorithms.rewards.registry:default_compute_score"
-    with RewardScorer(RewardConfig(custom_function=spec)) as custom:
+    config = RewardConfig(path="algorithms.rewards.registry", name="default_compute_score")
+    with RewardScorer(config) as custom:
         custom.check_data_sources(["any/name"])  # a custom function accepts all sources
         assert [r.score for r in custom.score(MIXED)] == MIXED_SCORES
 
@@ -290,7 +289,7 @@ def test_load_error_from_an_import_that_raises(tmp_path: Path) -> None:
 def test_scorer_raises_load_errors_at_construction_and_leaves_no_worker() -> None:
     before = set(_children())
     with pytest.raises(RewardLoadError, match="has no attribute 'nope'"):
-        RewardScorer(RewardConfig(custom_function=f"{FNS}:nope"))
+        RewardScorer(RewardConfig(path=str(FNS), name="nope"))
     assert set(_children()) <= before
 
 
@@ -313,7 +312,7 @@ def _children() -> list[int]:
 
 def test_close_leaves_no_process_behind(tmp_path: Path) -> None:
     marker = tmp_path / "grandchild"
-    config = RewardConfig(custom_function=SPEC, timeout_s=LIMIT_S)
+    config = RewardConfig(path=str(FNS), timeout_s=LIMIT_S)
     with RewardScorer(config) as own:
         first = own.worker_pid
         result = own.score(items(f"spawn_then_hang:{marker}"))[0]
@@ -333,7 +332,7 @@ def test_close_leaves_no_process_behind(tmp_path: Path) -> None:
 def test_worker_dies_with_its_parent(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         from algorithms.rewards import RewardConfig, RewardItem, RewardScorer
-        scorer = RewardScorer(RewardConfig(custom_function={SPEC!r}, timeout_s=600))
+        scorer = RewardScorer(RewardConfig(path={str(FNS)!r}, timeout_s=600))
         print(scorer.worker_pid, flush=True)
         scorer.score([RewardItem("s", "hang:", "")])
     """)
