@@ -20,6 +20,7 @@ raises ``ReplayFilterError`` and the run ends with that error, as verl does.
 
 from __future__ import annotations
 
+from buffer.store import DropReason
 from transport.messages import RolloutGroup, Sample
 
 SCORE = "score"  # the metric that means the sample's reward itself
@@ -60,7 +61,7 @@ class DynamicSampling:
         self.judged = 0  # groups judged since the last learner batch filled
         self.kept = 0  # groups kept since then
 
-    def __call__(self, group: RolloutGroup) -> RolloutGroup | str:
+    def __call__(self, group: RolloutGroup) -> RolloutGroup | DropReason:
         """The group, or ``"zero_variance"`` when its samples all score the same."""
         values = [sample_metric(s, self.metric) for s in group.samples]
         keep = not has_zero_variance(values)

@@ -33,6 +33,7 @@ from buffer.registry import Registry
 from buffer.rollout_log import RolloutLogWriter
 from buffer.staleness import lease_capacity, oldest_version, staleness
 from buffer.store import Admission, ReplayStore
+from configs.run_schema import BufferConfig
 from transport.messages import (
     Ack,
     Attach,
@@ -47,6 +48,7 @@ from transport.messages import (
     PromptLease,
     RolloutAck,
     RolloutGroup,
+    RolloutVerdict,
     SampleBatch,
     SampleRequest,
     Shutdown,
@@ -56,42 +58,44 @@ from transport.messages import (
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 0.1
+# Where each refused group is counted: rejected (unsound or unknown), or dropped (sound but
+# not trained on). "accepted" is counted as groups/accepted, "run_failed" as the failure.
+REFUSALS: dict[RolloutVerdict, str] = {
+    "duplicate": "rejected/duplicate", "unknown_lease": "rejected/unknown_lease",
+    "malformed": "rejected/malformed", "stale": "dropped/stale_on_arrival",
+    "zero_variance": "dropped/zero_variance"}
 # Counters reported from the start (as 0) so that dashboards always have the series.
-COUNTERS = ("groups/accepted", "groups/served", "dropped/stale", "dropped/stale_on_arrival",
-            "rejected/duplicate", "rejected/unknown_lease", "rejected/malformed",
-            "prompts/expired", "prompts/returned", "samples/reward_errors",
-            "dropped/zero_variance", "samples/filtered")
+COUNTERS = ("groups/accepted", "groups/served", "dropped/stale", *REFUSALS.values(),
+            "prompts/expired", "prompts/returned", "samples/reward_errors", "samples/filtered",
+            "rejected/unexpected_message")
 RECENT_ROLLOUT_IDS = 100_000  # remembered to name duplicates precisely
 RATE_WINDOW_S = 30.0  # generator throughput is averaged over this much wall time
 
 
-class HubSettings(msgspec.Struct, kw_only=True, frozen=True):
-    """The run-config values the hub acts on."""
-
-    batch_size: int  # groups per learner step
-    n: int  # samples per group
-    max_staleness: int
-    prompts_per_lease: int
-    lease_timeout_s: float
-    heartbeat_timeout_s: float
-    weights_address: str
-    greedy_baseline: bool = False  # ReMax: every group carries its greedy response's reward
-
-
 class Hub:
-    """Prompt leasing, rollout admission, batches for the learner, generator registry."""
+    """Prompt leasing, rollout admission, batches for the learner, generator registry.
 
-    def __init__(self, settings: HubSettings, source: PromptSource, store: ReplayStore,
-                 log: RolloutLogWriter | None = None,
+    ``config`` is the run's ``buffer`` section; from the other sections the hub needs the
+    groups per learner step (``data.train_batch_size``), the samples per group
+    (``rollout.n``), the prompts per lease (``rollout.prompts_per_lease``) and whether every
+    group must carry a greedy baseline reward (ReMax).
+    """
+
+    def __init__(self, config: BufferConfig, source: PromptSource, store: ReplayStore,
+                 log: RolloutLogWriter | None = None, *, batch_size: int, n: int,
+                 prompts_per_lease: int, greedy_baseline: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.settings = settings
+        self.config = config
+        self.batch_size, self.n = batch_size, n
+        self.prompts_per_lease, self.greedy_baseline = prompts_per_lease, greedy_baseline
         self.source = source
         self.store = store
         self.log = log
         self.clock = clock
-        self.leases = LeaseBook(settings.lease_timeout_s)
-        self.registry = Registry(settings.heartbeat_timeout_s)
+        self.leases = LeaseBook(config.lease_timeout_s)
+        self.registry = Registry(config.heartbeat_timeout_s)
         self.learner_version = 0
+        self.learner_step = 0  # the step after which learner_version was published
         self.accepted = 0  # groups admitted to the store and not dropped
         self.finished = False
         self.failure = ""  # why the run must end with an error ("" while all is well)
@@ -121,16 +125,15 @@ class Hub:
         returned = self.leases.release(msg.generator_id)  # a restarted generator
         self.source.give_back(returned)
         self.registry.attach(msg, self.clock())
-        logger.info("generator %s attached (%s on %s, pid %d)", msg.generator_id, msg.engine,
-                    msg.device, msg.pid)
-        return AttachAck(accepted=True, learner_version=self.learner_version,
-                         weights_address=self.settings.weights_address)
+        logger.info("generator %s attached (%s on %s of %s, pid %d, weights version %d)",
+                    msg.generator_id, msg.engine, msg.device, msg.host, msg.pid, msg.version)
+        return AttachAck(accepted=True, learner_version=self.learner_version)
 
     def _heartbeat(self, msg: Heartbeat) -> Message:
         if self.finished:
             return Shutdown(reason=self.end_reason)
         known = self.registry.heartbeat(msg, self.clock())
-        return HeartbeatAck(known=known, learner_version=self.learner_version)
+        return HeartbeatAck(known=known)
 
     def _detach(self, msg: Detach) -> Message:
         self._drop_generator(msg.generator_id, f"detached ({msg.reason or 'no reason given'})")
@@ -141,19 +144,20 @@ class Hub:
             return Shutdown(reason=self.end_reason)
         if not self.registry.touch(msg.generator_id, self.clock()):
             return ErrorReply(code="not_attached", detail=f"{msg.generator_id} must attach first")
-        s = self.settings
-        capacity = lease_capacity(version=self.learner_version, max_staleness=s.max_staleness,
-                                  batch_size=s.batch_size, accepted=self.accepted,
+        max_staleness = self.config.max_staleness
+        capacity = lease_capacity(version=self.learner_version, max_staleness=max_staleness,
+                                  batch_size=self.batch_size, accepted=self.accepted,
                                   running=self.leases.running)
-        count = min(msg.max_prompts, s.prompts_per_lease, capacity)
+        count = min(msg.max_prompts, self.prompts_per_lease, capacity)
         if count <= 0:
             self.counts["leases/gated"] += 1
             return PromptLease(lease_id="", retry_after_s=RETRY_AFTER_S)
         lease = self.leases.grant(msg.generator_id, self.source.take(count), self.clock())
         self.counts["leases/granted"] += 1
         return PromptLease(lease_id=lease.lease_id, prompts=list(lease.outstanding.values()),
-                           n=s.n, min_version=max(0, self.learner_version - s.max_staleness),
-                           expires_in_s=s.lease_timeout_s, greedy_baseline=s.greedy_baseline)
+                           n=self.n, min_version=max(0, self.learner_version - max_staleness),
+                           expires_in_s=self.config.lease_timeout_s,
+                           greedy_baseline=self.greedy_baseline)
 
     def _lease_return(self, msg: LeaseReturn) -> Message:
         prompts = self.leases.give_back(msg.lease_id, msg.prompt_ids, msg.generator_id)
@@ -168,15 +172,13 @@ class Hub:
         prompt = self.leases.complete(group.lease_id, group.prompt_id, group.generator_id)
         if prompt is None:
             return self._reject(group, "unknown_lease")
-        problem = group_problem(group, self.settings.n, self.learner_version,
-                                self.settings.greedy_baseline)
+        problem = group_problem(group, self.n, self.learner_version, self.greedy_baseline)
         if problem:
             self.source.give_back([prompt])
             return self._reject(group, "malformed", problem)
-        if staleness(group, self.learner_version) > self.settings.max_staleness:
+        if staleness(group, self.learner_version) > self.config.max_staleness:
             self.source.give_back([prompt])  # regenerate it with fresher weights
-            self.counts["dropped/stale_on_arrival"] += 1
-            return RolloutAck(rollout_id=group.rollout_id, accepted=False, reason="stale")
+            return self._refuse(group, "stale")
         self._remember(group.rollout_id)
         try:
             admission = self.store.add(group)
@@ -186,23 +188,19 @@ class Hub:
         if self.log is not None:
             self.log.append(with_admission(group, admission))
         if not admission.kept:
-            self.counts[f"dropped/{admission.reason}"] += 1
-            return RolloutAck(rollout_id=group.rollout_id, accepted=False,
-                              reason=admission.reason)
+            return self._refuse(group, admission.reason)
         self.accepted += 1
         self.counts["groups/accepted"] += 1
         self.counts["samples/filtered"] += len(group.samples) - len(admission.kept_samples)
-        return RolloutAck(rollout_id=group.rollout_id, accepted=True)
+        return RolloutAck(rollout_id=group.rollout_id, verdict="accepted")
 
     def _sample(self, msg: SampleRequest) -> Message:
-        self.learner_version = max(self.learner_version, msg.version)
         if msg.priorities:
             try:
                 self.store.update_priorities(msg.priorities)
             except ValueError as exc:
-                self.counts["rejected/malformed"] += 1
-                return ErrorReply(code="malformed", detail=f"priorities: {exc}")
-        taken = self.store.take(msg.num_groups, self.learner_version, self.settings.max_staleness)
+                return ErrorReply(code="bad_priorities", detail=str(exc))
+        taken = self.store.take(msg.num_groups, self.learner_version, self.config.max_staleness)
         if taken.dropped_stale:
             self.accepted -= len(taken.dropped_stale)  # they never train: free their slots
             self.counts["dropped/stale"] += len(taken.dropped_stale)
@@ -213,7 +211,7 @@ class Hub:
 
     def _version(self, msg: VersionUpdate) -> Message:
         if msg.version > self.learner_version:
-            self.learner_version = msg.version
+            self.learner_version, self.learner_step = msg.version, msg.step
         return Ack()
 
     def _shutdown(self, msg: Shutdown) -> Message:
@@ -253,14 +251,17 @@ class Hub:
         logger.error("the run cannot go on: %s", why)
         self.failure = why
         self.finished = True  # generators are told to stop
-        return RolloutAck(rollout_id=group.rollout_id, accepted=False, reason=f"run failed: {why}")
+        return RolloutAck(rollout_id=group.rollout_id, verdict="run_failed", detail=why)
 
-    def _reject(self, group: RolloutGroup, reason: str, detail: str = "") -> RolloutAck:
-        self.counts[f"rejected/{reason}"] += 1
+    def _reject(self, group: RolloutGroup, verdict: RolloutVerdict, detail: str = "") -> RolloutAck:
+        """Refuse an unsound or unknown group, with a warning."""
         logger.warning("rejected rollout %s from %s: %s %s", group.rollout_id, group.generator_id,
-                       reason, detail)
-        return RolloutAck(rollout_id=group.rollout_id, accepted=False,
-                          reason=f"{reason}: {detail}" if detail else reason)
+                       verdict, detail)
+        return self._refuse(group, verdict, detail)
+
+    def _refuse(self, group: RolloutGroup, verdict: RolloutVerdict, detail: str = "") -> RolloutAck:
+        self.counts[REFUSALS[verdict]] += 1
+        return RolloutAck(rollout_id=group.rollout_id, verdict=verdict, detail=detail)
 
     def _remember(self, rollout_id: str) -> None:
         self._recent_ids[rollout_id] = None
@@ -288,6 +289,9 @@ class Hub:
             "buffer/generator_tokens_total": float(self.registry.generated_tokens),
             "buffer/generator_tokens_per_s": self.generator_tokens_per_s(),
             "buffer/learner_version": float(self.learner_version),
+            "buffer/learner_step": float(self.learner_step),
+            "buffer/generator_busy_frac": self.registry.busy_fraction(self.clock()),
+            "buffer/generator_oldest_version": float(self.registry.oldest_version()),
             "buffer/epoch": float(self.source.epoch),
         })
         return stats

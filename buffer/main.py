@@ -18,7 +18,7 @@ import time
 
 from buffer.dataset import PromptDataset
 from buffer.dynamic_sampling import DynamicSampling
-from buffer.hub import Hub, HubSettings
+from buffer.hub import Hub
 from buffer.pf_ppo import PolicyFiltration
 from buffer.prioritized import PrioritizedStore
 from buffer.prompt_source import PromptSource
@@ -41,11 +41,7 @@ def build_store(run: RunConfig) -> ReplayStore:
     replay = run.buffer.replay
     inner: ReplayStore = FifoStore()
     if replay.priority != "fifo":
-        max_age = run.buffer.max_staleness if replay.max_age < 0 else replay.max_age
-        inner = PrioritizedStore(replay.priority, alpha=replay.alpha, beta=replay.beta,
-                                 epsilon=replay.epsilon, max_reuse=replay.max_reuse,
-                                 max_age=max_age, pass_threshold=replay.pass_threshold,
-                                 seed=replay.seed)
+        inner = PrioritizedStore(replay, max_staleness=run.buffer.max_staleness)
     filters: list[GroupFilter] = []
     dynamic, pf_ppo = run.buffer.filter_groups, run.buffer.pf_ppo
     if dynamic.enable:
@@ -58,19 +54,15 @@ def build_store(run: RunConfig) -> ReplayStore:
 
 def build_hub(ctx: RunContext) -> Hub:
     run = ctx.run
-    settings = HubSettings(
-        batch_size=run.data.train_batch_size, n=run.rollout.n,
-        max_staleness=run.buffer.max_staleness, prompts_per_lease=run.rollout.prompts_per_lease,
-        lease_timeout_s=run.buffer.lease_timeout_s,
-        heartbeat_timeout_s=run.buffer.heartbeat_timeout_s,
-        weights_address=ctx.weights_endpoint,
-        greedy_baseline=run.algorithm.adv_estimator == "remax")
     dataset = PromptDataset.from_files(run.data.train_files)
     source = PromptSource(dataset, shuffle=run.data.shuffle, seed=run.data.seed)
     log = RolloutLogWriter(ctx.run_dir / "rollouts") if run.buffer.rollout_log else None
     logger.info("%d training prompts; serving %d groups of %d per step, max staleness %d",
-                len(dataset), settings.batch_size, settings.n, settings.max_staleness)
-    return Hub(settings, source, build_store(run), log)
+                len(dataset), run.data.train_batch_size, run.rollout.n,
+                run.buffer.max_staleness)
+    return Hub(run.buffer, source, build_store(run), log, batch_size=run.data.train_batch_size,
+               n=run.rollout.n, prompts_per_lease=run.rollout.prompts_per_lease,
+               greedy_baseline=run.algorithm.adv_estimator == "remax")
 
 
 def serve(ctx: RunContext, hub: Hub, stop: threading.Event) -> None:
@@ -88,7 +80,7 @@ def serve(ctx: RunContext, hub: Hub, stop: threading.Event) -> None:
                 hub.tick()
                 next_tick = now + TICK_S
             if now >= next_metrics:
-                metrics.send(Metrics(source="buffer", step=0, values=hub.stats(), time=time.time()))
+                metrics.send(Metrics(source="buffer", step=0, values=hub.stats()))
                 next_metrics = now + METRICS_EVERY_S
             if hub.failure:
                 break

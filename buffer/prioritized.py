@@ -45,6 +45,7 @@ import torch
 
 from buffer.staleness import staleness
 from buffer.store import Admission, Taken, keep_all
+from configs.run_schema import ReplayConfig
 from transport.messages import RolloutGroup
 
 Priority = Literal["uniform", "advantage", "pass_rate", "td_error"]
@@ -87,14 +88,18 @@ class _Entry:
 class PrioritizedStore:
     """A ``ReplayStore`` that draws groups by priority and returns their importance weights."""
 
-    def __init__(self, priority: Priority, *, alpha: float, beta: float, epsilon: float,
-                 max_reuse: int, max_age: int, pass_threshold: float, seed: int) -> None:
-        if priority not in PRIORITIES:
-            raise ValueError(f"unknown priority {priority!r}; known: {', '.join(PRIORITIES)}")
-        self.priority, self.alpha, self.beta, self.epsilon = priority, alpha, beta, epsilon
-        self.max_reuse, self.max_age, self.pass_threshold = max_reuse, max_age, pass_threshold
+    def __init__(self, config: ReplayConfig, *, max_staleness: int) -> None:
+        """``config`` is the run's ``buffer.replay``; ``max_staleness`` (eta) bounds its
+        ``max_age`` and stands in for it when that is -1."""
+        if config.priority not in PRIORITIES:
+            raise ValueError(f"buffer.replay.priority = {config.priority!r} is not a priority "
+                             f"of prioritized replay; known: {', '.join(PRIORITIES)}")
+        self.priority, self.alpha, self.beta = config.priority, config.alpha, config.beta
+        self.epsilon, self.max_reuse = config.epsilon, config.max_reuse
+        self.max_age = max_staleness if config.max_age < 0 else config.max_age
+        self.pass_threshold = config.pass_threshold
         self._entries: dict[str, _Entry] = {}  # by rollout id, in arrival order
-        self._rng = torch.Generator().manual_seed(seed)
+        self._rng = torch.Generator().manual_seed(config.seed)
         self._max_priority = 1.0
         self.counts: Counter[str] = Counter(
             {"evicted_after_use": 0, "retired_max_reuse": 0, "draws": 0, "redraws": 0})

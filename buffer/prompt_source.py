@@ -79,4 +79,3 @@ class PromptSource:
             self._iterator = iter(self._loader)
             index, row = next(self._iterator)
         return to_prompt(f"e{self.epoch}-{index}", row)
-

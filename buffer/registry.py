@@ -67,6 +67,16 @@ class Registry:
         return [g.generator_id for g in self.generators.values()
                 if now - g.last_seen > self.heartbeat_timeout_s]
 
+    def busy_fraction(self, now: float) -> float:
+        """The fraction of their attached time the attached generators spent generating."""
+        attached = sum(now - g.attached_at for g in self.generators.values())
+        busy = sum(g.generation_seconds for g in self.generators.values())
+        return min(1.0, busy / attached) if attached > 0 else 0.0
+
+    def oldest_version(self) -> int:
+        """The oldest weight version an attached generator holds (0 when none is attached)."""
+        return min((g.version for g in self.generators.values()), default=0)
+
     @property
     def generated_tokens(self) -> int:
         """Tokens generated since the run began, by attached and departed generators."""

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Literal, Protocol
 
 import msgspec
 
 from buffer.staleness import staleness
 from transport.messages import RolloutGroup
+
+DropReason = Literal["zero_variance"]
+"""Why a group filter dropped a whole group (a ``RolloutVerdict`` of the wire)."""
 
 
 class Taken(msgspec.Struct, frozen=True):
@@ -37,7 +40,7 @@ class Admission(msgspec.Struct, frozen=True):
     kept, in order) or dropped (``reason``: the counter ``buffer/dropped/<reason>``)."""
 
     kept_samples: tuple[int, ...] = ()
-    reason: str = ""
+    reason: DropReason | Literal[""] = ""
 
     @property
     def kept(self) -> bool:
@@ -96,7 +99,7 @@ class GroupFilter(Protocol):
     """Returns the group to keep (possibly with fewer samples, the same objects), or the
     reason to drop it."""
 
-    def __call__(self, group: RolloutGroup) -> RolloutGroup | str: ...
+    def __call__(self, group: RolloutGroup) -> RolloutGroup | DropReason: ...
 
 
 class FilteredStore:

@@ -43,12 +43,27 @@ class LearnerPlacement(_Section):
     threads: Threads = 0
 
 
+EngineName = Literal["torch", "hf"]
+"""The engines this version of Relay runs (``generators.build.ENGINES``)."""
+
+
 class GeneratorPlacement(_Section):
     """One generator process: an inference engine on a device."""
 
     name: str
     host: str = "127.0.0.1"
-    engine: Literal["torch", "hf", "vllm", "sglang"] = "torch"
+    engine: EngineName = "torch"
+    device: str = "cpu"
+    threads: Threads = 0
+
+
+class EvaluatorPlacement(_Section):
+    """The evaluator process (``generators.evaluator``): held-out evaluation of the weights
+    the learner offers, with its own engine. Started only when the run config has
+    validation data to evaluate on (``RunConfig.evaluates``)."""
+
+    host: str = "127.0.0.1"
+    engine: EngineName = "torch"
     device: str = "cpu"
     threads: Threads = 0
 
@@ -84,5 +99,6 @@ class Topology(_Section):
     generators: Annotated[list[GeneratorPlacement], msgspec.Meta(min_length=1)] = msgspec.field(
         default_factory=lambda: [GeneratorPlacement(name="gen0")]
     )
+    evaluator: EvaluatorPlacement = msgspec.field(default_factory=EvaluatorPlacement)
     security: Security = msgspec.field(default_factory=Security)
     launcher: LauncherSettings = msgspec.field(default_factory=LauncherSettings)

@@ -1,13 +1,11 @@
-"""Held-out evaluation of a published weight version.
+"""Held-out evaluation: decode the validation prompts with an engine and score them.
 
-Rank 0 keeps an inference copy of the policy (``generators.torch_engine.TorchEngine``),
-loads each published version into it and decodes the validation prompts with
-``rollout.val_kwargs`` (greedy by default), scoring them with the task's reward function.
-Evaluating the published version means the number logged is the policy the generators
-actually run, and it costs the sharded training model no collectives.
+The prompts are decoded with ``rollout.val_kwargs`` (greedy by default) and scored with the
+task's reward function. The evaluator process (``generators.evaluator``) runs it on the
+weights the learner hands out for evaluation.
 
-accuracy = mean over samples of ``info["acc"]`` when the reward function reports one
-(verl's math rewards do), else of ``score >= 1``.
+    accuracy = mean over samples of info["acc"] when the reward function reports one
+               (verl's math rewards do), else of [score >= 1]
 """
 
 from __future__ import annotations
@@ -31,6 +29,15 @@ class EvalResult(msgspec.Struct, frozen=True):
     response_length_mean: float
     samples: int
     by_source: dict[str, float]  # accuracy per data_source
+
+
+def eval_metrics(result: EvalResult) -> dict[str, float]:
+    """The ``eval/...`` metrics of one evaluation (per data source when there are several)."""
+    metrics = {"eval/accuracy": result.accuracy, "eval/reward_mean": result.reward_mean,
+               "eval/response_length_mean": result.response_length_mean}
+    if len(result.by_source) > 1:
+        metrics.update({f"eval/accuracy/{s}": a for s, a in result.by_source.items()})
+    return metrics
 
 
 def is_correct(result: RewardResult) -> float:

@@ -25,7 +25,7 @@ import torch
 from algorithms.reward_shaping import overlong_penalty
 from algorithms.rewards.result import RewardItem
 from algorithms.rewards.scorer import RewardScorer
-from configs.run_schema import OverlongBufferConfig
+from configs.run_schema import OverlongBufferConfig, RolloutConfig
 from generators.engine import Completion, Engine
 from generators.sampling import SamplingParams
 from generators.weight_receiver import WeightReceiver
@@ -54,14 +54,14 @@ REQUEST_TIMEOUT_S = 30.0
 HEARTBEAT_EVERY_S = 1.0
 
 
-class GeneratorSettings(msgspec.Struct, kw_only=True, frozen=True):
-    generator_id: str
-    buffer_endpoint: str
-    weights_endpoint: str
-    params: SamplingParams
-    max_prompt_length: int
-    weights_timeout_s: float = 300.0  # how long a lease may wait for the weights it needs
-    overlong: OverlongBufferConfig = msgspec.field(default_factory=OverlongBufferConfig)
+WEIGHTS_TIMEOUT_S = 300.0  # how long a lease may wait for the weights it needs
+
+
+def sampling_params(rollout: RolloutConfig) -> SamplingParams:
+    """The engine's sampling parameters for training rollouts."""
+    return SamplingParams(max_new_tokens=rollout.response_length,
+                          temperature=rollout.temperature, top_p=rollout.top_p,
+                          top_k=rollout.top_k)
 
 
 class Counters:
@@ -70,20 +70,19 @@ class Counters:
     def __init__(self) -> None:
         self.tokens = 0
         self.seconds = 0.0
-        self.in_flight = 0
         self.groups_sent = 0
         self.groups_rejected = 0
 
 
 class Heartbeater:
-    """Sends heartbeats; notices the learner's version, a forgotten membership, shutdown."""
+    """Sends heartbeats; notices a forgotten membership and the end of the run."""
 
-    def __init__(self, settings: GeneratorSettings, engine: Engine, counters: Counters,
-                 keys: ClientKeys | None) -> None:
-        self._settings, self._engine, self._counters, self._keys = settings, engine, counters, keys
+    def __init__(self, generator_id: str, buffer_endpoint: str, engine: Engine,
+                 counters: Counters, keys: ClientKeys | None) -> None:
+        self._generator_id, self._buffer_endpoint = generator_id, buffer_endpoint
+        self._engine, self._counters, self._keys = engine, counters, keys
         self.stop_requested = threading.Event()
         self.reattach = threading.Event()
-        self.learner_version = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -96,12 +95,11 @@ class Heartbeater:
         self._thread.join(REQUEST_TIMEOUT_S)
 
     def _run(self) -> None:
-        client = Client(self._settings.buffer_endpoint, keys=self._keys)
+        client = Client(self._buffer_endpoint, keys=self._keys)
         try:
             while not self._done.wait(HEARTBEAT_EVERY_S):
-                beat = Heartbeat(generator_id=self._settings.generator_id,
+                beat = Heartbeat(generator_id=self._generator_id,
                                  version=self._engine.version,
-                                 in_flight_prompts=self._counters.in_flight,
                                  generated_tokens=self._counters.tokens,
                                  generation_seconds=self._counters.seconds)
                 try:
@@ -113,26 +111,34 @@ class Heartbeater:
                     logger.info("buffer says: %s", reply.reason)
                     self.stop_requested.set()
                     return  # the buffer is about to go: a later heartbeat would hang
-                if isinstance(reply, HeartbeatAck):
-                    self.learner_version = reply.learner_version
-                    if not reply.known:
-                        self.reattach.set()
+                if isinstance(reply, HeartbeatAck) and not reply.known:
+                    self.reattach.set()
         finally:
             client.close()
 
 
 class GeneratorLoop:
-    """The compute loop of one generator process."""
+    """The compute loop of one generator process.
 
-    def __init__(self, settings: GeneratorSettings, engine: Engine, tokenizer,
-                 scorer: RewardScorer, keys: ClientKeys | None = None) -> None:
-        self.settings, self.engine, self.tokenizer = settings, engine, tokenizer
-        self.scorer = scorer
+    ``rollout`` is the run's rollout section; from the others it needs the prompt length
+    limit (``data.max_prompt_length``) and DAPO's overlong penalty
+    (``reward_model.overlong_buffer``).
+    """
+
+    def __init__(self, *, generator_id: str, buffer_endpoint: str, weights_endpoint: str,
+                 engine: Engine, tokenizer, scorer: RewardScorer, rollout: RolloutConfig,
+                 max_prompt_length: int, overlong: OverlongBufferConfig,
+                 keys: ClientKeys | None = None,
+                 weights_timeout_s: float = WEIGHTS_TIMEOUT_S) -> None:
+        self.generator_id, self.buffer_endpoint = generator_id, buffer_endpoint
+        self.engine, self.tokenizer, self.scorer = engine, tokenizer, scorer
+        self.params = sampling_params(rollout)
+        self.max_prompt_length, self.overlong = max_prompt_length, overlong
+        self.weights_timeout_s = weights_timeout_s
         self.counters = Counters()
-        self._keys = keys
-        self._buffer = Client(settings.buffer_endpoint, keys=keys)
-        self._weights = WeightReceiver(settings.weights_endpoint, settings.generator_id, keys=keys)
-        self._heart = Heartbeater(settings, engine, self.counters, keys)
+        self._buffer = Client(buffer_endpoint, keys=keys)
+        self._weights = WeightReceiver(weights_endpoint, generator_id, keys=keys)
+        self._heart = Heartbeater(generator_id, buffer_endpoint, engine, self.counters, keys)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -157,19 +163,19 @@ class GeneratorLoop:
 
     def _attach(self) -> bool:
         reply = self._buffer.request(
-            Attach(generator_id=self.settings.generator_id, engine=self.engine.name,
+            Attach(generator_id=self.generator_id, engine=self.engine.name,
                    device=str(getattr(self.engine, "device", "")), host=socket.gethostname(),
                    pid=os.getpid(), version=self.engine.version), REQUEST_TIMEOUT_S)
         if not isinstance(reply, AttachAck) or not reply.accepted:
             logger.info("not attached: %s", getattr(reply, "reason", reply))
             return False
-        logger.info("attached to %s; learner at version %d", self.settings.buffer_endpoint,
+        logger.info("attached to %s; learner at version %d", self.buffer_endpoint,
                     reply.learner_version)
         return True
 
     def _detach(self) -> None:
         try:
-            self._buffer.request(Detach(generator_id=self.settings.generator_id,
+            self._buffer.request(Detach(generator_id=self.generator_id,
                                         reason="stopping"), 5.0)
         except PeerTimeout:
             logger.info("the buffer is gone; left without detaching")
@@ -177,7 +183,7 @@ class GeneratorLoop:
     # -- one lease ----------------------------------------------------------------------
 
     def _work_once(self, stop: threading.Event) -> None:
-        reply = self._buffer.request(LeaseRequest(generator_id=self.settings.generator_id,
+        reply = self._buffer.request(LeaseRequest(generator_id=self.generator_id,
                                                   max_prompts=1 << 16), REQUEST_TIMEOUT_S)
         if isinstance(reply, Shutdown):
             logger.info("buffer says: %s", reply.reason)
@@ -202,17 +208,20 @@ class GeneratorLoop:
             else:
                 self._give_back(lease, f"weights version {lease.min_version} never arrived")
             return
-        self.counters.in_flight = len(lease.prompts)
+        began = time.monotonic()
         prompt_ids = [self._tokenize(p) for p in lease.prompts]
         try:
-            completions = self._generate(prompt_ids, lease.n, self.settings.params)
+            completions = self._generate(prompt_ids, lease.n, self.params)
             greedy = self._generate(prompt_ids, 1, self.greedy_params) \
                 if lease.greedy_baseline else None
         except Exception:
             self._give_back(lease, "generation failed")
             raise
-        finally:
-            self.counters.in_flight = 0
+        took = time.monotonic() - began
+        if took > lease.expires_in_s:
+            logger.warning("lease %s took %.0f s, past its %.0f s expiry: the buffer has "
+                           "leased its prompts again and will refuse these groups (raise "
+                           "buffer.lease_timeout_s)", lease.lease_id, took, lease.expires_in_s)
         for index, prompt in enumerate(lease.prompts):
             group = self._group(lease, prompt, prompt_ids[index],
                                 completions[index * lease.n:(index + 1) * lease.n])
@@ -223,7 +232,7 @@ class GeneratorLoop:
     @property
     def greedy_params(self) -> SamplingParams:
         """Greedy decoding with the rollout's length limit (ReMax's baseline response)."""
-        return msgspec.structs.replace(self.settings.params, temperature=0.0)
+        return msgspec.structs.replace(self.params, temperature=0.0)
 
     def _generate(self, prompt_ids: list[list[int]], n: int,
                   params: SamplingParams) -> list[Completion]:
@@ -239,7 +248,7 @@ class GeneratorLoop:
     def _tokenize(self, prompt: Prompt) -> list[int]:
         ids = self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True,
                                                  tokenize=True, return_dict=False)
-        limit = self.settings.max_prompt_length
+        limit = self.max_prompt_length
         if len(ids) > limit:
             logger.warning("prompt %s has %d tokens; keeping the last %d (data.max_prompt_length)",
                            prompt.prompt_id, len(ids), limit)
@@ -262,18 +271,18 @@ class GeneratorLoop:
                                   reward_error=r.error, text=text))
         return RolloutGroup(rollout_id=f"{lease.lease_id}/{prompt.prompt_id}",
                             lease_id=lease.lease_id, prompt_id=prompt.prompt_id,
-                            generator_id=self.settings.generator_id, samples=samples,
+                            generator_id=self.generator_id, samples=samples,
                             data_source=prompt.data_source, ground_truth=prompt.ground_truth)
 
     def _shaped(self, score: float, info: dict[str, float],
                 completion: Completion) -> tuple[float, dict[str, float]]:
         """The reward with DAPO's overlong penalty added when it is on, and the penalty
         recorded as ``info["overlong_reward"]``."""
-        overlong = self.settings.overlong
+        overlong = self.overlong
         if not overlong.enable:
             return score, info
         penalty = float(overlong_penalty(torch.tensor([len(completion.token_ids)]),
-                                         self.settings.params.max_new_tokens, overlong.len,
+                                         self.params.max_new_tokens, overlong.len,
                                          overlong.penalty_factor)[0])
         return score + penalty, {**info, "overlong_reward": penalty}
 
@@ -296,12 +305,15 @@ class GeneratorLoop:
             self.counters.groups_sent += 1
             return
         self.counters.groups_rejected += 1
-        logger.warning("buffer rejected %s: %s", group.rollout_id,
-                       getattr(reply, "reason", None) or reply)
+        if isinstance(reply, RolloutAck):
+            logger.warning("buffer refused %s: %s %s", group.rollout_id, reply.verdict,
+                           reply.detail)
+        else:
+            logger.warning("buffer refused %s: %r", group.rollout_id, reply)
 
     def _give_back(self, lease: PromptLease, reason: str) -> None:
         logger.warning("returning lease %s: %s", lease.lease_id, reason)
-        self._buffer.request(LeaseReturn(generator_id=self.settings.generator_id,
+        self._buffer.request(LeaseReturn(generator_id=self.generator_id,
                                          lease_id=lease.lease_id,
                                          prompt_ids=[p.prompt_id for p in lease.prompts],
                                          reason=reason), REQUEST_TIMEOUT_S)
@@ -318,7 +330,7 @@ class GeneratorLoop:
     def _wait_for(self, version: int, stop: threading.Event) -> bool:
         """Load weights ``version`` (or newer) once they arrive; False on a timeout or
         when the run is stopping (the learner may be gone and never publish them)."""
-        deadline = time.monotonic() + self.settings.weights_timeout_s
+        deadline = time.monotonic() + self.weights_timeout_s
         while not (stop.is_set() or self._heart.stop_requested.is_set()) \
                 and time.monotonic() < deadline:
             staged = self._weights.wait_for(version, timeout_s=0.5)

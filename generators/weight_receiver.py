@@ -1,6 +1,6 @@
 """Fetching weight versions from the learner in the background, staged for the engine.
 
-A daemon thread asks the learner's weight server (``learner.weight_server``) for anything
+A daemon thread asks the learner's weight server (``learner.weights``) for anything
 newer than what this generator has, every ``poll_s`` seconds. A version arrives as a
 ``WeightManifest`` and its ``WeightBucket``s; it is staged only when every tensor of the
 manifest arrived with the announced dtype and shape, so the engine applies a version whole
@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
 import msgspec
 import torch
 
-from transport.messages import WeightBucket, WeightManifest, WeightRequest
+from transport.messages import Message, WeightBucket, WeightManifest, WeightRequest
 from transport.security import ClientKeys
 from transport.sockets import Client, PeerTimeout, RemoteError
 
@@ -58,6 +59,17 @@ def assemble(manifest: WeightManifest, buckets: list[WeightBucket]) -> StagedWei
         raise IncompleteVersion(f"version {manifest.version}: {len(tensors)} tensors for "
                                 f"{len(manifest.entries)} manifest entries")
     return StagedWeights(version=manifest.version, tensors=tensors)
+
+
+def receive_version(first: Message,
+                    rest: Iterator[Message]) -> tuple[WeightManifest, StagedWeights | None]:
+    """The manifest that opens a weight server's replies and, when buckets follow it, the
+    whole version they make (``IncompleteVersion`` when they do not)."""
+    if not isinstance(first, WeightManifest):
+        raise IncompleteVersion(f"expected a WeightManifest, got {type(first).__name__}")
+    if first.num_buckets == 0:
+        return first, None
+    return first, assemble(first, [b for b in rest if isinstance(b, WeightBucket)])
 
 
 class WeightReceiver:
@@ -119,13 +131,7 @@ class WeightReceiver:
             replies = client.request_stream(WeightRequest(generator_id=self.generator_id,
                                                           have_version=self._have),
                                             self._timeout_s)
-            manifest = next(replies)
-            if not isinstance(manifest, WeightManifest):
-                raise IncompleteVersion(f"expected a WeightManifest, got {type(manifest).__name__}")
-            if manifest.num_buckets == 0:
-                return
-            buckets = [b for b in replies if isinstance(b, WeightBucket)]
-            staged = assemble(manifest, buckets)
+            manifest, staged = receive_version(next(replies), replies)
         except PeerTimeout:
             logger.debug("weight server %s did not answer; retrying", self.endpoint)
             return
@@ -133,8 +139,11 @@ class WeightReceiver:
             self.failures += 1
             logger.warning("discarded a weight version from %s: %s", self.endpoint, exc)
             return
+        if staged is None:  # up to date
+            return
         with self._arrived:
             if staged.version > self._have:
                 self._staged, self._have = staged, staged.version
                 self._arrived.notify_all()
-        logger.info("staged weights version %d (%d tensors)", staged.version, len(staged.tensors))
+        logger.info("staged weights version %d (%d tensors, %.1f MB)", staged.version,
+                    len(staged.tensors), manifest.total_bytes / 1e6)

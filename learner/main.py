@@ -2,7 +2,7 @@
 
 Parse, build, run, close: the process group (gloo on CPU, NCCL on GPU), the FSDP2 policy
 and optional reference, the optimizer and schedule; rank 0 also builds its link to the
-buffer, the weight server, the evaluator and the MLflow run. Then ``learner.loop``.
+buffer, the weight server and the MLflow run. Then ``learner.loop``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from algorithms.rewards.config import RewardConfig
-from algorithms.rewards.scorer import RewardScorer
-from buffer.dataset import load_prompt_rows
 from configs.rundir import (
     RESOLVED_RUN,
     RESOLVED_TOPOLOGY,
@@ -27,16 +24,14 @@ from configs.rundir import (
     configure_logging,
     load_run_dir,
 )
-from generators.main import eos_and_pad
-from generators.torch_engine import TorchEngine
 from learner.critic import Critic, load_value_model
 from learner.implicit_prm import ImplicitPRM
-from learner.loop import RankZero, TrainLoop
+from learner.loop import RankZero, Reporter, TrainLoop
 from learner.model import learner_device, load_sharded
 from learner.optim import build_optimizer, build_scheduler
 from learner.rollouts import BufferLink
 from learner.tracking import Tracker
-from learner.update import Learner, UpdateSettings
+from learner.update import Learner
 from learner.weights import WeightServer
 from transport.sockets import Pusher
 
@@ -58,11 +53,6 @@ def build_learner(ctx: RunContext, device: torch.device) -> Learner:
     optimizer = build_optimizer(model, run.actor.optim)
     scheduler = build_scheduler(optimizer, total_steps=run.trainer.total_training_steps,
                                 optim=run.actor.optim)
-    settings = UpdateSettings(actor=run.actor, algorithm=run.algorithm,
-                              temperature=run.rollout.temperature,
-                              horizon=run.rollout.response_length,
-                              num_prompts=run.data.train_batch_size,
-                              critic_warmup=run.trainer.critic_warmup)
     critic = prm = None
     if estimator == "gae":
         value_model = load_value_model(run.critic.model.path or run.model.path,
@@ -78,27 +68,22 @@ def build_learner(ctx: RunContext, device: torch.device) -> Learner:
         prm = ImplicitPRM(prm_model, prm_reference, run.reward_model,
                           total_steps=run.trainer.total_training_steps,
                           temperature=run.rollout.temperature)
-    return Learner(model, optimizer, scheduler, settings, reference=reference, critic=critic,
+    return Learner(model, optimizer, scheduler, actor=run.actor, algorithm=run.algorithm,
+                   temperature=run.rollout.temperature, horizon=run.rollout.response_length,
+                   num_prompts=run.data.train_batch_size,
+                   critic_warmup=run.trainer.critic_warmup, reference=reference, critic=critic,
                    prm=prm)
 
 
-def build_rank_zero(ctx: RunContext, tokenizer, scorer: RewardScorer, eos: list[int],
-                    pad: int) -> RankZero:
+def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase) -> RankZero:
     run = ctx.run
     tracker = Tracker(uri=run.tracking.uri, experiment=run.tracking.experiment,
                       run_name=run.tracking.run_name, run_dir=ctx.run_dir)
     tracker.log_config(run, [ctx.run_dir / RESOLVED_RUN, ctx.run_dir / RESOLVED_TOPOLOGY])
-    eval_engine = TorchEngine.from_pretrained(run.model.path, dtype=getattr(torch, run.model.dtype),
-                                              eos_ids=eos, pad_id=pad, seed=run.trainer.seed,
-                                              trust_remote_code=run.model.trust_remote_code)
-    val_rows = load_prompt_rows(run.data.val_files) if run.data.val_files else []
-    if val_rows:
-        scorer.check_data_sources({row.data_source for row in val_rows})
+    reporter = Reporter(tracker, Pusher(ctx.metrics_endpoint, keys=ctx.client_keys()))
     return RankZero(link=BufferLink(ctx.buffer_endpoint, keys=ctx.client_keys()),
                     weights=WeightServer(ctx.weights_endpoint, keys=ctx.server_keys()).start(),
-                    tracker=tracker, status=Pusher(ctx.metrics_endpoint, keys=ctx.client_keys()),
-                    eval_engine=eval_engine, tokenizer=tokenizer, scorer=scorer,
-                    val_rows=val_rows)
+                    reporter=reporter, tokenizer=tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,16 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(run.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(run.model.path,
                                               trust_remote_code=run.model.trust_remote_code)
-    eos, pad = eos_and_pad(run.model.path, tokenizer)
+    # Padding sits under attention_mask = 0 and off the response: any valid id will do.
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     learner = build_learner(ctx, device)
-    reward = run.custom_reward_function
-    scorer = RewardScorer(RewardConfig(
-        custom_function=f"{reward.path}:{reward.name}" if reward.path else "",
-        timeout_s=reward.timeout_s))
-    rank0 = build_rank_zero(ctx, tokenizer, scorer, eos, pad) if rank == 0 else None
+    rank0 = build_rank_zero(ctx, tokenizer) if rank == 0 else None
     checkpoint_dir = ctx.run_dir / "checkpoints" if not run.checkpoint.dir \
         else ctx.run_dir.joinpath(run.checkpoint.dir)
-    loop = TrainLoop(run, learner, pad_id=pad, publish_dtype=getattr(torch, run.model.dtype),
+    loop = TrainLoop(run.trainer, learner, batch_size=run.data.train_batch_size,
+                     max_staleness=run.buffer.max_staleness,
+                     send_td_errors=run.buffer.replay.priority == "td_error",
+                     evaluates=run.evaluates, keep_last=run.checkpoint.keep_last, pad_id=pad,
+                     publish_dtype=getattr(torch, run.model.dtype),
                      checkpoint_dir=checkpoint_dir, rank0=rank0, group=cpu_group)
     ok = False
     try:
@@ -136,11 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = True
     finally:
         if rank0 is not None:
-            rank0.tracker.close(ok)
-            rank0.weights.stop()
-            rank0.status.close()
-            rank0.link.close()
-        scorer.close()
+            rank0.close(ok)
         dist.destroy_process_group()
     logger.info("learner finished %d steps at version %d", run.trainer.total_training_steps,
                 loop.version)

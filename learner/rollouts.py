@@ -31,7 +31,7 @@ class BufferLink:
     def __init__(self, endpoint: str, keys: ClientKeys | None = None) -> None:
         self._client = Client(endpoint, keys=keys)
 
-    def next_batch(self, version: int, num_groups: int,
+    def next_batch(self, num_groups: int,
                    priorities: dict[str, float] | None = None) -> tuple[SampleBatch, float]:
         """Wait for a batch of ``num_groups`` groups; return it and the seconds waited.
 
@@ -39,8 +39,7 @@ class BufferLink:
         first request only.
         """
         started = last_log = time.monotonic()
-        request = SampleRequest(learner_rank=0, version=version, num_groups=num_groups,
-                                priorities=priorities or {})
+        request = SampleRequest(num_groups=num_groups, priorities=priorities or {})
         while True:
             try:
                 reply = self._client.request(request, REQUEST_TIMEOUT_S, expect=SampleBatch)
@@ -50,7 +49,7 @@ class BufferLink:
             assert isinstance(reply, SampleBatch)
             if reply.groups:
                 return reply, time.monotonic() - started
-            request = SampleRequest(learner_rank=0, version=version, num_groups=num_groups)
+            request = SampleRequest(num_groups=num_groups)
             now = time.monotonic()
             if now - last_log > WAIT_LOG_EVERY_S:
                 last_log = now

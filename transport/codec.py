@@ -26,12 +26,12 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from typing import Any, Generic, Literal, Protocol, TypeVar, get_args
+from typing import Any, Generic, Protocol, TypeVar, get_args
 
 import msgspec
 import torch
 
-from transport.messages import PROTOCOL_VERSION, AnyMessage, Message
+from transport.messages import PROTOCOL_VERSION, AnyMessage, Message, WireErrorKind
 
 PREAMBLE = b"RLY"
 PREAMBLE_FRAME = PREAMBLE + bytes([PROTOCOL_VERSION])
@@ -39,7 +39,6 @@ INLINE_THRESHOLD = 4096  # bytes; smaller tensors travel inside frame 1
 TENSOR_EXT = 1  # msgpack extension type code of a tensor
 MAX_TENSOR_DIMS = 32
 
-WireErrorKind = Literal["envelope", "preamble", "version", "malformed", "schema", "tensor"]
 WIRE_ERROR_KINDS: tuple[str, ...] = get_args(WireErrorKind)
 """Why a frame set was rejected. ``envelope``: the request-reply envelope frame is wrong
 (raised by ``transport.sockets``); ``preamble``: frame 0 is not ``b"RLY"`` + one byte;

@@ -16,7 +16,12 @@ Rules that keep old and new peers talking:
 - tensors are ``torch.Tensor`` fields; the codec turns them into raw frames, never pickle.
 
 This module knows the shapes of the conversation, not who speaks when: see
-``buffer.hub``, ``generators.process`` and ``learner.publish`` for the protocols.
+``buffer.hub`` (generators and the learner with the buffer), ``generators.process`` (a
+generator's side), ``learner.weights`` with ``generators.weight_receiver`` (weight versions)
+and ``generators.evaluator`` (held-out evaluation of published versions).
+
+Choices are closed sets (``Literal``): a peer that sends an error code or a verdict this
+module does not list is rejected like any malformed message.
 """
 
 from __future__ import annotations
@@ -26,7 +31,19 @@ from typing import Any, Literal, Union
 import msgspec
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+
+WireErrorKind = Literal["envelope", "preamble", "version", "malformed", "schema", "tensor"]
+"""Why a receiver rejected a frame set (``transport.codec``)."""
+ErrorCode = Literal[WireErrorKind, "handler", "unexpected", "not_attached", "bad_priorities"]
+"""``ErrorReply.code``: a wire error kind; ``handler``: the server failed on a sound
+request; ``unexpected``: this server does not take that message; ``not_attached``: a
+generator must attach before it leases; ``bad_priorities``: replay priorities the buffer
+cannot use."""
+RolloutVerdict = Literal["accepted", "duplicate", "unknown_lease", "malformed", "stale",
+                         "zero_variance", "run_failed"]
+"""What the buffer did with a ``RolloutGroup``: kept it, or why not (``zero_variance``: DAPO
+dynamic sampling dropped it; ``run_failed``: a replay filter ended the run)."""
 
 
 class Message(
@@ -57,11 +74,11 @@ class Attach(Message):
 
 
 class AttachAck(Message):
-    """The buffer's answer to ``Attach``: where to fetch weights and the current version."""
+    """The buffer's answer to ``Attach``: accepted (with the learner's current version) or
+    refused, and why."""
 
     accepted: bool
     learner_version: int = 0
-    weights_address: str = ""
     reason: str = ""
 
 
@@ -70,7 +87,6 @@ class Heartbeat(Message):
 
     generator_id: str
     version: int
-    in_flight_prompts: int = 0
     generated_tokens: int = 0  # cumulative since attach
     generation_seconds: float = 0.0  # cumulative busy time since attach
 
@@ -79,7 +95,6 @@ class HeartbeatAck(Message):
     """Reply to ``Heartbeat``; ``known=False`` asks the generator to attach again."""
 
     known: bool
-    learner_version: int = 0
 
 
 class Detach(Message):
@@ -182,11 +197,15 @@ class RolloutGroup(Message):
 
 
 class RolloutAck(Message):
-    """The buffer's verdict on one ``RolloutGroup``."""
+    """The buffer's verdict on one ``RolloutGroup``; ``detail`` explains a refusal."""
 
     rollout_id: str
-    accepted: bool
-    reason: str = ""  # "duplicate", "unknown_lease", "stale", ...
+    verdict: RolloutVerdict
+    detail: str = ""
+
+    @property
+    def accepted(self) -> bool:
+        return self.verdict == "accepted"
 
 
 # ---------------------------------------------------------------------------------------
@@ -195,14 +214,13 @@ class RolloutAck(Message):
 
 
 class SampleRequest(Message):
-    """The learner asks for a batch of ``num_groups`` groups, trained at ``version``.
+    """The learner asks for a batch of ``num_groups`` groups (its version reaches the buffer
+    by ``VersionUpdate`` alone).
 
     ``priorities`` carries the replay priorities (by rollout id) the learner measured on
     its last batch, for prioritized replay by TD-error; empty otherwise.
     """
 
-    learner_rank: int
-    version: int
     num_groups: int
     priorities: dict[str, float] = {}
 
@@ -219,11 +237,11 @@ class SampleBatch(Message):
     weights: list[float] = []
     retry_after_s: float = 0.0
     buffer_stats: dict[str, float] = {}
-    exhausted: bool = False  # the dataset and the buffer have nothing more to give
 
 
 class VersionUpdate(Message):
-    """The learner tells the buffer that weight ``version`` is published."""
+    """The learner tells the buffer that weight ``version`` is published, after ``step``:
+    the one channel by which the buffer learns the learner's version."""
 
     version: int
     step: int = 0
@@ -253,13 +271,16 @@ class WeightEntry(msgspec.Struct, array_like=True, kw_only=True, gc=False):
 class WeightManifest(Message):
     """Announces a complete weight version; ``num_buckets`` ``WeightBucket``s follow.
 
-    A version with ``num_buckets == 0`` means "you are up to date".
+    A version with ``num_buckets == 0`` means "you are up to date" (or, answering an
+    ``EvalRequest``, "the initial checkpoint": see there). ``step`` is the learner step
+    after which these weights were taken.
     """
 
     version: int
     entries: list[WeightEntry] = []
     num_buckets: int = 0
     total_bytes: int = 0
+    step: int = 0
 
 
 class WeightBucket(Message):
@@ -271,24 +292,31 @@ class WeightBucket(Message):
     tensors: list[torch.Tensor]
 
 
-class VersionNotice(Message):
-    """Published on PUB/SUB: a new version exists. May be dropped; generators also poll."""
+class EvalReport(msgspec.Struct, array_like=True, kw_only=True, gc=False):
+    """Held-out metrics (``eval/...``) of the weights the learner had after ``step``."""
 
+    step: int
     version: int
+    metrics: dict[str, float]
+
+
+class EvalRequest(Message):
+    """The evaluator asks the learner for the next weights to evaluate, taken after a step
+    later than ``after_step``, and hands in the report of the last ones it evaluated.
+
+    Replies: a ``WeightManifest`` with its buckets (``step`` > ``after_step``); one with no
+    buckets and ``step`` > ``after_step`` when those weights are the initial checkpoint
+    (nothing trained yet); one with ``step == after_step`` when nothing newer is due yet;
+    ``Shutdown`` when the run has ended and nothing is left to evaluate.
+    """
+
+    after_step: int
+    report: EvalReport | None = None
 
 
 # ---------------------------------------------------------------------------------------
 # Operations
 # ---------------------------------------------------------------------------------------
-
-
-class CheckpointTag(Message):
-    """The learner saved a checkpoint; the buffer saves its own state under the same tag."""
-
-    tag: str
-    step: int
-    version: int
-    path: str = ""
 
 
 class Metrics(Message):
@@ -297,7 +325,6 @@ class Metrics(Message):
     source: str
     step: int
     values: dict[str, float]
-    time: float = 0.0
 
 
 class Shutdown(Message):
@@ -313,9 +340,9 @@ class Ack(Message):
 
 
 class ErrorReply(Message):
-    """A request was refused; ``code`` is a short machine-readable reason."""
+    """A request was refused: ``code`` says why (a closed set), ``detail`` for people."""
 
-    code: str
+    code: ErrorCode
     detail: str = ""
 
 
@@ -336,8 +363,7 @@ AnyMessage = Union[
     WeightRequest,
     WeightManifest,
     WeightBucket,
-    VersionNotice,
-    CheckpointTag,
+    EvalRequest,
     Metrics,
     Shutdown,
     Ack,

@@ -6,7 +6,6 @@ Patterns, one class per role:
   with one message or a stream of them (a weight manifest then its buckets).
 - ``Pusher`` / ``Puller`` (PUSH/PULL): one-way streams that may lose messages at the
   source, e.g. metrics to the launcher. A full queue drops the message and counts it.
-- ``Publisher`` / ``Subscriber`` (PUB/SUB): droppable notices only (``NOTICE_TYPES``).
 
 Request-reply envelope: one frame before the codec's frames, 9 bytes = request id (u64,
 big-endian) + flags (u8). Requests carry flags 0; a reply sets ``MORE`` when further
@@ -37,13 +36,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar, Union, overload
+from typing import Any, TypeVar, overload
 
 import zmq
 
 from transport.codec import Decoder, WireError, encode
 from transport.endpoints import needs_ipv6
-from transport.messages import ErrorReply, Message, VersionNotice
+from transport.messages import ErrorReply, Message
 from transport.security import (
     ClientKeys,
     CurveAuthenticator,
@@ -58,7 +57,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_HWM = 1000  # messages queued per peer before a send waits or drops
 MORE = 0x01  # reply envelope flag: more replies to this request follow
 _ENVELOPE = struct.Struct(">QB")
-NOTICE_TYPES: tuple[type[Message], ...] = (VersionNotice,)
 MAX_DETAIL_CHARS = 300
 _END = object()  # end of a handler's replies
 
@@ -380,16 +378,25 @@ class Client:
 
 
 # ---------------------------------------------------------------------------------------
-# One-way streams and notices
+# One-way streams
 # ---------------------------------------------------------------------------------------
 
 
-class _Receiver:
-    """Receiving half shared by ``Puller`` and ``Subscriber``: decode, count rejects."""
+class Puller:
+    """PULL side of a one-way stream; rejected frame sets are counted in ``errors``."""
 
-    def __init__(self, socket: _Socket, decoder: Decoder[Any]) -> None:
-        self._socket, self._decoder = socket, decoder
-        self.endpoint = socket.endpoint
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        bind: bool = True,
+        keys: Keys | None = None,
+        decoder: Decoder[Any] | None = None,
+        hwm: int = DEFAULT_HWM,
+    ) -> None:
+        self._socket = _Socket(zmq.PULL, endpoint, bind=bind, keys=keys, hwm=hwm)
+        self._decoder = decoder or Decoder()
+        self.endpoint = self._socket.endpoint
         self.errors: Counter[str] = Counter()
         self.received = 0
 
@@ -439,58 +446,3 @@ class Pusher:
     def close(self, linger_s: float = 1.0) -> None:
         """Close, giving queued messages up to ``linger_s`` to leave."""
         self._socket.close(linger_s)
-
-
-class Puller(_Receiver):
-    """PULL side of a one-way stream; rejected frame sets are counted in ``errors``."""
-
-    def __init__(
-        self,
-        endpoint: str,
-        *,
-        bind: bool = True,
-        keys: Keys | None = None,
-        decoder: Decoder[Any] | None = None,
-        hwm: int = DEFAULT_HWM,
-    ) -> None:
-        super().__init__(
-            _Socket(zmq.PULL, endpoint, bind=bind, keys=keys, hwm=hwm), decoder or Decoder()
-        )
-
-
-class Publisher:
-    """PUB side for droppable notices; ``publish`` never blocks and never queues forever.
-
-    Only ``NOTICE_TYPES`` may be published: PUB/SUB loses messages to slow or late
-    subscribers by design, so anything that must arrive goes request-reply instead.
-    """
-
-    def __init__(
-        self, endpoint: str, *, bind: bool = True, keys: Keys | None = None, hwm: int = DEFAULT_HWM
-    ) -> None:
-        self._socket = _Socket(zmq.PUB, endpoint, bind=bind, keys=keys, hwm=hwm)
-        self.endpoint = self._socket.endpoint
-        self.published = 0
-
-    def publish(self, notice: Message) -> None:
-        if not isinstance(notice, NOTICE_TYPES):
-            allowed = ", ".join(t.__name__ for t in NOTICE_TYPES)
-            raise TypeError(
-                f"{type(notice).__name__} is not a droppable notice ({allowed}); use a Client"
-            )
-        self._socket.zmq.send_multipart(encode(notice), flags=zmq.NOBLOCK, copy=False)
-        self.published += 1
-
-    def close(self) -> None:
-        self._socket.close()
-
-
-class Subscriber(_Receiver):
-    """SUB side, subscribed to every notice; decodes only ``NOTICE_TYPES``."""
-
-    def __init__(
-        self, endpoint: str, *, bind: bool = False, keys: Keys | None = None, hwm: int = DEFAULT_HWM
-    ) -> None:
-        socket = _Socket(zmq.SUB, endpoint, bind=bind, keys=keys, hwm=hwm)
-        socket.zmq.subscribe(b"")
-        super().__init__(socket, Decoder(Union[NOTICE_TYPES]))

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from buffer.dataset import ChatMessage, PromptDataset, PromptRow, RewardSpec
-from buffer.hub import Hub, HubSettings
+from buffer.hub import Hub
 from buffer.prompt_source import PromptSource
 from buffer.rollout_log import RolloutLogWriter
 from buffer.store import FifoStore, ReplayStore
+from configs.run_schema import BufferConfig
 from transport.messages import Attach, Prompt, RolloutGroup, Sample
 
 
@@ -56,12 +57,11 @@ def make_hub(clock: FakeClock):
               lease_timeout_s: float = 60.0, rows: int = 100,
               store: ReplayStore | None = None, log: RolloutLogWriter | None = None,
               greedy_baseline: bool = False) -> Hub:
-        settings = HubSettings(batch_size=batch_size, n=n, max_staleness=max_staleness,
-                               prompts_per_lease=per_lease, lease_timeout_s=lease_timeout_s,
-                               heartbeat_timeout_s=30.0, weights_address="tcp://127.0.0.1:1",
-                               greedy_baseline=greedy_baseline)
+        config = BufferConfig(max_staleness=max_staleness, lease_timeout_s=lease_timeout_s)
         store = FifoStore() if store is None else store
-        hub = Hub(settings, PromptSource(make_dataset(rows), seed=0), store, log, clock=clock)
+        hub = Hub(config, PromptSource(make_dataset(rows), seed=0), store, log,
+                  batch_size=batch_size, n=n, prompts_per_lease=per_lease,
+                  greedy_baseline=greedy_baseline, clock=clock)
         hub.handle(Attach(generator_id="g0", engine="torch", device="cpu"))
         return hub
     return build

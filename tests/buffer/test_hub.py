@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import msgspec
 import pytest
 import torch
 
-from buffer.hub import Hub
+from buffer.hub import COUNTERS, REFUSALS, Hub
 from transport.messages import (
+    Ack,
     Attach,
     AttachAck,
     Detach,
@@ -18,6 +21,7 @@ from transport.messages import (
     LeaseReturn,
     PromptLease,
     RolloutAck,
+    RolloutVerdict,
     SampleBatch,
     SampleRequest,
     Shutdown,
@@ -45,7 +49,7 @@ def test_eta_zero_admits_exactly_one_batch_per_version(make_hub) -> None:
     assert lease(hub).prompts == []  # gate closed: 4 running = (0 + 0 + 1) * 4
     assert all(a.accepted for a in answer(hub, first) + answer(hub, second))
     assert lease(hub).prompts == []  # 4 accepted still fill version 0's budget
-    batch = hub.handle(SampleRequest(learner_rank=0, version=0, num_groups=4))
+    batch = hub.handle(SampleRequest(num_groups=4))
     assert isinstance(batch, SampleBatch) and len(batch.groups) == 4
     hub.handle(VersionUpdate(version=1))
     third = lease(hub)
@@ -67,7 +71,8 @@ def test_expired_lease_returns_its_prompts_first(make_hub, clock) -> None:
     again = lease(hub)
     assert [p.prompt_id for p in again.prompts] == [p.prompt_id for p in granted.prompts]
     late = answer(hub, granted)  # the old lease's answers come too late
-    assert [a.reason for a in late] == ["unknown_lease", "unknown_lease"]
+    assert [a.verdict for a in late] == ["unknown_lease", "unknown_lease"]
+    assert not any(a.accepted for a in late)
 
 
 def test_duplicates_and_foreign_leases_are_rejected(make_hub) -> None:
@@ -75,9 +80,9 @@ def test_duplicates_and_foreign_leases_are_rejected(make_hub) -> None:
     granted = lease(hub)
     group = make_group(granted.lease_id, granted.prompts[0], granted.n)
     assert hub.handle(group).accepted
-    assert hub.handle(group).reason == "duplicate"
+    assert hub.handle(group).verdict == "duplicate"
     other = make_group(granted.lease_id, granted.prompts[1], granted.n, generator_id="intruder")
-    assert hub.handle(other).reason == "unknown_lease"
+    assert hub.handle(other).verdict == "unknown_lease"
     assert hub.counts["rejected/duplicate"] == 1 and hub.counts["rejected/unknown_lease"] == 1
     assert len(hub.store) == 1
 
@@ -88,17 +93,18 @@ def test_malformed_group_is_rejected_and_its_prompt_returns(make_hub) -> None:
     group = make_group(granted.lease_id, granted.prompts[0], granted.n)
     group.samples[1].logprobs = torch.zeros(7)  # does not match the 3 response tokens
     ack = hub.handle(group)
-    assert not ack.accepted and ack.reason.startswith("malformed: sample 1")
-    short = make_group(granted.lease_id, granted.prompts[1], 1)
-    assert "1 samples, the lease asked for 2" in hub.handle(short).reason
+    assert not ack.accepted and ack.verdict == "malformed" and ack.detail.startswith("sample 1")
+    short = hub.handle(make_group(granted.lease_id, granted.prompts[1], 1))
+    assert short.verdict == "malformed" and "1 samples, the lease asked for 2" in short.detail
     assert hub.source.returned == 2 and len(hub.store) == 0
+    assert hub.counts["rejected/malformed"] == 2
 
 
 def test_tokens_from_a_future_version_are_malformed(make_hub) -> None:
     hub = make_hub()
     granted = lease(hub)
     ack = hub.handle(make_group(granted.lease_id, granted.prompts[0], granted.n, version=3))
-    assert "learner is at version 0" in ack.reason
+    assert ack.verdict == "malformed" and "learner is at version 0" in ack.detail
 
 
 def test_stale_groups_are_dropped_before_training(make_hub) -> None:
@@ -106,7 +112,8 @@ def test_stale_groups_are_dropped_before_training(make_hub) -> None:
     answer(hub, lease(hub), version=0)
     hub.handle(VersionUpdate(version=1))
     answer(hub, lease(hub), version=1)
-    batch = hub.handle(SampleRequest(learner_rank=0, version=2, num_groups=2))
+    hub.handle(VersionUpdate(version=2))
+    batch = hub.handle(SampleRequest(num_groups=2))
     assert len(batch.groups) == 2 and hub.counts["dropped/stale"] == 2
     assert all(int(g.samples[0].versions[0]) == 1 for g in batch.groups)
     assert batch.buffer_stats["buffer/dropped/stale"] == 2.0
@@ -115,7 +122,7 @@ def test_stale_groups_are_dropped_before_training(make_hub) -> None:
 def test_not_enough_groups_means_retry(make_hub) -> None:
     hub = make_hub(batch_size=4)
     answer(hub, lease(hub))
-    batch = hub.handle(SampleRequest(learner_rank=0, version=0, num_groups=4))
+    batch = hub.handle(SampleRequest(num_groups=4))
     assert batch.groups == [] and batch.retry_after_s > 0 and len(hub.store) == 2
 
 
@@ -173,15 +180,49 @@ def test_remax_leases_ask_for_the_greedy_baseline_and_refuse_groups_without_it(m
     first, second = (make_group(granted.lease_id, p, 2, rewards=[1.0, 0.0])
                      for p in granted.prompts)
     missing = hub.handle(first)
-    assert not missing.accepted and "baseline_reward is None" in missing.reason
+    assert missing.verdict == "malformed" and "baseline_reward is None" in missing.detail
     assert hub.counts["rejected/malformed"] == 1
     nan = hub.handle(msgspec.structs.replace(second, baseline_reward=float("nan")))
-    assert not nan.accepted and "greedy response's reward" in nan.reason
+    assert nan.verdict == "malformed" and "greedy response's reward" in nan.detail
     again = lease(hub)  # both prompts went back to the pool
     assert len(again.prompts) == 2
     for prompt in again.prompts:
         group = make_group(again.lease_id, prompt, 2, rewards=[1.0, 0.0])
         assert hub.handle(msgspec.structs.replace(group, baseline_reward=1.0)).accepted
-    batch = hub.handle(SampleRequest(learner_rank=0, version=0, num_groups=2))
+    batch = hub.handle(SampleRequest(num_groups=2))
     assert [g.baseline_reward for g in batch.groups] == [1.0, 1.0]
     assert not lease(make_hub()).greedy_baseline
+
+
+def test_only_version_update_moves_the_learner_version(make_hub) -> None:
+    hub = make_hub(batch_size=2, per_lease=2, max_staleness=0)
+    answer(hub, lease(hub), version=0)
+    assert len(hub.handle(SampleRequest(num_groups=2)).groups) == 2
+    assert hub.learner_version == 0  # a sample request carries no version
+    ack = hub.handle(VersionUpdate(version=1, step=1))
+    assert isinstance(ack, Ack) and hub.learner_version == 1
+    assert lease(hub).min_version == 1
+
+
+def test_group_stale_on_arrival_is_dropped_and_its_prompt_returns(make_hub) -> None:
+    hub = make_hub(batch_size=2, per_lease=2, max_staleness=0)
+    granted = lease(hub)
+    hub.handle(VersionUpdate(version=1))
+    acks = answer(hub, granted, version=0)
+    assert [(a.verdict, a.accepted) for a in acks] == [("stale", False)] * 2
+    assert hub.counts["dropped/stale_on_arrival"] == 2 and hub.source.returned == 2
+    assert len(hub.store) == 0
+
+
+def test_every_refusal_has_a_counter_reported_from_the_start(make_hub) -> None:
+    assert set(REFUSALS) == set(get_args(RolloutVerdict)) - {"accepted", "run_failed"}
+    assert set(REFUSALS.values()) <= set(COUNTERS)
+    stats = make_hub().stats()
+    assert all(stats[f"buffer/{name}"] == 0.0 for name in REFUSALS.values())
+
+
+def test_a_message_the_buffer_does_not_take_is_answered_unexpected(make_hub) -> None:
+    hub = make_hub()
+    reply = hub.handle(Ack(detail="hello"))
+    assert isinstance(reply, ErrorReply) and reply.code == "unexpected"
+    assert hub.counts["rejected/unexpected_message"] == 1

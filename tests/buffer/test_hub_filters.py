@@ -31,10 +31,10 @@ def test_zero_variance_groups_are_dropped_counted_and_replaced(make_hub, tmp_pat
     first = lease(hub)
     assert len(first.prompts) == 2 and lease(hub).prompts == []  # (0 + 0 + 1) * 2 running
     dropped = send(hub, first, 0, [1.0, 1.0])  # all right: no signal
-    assert not dropped.accepted and dropped.reason == "zero_variance"
+    assert not dropped.accepted and dropped.verdict == "zero_variance"
     assert send(hub, first, 1, [1.0, 0.0]).accepted
     assert hub.counts["dropped/zero_variance"] == 1 and hub.accepted == 1
-    assert hub.handle(SampleRequest(learner_rank=0, version=0, num_groups=2)).groups == []
+    assert hub.handle(SampleRequest(num_groups=2)).groups == []
 
     replacement = lease(hub)  # the dropped group's slot is free: 1 accepted + 0 running < 2
     assert len(replacement.prompts) == 1 and lease(hub).prompts == []
@@ -42,7 +42,7 @@ def test_zero_variance_groups_are_dropped_counted_and_replaced(make_hub, tmp_pat
     again = lease(hub)
     assert send(hub, again, 0, [0.0, 1.0]).accepted
 
-    batch = hub.handle(SampleRequest(learner_rank=0, version=0, num_groups=2))
+    batch = hub.handle(SampleRequest(num_groups=2))
     assert isinstance(batch, SampleBatch) and len(batch.groups) == 2
     assert [[s.reward for s in g.samples] for g in batch.groups] == [[1.0, 0.0], [0.0, 1.0]]
     assert batch.buffer_stats["buffer/dropped/zero_variance"] == 2.0
@@ -60,7 +60,8 @@ def test_exceeding_max_num_gen_batches_fails_the_run(make_hub) -> None:
     granted = lease(hub)
     send(hub, granted, 0, [1.0, 1.0])
     ack = send(hub, granted, 1, [0.0, 0.0])  # 2 judged = 1 batch's worth, 0 kept
-    assert not ack.accepted and "max_num_gen_batches" in ack.reason
+    assert ack.verdict == "run_failed" and not ack.accepted
+    assert "max_num_gen_batches" in ack.detail
     assert "max_num_gen_batches = 1" in hub.failure and hub.finished
     stop = hub.handle(Heartbeat(generator_id="g0", version=0))
     assert isinstance(stop, Shutdown) and "max_num_gen_batches" in stop.reason
@@ -73,7 +74,7 @@ def test_pf_ppo_stores_the_kept_samples_and_logs_the_whole_group(make_hub,
     hub = make_hub(batch_size=1, n=4, per_lease=1, store=store, log=log)
     granted = lease(hub)
     assert send(hub, granted, 0, [0.2, 0.9, 0.1, 0.5]).accepted
-    batch = hub.handle(SampleRequest(learner_rank=0, version=0, num_groups=1))
+    batch = hub.handle(SampleRequest(num_groups=1))
     (trained,) = batch.groups
     assert trained.rollout_id == f"{granted.lease_id}/{granted.prompts[0].prompt_id}"
     assert [s.reward for s in trained.samples] == [0.9, 0.1]
@@ -91,7 +92,7 @@ def test_dynamic_sampling_judges_the_whole_group_before_pf_ppo(make_hub) -> None
     hub = make_hub(batch_size=2, n=3, per_lease=2, store=store)
     granted = lease(hub)
     assert send(hub, granted, 0, [1.0, 0.0, 0.0]).accepted  # best alone would look constant
-    assert send(hub, granted, 1, [0.0, 0.0, 0.0]).reason == "zero_variance"
+    assert send(hub, granted, 1, [0.0, 0.0, 0.0]).verdict == "zero_variance"
     assert len(store) == 1
-    (kept,) = hub.handle(SampleRequest(learner_rank=0, version=0, num_groups=1)).groups
+    (kept,) = hub.handle(SampleRequest(num_groups=1)).groups
     assert [s.reward for s in kept.samples] == [1.0]

@@ -16,6 +16,7 @@ from buffer.prioritized import (
     pass_rate_priority,
     sampling_probabilities,
 )
+from configs.run_schema import ReplayConfig
 from transport.messages import ErrorReply, Prompt, SampleBatch, SampleRequest
 
 from .conftest import make_group
@@ -31,7 +32,7 @@ def store(priority: str = "uniform", **overrides: float) -> PrioritizedStore:
     settings = dict(alpha=1.0, beta=1.0, epsilon=1e-3, max_reuse=1, max_age=10,
                     pass_threshold=0.5, seed=0)
     settings.update(overrides)
-    return PrioritizedStore(priority, **settings)
+    return PrioritizedStore(ReplayConfig(priority=priority, **settings), max_staleness=10)
 
 
 def test_advantage_priority_is_the_mean_absolute_centered_reward() -> None:
@@ -133,8 +134,15 @@ def test_td_error_priorities_start_at_the_max_and_follow_the_learner() -> None:
 
 
 def test_unknown_priority_is_refused() -> None:
-    with pytest.raises(ValueError, match="unknown priority 'loss'"):
-        store("loss")
+    for priority in ("loss", "fifo"):
+        with pytest.raises(ValueError, match=f"buffer.replay.priority = '{priority}' is not"):
+            store(priority)
+
+
+def test_max_age_defaults_to_the_staleness_bound() -> None:
+    assert PrioritizedStore(ReplayConfig(priority="uniform"), max_staleness=3).max_age == 3
+    assert PrioritizedStore(ReplayConfig(priority="uniform", max_age=1),
+                            max_staleness=3).max_age == 1
 
 
 def test_hub_serves_weights_takes_priorities_and_reports_the_store(make_hub) -> None:
@@ -143,16 +151,17 @@ def test_hub_serves_weights_takes_priorities_and_reports_the_store(make_hub) -> 
     granted = lease(hub)
     for prompt in granted.prompts:
         assert hub.handle(make_group(granted.lease_id, prompt, 2, rewards=[1.0, 0.0])).accepted
-    batch = hub.handle(SampleRequest(learner_rank=0, version=0, num_groups=2))
+    batch = hub.handle(SampleRequest(num_groups=2))
     assert isinstance(batch, SampleBatch) and len(batch.groups) == 2
     assert batch.weights == [1.0, 1.0]  # equal priorities: uniform
     ids = [g.rollout_id for g in batch.groups]
-    again = hub.handle(SampleRequest(learner_rank=0, version=0, num_groups=1,
-                                     priorities={ids[0]: 3.0, ids[1]: 1.0}))
+    again = hub.handle(SampleRequest(num_groups=1, priorities={ids[0]: 3.0, ids[1]: 1.0}))
     assert isinstance(again, SampleBatch) and len(again.groups) == 1
     assert again.buffer_stats["buffer/replay/redraws"] == 1.0
     assert again.buffer_stats["buffer/replay/priority_mean"] in (3.0, 1.0)
-    refused = hub.handle(SampleRequest(learner_rank=0, version=0, num_groups=1,
-                                       priorities={ids[0]: -1.0}))
-    assert isinstance(refused, ErrorReply) and "priorities" in refused.detail
-    assert hub.counts["rejected/malformed"] == 1
+    served = hub.counts["groups/served"]
+    refused = hub.handle(SampleRequest(num_groups=1, priorities={ids[0]: -1.0}))
+    assert isinstance(refused, ErrorReply) and refused.code == "bad_priorities"
+    assert f"priority of {ids[0]} must be >= 0" in refused.detail
+    assert hub.counts["groups/served"] == served  # refused whole: no batch either
+    assert hub.counts["rejected/malformed"] == 0  # no rollout was refused

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from generators.weight_receiver import IncompleteVersion, WeightReceiver, assemble
+from generators.weight_receiver import (
+    IncompleteVersion,
+    WeightReceiver,
+    assemble,
+    receive_version,
+)
 from learner.weights import WeightServer, bucketize
+from transport.messages import Ack, WeightManifest
 
 
 def version_tensors(scale: float) -> dict[str, torch.Tensor]:
@@ -45,3 +51,24 @@ def test_an_incomplete_version_is_refused() -> None:
     published.buckets[0].tensors[0] = torch.zeros(2, dtype=torch.bfloat16)
     with pytest.raises(IncompleteVersion, match="layer0.weight: got torch.bfloat16 \\[2\\]"):
         assemble(published.manifest, published.buckets)
+
+
+def test_receive_version_assembles_the_buckets_after_a_manifest() -> None:
+    published = bucketize(4, version_tensors(1.0), bucket_bytes=2 * 64 * 64 * 2)
+    manifest, staged = receive_version(published.manifest, iter(published.buckets))
+    assert manifest == published.manifest
+    assert staged is not None and staged.version == 4
+    assert torch.equal(staged.tensors["layer4.weight"], version_tensors(1.0)["layer4.weight"])
+
+
+def test_receive_version_of_a_manifest_without_buckets_stages_nothing() -> None:
+    up_to_date = WeightManifest(version=4, step=7)
+    assert receive_version(up_to_date, iter([])) == (up_to_date, None)
+
+
+def test_receive_version_refuses_anything_but_a_manifest_first() -> None:
+    with pytest.raises(IncompleteVersion, match="expected a WeightManifest, got Ack"):
+        receive_version(Ack(), iter([]))
+    published = bucketize(5, version_tensors(1.0), bucket_bytes=64 * 64 * 2)
+    with pytest.raises(IncompleteVersion, match="2 of 5 buckets"):
+        receive_version(published.manifest, iter(published.buckets[:2]))

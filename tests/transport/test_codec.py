@@ -4,7 +4,7 @@ exactly as documented, and every kind of bad frame set is rejected with the righ
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 import pytest
@@ -18,9 +18,11 @@ from transport.messages import (
     Ack,
     Attach,
     AttachAck,
-    CheckpointTag,
     Detach,
+    ErrorCode,
     ErrorReply,
+    EvalReport,
+    EvalRequest,
     Heartbeat,
     HeartbeatAck,
     LeaseRequest,
@@ -31,11 +33,11 @@ from transport.messages import (
     PromptLease,
     RolloutAck,
     RolloutGroup,
+    RolloutVerdict,
     Sample,
     SampleBatch,
     SampleRequest,
     Shutdown,
-    VersionNotice,
     VersionUpdate,
     WeightBucket,
     WeightEntry,
@@ -85,17 +87,14 @@ def example_messages() -> dict[type[Message], Message]:
         Attach: Attach(
             generator_id="gen-0", engine="torch", device="cpu", host="node-1", pid=4242, version=3
         ),
-        AttachAck: AttachAck(
-            accepted=True, learner_version=3, weights_address="tcp://127.0.0.1:5601"
-        ),
+        AttachAck: AttachAck(accepted=True, learner_version=3),
         Heartbeat: Heartbeat(
             generator_id="gen-0",
             version=3,
-            in_flight_prompts=8,
             generated_tokens=123456,
             generation_seconds=42.5,
         ),
-        HeartbeatAck: HeartbeatAck(known=False, learner_version=4),
+        HeartbeatAck: HeartbeatAck(known=False),
         Detach: Detach(generator_id="gen-0", reason="shutdown"),
         LeaseRequest: LeaseRequest(generator_id="gen-0", max_prompts=16),
         PromptLease: PromptLease(
@@ -108,8 +107,10 @@ def example_messages() -> dict[type[Message], Message]:
             reason="engine error",
         ),
         RolloutGroup: make_group("roll-1"),
-        RolloutAck: RolloutAck(rollout_id="roll-1", accepted=False, reason="stale"),
-        SampleRequest: SampleRequest(learner_rank=0, version=5, num_groups=32),
+        RolloutAck: RolloutAck(
+            rollout_id="roll-1", verdict="stale", detail="version 2, learner at 7"
+        ),
+        SampleRequest: SampleRequest(num_groups=32, priorities={"roll-1": 0.25}),
         SampleBatch: SampleBatch(
             groups=[make_group("roll-1"), make_group("roll-2", n=2, response_len=1500)],
             buffer_stats={"occupancy": 0.5},
@@ -125,6 +126,7 @@ def example_messages() -> dict[type[Message], Message]:
             ],
             num_buckets=1,
             total_bytes=big.numel() * 2,
+            step=50,
         ),
         WeightBucket: WeightBucket(
             version=5,
@@ -132,13 +134,14 @@ def example_messages() -> dict[type[Message], Message]:
             names=["model.embed_tokens.weight", "model.norm.weight"],
             tensors=[big, torch.ones(128)],
         ),
-        VersionNotice: VersionNotice(version=5),
-        CheckpointTag: CheckpointTag(tag="step-50", step=50, version=5, path="/ckpt/step-50"),
+        EvalRequest: EvalRequest(
+            after_step=40,
+            report=EvalReport(step=40, version=4, metrics={"eval/accuracy": 0.5}),
+        ),
         Metrics: Metrics(
             source="learner",
             step=50,
             values={"loss/policy": -0.01, "reward/mean": 0.62},
-            time=1.7e9,
         ),
         Shutdown: Shutdown(reason="run finished"),
         Ack: Ack(detail="ok"),
@@ -180,6 +183,36 @@ def test_examples_cover_every_message_class() -> None:
 def test_every_message_round_trips(cls: type[Message]) -> None:
     msg = example_messages()[cls]
     assert_same(Decoder().decode(over_the_wire(encode(msg))), msg)
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        EvalRequest(after_step=-1),
+        EvalRequest(after_step=10, report=EvalReport(step=10, version=3, metrics={})),
+        EvalRequest(
+            after_step=20,
+            report=EvalReport(
+                step=20, version=4, metrics={"eval/accuracy": 0.75, "eval/accuracy/gsm8k": 1.0}
+            ),
+        ),
+    ],
+    ids=["no-report", "empty-metrics", "report"],
+)
+def test_eval_request_round_trips_with_and_without_a_report(msg: EvalRequest) -> None:
+    assert Decoder(EvalRequest).decode(over_the_wire(encode(msg))) == msg
+
+
+@pytest.mark.parametrize("step", [-1, 0, 7, 2**40])
+def test_weight_manifest_step_round_trips(step: int) -> None:
+    msg = WeightManifest(version=3, num_buckets=0, step=step)
+    assert Decoder(WeightManifest).decode(over_the_wire(encode(msg))).step == step
+
+
+def test_weight_manifest_without_step_reads_as_step_zero(craft: Any) -> None:
+    # an appended field with a default: a manifest that ends before it is still valid
+    frames = [craft.preamble, craft.body("weight_manifest", 5, [], 0, 0)]
+    assert Decoder().decode(frames) == WeightManifest(version=5, step=0)
 
 
 @pytest.mark.parametrize(
@@ -377,9 +410,37 @@ def test_schema_violations_are_rejected(craft: Any, body: bytes) -> None:
 
 
 def test_narrow_decoder_rejects_other_messages() -> None:
-    error = reject(encode(Ack()), Decoder(VersionNotice))
+    error = reject(encode(Ack()), Decoder(VersionUpdate))
     assert error.kind == "schema"
-    assert "VersionNotice" in error.detail
+    assert "VersionUpdate" in error.detail
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        msgspec.msgpack.encode(["error_reply", "no_such_code", "detail"]),
+        msgspec.msgpack.encode(["error_reply", "Schema"]),  # the closed set is case-sensitive
+        msgspec.msgpack.encode(["rollout_ack", "roll-1", "maybe"]),
+        msgspec.msgpack.encode(["rollout_ack", "roll-1", True]),  # the old ``accepted`` bool
+    ],
+    ids=["error-code", "error-code-case", "verdict", "verdict-as-bool"],
+)
+def test_choices_outside_their_closed_set_are_rejected(craft: Any, body: bytes) -> None:
+    assert reject([craft.preamble, body]).kind == "schema"
+
+
+@pytest.mark.parametrize("code", get_args(ErrorCode))
+def test_every_error_code_is_accepted(craft: Any, code: str) -> None:
+    frames = [craft.preamble, msgspec.msgpack.encode(["error_reply", code])]
+    assert Decoder().decode(frames) == ErrorReply(code=code)
+
+
+@pytest.mark.parametrize("verdict", get_args(RolloutVerdict))
+def test_every_rollout_verdict_is_accepted(craft: Any, verdict: str) -> None:
+    frames = [craft.preamble, msgspec.msgpack.encode(["rollout_ack", "roll-1", verdict])]
+    ack = Decoder().decode(frames)
+    assert ack == RolloutAck(rollout_id="roll-1", verdict=verdict)
+    assert ack.accepted == (verdict == "accepted")
 
 
 @pytest.mark.parametrize(

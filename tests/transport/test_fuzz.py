@@ -21,7 +21,6 @@ from transport.messages import (
     Ack,
     ErrorReply,
     Heartbeat,
-    HeartbeatAck,
     Message,
     WeightBucket,
 )
@@ -36,7 +35,7 @@ Case = tuple[list[bytes], str]  # (frames after the envelope, expected WireError
 
 def handler(msg: Message, peer: bytes) -> Message:
     if isinstance(msg, Heartbeat):
-        return HeartbeatAck(known=True, learner_version=msg.version)
+        return Ack(detail=f"{msg.generator_id}@{msg.version}")  # an echo: no reply mix-ups
     if isinstance(msg, WeightBucket):
         return Ack(detail=f"{msg.index}:{float(sum(t.sum() for t in msg.tensors))}")
     return Ack(detail=type(msg).__name__)
@@ -45,9 +44,7 @@ def handler(msg: Message, peer: bytes) -> Message:
 def valid_request(rng: random.Random, i: int) -> tuple[Message, Message]:
     """A valid request and the reply the handler must give to it."""
     if i % 3:
-        return Heartbeat(generator_id=f"gen-{i}", version=i), HeartbeatAck(
-            known=True, learner_version=i
-        )
+        return Heartbeat(generator_id=f"gen-{i}", version=i), Ack(detail=f"gen-{i}@{i}")
     tensor = torch.full((rng.choice([3, 2048]),), float(i % 7))
     total = float(tensor.sum())
     return WeightBucket(version=1, index=i, names=["w"], tensors=[tensor]), Ack(
@@ -124,6 +121,11 @@ class BadFrames:
     def case_wrong_field_type(self) -> Case:
         bad = self.rng.choice(["three", 3.5, None, [1], {"a": 1}])
         return [self.preamble, msgspec.msgpack.encode(["heartbeat", "gen-0", bad])], "schema"
+
+    def case_outside_a_closed_set(self) -> Case:
+        word = self.rng.choice(["nope", "", "ACCEPTED", "handler ", "rejected"])
+        body = self.rng.choice([["error_reply", word, "detail"], ["rollout_ack", "roll-1", word]])
+        return [self.preamble, msgspec.msgpack.encode(body)], "schema"
 
     def case_not_a_message(self) -> Case:
         value = self.rng.choice([7, -1.5, "heartbeat", None, {"tag": "heartbeat"}, [], True])

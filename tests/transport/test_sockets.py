@@ -22,7 +22,6 @@ from transport.messages import (
     Message,
     Metrics,
     Shutdown,
-    VersionNotice,
     WeightBucket,
     WeightManifest,
     WeightRequest,
@@ -30,13 +29,11 @@ from transport.messages import (
 from transport.sockets import (
     Client,
     PeerTimeout,
-    Publisher,
     Puller,
     Pusher,
     RemoteError,
     Server,
     ServerThread,
-    Subscriber,
 )
 
 LATE_S = 0.6  # how long the handler sits on the request that the client gives up on
@@ -61,7 +58,7 @@ def handler(msg: Message, peer: bytes) -> Any:
     if isinstance(msg, Heartbeat):
         if msg.generator_id == "slow":
             time.sleep(LATE_S)
-        return HeartbeatAck(known=True, learner_version=msg.version)
+        return echo(msg.version)
     if isinstance(msg, WeightRequest):
         return weights(msg.have_version + 1, num_buckets=3)
     if isinstance(msg, Shutdown):
@@ -89,6 +86,12 @@ def heartbeat(version: int, generator_id: str = "gen-0") -> Heartbeat:
     return Heartbeat(generator_id=generator_id, version=version)
 
 
+def echo(version: int) -> Ack:
+    """The test server's answer to a heartbeat: its version echoed, so replies to different
+    requests differ."""
+    return Ack(detail=f"version {version}")
+
+
 def test_no_server_raises_peer_timeout_naming_the_endpoint() -> None:
     endpoint = tcp_endpoint("127.0.0.1", free_port())
     client = Client(endpoint)
@@ -107,14 +110,14 @@ def test_late_reply_is_not_taken_for_the_next_one(server: Server, client: Client
     with pytest.raises(PeerTimeout):
         client.request(heartbeat(1, generator_id="slow"), timeout_s=0.1)
     time.sleep(LATE_S)  # the server answers the abandoned request meanwhile
-    assert client.request(heartbeat(2), 5.0, HeartbeatAck).learner_version == 2
+    assert client.request(heartbeat(2), 5.0, Ack) == echo(2)
     assert client.stale_replies == 0  # the late reply went to the discarded socket
 
 
 def test_replies_to_an_abandoned_stream_are_skipped(server: Server, client: Client) -> None:
     first = client.request(WeightRequest(generator_id="g", have_version=0), 5.0)
     assert first == WeightManifest(version=1, num_buckets=3)
-    assert client.request(heartbeat(5), 5.0, HeartbeatAck).learner_version == 5
+    assert client.request(heartbeat(5), 5.0, Ack) == echo(5)
     assert client.stale_replies == 3
 
 
@@ -124,7 +127,7 @@ def test_stream_yields_manifest_then_every_bucket(server: Server, client: Client
     assert [(r.version, r.index) for r in replies[1:]] == [(5, 0), (5, 1), (5, 2)]
     for index, bucket in enumerate(replies[1:]):
         assert torch.equal(bucket.tensors[0], torch.full((3000,), float(index)))
-    assert client.request(heartbeat(6), 5.0, HeartbeatAck).learner_version == 6
+    assert client.request(heartbeat(6), 5.0, Ack) == echo(6)
 
 
 def test_handler_failures_are_answered_counted_logged_and_survived(
@@ -138,7 +141,7 @@ def test_handler_failures_are_answered_counted_logged_and_survived(
     )
     assert server.errors["handler"] == 2
     assert "handler failed on Shutdown" in caplog.text
-    assert client.request(heartbeat(3), 5.0, HeartbeatAck).learner_version == 3
+    assert client.request(heartbeat(3), 5.0, Ack) == echo(3)
 
 
 def test_unexpected_reply_type_raises_remote_error(server: Server, client: Client) -> None:
@@ -160,7 +163,7 @@ def test_serve_once_lets_the_owner_interleave_its_own_work() -> None:
     finally:
         client.close()
         server.close()
-    assert answered == [HeartbeatAck(known=True, learner_version=4)]
+    assert answered == [echo(4)]
 
 
 def test_push_pull_delivers_in_order_and_counts_garbage() -> None:
@@ -195,29 +198,12 @@ def test_push_to_nobody_drops_instead_of_blocking() -> None:
     assert pusher.sent + pusher.dropped == 100
 
 
-def test_pub_sub_delivers_notices_only() -> None:
-    publisher = Publisher("tcp://127.0.0.1:*")
-    subscriber = Subscriber(publisher.endpoint)
-    try:
-        with pytest.raises(TypeError, match="not a droppable notice"):
-            publisher.publish(Ack())
-        notice = None
-        for _ in range(100):  # PUB drops until the subscription has arrived
-            publisher.publish(VersionNotice(version=11))
-            if (notice := subscriber.receive(0.05)) is not None:
-                break
-    finally:
-        subscriber.close()
-        publisher.close()
-    assert notice == VersionNotice(version=11)
-
-
 def test_ipc_endpoints_work(tmp_path: Any) -> None:
     server = Server(ipc_endpoint(tmp_path / "hub.sock"), handler)
     with ServerThread(server, poll_s=0.01):
         client = Client(server.endpoint)
         try:
-            assert client.request(heartbeat(8), 5.0, HeartbeatAck).learner_version == 8
+            assert client.request(heartbeat(8), 5.0, Ack) == echo(8)
         finally:
             client.close()
 
@@ -251,6 +237,6 @@ def test_ipv6_loopback_endpoints_work() -> None:
     with ServerThread(server, poll_s=0.01):
         client = Client(server.endpoint)
         try:
-            assert client.request(heartbeat(9), 5.0, HeartbeatAck).learner_version == 9
+            assert client.request(heartbeat(9), 5.0, Ack) == echo(9)
         finally:
             client.close()

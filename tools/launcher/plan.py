@@ -12,6 +12,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -25,11 +26,12 @@ class ProcessSpec(msgspec.Struct, kw_only=True, frozen=True):
     """One process of a run: where it runs and the command that starts it.
 
     ``essential`` processes end the run when they die; a generator is not essential (the
-    run goes on with the others while any is alive).
+    run goes on with the others while any is alive), nor is the evaluator (training goes
+    on without held-out evaluation, and the launcher says so).
     """
 
     name: str
-    role: str  # "buffer" | "learner" | "generator"
+    role: Literal["buffer", "learner", "generator", "evaluator"]
     host: str
     argv: list[str]
     essential: bool = True
@@ -58,9 +60,10 @@ def new_run_dir(run: RunConfig, now: float | None = None) -> Path:
     return Path(run.trainer.run_dir).resolve() / f"{run.tracking.experiment}-{stamp}"
 
 
-def build_plan(topology: Topology, run_dir: Path,
+def build_plan(topology: Topology, run: RunConfig, run_dir: Path,
                python: str = sys.executable) -> list[ProcessSpec]:
-    """The buffer, the learner (one torchrun per learner host) and every generator."""
+    """The buffer, the learner (one torchrun per learner host), every generator, and the
+    evaluator when the run evaluates held-out data."""
     local_py = python
     remote_py = topology.launcher.remote_python
 
@@ -87,6 +90,10 @@ def build_plan(topology: Topology, run_dir: Path,
         plan.append(ProcessSpec(name=gen.name, role="generator", host=gen.host, essential=False,
                                 argv=[py(gen.host), "-m", "generators.main", *common,
                                       "--name", gen.name]))
+    if run.evaluates:
+        host = topology.evaluator.host
+        plan.append(ProcessSpec(name="evaluator", role="evaluator", host=host, essential=False,
+                                argv=[py(host), "-m", "generators.evaluator", *common]))
     return plan
 
 

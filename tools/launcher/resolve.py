@@ -36,7 +36,8 @@ def resolve_launch(topology_file: str, run_file: str, topology_overrides: Sequen
     run = load_run_config(run_file, run_overrides)
     run_dir = new_run_dir(run)
     return ResolvedLaunch(topology_file=topology_file, run_file=run_file, topology=topology,
-                          run=run, run_dir=run_dir, processes=build_plan(topology, run_dir))
+                          run=run, run_dir=run_dir,
+                          processes=build_plan(topology, run, run_dir))
 
 
 def dry_run_report(resolved: ResolvedLaunch) -> str:
@@ -59,4 +60,3 @@ def dry_run_report(resolved: ResolvedLaunch) -> str:
         command = shlex.join(proc.command_line(ssh, workdir))
         lines.append(f"  {proc.name:<{width}}  {proc.role:<9} {proc.host:<15} {kind:<9} {command}")
     return "\n".join(lines)
-

@@ -182,7 +182,7 @@ class Supervisor:
         context = RunContext(run_dir=self.run_dir, topology=self.topology, run=self.run)
         metrics = Puller(context.metrics_endpoint, bind=True, keys=context.server_keys())
         try:
-            plan = build_plan(self.topology, self.run_dir)
+            plan = build_plan(self.topology, self.run, self.run_dir)
             for host in sorted({spec.host for spec in plan if not spec.local}):
                 push_run_dir(host, self.run_dir, self.topology)
             for spec in plan:
@@ -220,6 +220,10 @@ class Supervisor:
                 elif proc.spec.role == "generator" and code != 0 and learner_done_at is None:
                     self.board.note(f"generator {proc.spec.name} died ({describe_exit(code)}); "
                                     f"training goes on. Log: {proc.log}")
+                elif proc.spec.role == "evaluator" and code != 0 and learner_done_at is None:
+                    self.board.note(f"the evaluator died ({describe_exit(code)}); training "
+                                    f"goes on WITHOUT held-out evaluation. Log: {proc.log}\n"
+                                    f"{log_tail(proc.log)}")
             if learner_done_at is not None:
                 if all(p.popen.poll() is not None for p in self.processes) or \
                         now - learner_done_at > FINISH_GRACE_S:

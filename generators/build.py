@@ -1,0 +1,45 @@
+"""Building an inference engine and its tokenizer from a run's model section.
+
+Shared by the generator process (``generators.main``) and the evaluator
+(``generators.evaluator``). ``eos_and_pad`` collects every id that ends a response: the
+tokenizer's eos and the model's ``generation_config.json`` eos ids.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from configs.run_schema import ModelConfig
+from generators.engine import ModelEngine
+from generators.hf_engine import HFEngine
+from generators.torch_engine import TorchEngine
+
+ENGINES: dict[str, type[ModelEngine]] = {"torch": TorchEngine, "hf": HFEngine}
+
+
+def eos_and_pad(model_path: str, tokenizer) -> tuple[list[int], int]:
+    """All eos ids (tokenizer and generation config) and the pad id (eos if none)."""
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        generation = GenerationConfig.from_pretrained(model_path)
+        extra = generation.eos_token_id
+        eos.update(extra if isinstance(extra, list) else [extra] if extra is not None else [])
+    except OSError:
+        pass  # no generation_config.json: the tokenizer's eos is all there is
+    if not eos:
+        raise ValueError(f"{model_path}: the tokenizer has no eos token; generation could not stop")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    return sorted(eos), pad
+
+
+def build_engine(model: ModelConfig, engine: str, device: str,
+                 seed: int) -> tuple[ModelEngine, object]:
+    """The engine named ``engine`` (a key of ``ENGINES``) holding ``model``, and its
+    tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+    eos, pad = eos_and_pad(model.path, tokenizer)
+    built = ENGINES[engine].from_pretrained(model.path, dtype=getattr(torch, model.dtype),
+                                            device=device, eos_ids=eos, pad_id=pad, seed=seed,
+                                            trust_remote_code=model.trust_remote_code)
+    return built, tokenizer

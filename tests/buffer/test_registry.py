@@ -1,0 +1,27 @@
+"""The generator registry: membership by heartbeat, throughput and versions of the attached."""
+
+from buffer.registry import Registry
+from transport.messages import Attach, Heartbeat
+
+
+def test_busy_fraction_and_oldest_version_cover_the_attached_generators() -> None:
+    registry = Registry(heartbeat_timeout_s=30.0)
+    assert registry.busy_fraction(0.0) == 0.0 and registry.oldest_version() == 0
+    registry.attach(Attach(generator_id="a", engine="torch", device="cpu", version=2), now=0.0)
+    registry.attach(Attach(generator_id="b", engine="torch", device="cpu", version=5), now=10.0)
+    registry.heartbeat(Heartbeat(generator_id="a", version=4, generated_tokens=100,
+                                 generation_seconds=15.0), now=20.0)
+    registry.heartbeat(Heartbeat(generator_id="b", version=6, generated_tokens=50,
+                                 generation_seconds=0.0), now=20.0)
+    # attached 20 s + 10 s, busy 15 s
+    assert registry.busy_fraction(20.0) == 0.5
+    assert registry.oldest_version() == 4
+    assert registry.generated_tokens == 150
+    registry.forget("a")
+    assert registry.oldest_version() == 6 and registry.generated_tokens == 150
+
+
+def test_a_generator_silent_past_the_timeout_is_named() -> None:
+    registry = Registry(heartbeat_timeout_s=30.0)
+    registry.attach(Attach(generator_id="a", engine="torch", device="cpu"), now=0.0)
+    assert registry.silent(29.0) == [] and registry.silent(31.0) == ["a"]
