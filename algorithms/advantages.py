@@ -31,7 +31,7 @@ raw score that sample's advantage.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
@@ -318,6 +318,12 @@ def remax(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Ten
     baseline = inputs.baseline_rewards.to(torch.float64).unsqueeze(-1)
     return ((returns - baseline) * mask).float()
 
+
+AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus",
+                       "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk", "remax",
+                       "prime"]
+"""verl's ``algorithm.adv_estimator``: the keys of ``ESTIMATORS``, ``gae`` (with the
+learner's critic: ``gae_advantages``) and ``prime`` (``algorithms.prime``)."""
 
 ESTIMATORS: dict[str, Estimator] = {
     "grpo": grpo,

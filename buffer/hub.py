@@ -67,7 +67,7 @@ REFUSALS: dict[RolloutVerdict, str] = {
 # Counters reported from the start (as 0) so that dashboards always have the series.
 COUNTERS = ("groups/accepted", "groups/served", "dropped/stale", *REFUSALS.values(),
             "prompts/expired", "prompts/returned", "samples/reward_errors", "samples/filtered",
-            "rejected/unexpected_message")
+            "rejected/unexpected_message", "requests/bad_priorities")
 RECENT_ROLLOUT_IDS = 100_000  # remembered to name duplicates precisely
 RATE_WINDOW_S = 30.0  # generator throughput is averaged over this much wall time
 
@@ -161,6 +161,8 @@ class Hub:
 
     def _lease_return(self, msg: LeaseReturn) -> Message:
         prompts = self.leases.give_back(msg.lease_id, msg.prompt_ids, msg.generator_id)
+        logger.info("generator %s returned %d prompts of lease %s: %s", msg.generator_id,
+                    len(prompts), msg.lease_id, msg.reason or "no reason given")
         self.source.give_back(prompts)
         self.counts["prompts/returned"] += len(prompts)
         return Ack(detail=f"{len(prompts)} prompts back in the pool")
@@ -199,6 +201,7 @@ class Hub:
             try:
                 self.store.update_priorities(msg.priorities)
             except ValueError as exc:
+                self.counts["requests/bad_priorities"] += 1
                 return ErrorReply(code="bad_priorities", detail=str(exc))
         taken = self.store.take(msg.num_groups, self.learner_version, self.config.max_staleness)
         if taken.dropped_stale:

@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Literal
-
 import msgspec
 
+from configs.run_schema import PfPpoMode as Mode
 from transport.messages import RolloutGroup
-
-Mode = Literal["best", "best_random", "best_worst"]
 
 
 def _best(rewards: Sequence[float]) -> int:

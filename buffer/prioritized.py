@@ -39,17 +39,16 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping
-from typing import Literal
+from typing import get_args
 
 import torch
 
 from buffer.staleness import staleness
 from buffer.store import Admission, Taken, keep_all
-from configs.run_schema import ReplayConfig
+from configs.run_schema import ReplayConfig, ReplayPriority
 from transport.messages import RolloutGroup
 
-Priority = Literal["uniform", "advantage", "pass_rate", "td_error"]
-PRIORITIES: tuple[Priority, ...] = ("uniform", "advantage", "pass_rate", "td_error")
+PRIORITIES: tuple[str, ...] = tuple(p for p in get_args(ReplayPriority) if p != "fifo")
 
 
 def advantage_priority(rewards: list[float]) -> float:

@@ -142,6 +142,8 @@ def check_algorithm_sections(run: RunConfig, source: str) -> None:
     """Cross-key checks inside the sections defined in ``algorithms``."""
     correction = run.algorithm.rollout_correction
     lower, upper = correction.rs_bounds
+    if correction.rollout_rs == "none":
+        lower = upper  # the band is unused
     if lower > upper and correction.rollout_rs_threshold_lower:
         raise ConfigError(source, "algorithm.rollout_correction.rollout_rs_threshold_lower",
                           f"{lower} is above algorithm.rollout_correction.rollout_rs_threshold "

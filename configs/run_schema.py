@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from algorithms.advantages import AdvEstimator
 from algorithms.aggregation import LossAggMode
 from algorithms.kl import KLControlConfig, KLType
 from algorithms.off_policy import RolloutCorrectionConfig
@@ -34,6 +35,8 @@ Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
 # verl's names for sections that live elsewhere here, accepted in files and overrides. PF-PPO
 # has none: verl's algorithm.pf_ppo reweights batch-wide, buffer.pf_ppo filters per group.
 VERL_ALIASES = {("algorithm", "filter_groups"): ("buffer", "filter_groups")}
+PfPpoMode = Literal["best", "best_random", "best_worst"]  # buffer.pf_ppo
+ReplayPriority = Literal["fifo", "uniform", "advantage", "pass_rate", "td_error"]  # buffer.*
 BUILTIN_MODEL_PREFIX = "builtin:"  # model.path = "builtin:tiny-arith": built and cached on demand
 
 
@@ -147,10 +150,7 @@ class AlgorithmConfig(_Section):
     ``reward_dpo_coef`` and the outcome rewards by ``reward_gt_coef``.
     """
 
-    adv_estimator: Literal[
-        "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo",
-        "gpg", "grpo_passk", "remax", "prime"
-    ] = "grpo"
+    adv_estimator: AdvEstimator = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     gamma: Fraction = 1.0
     lam: Fraction = 1.0
@@ -243,7 +243,7 @@ class PfPpoConfig(_Section):
     """
 
     enable: bool = False
-    mode: Literal["best", "best_random", "best_worst"] = "best_worst"
+    mode: PfPpoMode = "best_worst"
     seed: int = 0
 
 
@@ -261,7 +261,7 @@ class ReplayConfig(_Section):
     (-1: ``buffer.max_staleness``; never more).
     """
 
-    priority: Literal["fifo", "uniform", "advantage", "pass_rate", "td_error"] = "fifo"
+    priority: ReplayPriority = "fifo"
     alpha: NonNegativeFloat = 0.6
     beta: Fraction = 0.4
     epsilon: PositiveFloat = 1e-3
@@ -297,6 +297,9 @@ class TrainerConfig(_Section):
     publish_every: Positive = 1  # Relay: publish weights to generators every k steps
     val_before_train: bool = True
     critic_warmup: NonNegative = 0  # steps that train only the critic (adv_estimator = gae)
+    # Relay: published versions that may wait for a busy evaluator, each a CPU copy of the
+    # weights on learner rank 0; past it the oldest waiting one is not evaluated
+    max_waiting_evals: Positive = 2
     seed: int = 0
     run_dir: str = "runs"  # Relay: each run writes to run_dir/<experiment>-<time>/
 

@@ -3,13 +3,15 @@
 Held-out evaluation as a job of its own, so that no learner step ever waits for it. The
 launcher starts it when the run has validation data (``RunConfig.evaluates``), where the
 topology's ``evaluator`` section says. The learner's rank 0 offers the weights it had
-after each evaluation step (step 0 with ``trainer.val_before_train``, every
-``trainer.test_freq`` steps, the last step) on its weight server; this process asks for the
+newest published version at each evaluation step (step 0 with
+``trainer.val_before_train``, every ``trainer.test_freq`` steps, the last step) on its
+weight server; this process asks for the
 next offer (``EvalRequest``), loads it into its own engine, decodes the validation prompts
 (``generators.evaluate``) and hands the metrics back with its next request. The learner
 logs them against the step whose weights they measured. When evaluation is slower than
-the offers come, the newest offer wins and the learner logs the steps skipped. The
-evaluator exits when the learner says the run is over.
+the offers come, they wait in the learner's queue (``learner.eval_queue``), the oldest
+skipped past ``trainer.max_waiting_evals``. The evaluator exits when the learner says the
+run is over.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from transport.sockets import Client, PeerTimeout
 logger = logging.getLogger("relay.evaluator")
 
 POLL_S = 0.5  # between requests while nothing new is offered
-REQUEST_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT_S = 10.0
 
 
 class Evaluator:
@@ -66,6 +68,8 @@ class Evaluator:
                         return
                     manifest, staged = receive_version(first, replies)
                 except PeerTimeout:
+                    if stop.is_set():
+                        return
                     logger.warning("the learner's weight server did not answer; asking again")
                     continue  # the report goes with the next request
                 except IncompleteVersion as exc:

@@ -171,6 +171,7 @@ class GeneratorLoop:
             return False
         logger.info("attached to %s; learner at version %d", self.buffer_endpoint,
                     reply.learner_version)
+        self.counters.tokens, self.counters.seconds = 0, 0.0  # heartbeats count from attach
         return True
 
     def _detach(self) -> None:

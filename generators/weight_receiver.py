@@ -39,6 +39,7 @@ def assemble(manifest: WeightManifest, buckets: list[WeightBucket]) -> StagedWei
         raise IncompleteVersion(f"version {manifest.version}: {len(buckets)} of "
                                 f"{manifest.num_buckets} buckets")
     tensors: dict[str, torch.Tensor] = {}
+    arrived_in: dict[str, int] = {}
     for index, bucket in enumerate(buckets):
         if bucket.version != manifest.version or bucket.index != index:
             raise IncompleteVersion(f"bucket {bucket.index} of version {bucket.version} where "
@@ -47,10 +48,14 @@ def assemble(manifest: WeightManifest, buckets: list[WeightBucket]) -> StagedWei
             raise IncompleteVersion(f"bucket {index}: {len(bucket.names)} names, "
                                     f"{len(bucket.tensors)} tensors")
         tensors.update(zip(bucket.names, bucket.tensors))
+        arrived_in.update(dict.fromkeys(bucket.names, index))
     for entry in manifest.entries:
         tensor = tensors.get(entry.name)
         if tensor is None:
             raise IncompleteVersion(f"version {manifest.version}: {entry.name} never arrived")
+        if arrived_in[entry.name] != entry.bucket:
+            raise IncompleteVersion(f"{entry.name} arrived in bucket {arrived_in[entry.name]}, "
+                                    f"the manifest says bucket {entry.bucket}")
         dtype = str(tensor.dtype).removeprefix("torch.")
         if list(tensor.shape) != entry.shape or dtype != entry.dtype:
             raise IncompleteVersion(f"{entry.name}: got {tensor.dtype} {list(tensor.shape)}, "
@@ -85,7 +90,6 @@ class WeightReceiver:
         self._have = 0  # newest version staged or applied
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
-        self.failures = 0
 
     def start(self, applied_version: int) -> WeightReceiver:
         self._have = applied_version
@@ -136,7 +140,6 @@ class WeightReceiver:
             logger.debug("weight server %s did not answer; retrying", self.endpoint)
             return
         except (IncompleteVersion, RemoteError) as exc:
-            self.failures += 1
             logger.warning("discarded a weight version from %s: %s", self.endpoint, exc)
             return
         if staged is None:  # up to date

@@ -6,10 +6,13 @@ learner starts at version 0 (the checkpoint the generators loaded) and publishes
 v + 1 every ``trainer.publish_every`` steps, skipping a publish when the policy has not
 changed since the last one (the critic's warm-up).
 
-Held-out evaluation is not done here: at each evaluation step the loop offers the weights
-it has to the evaluator process (``learner.weights.WeightServer.offer_evaluation``) and goes
-on training; the evaluator's reports come back later and are logged against the step whose
-weights they measured. At the end the loop waits (bounded) for the last step's report.
+Held-out evaluation is not done here: at each evaluation step (step 0 with
+``trainer.val_before_train``, every ``trainer.test_freq`` steps, the last step) the loop
+offers the newest published version (before any, the initial checkpoint) to the evaluator
+process through the weight server's evaluation queue (``learner.eval_queue``) and goes on
+training; the evaluator's reports come back later and are logged against the step after
+which the version was published, the step whose weights they measured. At the end the loop
+waits (bounded) for the last offer's report.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from learner.checkpoint import save_checkpoint
 from learner.rollouts import BufferLink, broadcast_batch
 from learner.tracking import Tracker
 from learner.update import Learner
-from learner.weights import EvalOffer, WeightServer, bucketize, gather_full_weights
+from learner.eval_queue import EvalOffer
+from learner.weights import WeightServer, bucketize, gather_full_weights
 from transport.messages import EvalReport, Metrics, SampleBatch
 from transport.sockets import Pusher
 
@@ -104,16 +108,17 @@ class TrainLoop:
         self.version = 0
         self.unpublished_update = False  # the policy changed since the last publish
         self.priorities: dict[str, float] = {}  # td_error priorities for the next request
+        self.offered_step = -1  # the step of the last version offered for evaluation
 
     def run_all(self) -> None:
         trainer = self.trainer
         last = trainer.total_training_steps
         if trainer.val_before_train:
-            self._offer_evaluation(step=0)
+            self._offer_evaluation()
         for step in range(1, last + 1):
             self._step(step)
             if trainer.test_freq > 0 and (step % trainer.test_freq == 0 or step == last):
-                self._offer_evaluation(step)
+                self._offer_evaluation()
             if trainer.save_freq > 0 and (step % trainer.save_freq == 0 or step == last):
                 save_checkpoint(self.learner, self.checkpoint_dir, step, self.version,
                                 keep_last=self.keep_last,
@@ -155,7 +160,7 @@ class TrainLoop:
             "version": float(self.version),
         })
         self.rank0.reporter.report(step, metrics)
-        for report in self.rank0.weights.take_eval_reports():
+        for report in self.rank0.weights.evaluation.take_reports():
             self._log_eval_report(report)
 
     def _publish(self, step: int) -> None:
@@ -166,29 +171,26 @@ class TrainLoop:
             self.rank0.weights.publish(bucketize(self.version, tensors, step=step))
             self.rank0.link.published(self.version, step)
 
-    def _offer_evaluation(self, step: int) -> None:
-        """Hand the evaluator the weights after ``step``: the initial checkpoint, the version
-        just published, or (updates not yet published) a gathered copy. A collective when
-        it gathers: every rank calls it."""
-        if not self.evaluates:
+    def _offer_evaluation(self) -> None:
+        """Offer the newest published version (the initial checkpoint before any) for
+        evaluation, once each. Rank 0 only: no collective, no copy."""
+        if not self.evaluates or self.rank0 is None:
             return
-        weights = None
-        if self.unpublished_update:
-            tensors = gather_full_weights(self.learner.model, self.publish_dtype)
-            weights = bucketize(self.version, tensors, step=step) if self.rank0 else None
-        elif self.rank0 is not None:
-            weights = self.rank0.weights.latest  # None: still the initial checkpoint
-        if self.rank0 is not None:
-            self.rank0.weights.offer_evaluation(EvalOffer(step=step, version=self.version,
-                                                          weights=weights))
+        latest = self.rank0.weights.latest
+        step = latest.manifest.step if latest is not None else 0
+        if step == self.offered_step:
+            return
+        self.offered_step = step
+        version = latest.manifest.version if latest is not None else 0
+        self.rank0.weights.evaluation.offer(EvalOffer(step=step, version=version,
+                                                      weights=latest))
 
     def _finish_evaluation(self) -> None:
         assert self.rank0 is not None
         if not self.evaluates:
             return
-        last = self.trainer.total_training_steps if self.trainer.test_freq > 0 else 0
-        logger.info("waiting for the evaluation of step %d", last)
-        self.rank0.weights.end_evaluation(last, on_report=self._log_eval_report)
+        logger.info("waiting for the evaluation of step %d", self.offered_step)
+        self.rank0.weights.evaluation.end(self.offered_step, on_report=self._log_eval_report)
 
     def _log_eval_report(self, report: EvalReport) -> None:
         assert self.rank0 is not None

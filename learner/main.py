@@ -25,6 +25,7 @@ from configs.rundir import (
     load_run_dir,
 )
 from learner.critic import Critic, load_value_model
+from learner.eval_queue import EvalQueue
 from learner.implicit_prm import ImplicitPRM
 from learner.loop import RankZero, Reporter, TrainLoop
 from learner.model import learner_device, load_sharded
@@ -82,7 +83,9 @@ def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase) -> Rank
     tracker.log_config(run, [ctx.run_dir / RESOLVED_RUN, ctx.run_dir / RESOLVED_TOPOLOGY])
     reporter = Reporter(tracker, Pusher(ctx.metrics_endpoint, keys=ctx.client_keys()))
     return RankZero(link=BufferLink(ctx.buffer_endpoint, keys=ctx.client_keys()),
-                    weights=WeightServer(ctx.weights_endpoint, keys=ctx.server_keys()).start(),
+                    weights=WeightServer(ctx.weights_endpoint, keys=ctx.server_keys(),
+                                         evaluation=EvalQueue(run.trainer.max_waiting_evals)
+                                         ).start(),
                     reporter=reporter, tokenizer=tokenizer)
 
 

@@ -141,7 +141,7 @@ def _tensor_ext(
 class Decoder(Generic[M]):
     """Decodes frame sets into messages of one type (``AnyMessage`` by default).
 
-    ``Decoder(VersionNotice)`` or ``Decoder(Union[Attach, Heartbeat])`` accept only those;
+    ``Decoder(VersionUpdate)`` or ``Decoder(Union[Attach, Heartbeat])`` accept only those;
     any other message is a ``schema`` error. Safe to share between threads.
     """
 

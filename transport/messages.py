@@ -17,8 +17,9 @@ Rules that keep old and new peers talking:
 
 This module knows the shapes of the conversation, not who speaks when: see
 ``buffer.hub`` (generators and the learner with the buffer), ``generators.process`` (a
-generator's side), ``learner.weights`` with ``generators.weight_receiver`` (weight versions)
-and ``generators.evaluator`` (held-out evaluation of published versions).
+generator's side), ``learner.weights`` with ``generators.weight_receiver`` (weight versions), and
+``learner.eval_queue`` with ``generators.evaluator`` (held-out evaluation of published
+versions).
 
 Choices are closed sets (``Literal``): a peer that sends an error code or a verdict this
 module does not list is rejected like any malformed message.

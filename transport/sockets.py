@@ -1,4 +1,4 @@
-"""ZeroMQ sockets that speak Relay's wire: request-reply, one-way streams, notices.
+"""ZeroMQ sockets that speak Relay's wire: request-reply and one-way streams.
 
 Patterns, one class per role:
 

@@ -155,6 +155,9 @@ def encode_batch(tokenizer: PreTrainedTokenizerBase, problems: list[arithmetic.P
 
 
 def _lr_factor(step: int, config: WarmStartConfig) -> float:
+    # Part of the versioned recipe of the cached default model (its warm-up starts at 1/W,
+    # where transformers' starts at 0): switching to transformers' schedule would change the
+    # built weights, so it stays with the recipe. The RL learner uses transformers'.
     warmup = min(config.warmup_steps, config.steps)
     if step < warmup:
         return (step + 1) / warmup

@@ -1,6 +1,7 @@
 """Advantage estimators against hand-computed values."""
 
 import math
+import typing
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from algorithms.advantages import (
     ESTIMATORS,
     AdvantageInputs,
+    AdvEstimator,
     compute_advantages,
     gae_advantages,
     grpo_advantages,
@@ -295,3 +297,8 @@ def test_gae_whitens_over_the_kept_tokens_and_keeps_the_critics_returns() -> Non
     white = [(a - mean) / sd for a in raw]
     torch.testing.assert_close(adv, torch.tensor([[white[0], 0.0, white[1]],
                                                   [white[2], white[3], 0.0]]))
+
+
+def test_every_configurable_estimator_has_its_code() -> None:
+    # gae runs with the learner's critic, prime with its implicit PRM; the rest are here
+    assert set(typing.get_args(AdvEstimator)) == set(ESTIMATORS) | {"gae", "prime"}

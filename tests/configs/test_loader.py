@@ -271,16 +271,20 @@ rollout_rs = "token"
 
 
 def test_rejection_bounds_must_leave_an_interval(run_dir: Path) -> None:
+    rejecting = "algorithm.rollout_correction.rollout_rs=token"
     err = error_of(load_run_config, write(run_dir, GOOD_RUN),
-                   ["algorithm.rollout_correction.rollout_rs_threshold=1.5",
+                   [rejecting, "algorithm.rollout_correction.rollout_rs_threshold=1.5",
                     "algorithm.rollout_correction.rollout_rs_threshold_lower=2"])
     assert err.key == "algorithm.rollout_correction.rollout_rs_threshold_lower"
     assert "no ratio would be accepted" in str(err)
     # an upper bound below 1 with the default lower bound 1 / upper
     err = error_of(load_run_config, write(run_dir, GOOD_RUN),
-                   ["algorithm.rollout_correction.rollout_rs_threshold=0.8"])
+                   [rejecting, "algorithm.rollout_correction.rollout_rs_threshold=0.8"])
     assert err.key == "algorithm.rollout_correction.rollout_rs_threshold"
     assert "set rollout_rs_threshold_lower" in str(err)
+    # without rejection the band is unused and not checked
+    load_run_config(write(run_dir, GOOD_RUN),
+                    ["algorithm.rollout_correction.rollout_rs_threshold=0.8"])
 
 
 def test_clip_cov_bounds_must_leave_an_interval(run_dir: Path) -> None:

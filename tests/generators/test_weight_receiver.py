@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -51,6 +52,18 @@ def test_an_incomplete_version_is_refused() -> None:
     published.buckets[0].tensors[0] = torch.zeros(2, dtype=torch.bfloat16)
     with pytest.raises(IncompleteVersion, match="layer0.weight: got torch.bfloat16 \\[2\\]"):
         assemble(published.manifest, published.buckets)
+
+
+def test_a_tensor_in_another_bucket_than_its_manifest_entry_is_refused() -> None:
+    published = bucketize(3, version_tensors(1.0), bucket_bytes=2 * 64 * 64 * 2)
+    first, second = published.buckets[0], published.buckets[1]
+    moved = [msgspec.structs.replace(first, names=[first.names[0], second.names[0]],
+                                     tensors=[first.tensors[0], second.tensors[0]]),
+             msgspec.structs.replace(second, names=[first.names[1], *second.names[1:]],
+                                     tensors=[first.tensors[1], *second.tensors[1:]])]
+    with pytest.raises(IncompleteVersion, match="layer1.weight arrived in bucket 1, the "
+                                                "manifest says bucket 0"):
+        assemble(published.manifest, [*moved, *published.buckets[2:]])
 
 
 def test_receive_version_assembles_the_buckets_after_a_manifest() -> None:

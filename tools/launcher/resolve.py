@@ -12,7 +12,10 @@ from pathlib import Path
 
 import msgspec
 
+from algorithms.rewards.registry import UnknownDataSourceError, check_data_sources
+from buffer.dataset import DatasetError, load_prompt_rows
 from configs.checks import load_run_config, load_topology
+from configs.loader import ConfigError
 from configs.run_schema import RunConfig
 from configs.topology_schema import Topology
 from launcher.plan import ProcessSpec, build_plan, new_run_dir
@@ -34,10 +37,24 @@ def resolve_launch(topology_file: str, run_file: str, topology_overrides: Sequen
     """Load and check both configs with their overrides; plan the processes."""
     topology = load_topology(topology_file, topology_overrides)
     run = load_run_config(run_file, run_overrides)
+    check_validation_data(run, run_file)
     run_dir = new_run_dir(run)
     return ResolvedLaunch(topology_file=topology_file, run_file=run_file, topology=topology,
                           run=run, run_dir=run_dir,
                           processes=build_plan(topology, run, run_dir))
+
+
+def check_validation_data(run: RunConfig, source: str) -> None:
+    """The held-out rows load and each has a reward: the evaluator, which is not essential,
+    would otherwise fail after the launch and the run go on without evaluation."""
+    if not run.evaluates:
+        return
+    try:
+        rows = load_prompt_rows(run.data.val_files)
+        if not run.custom_reward_function.path:
+            check_data_sources({row.data_source for row in rows})
+    except (DatasetError, UnknownDataSourceError) as exc:
+        raise ConfigError(source, "data.val_files", str(exc)) from exc
 
 
 def dry_run_report(resolved: ResolvedLaunch) -> str:

@@ -4,10 +4,11 @@ Order of events:
 
 1. prepare: build and cache a ``builtin:`` model if missing, pick free ports for port 0,
    write the resolved configs into the run directory;
-2. start the buffer, the learner (torchrun) and the generators, each in its own process
-   group with its output in ``RUN_DIR/logs/<name>.log``;
+2. start the buffer, the learner (torchrun), the generators and the evaluator, each in its
+   own process group with its output in ``RUN_DIR/logs/<name>.log``;
 3. watch: a live status line from the metrics the processes push; a generator may die
-   (the run goes on while one is attached), an essential process may not;
+   (the run goes on while one is attached), and so may the evaluator (the run goes on
+   without held-out evaluation, and the launcher says so), an essential process may not;
 4. stop: when the learner finishes (exit 0), or on Ctrl-C, or when an essential process
    dies, every process group gets SIGTERM, then SIGKILL after a grace period. Nothing is
    left behind; the exit code says how it ended and the reason names the process.

@@ -1,0 +1,132 @@
+"""Weights waiting for the evaluator, and the reports it sends back (thread-safe).
+
+Held-out evaluation runs in its own process (``generators.evaluator``) so that no learner
+step waits for it. The loop ``offer``s each published version due for evaluation (before
+any, the initial checkpoint: free, the evaluator loads it itself); the weight server's
+thread answers the evaluator's ``EvalRequest``s from here (``handle``), oldest offer first,
+and queues the reports they carry for the loop (``take_reports``). An offer stays first in
+line until the evaluator asks for something after it, so a reply lost to a timeout is
+simply handed out again; a report is kept once (a resent one is ignored).
+
+Each waiting offer holds a CPU copy of the weights, so at most ``max_waiting`` wait: past
+that the oldest waiting one is skipped, with a warning. At the end of the run ``end``
+waits (bounded) for the last offer's report and for the evaluator to hear that the run is
+over.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from transport.messages import EvalReport, EvalRequest, Message, Shutdown, WeightManifest
+
+if TYPE_CHECKING:  # learner.weights serves this queue
+    from learner.weights import PublishedVersion
+
+logger = logging.getLogger(__name__)
+
+GOODBYE_GRACE_S = 3.0  # after the last report: time for the evaluator's next request
+
+
+class EvalOffer(msgspec.Struct, frozen=True):
+    """Weights to evaluate: those after learner ``step``, at ``version``; ``weights`` None
+    means the initial checkpoint (nothing trained yet), which the evaluator already holds."""
+
+    step: int
+    version: int
+    weights: PublishedVersion | None
+
+
+class EvalQueue:
+    def __init__(self, max_waiting: int = 2) -> None:
+        self.max_waiting = max_waiting
+        self._lock = threading.Lock()  # everything below is shared by two threads
+        self._waiting: deque[EvalOffer] = deque()
+        self._reports: list[EvalReport] = []
+        self._reported_through = -1  # the latest step a report measured
+        self._handed_at = 0.0
+        self._longest_s = 0.0  # the longest evaluation so far
+        self._over = False
+        self._goodbye_said = False
+
+    # -- the learner's loop --------------------------------------------------------------
+
+    def offer(self, offer: EvalOffer) -> None:
+        """Queue ``offer``; the oldest offer holding weights goes when too many wait."""
+        with self._lock:
+            self._waiting.append(offer)
+            holding = [o for o in self._waiting if o.weights is not None]
+            for skipped in holding[:max(0, len(holding) - self.max_waiting)]:
+                self._waiting.remove(skipped)
+                logger.warning("the evaluator is behind: step %d will not be evaluated "
+                               "(trainer.max_waiting_evals = %d)", skipped.step,
+                               self.max_waiting)
+
+    def take_reports(self) -> list[EvalReport]:
+        """The reports that arrived since the last call."""
+        with self._lock:
+            reports, self._reports = self._reports, []
+        return reports
+
+    def end(self, last_step: int, min_wait_s: float = 120.0,
+            on_report: Callable[[EvalReport], None] | None = None) -> list[EvalReport]:
+        """No more offers: wait until the evaluator has reported ``last_step`` and heard
+        that the run is over, for at most ``min_wait_s`` or three times the longest
+        evaluation per waiting offer. Returns the reports that arrived meanwhile, each also
+        passed to ``on_report`` as it arrives."""
+        with self._lock:
+            self._over = True
+            budget = max(min_wait_s, 3 * self._longest_s * (len(self._waiting) + 1))
+        deadline = time.monotonic() + budget
+        reported_at: float | None = None
+        reports: list[EvalReport] = []
+        while True:
+            with self._lock:
+                arrived, self._reports = self._reports, []
+                done, goodbye = self._reported_through >= last_step, self._goodbye_said
+            for report in arrived:
+                reports.append(report)
+                if on_report is not None:
+                    on_report(report)
+            now = time.monotonic()
+            if done:
+                reported_at = reported_at or now
+                if goodbye or now - reported_at > GOODBYE_GRACE_S:
+                    return reports
+            elif now > deadline:
+                logger.warning("no evaluation of step %d arrived within %.0f s: is the "
+                               "evaluator alive? (its log is in the run directory's logs/)",
+                               last_step, budget)
+                return reports
+            time.sleep(0.05)
+
+    # -- the weight server's thread ------------------------------------------------------
+
+    def handle(self, msg: EvalRequest, current_version: int) -> list[Message]:
+        """The reply to an ``EvalRequest`` (see ``transport.messages.EvalRequest``)."""
+        now = time.monotonic()
+        with self._lock:
+            report = msg.report
+            if report is not None and report.step > self._reported_through:
+                self._reports.append(report)
+                self._reported_through = report.step
+                self._longest_s = max(self._longest_s, now - self._handed_at)
+            while self._waiting and self._waiting[0].step <= msg.after_step:
+                self._waiting.popleft()  # evaluated (or skipped by the evaluator)
+            if not self._waiting:
+                if self._over:
+                    self._goodbye_said = True
+                    return [Shutdown(reason="the run is over")]
+                return [WeightManifest(version=current_version, step=msg.after_step)]
+            offer, self._handed_at = self._waiting[0], now
+        if offer.weights is None:
+            return [WeightManifest(version=offer.version, step=offer.step)]
+        manifest = msgspec.structs.replace(offer.weights.manifest, step=offer.step)
+        return [manifest, *offer.weights.buckets]

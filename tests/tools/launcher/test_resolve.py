@@ -1,0 +1,29 @@
+"""launcher.resolve: held-out data the evaluator could not use is refused before launch."""
+
+from pathlib import Path
+
+import pytest
+
+from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
+from launcher.resolve import resolve_launch
+
+
+def test_a_held_out_data_source_without_a_reward_is_refused_before_launch(
+        tmp_path: Path) -> None:
+    val = tmp_path / "val.jsonl"
+    val.write_text('{"prompt": [{"role": "user", "content": "1 + 1?"}], '
+                   '"data_source": "nobody/knows", '
+                   '"reward_model": {"style": "rule", "ground_truth": "2"}}\n')
+    with pytest.raises(ConfigError) as error:
+        resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
+                       run_overrides=[f"data.val_files={val}", f"trainer.run_dir={tmp_path}"])
+    assert error.value.key == "data.val_files" and "nobody/knows" in str(error.value)
+
+
+def test_without_evaluation_the_held_out_rows_are_not_read(tmp_path: Path) -> None:
+    val = tmp_path / "val.jsonl"
+    val.write_text("not json\n")
+    resolved = resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN), run_overrides=[
+        f"data.val_files={val}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        f"trainer.run_dir={tmp_path}"])
+    assert [p.role for p in resolved.processes] == ["buffer", "learner", "generator"]
