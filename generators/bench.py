@@ -1,0 +1,121 @@
+"""Measurements for ``tools/bench-engine.py``: Relay's engine against transformers' generate.
+
+Every contender decodes the same batch: ``batch`` prompts of ``prompt_len`` random token ids,
+exactly ``new_tokens`` new tokens each (nothing stops early), sampled at temperature 1, on
+one model in this process. The floor is the bare decode loop the engines cannot beat: one
+prefill and ``new_tokens - 1`` single-token forward passes with a KV cache, greedy, with no
+sampling, no log-probs and no bookkeeping. Each is timed ``repeats`` times after one warm-up
+run; the median is reported as generated tokens per second.
+
+``compute_ceiling`` is what the arithmetic alone would allow: this machine's measured
+matmul rate in the model's dtype divided by the forward FLOPs of one decoded token,
+
+    2 * parameters + 4 * layers * hidden * (prompt_len + new_tokens / 2)
+
+(the weights' multiply-adds, and attention over the mean context). The gap between the
+floor and this ceiling is the framework's per-call overhead.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import msgspec
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from generators.sampling import SamplingParams
+from generators.torch_engine import TorchEngine
+
+
+class EngineComparison(msgspec.Struct, frozen=True):
+    """Generated tokens per second (medians) of each contender at one shape."""
+
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    relay: float
+    hf_generate: float
+    floor: float
+    compute_ceiling: float
+
+    @property
+    def relay_over_hf(self) -> float:
+        return self.relay / self.hf_generate
+
+    @property
+    def floor_over_relay(self) -> float:
+        return self.floor / self.relay
+
+
+def _median_tokens_per_s(run: Callable[[], int], repeats: int) -> float:
+    run()  # warm-up: allocator, kernels, caches
+    rates = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        tokens = run()
+        rates.append(tokens / (time.perf_counter() - began))
+    return statistics.median(rates)
+
+
+def matmul_flops_per_s(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
+    """The median rate of a ``size``-cubed matmul in ``dtype`` on this machine."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b  # warm-up
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - began)
+    return 2 * size ** 3 / statistics.median(times)
+
+
+def forward_flops_per_token(model: PreTrainedModel, context: float) -> float:
+    """2 * parameters + 4 * layers * hidden * context (see the module docstring)."""
+    config = model.config
+    parameters = sum(p.numel() for p in model.parameters())
+    return 2 * parameters + 4 * config.num_hidden_layers * config.hidden_size * context
+
+
+def compare_engines(model: PreTrainedModel, *, batch: int, prompt_len: int, new_tokens: int,
+                    repeats: int = 5, seed: int = 0) -> EngineComparison:
+    """Relay's ``TorchEngine``, transformers' ``generate`` and the bare decode floor."""
+    model = model.eval()
+    vocab = model.config.vocab_size
+    prompts = torch.randint(0, vocab, (batch, prompt_len),
+                            generator=torch.Generator().manual_seed(seed))
+    engine = TorchEngine(model, eos_ids=[], pad_id=0, seed=seed)  # no eos: nothing stops
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
+
+    def relay() -> int:
+        completions = engine.generate(prompts.tolist(), params)
+        return sum(c.token_ids.numel() for c in completions)
+
+    @torch.inference_mode()
+    def hf_generate() -> int:
+        out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                             do_sample=True, temperature=1.0, top_k=None, top_p=None,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             pad_token_id=0)
+        return out[:, prompt_len:].numel()
+
+    @torch.inference_mode()
+    def floor() -> int:
+        cache = DynamicCache()
+        logits = model(input_ids=prompts, past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits[:, -1]
+        for _ in range(new_tokens - 1):
+            token = logits.argmax(-1, keepdim=True)
+            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        return batch * new_tokens
+
+    dtype = next(model.parameters()).dtype
+    ceiling = matmul_flops_per_s(dtype) / forward_flops_per_token(
+        model, context=prompt_len + new_tokens / 2)
+    return EngineComparison(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                            relay=_median_tokens_per_s(relay, repeats),
+                            hf_generate=_median_tokens_per_s(hf_generate, repeats),
+                            floor=_median_tokens_per_s(floor, repeats),
+                            compute_ceiling=ceiling)

@@ -1,0 +1,27 @@
+"""generators.bench: the engine benchmark's contenders all decode the full length, and its
+compute ceiling uses the stated FLOP count."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM
+
+from generators.bench import compare_engines, forward_flops_per_token
+
+
+def test_forward_flops_per_token_counts_weights_and_attention(random_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir)
+    parameters = sum(p.numel() for p in model.parameters())
+    # the conftest model: 2 layers of hidden 64
+    assert forward_flops_per_token(model, context=10) == 2 * parameters + 4 * 2 * 64 * 10
+
+
+def test_every_contender_is_measured_on_the_same_shape(random_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir)
+    result = compare_engines(model, batch=3, prompt_len=5, new_tokens=4, repeats=1)
+    assert (result.batch, result.prompt_len, result.new_tokens) == (3, 5, 4)
+    rates = [result.relay, result.hf_generate, result.floor, result.compute_ceiling]
+    assert all(math.isfinite(r) and r > 0 for r in rates)
+    assert result.relay_over_hf == result.relay / result.hf_generate

@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Benchmark Relay's generation engine against transformers' generate and the bare floor.
+
+    tools/with-venv python tools/bench-engine.py [--model PATH] [--batch 64 ...]
+        [--prompt-len 32] [--new-tokens 16] [--repeats 5] [--threads 2] [--dtype float32]
+
+With no ``--model``, the embedded default model (built and cached on first use, as the
+launcher does). Prints generated tokens/s (medians) per batch size: Relay's engine,
+transformers' generate, the bare decode-forward floor and the compute ceiling, with the
+ratios relay/generate and floor/relay. The measurements live in ``generators.bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from generators.bench import compare_engines
+
+
+def default_model() -> str:
+    from learner.tiny_model.build import build_tiny_model, default_model_dir
+
+    path = default_model_dir()
+    if not (path / "config.json").is_file():
+        print(f"building the tiny default model into {path} (once; a few minutes)", flush=True)
+        build_tiny_model(path, overwrite=True)
+    return str(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a local Hugging Face causal LM folder")
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = args.model or default_model()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
+    print(f"model {path} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+          f"{args.dtype}), {torch.get_num_threads()} threads; prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens; tokens/s, median of {args.repeats}")
+    for batch in args.batch:
+        c = compare_engines(model, batch=batch, prompt_len=args.prompt_len,
+                            new_tokens=args.new_tokens, repeats=args.repeats)
+        print(f"batch {batch:>4}: relay {c.relay:>9,.0f}  generate {c.hf_generate:>9,.0f}  "
+              f"floor {c.floor:>9,.0f}  compute ceiling {c.compute_ceiling:>11,.0f}  "
+              f"relay/generate {c.relay_over_hf:5.2f}  floor/relay {c.floor_over_relay:5.2f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
