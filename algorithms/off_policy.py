@@ -48,8 +48,6 @@ LOG_RATIO_CLAMP = 20.0
 
 RolloutIS = Literal["none", "token", "sequence"]
 RolloutRS = Literal["none", "token", "sequence", "geometric"]
-ROLLOUT_IS_MODES: tuple[str, ...] = RolloutIS.__args__  # type: ignore[attr-defined]
-ROLLOUT_RS_MODES: tuple[str, ...] = RolloutRS.__args__  # type: ignore[attr-defined]
 
 
 class RolloutCorrectionConfig(msgspec.Struct, kw_only=True, frozen=True,

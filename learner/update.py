@@ -144,7 +144,7 @@ class Learner:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.actor, self.algorithm = actor, algorithm
         self.temperature, self.horizon = temperature, horizon
-        self.num_prompts, self.critic_warmup = num_prompts, critic_warmup
+        self.critic_warmup = critic_warmup
         self.reference, self.critic, self.prm, self.group = reference, critic, prm, group
         self.steps_done = 0  # learner steps taken, counting the critic's warm-up
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1

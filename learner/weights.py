@@ -128,11 +128,10 @@ class WeightServer:
             return [ErrorReply(code="unexpected", detail=f"the weight server does not take "
                                                          f"{type(msg).__name__}")]
         latest = self._latest
-        if latest is not None and latest.manifest.version > msg.have_version:
-            logger.debug("version %d to generator %s (it has %d)", latest.manifest.version,
-                         msg.generator_id, msg.have_version)
         if latest is None or latest.manifest.version <= msg.have_version:
             return [WeightManifest(version=self.version)]
+        logger.debug("version %d to generator %s (it has %d)", latest.manifest.version,
+                     msg.generator_id, msg.have_version)
         return [latest.manifest, *latest.buckets]
 
     def stop(self) -> None:
