@@ -5,6 +5,13 @@ behavior log-prob (``generators.sampling``) and the weight version that produced
 loads new weight versions whole (a version is applied completely or not at all). Engines
 know models and tokens; they know nothing of sockets, leases or rewards.
 
+Engines serve two ways. ``generate`` takes a batch and returns when every completion is
+done. ``submit`` / ``step`` is continuous batching: a caller submits groups (a prompt and
+its ``n`` samples) whenever it has them, and each ``step`` advances the work in flight and
+returns the groups that finished. The base class runs ``submit`` / ``step`` on top of
+``generate`` (one ``step`` generates everything submitted since the last); the lean engine
+(``generators.lean_engine``) admits new groups into free sequence slots between decode steps.
+
 ``ModelEngine`` is the shared base of the engines that run a transformers model in this
 process (``torch``, ``hf``): loading, padding, weight updates, cutting at eos.
 """
@@ -33,6 +40,22 @@ class Completion(msgspec.Struct, kw_only=True):
     finish_reason: str  # "stop" (eos) or "length"
 
 
+class GroupRequest(msgspec.Struct, frozen=True):
+    """``n`` samples of one prompt, under ``key`` (the caller's name for it)."""
+
+    key: object
+    prompt_ids: Sequence[int]
+    n: int
+    params: SamplingParams
+
+
+class FinishedGroup(msgspec.Struct, frozen=True):
+    """The ``n`` completions of a submitted group, in sample order."""
+
+    key: object
+    completions: list[Completion]
+
+
 class WeightMismatch(ValueError):
     """A weight version does not fit the engine's model (names or shapes)."""
 
@@ -44,6 +67,7 @@ class Engine(abc.ABC):
 
     def __init__(self) -> None:
         self.version = 0
+        self._submitted: list[GroupRequest] = []
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
@@ -56,6 +80,34 @@ class Engine(abc.ABC):
 
         Raises ``WeightMismatch`` and changes nothing when the set does not fit.
         """
+
+    # -- continuous batching ------------------------------------------------------------
+
+    def submit(self, request: GroupRequest) -> None:
+        """Queue a group; a later ``step`` generates it."""
+        if request.n < 1 or not request.prompt_ids:
+            raise ValueError(f"group {request.key!r}: needs n >= 1 and a non-empty prompt")
+        self._submitted.append(request)
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences submitted and not yet returned by ``step``."""
+        return sum(r.n for r in self._submitted)
+
+    def step(self, between_steps: StepHook | None = None) -> list[FinishedGroup]:
+        """Advance the work in flight; the groups that finished. Here: generate every
+        group submitted so far in one ``generate`` call per sampling setting."""
+        submitted, self._submitted = self._submitted, []
+        finished = []
+        for params in dict.fromkeys(r.params for r in submitted):
+            requests = [r for r in submitted if r.params == params]
+            completions = self.generate([list(r.prompt_ids) for r in requests for _ in range(r.n)],
+                                        params, between_steps)
+            start = 0
+            for r in requests:
+                finished.append(FinishedGroup(r.key, completions[start:start + r.n]))
+                start += r.n
+        return finished
 
 
 class ModelEngine(Engine):

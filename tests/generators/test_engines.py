@@ -1,4 +1,5 @@
-"""Both in-process engines: agreement with each other, per-token versions, weight loading."""
+"""The in-process engines (lean, torch, hf): agreement with transformers, per-token versions,
+weight loading."""
 
 from __future__ import annotations
 
@@ -6,52 +7,83 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from generators.engine import WeightMismatch
+from generators.engine import Engine, WeightMismatch
 from generators.hf_engine import HFEngine
+from generators.lean_engine import LeanEngine
 from generators.sampling import SamplingParams
 from generators.torch_engine import TorchEngine
 
 PROMPTS = [[1, 271, 201, 273, 272, 223, 19, 20, 2, 201, 1, 278, 201], [1, 271, 201, 24, 2, 201]]
+OURS = ["lean", "torch"]
 
 
-def engines(path: Path, eos: int = 2):
+def build(kind: str, path: Path, eos: int = 2) -> Engine:
     common = dict(dtype=torch.float32, eos_ids=[eos], pad_id=0, seed=0)
-    return (TorchEngine.from_pretrained(str(path), **common),
-            HFEngine.from_pretrained(str(path), **common))
+    if kind == "lean":
+        return LeanEngine.from_pretrained(str(path), max_num_seqs=16, max_len=64, **common)
+    return {"torch": TorchEngine, "hf": HFEngine}[kind].from_pretrained(str(path), **common)
 
 
-def test_greedy_decoding_agrees_with_transformers_generate(random_model_dir: Path) -> None:
-    ours, reference = engines(random_model_dir)
+def weights(engine: Engine) -> dict[str, torch.Tensor]:
+    if isinstance(engine, LeanEngine):
+        return {n: v.clone() for n, v in engine.decoder._views.items()}
+    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", OURS)
+def test_greedy_decoding_agrees_with_transformers_generate(kind: str,
+                                                           random_model_dir: Path) -> None:
+    ours, reference = build(kind, random_model_dir), build("hf", random_model_dir)
     params = SamplingParams(max_new_tokens=12, temperature=0.0)
-    for a, b in zip(ours.generate(PROMPTS, params), reference.generate(PROMPTS, params)):
+    for a, b in zip(ours.generate(PROMPTS, params), reference.generate(PROMPTS, params),
+                    strict=True):
         assert a.token_ids.tolist() == b.token_ids.tolist()
         assert a.finish_reason == b.finish_reason
 
 
-def test_behavior_logprobs_agree_with_transformers_processed_scores(random_model_dir: Path) -> None:
-    ours, reference = engines(random_model_dir)
+@pytest.mark.parametrize("kind", [*OURS, "hf"])
+def test_behavior_logprobs_are_transformers_processed_scores(kind: str,
+                                                             random_model_dir: Path) -> None:
+    """Each sampled token's behavior log-prob equals the log-softmax of transformers' own
+    forward logits after its temperature, top-k and top-p warpers (teacher-forced)."""
+    engine = build(kind, random_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(random_model_dir), dtype=torch.float32)
     params = SamplingParams(max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.9)
-    # same seed, same draws: both sample with torch.multinomial from the same distribution
-    a = ours.generate(PROMPTS[:1], params)[0]
-    b = reference.generate(PROMPTS[:1], params)[0]
-    assert a.token_ids.tolist() == b.token_ids.tolist()
-    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)
+    warpers = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.9)]
+    for prompt, completion in zip(PROMPTS * 4, engine.generate(PROMPTS * 4, params),
+                                  strict=True):
+        ids = torch.tensor([prompt + completion.token_ids.tolist()])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1:-1]
+        for warp in warpers:
+            logits = warp(ids, logits)
+        expected = logits.log_softmax(-1).gather(-1, completion.token_ids[:, None].long())
+        torch.testing.assert_close(completion.logprobs, expected.squeeze(-1), atol=1e-4,
+                                   rtol=1e-4)
 
 
-def test_eos_stops_a_row_and_is_kept(random_model_dir: Path) -> None:
-    ours, _ = engines(random_model_dir)
-    probe = ours.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4, temperature=0.0))[0]
-    first = int(probe.token_ids[0])
-    ours.eos_ids = frozenset({first})  # make the greedy first token an eos token
-    stopped = ours.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4, temperature=0.0))[0]
+@pytest.mark.parametrize("kind", OURS)
+def test_eos_stops_a_row_and_is_kept(kind: str, random_model_dir: Path) -> None:
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    probe = build(kind, random_model_dir).generate(PROMPTS[:1], greedy)[0]
+    first = int(probe.token_ids[0])  # make the greedy first token an eos token
+    stopped = build(kind, random_model_dir, eos=first).generate(PROMPTS[:1], greedy)[0]
     assert stopped.token_ids.tolist() == [first] and stopped.finish_reason == "stop"
     assert probe.finish_reason == "length" and len(probe.token_ids) == 4
 
 
-def test_weights_swapped_between_decode_steps_stamp_later_tokens(random_model_dir: Path) -> None:
-    ours, _ = engines(random_model_dir, eos=-1)
-    new_weights = {n: p.detach() + 0.01 for n, p in ours.model.named_parameters()}
+@pytest.mark.parametrize("kind", OURS)
+def test_weights_swapped_between_decode_steps_stamp_later_tokens(kind: str,
+                                                                  random_model_dir: Path) -> None:
+    ours = build(kind, random_model_dir, eos=-1)
+    new_weights = {n: t + 0.01 for n, t in weights(ours).items()}
     steps = []
 
     def hook() -> None:
@@ -65,10 +97,12 @@ def test_weights_swapped_between_decode_steps_stamp_later_tokens(random_model_di
     assert ours.version == 7
 
 
-def test_a_weight_set_that_does_not_fit_changes_nothing(random_model_dir: Path) -> None:
-    ours, _ = engines(random_model_dir)
-    before = {n: p.detach().clone() for n, p in ours.model.named_parameters()}
-    broken = {n: p.detach() + 1 for n, p in ours.model.named_parameters()}
+@pytest.mark.parametrize("kind", OURS)
+def test_a_weight_set_that_does_not_fit_changes_nothing(kind: str,
+                                                        random_model_dir: Path) -> None:
+    ours = build(kind, random_model_dir)
+    before = weights(ours)
+    broken = {n: t + 1 for n, t in before.items()}
     name = next(iter(broken))
     broken[name] = broken[name][:1]
     with pytest.raises(WeightMismatch, match=name):
@@ -78,5 +112,5 @@ def test_a_weight_set_that_does_not_fit_changes_nothing(random_model_dir: Path) 
     with pytest.raises(WeightMismatch, match="missing"):
         ours.load_weights(1, missing)
     assert ours.version == 0
-    for n, p in ours.model.named_parameters():
-        assert torch.equal(p, before[n])
+    for n, t in weights(ours).items():
+        assert torch.equal(t, before[n])

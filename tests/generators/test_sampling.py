@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from generators.sampling import SamplingParams, processed_logprobs, sample_next
+from generators.sampling import SamplingParams, draw, processed_logprobs, sample_next
 
 LOGITS = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]])
 
@@ -45,3 +45,24 @@ def test_sampled_logprob_is_under_the_processed_distribution() -> None:
 def test_greedy_takes_the_argmax_with_logprob_zero() -> None:
     tokens, logprobs = sample_next(LOGITS, SamplingParams(max_new_tokens=1, temperature=0.0))
     assert tokens.tolist() == [0] and logprobs.tolist() == [0.0]
+
+
+def test_draws_follow_the_processed_distribution() -> None:
+    """40,000 draws by inverse CDF: a chi-square test against the processed probabilities
+    (df = 2 after top-p drops the last token; 13.8 is the 0.1% critical value), and a token
+    of probability 0 is never drawn."""
+    params = SamplingParams(max_new_tokens=1, temperature=1.3, top_p=0.9)
+    expected = processed_logprobs(LOGITS, params).exp()[0]
+    assert expected[3] == 0
+    tokens, _ = sample_next(LOGITS.repeat(40_000, 1), params, torch.Generator().manual_seed(1))
+    counts = torch.bincount(tokens, minlength=4).float()
+    assert counts[3] == 0
+    kept = expected > 0
+    chi2 = ((counts[kept] - 40_000 * expected[kept]) ** 2 / (40_000 * expected[kept])).sum()
+    assert chi2 < 13.8
+
+
+def test_a_point_mass_in_the_middle_is_always_drawn() -> None:
+    logprobs = torch.full((1000, 5), float("-inf"))
+    logprobs[:, 2] = 0.0
+    assert set(draw(logprobs, torch.Generator().manual_seed(0)).tolist()) == {2}

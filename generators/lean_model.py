@@ -1,0 +1,261 @@
+"""A lean decoder forward for the Llama, Qwen2 and Qwen3 families, over a static KV cache.
+
+Transformers' forward is built for every model and every feature; for a small model on a
+CPU its per-call overhead costs far more than its arithmetic. ``LeanDecoder`` is the same
+computation written as a handful of tensor ops per layer: fused QKV and gate-up matmuls,
+``rms_norm``, rotary embeddings from a precomputed table, and attention over a
+preallocated cache of ``slots`` sequences of ``max_len`` positions each. It reads the
+Hugging Face checkpoint's own parameter names, so weights from the learner load unchanged.
+
+Per layer, with x the residual stream (pre-norm decoder, as in transformers):
+
+    h = rms_norm(x) ;  q, k, v = h W_qkv (+ b_qkv)          [Qwen3: q, k = rms_norm per head]
+    q, k = rope(q, pos), rope(k, pos) ;  cache[slot, pos] = k, v
+    x = x + softmax(q K^T / sqrt(d) + causal mask) V W_o
+    x = x + (silu(h' W_gate) * h' W_up) W_down,   h' = rms_norm(x)
+
+and logits = rms_norm(x) W_lm. Supported: ``model_type`` llama, qwen2, qwen3 (and mistral
+without a sliding window), ``hidden_act`` silu, default rotary embeddings; anything else
+raises ``UnsupportedModel`` naming the setting, so the caller can choose another engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint uses an architecture or setting the lean forward does not implement."""
+
+
+class LeanDecoder:
+    """Weights, rotary tables and KV cache of one decoder; no autograd, no modules."""
+
+    def __init__(self, config: PretrainedConfig, *, slots: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        check_supported(config)
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.hidden = config.hidden_size
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.heads
+        self.layers = config.num_hidden_layers
+        self.intermediate = config.intermediate_size
+        self.eps = config.rms_norm_eps
+        self.slots, self.max_len = slots, max_len
+        self.qk_norm = config.model_type == "qwen3"
+        self.qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias",
+                                                                     False))
+        self.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self._views = self._allocate()
+        self.cos, self.sin = rotary_tables(config, self.head_dim, max_len, self.device)
+        shape = (self.layers, slots, self.kv_heads, max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    # -- weights ------------------------------------------------------------------------
+
+    def _allocate(self) -> dict[str, torch.Tensor]:
+        """Storage for every weight, and the view each Hugging Face parameter name fills."""
+        def new(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+        q, kv, d, i = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, \
+            self.intermediate
+        views: dict[str, torch.Tensor] = {}
+        self.embed = new(self.config.vocab_size, d)
+        views["model.embed_tokens.weight"] = self.embed
+        self.final_norm = new(d)
+        views["model.norm.weight"] = self.final_norm
+        if self.tied:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = new(self.config.vocab_size, d)
+            views["lm_head.weight"] = self.lm_head
+        self.blocks: list[dict[str, torch.Tensor | None]] = []
+        for layer in range(self.layers):
+            p = f"model.layers.{layer}."
+            block = {"norm1": new(d), "qkv": new(q + 2 * kv, d), "o": new(d, q),
+                     "norm2": new(d), "gate_up": new(2 * i, d), "down": new(d, i),
+                     "qkv_bias": new(q + 2 * kv) if self.qkv_bias else None,
+                     "o_bias": new(d) if self.qkv_bias and self.config.model_type != "qwen2"
+                     else None,
+                     "gate_up_bias": new(2 * i) if self.mlp_bias else None,
+                     "down_bias": new(d) if self.mlp_bias else None,
+                     "q_norm": new(self.head_dim) if self.qk_norm else None,
+                     "k_norm": new(self.head_dim) if self.qk_norm else None}
+            self.blocks.append(block)
+            views[p + "input_layernorm.weight"] = block["norm1"]
+            views[p + "post_attention_layernorm.weight"] = block["norm2"]
+            views[p + "self_attn.o_proj.weight"] = block["o"]
+            views[p + "mlp.down_proj.weight"] = block["down"]
+            for name, rows in _split(block["qkv"], q, kv, kv, ["q", "k", "v"]):
+                views[p + f"self_attn.{name}_proj.weight"] = rows
+            for name, rows in _split(block["gate_up"], i, i, None, ["gate", "up"]):
+                views[p + f"mlp.{name}_proj.weight"] = rows
+            if block["qkv_bias"] is not None:
+                for name, rows in _split(block["qkv_bias"], q, kv, kv, ["q", "k", "v"]):
+                    views[p + f"self_attn.{name}_proj.bias"] = rows
+            if block["o_bias"] is not None:
+                views[p + "self_attn.o_proj.bias"] = block["o_bias"]
+            if block["gate_up_bias"] is not None:
+                for name, rows in _split(block["gate_up_bias"], i, i, None, ["gate", "up"]):
+                    views[p + f"mlp.{name}_proj.bias"] = rows
+                views[p + "mlp.down_proj.bias"] = block["down_bias"]
+            if self.qk_norm:
+                views[p + "self_attn.q_norm.weight"] = block["q_norm"]
+                views[p + "self_attn.k_norm.weight"] = block["k_norm"]
+        return views
+
+    def parameter_shapes(self) -> dict[str, torch.Size]:
+        """Every Hugging Face parameter name this decoder reads, with its shape."""
+        return {name: view.shape for name, view in self._views.items()}
+
+    @torch.no_grad()
+    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy every named weight in (the caller has checked names and shapes)."""
+        for name, view in self._views.items():
+            view.copy_(tensors[name])
+
+    # -- cache --------------------------------------------------------------------------
+
+    def copy_slots(self, source: torch.Tensor, target: torch.Tensor, length: int) -> None:
+        """Copy the first ``length`` cached positions of slots ``source`` into ``target``
+        (a shared prompt prefill fanned out to its samples, or a slot moved)."""
+        self.k_cache[:, target, :, :length] = self.k_cache[:, source, :, :length]
+        self.v_cache[:, target, :, :length] = self.v_cache[:, source, :, :length]
+
+    # -- forward ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+        """Run prompts (P, W) right-padded to W, lengths (P,), into cache ``slots`` (P,)
+        at positions 0..W-1; the logits (P, V) after each prompt's last real token.
+
+        Padding sits after the real tokens, so the causal mask already hides it from them;
+        its cache entries are overwritten by the first decoded tokens.
+        """
+        batch, width = tokens.shape
+        positions = torch.arange(width, device=self.device)
+        x = F.embedding(tokens, self.embed)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (W, 1, D)
+        for layer, block in enumerate(self.blocks):
+            q, k, v = self._qkv(x, block, cos, sin)  # (P, W, H|Hkv, D)
+            self.k_cache[layer, slots, :, :width] = k.transpose(1, 2)
+            self.v_cache[layer, slots, :, :width] = v.transpose(1, 2)
+            kv_rep = self.heads // self.kv_heads
+            keys = k.transpose(1, 2).repeat_interleave(kv_rep, dim=1)
+            values = v.transpose(1, 2).repeat_interleave(kv_rep, dim=1)
+            attended = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
+                                                      is_causal=True)
+            x = self._finish_layer(x, attended.transpose(1, 2).reshape(batch, width, -1), block)
+        last = x[torch.arange(batch, device=self.device), lengths - 1]
+        return self._logits(last)
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, active: int) -> torch.Tensor:
+        """One token for each of the first ``active`` slots: tokens (A,) at positions (A,);
+        logits (A, V). Slot i attends to its own cached positions 0..positions[i]."""
+        context = int(positions.max()) + 1
+        x = F.embedding(tokens, self.embed)  # (A, d)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (A, 1, D)
+        rows = torch.arange(active, device=self.device)
+        hidden = torch.arange(context, device=self.device)[None] > positions[:, None]
+        mask = torch.zeros((active, context), dtype=torch.float32, device=self.device) \
+            .masked_fill(hidden, float("-inf"))[:, None, None]  # (A, 1, 1, C)
+        group = self.heads // self.kv_heads
+        scale = self.head_dim ** -0.5
+        for layer, block in enumerate(self.blocks):
+            q, k, v = self._qkv(x, block, cos, sin)  # (A, H|Hkv, D)
+            self.k_cache[layer, rows, :, positions] = k
+            self.v_cache[layer, rows, :, positions] = v
+            keys = self.k_cache[layer, :active, :, :context]  # (A, Hkv, C, D)
+            values = self.v_cache[layer, :active, :, :context]
+            q = q.view(active, self.kv_heads, group, self.head_dim)
+            scores = torch.einsum("akgd,aktd->akgt", q, keys).float() * scale + mask
+            weights = torch.softmax(scores, dim=-1).to(self.dtype)
+            attended = torch.einsum("akgt,aktd->akgd", weights, values)
+            x = self._finish_layer(x, attended.reshape(active, -1), block)
+        return self._logits(x)
+
+    def _qkv(self, x: torch.Tensor, block: dict, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = F.rms_norm(x, (self.hidden,), block["norm1"], self.eps)
+        qkv = F.linear(h, block["qkv"], block["qkv_bias"])
+        q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                             self.kv_heads * self.head_dim], dim=-1)
+        q = q.unflatten(-1, (self.heads, self.head_dim))
+        k = k.unflatten(-1, (self.kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.kv_heads, self.head_dim))
+        if self.qk_norm:
+            q = F.rms_norm(q, (self.head_dim,), block["q_norm"], self.eps)
+            k = F.rms_norm(k, (self.head_dim,), block["k_norm"], self.eps)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _finish_layer(self, x: torch.Tensor, attended: torch.Tensor, block: dict) -> torch.Tensor:
+        x = x + F.linear(attended, block["o"], block["o_bias"])
+        h = F.rms_norm(x, (self.hidden,), block["norm2"], self.eps)
+        gate, up = F.linear(h, block["gate_up"], block["gate_up_bias"]).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, block["down"], block["down_bias"])
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps), self.lm_head)
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    """Raise ``UnsupportedModel`` naming the first setting the lean forward lacks."""
+    if config.model_type not in SUPPORTED_TYPES:
+        raise UnsupportedModel(f"model_type {config.model_type!r} (the lean forward runs "
+                               f"{', '.join(SUPPORTED_TYPES)})")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"hidden_act {config.hidden_act!r} (only silu)")
+    rope = _rope_parameters(config)
+    if rope.get("rope_type", "default") != "default":
+        raise UnsupportedModel(f"rope_type {rope.get('rope_type')!r} (only default rotary "
+                               "embeddings)")
+    if getattr(config, "use_sliding_window", False) or (
+            config.model_type == "mistral" and getattr(config, "sliding_window", None)):
+        raise UnsupportedModel("sliding-window attention")
+    if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModel("partial rotary embeddings")
+
+
+def _rope_parameters(config: PretrainedConfig) -> dict:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    rope = dict(rope or {})
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return rope
+
+
+def rotary_tables(config: PretrainedConfig, head_dim: int, max_len: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (max_len, head_dim) of the default rotary embedding, in fp32:
+    angle(p, j) = p * theta^(-2j / head_dim), each half of the head sharing the angles."""
+    theta = float(_rope_parameters(config)["rope_theta"])
+    inverse = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inverse[None]
+    angles = torch.cat([angles, angles], dim=-1).to(device)
+    return angles.cos(), angles.sin()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, computed in fp32 and cast back."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def _split(tensor: torch.Tensor, a: int, b: int, c: int | None,
+           names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Row views of a fused tensor: sizes a, b (and c) under ``names``."""
+    sizes = [a, b] + ([c] if c is not None else [])
+    return zip(names, tensor.split(sizes, dim=0), strict=True)

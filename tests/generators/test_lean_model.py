@@ -1,0 +1,75 @@
+"""generators.lean_model: the lean forward gives transformers' logits for Llama (GQA, tied
+and untied), Qwen2 (QKV biases) and Qwen3 (per-head q/k norms), through the prefill and
+through decode steps over the cache; unsupported settings are named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from generators.lean_model import LeanDecoder, UnsupportedModel
+
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+CONFIGS = {
+    "llama-gqa-tied": LlamaConfig(**COMMON, tie_word_embeddings=True),
+    "llama-untied-bias": LlamaConfig(**COMMON, tie_word_embeddings=False, attention_bias=True,
+                                     mlp_bias=True),
+    "qwen2": Qwen2Config(**COMMON, tie_word_embeddings=False),
+    "qwen3": Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_prefill_and_decode_give_the_transformers_logits(name: str) -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name]).eval()
+    with torch.no_grad():  # biases and norms start at 0 / 1: move them off
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    decoder = LeanDecoder(model.config, slots=4, max_len=32, dtype=torch.float32)
+    decoder.load(dict(model.named_parameters()))
+    prompts = [torch.randint(0, 97, (length,)) for length in (7, 3)]
+    continuations = torch.randint(0, 97, (2, 5))
+    padded = torch.zeros((2, 7), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        padded[row, :len(prompt)] = prompt
+    slots = torch.tensor([2, 0])  # any slots; decode then reads slots 0..1 in this order
+    first = decoder.prefill(padded, torch.tensor([7, 3]), slots)
+    decoder.copy_slots(torch.tensor([2, 0]), torch.tensor([0, 1]), 7)
+    lean = [first]
+    positions = torch.tensor([7, 3])
+    for step in range(continuations.shape[1]):
+        lean.append(decoder.decode(continuations[:, step], positions, active=2))
+        positions = positions + 1
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            ids = torch.cat([prompt, continuations[row]])[None]
+            expected = model(ids).logits[0, len(prompt) - 1:]
+            got = torch.stack([step_logits[row] for step_logits in lean])
+            torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_parameter_names_are_the_checkpoints() -> None:
+    model = AutoModelForCausalLM.from_config(CONFIGS["qwen2"])
+    decoder = LeanDecoder(model.config, slots=1, max_len=8, dtype=torch.float32)
+    assert decoder.parameter_shapes() == {n: p.shape for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    (GPT2Config(), "model_type 'gpt2'"),
+    (LlamaConfig(**COMMON, hidden_act="gelu"), "hidden_act 'gelu'"),
+    (LlamaConfig(**COMMON, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 10000.0}), "rope_type 'linear'"),
+    (Qwen2Config(**COMMON, use_sliding_window=True), "sliding-window"),
+])
+def test_unsupported_settings_are_named(config, named: str) -> None:
+    with pytest.raises(UnsupportedModel, match=named):
+        LeanDecoder(config, slots=1, max_len=8, dtype=torch.float32)
