@@ -118,6 +118,11 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
         raise ConfigError(source, "rollout.n",
                           f"{estimator} compares the samples of a prompt with each other and "
                           f"needs at least 2 per prompt, got {run.rollout.n}")
+    per_prompt = run.rollout.n + (1 if estimator == "remax" else 0)  # remax: a greedy one
+    if run.rollout.max_num_seqs < per_prompt:
+        raise ConfigError(source, "rollout.max_num_seqs",
+                          f"{run.rollout.max_num_seqs} cannot hold one prompt's {per_prompt} "
+                          "sequences (rollout.n, and the greedy baseline with remax)")
     check_algorithm_combinations(run, source)
     check_algorithm_sections(run, source)
     optim = run.actor.optim

@@ -90,6 +90,7 @@ class RolloutConfig(_Section):
     top_k: int = -1  # -1: off
     response_length: Positive = 512
     prompts_per_lease: Positive = 8  # Relay: prompts a generator leases per request
+    max_num_seqs: Positive = 256  # vLLM's name: sequences a generator keeps in flight
     val_kwargs: ValKwargs = msgspec.field(default_factory=ValKwargs)
 
 

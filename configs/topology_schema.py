@@ -43,7 +43,7 @@ class LearnerPlacement(_Section):
     threads: Threads = 0
 
 
-EngineName = Literal["torch", "hf"]
+EngineName = Literal["lean", "torch", "hf"]
 """The engines this version of Relay runs (``generators.build.ENGINES``)."""
 
 
@@ -52,7 +52,7 @@ class GeneratorPlacement(_Section):
 
     name: str
     host: str = "127.0.0.1"
-    engine: EngineName = "torch"
+    engine: EngineName = "lean"
     device: str = "cpu"
     threads: Threads = 0
 
@@ -63,7 +63,7 @@ class EvaluatorPlacement(_Section):
     validation data to evaluate on (``RunConfig.evaluates``)."""
 
     host: str = "127.0.0.1"
-    engine: EngineName = "torch"
+    engine: EngineName = "lean"
     device: str = "cpu"
     threads: Threads = 0
 

@@ -2,7 +2,8 @@
 
 Shared by the generator process (``generators.main``) and the evaluator
 (``generators.evaluator``). ``eos_and_pad`` collects every id that ends a response: the
-tokenizer's eos and the model's ``generation_config.json`` eos ids.
+tokenizer's eos and the model's ``generation_config.json`` eos ids. The lean engine sizes
+its KV cache up front: ``max_num_seqs`` sequences of ``max_len`` positions.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from configs.run_schema import ModelConfig
-from generators.engine import ModelEngine
+from generators.engine import Engine
 from generators.hf_engine import HFEngine
+from generators.lean_engine import LeanEngine
+from generators.lean_model import UnsupportedModel
 from generators.torch_engine import TorchEngine
 
-ENGINES: dict[str, type[ModelEngine]] = {"torch": TorchEngine, "hf": HFEngine}
+ENGINES: dict[str, type[Engine]] = {"lean": LeanEngine, "torch": TorchEngine, "hf": HFEngine}
 
 
 def eos_and_pad(model_path: str, tokenizer) -> tuple[list[int], int]:
@@ -33,13 +36,21 @@ def eos_and_pad(model_path: str, tokenizer) -> tuple[list[int], int]:
     return sorted(eos), pad
 
 
-def build_engine(model: ModelConfig, engine: str, device: str,
-                 seed: int) -> tuple[ModelEngine, object]:
+def build_engine(model: ModelConfig, engine: str, device: str, seed: int, *,
+                 max_num_seqs: int, max_len: int) -> tuple[Engine, object]:
     """The engine named ``engine`` (a key of ``ENGINES``) holding ``model``, and its
-    tokenizer."""
+    tokenizer. Raises ``ValueError`` naming the setting when the lean engine cannot run
+    the model."""
     tokenizer = AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
     eos, pad = eos_and_pad(model.path, tokenizer)
-    built = ENGINES[engine].from_pretrained(model.path, dtype=getattr(torch, model.dtype),
-                                            device=device, eos_ids=eos, pad_id=pad, seed=seed,
-                                            trust_remote_code=model.trust_remote_code)
+    common = dict(dtype=getattr(torch, model.dtype), device=device, eos_ids=eos, pad_id=pad,
+                  seed=seed, trust_remote_code=model.trust_remote_code)
+    if engine != "lean":
+        return ENGINES[engine].from_pretrained(model.path, **common), tokenizer
+    try:
+        built = LeanEngine.from_pretrained(model.path, max_num_seqs=max_num_seqs,
+                                           max_len=max_len, **common)
+    except UnsupportedModel as error:
+        raise ValueError(f"{model.path}: the lean engine does not run {error}; set engine = "
+                         "\"torch\" for this generator in the topology") from None
     return built, tokenizer

@@ -17,7 +17,7 @@ import msgspec
 from algorithms.rewards.result import RewardItem, RewardResult
 from algorithms.rewards.scorer import RewardScorer
 from buffer.dataset import PromptRow
-from generators.engine import ModelEngine
+from generators.engine import Engine
 from generators.sampling import SamplingParams
 
 EVAL_BATCH = 256
@@ -46,7 +46,7 @@ def is_correct(result: RewardResult) -> float:
     return float(result.score >= 1.0)
 
 
-def evaluate(engine: ModelEngine, tokenizer, rows: list[PromptRow], scorer: RewardScorer,
+def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardScorer,
              params: SamplingParams, n: int = 1, max_prompt_length: int = 1 << 30) -> EvalResult:
     """Generate ``n`` responses per row and score them."""
     correct = rewards = lengths = 0.0

@@ -29,7 +29,7 @@ from algorithms.rewards.scorer import RewardScorer
 from buffer.dataset import PromptRow, load_prompt_rows
 from configs.rundir import configure_logging, load_run_dir
 from generators.build import build_engine
-from generators.engine import ModelEngine
+from generators.engine import Engine
 from generators.evaluate import eval_metrics, evaluate
 from generators.sampling import SamplingParams
 from generators.weight_receiver import IncompleteVersion, receive_version
@@ -46,7 +46,7 @@ REQUEST_TIMEOUT_S = 10.0
 class Evaluator:
     """Asks for weights to evaluate, evaluates them, reports, until the run is over."""
 
-    def __init__(self, *, weights_endpoint: str, engine: ModelEngine, tokenizer,
+    def __init__(self, *, weights_endpoint: str, engine: Engine, tokenizer,
                  scorer: RewardScorer, rows: list[PromptRow], params: SamplingParams, n: int,
                  max_prompt_length: int, keys: ClientKeys | None = None) -> None:
         self.engine, self.tokenizer, self.scorer = engine, tokenizer, scorer
@@ -113,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     if placement.threads:
         torch.set_num_threads(placement.threads)
     engine, tokenizer = build_engine(run.model, placement.engine, placement.device,
-                                     seed=run.trainer.seed)
+                                     seed=run.trainer.seed,
+                                     max_num_seqs=run.rollout.max_num_seqs,
+                                     max_len=run.data.max_prompt_length
+                                     + run.rollout.response_length)
     rows = load_prompt_rows(run.data.val_files)
     scorer = RewardScorer(run.custom_reward_function)
     scorer.check_data_sources({row.data_source for row in rows})

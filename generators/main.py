@@ -41,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(placement.threads)
     run = ctx.run
     seed = run.trainer.seed * 1000 + list(placements).index(args.name)
-    engine, tokenizer = build_engine(run.model, placement.engine, placement.device, seed)
+    engine, tokenizer = build_engine(run.model, placement.engine, placement.device, seed,
+                                     max_num_seqs=run.rollout.max_num_seqs,
+                                     max_len=run.data.max_prompt_length
+                                     + run.rollout.response_length)
     scorer = RewardScorer(run.custom_reward_function)
     scorer.check_data_sources({row.data_source for row in load_prompt_rows(run.data.train_files)})
     loop = GeneratorLoop(generator_id=args.name, buffer_endpoint=ctx.buffer_endpoint,

@@ -1,13 +1,17 @@
-"""A generator's work loop: lease prompts, sample, score, send groups, keep weights fresh.
+"""A generator's work loop: lease prompts, keep the engine's batch full, hand groups on.
 
-Threads: the compute loop here (engine and rewards) talks to the buffer with its own
-request-reply socket; a ``Heartbeater`` thread keeps the generator's membership alive and
-hears the learner's version; a ``WeightReceiver`` thread stages new weights. Staged
-weights are applied only at safe points: before a lease that needs them, and between
-decode steps (the engine's hook), so in-flight prompts are never dropped.
+The compute loop runs the engine one ``step`` at a time (continuous batching: a lean
+engine admits new prompts as others finish). Between steps it leases more prompts when a
+whole lease fits in the engine's free slots (``rollout.max_num_seqs``), applies staged
+weights at that safe point, and hands every finished prompt, decoded to text, to the
+``GroupSender`` thread, which scores and sends it while generation goes on. A
+``Heartbeater`` thread keeps the membership alive; a ``WeightReceiver`` thread stages new
+weights.
 
-A lease whose weights never arrive, or whose generation fails, is returned to the buffer
-so its prompts go to another generator.
+A lease waits, beside the work in flight, until the weights it needs (``min_version``)
+have arrived; if they never do, or generation fails, its unsent prompts are returned to
+the buffer so they go to another generator. A generator stopped by a signal sends what
+it finished and returns the rest.
 """
 
 from __future__ import annotations
@@ -17,17 +21,15 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
 
 import msgspec
-import torch
 
-from algorithms.reward_shaping import overlong_penalty
-from algorithms.rewards.result import RewardItem
 from algorithms.rewards.scorer import RewardScorer
 from configs.run_schema import OverlongBufferConfig, RolloutConfig
-from generators.engine import Completion, Engine
+from generators.engine import Engine, FinishedGroup
+from generators.leases import HeldLease, LeaseBook
 from generators.sampling import SamplingParams
+from generators.sender import Counters, FinishedPrompt, GroupSender, decode_all
 from generators.weight_receiver import WeightReceiver
 from transport.messages import (
     Attach,
@@ -40,9 +42,6 @@ from transport.messages import (
     LeaseReturn,
     Prompt,
     PromptLease,
-    RolloutAck,
-    RolloutGroup,
-    Sample,
     Shutdown,
 )
 from transport.security import ClientKeys
@@ -52,9 +51,8 @@ logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 30.0
 HEARTBEAT_EVERY_S = 1.0
-
-
 WEIGHTS_TIMEOUT_S = 300.0  # how long a lease may wait for the weights it needs
+REPORT_EVERY_S = 30.0  # how often the loop logs its throughput and batch occupancy
 
 
 def sampling_params(rollout: RolloutConfig) -> SamplingParams:
@@ -62,16 +60,6 @@ def sampling_params(rollout: RolloutConfig) -> SamplingParams:
     return SamplingParams(max_new_tokens=rollout.response_length,
                           temperature=rollout.temperature, top_p=rollout.top_p,
                           top_k=rollout.top_k)
-
-
-class Counters:
-    """Throughput counters shared with the heartbeat thread (plain ints: GIL-safe)."""
-
-    def __init__(self) -> None:
-        self.tokens = 0
-        self.seconds = 0.0
-        self.groups_sent = 0
-        self.groups_rejected = 0
 
 
 class Heartbeater:
@@ -131,14 +119,27 @@ class GeneratorLoop:
                  keys: ClientKeys | None = None,
                  weights_timeout_s: float = WEIGHTS_TIMEOUT_S) -> None:
         self.generator_id, self.buffer_endpoint = generator_id, buffer_endpoint
-        self.engine, self.tokenizer, self.scorer = engine, tokenizer, scorer
+        self.engine, self.tokenizer = engine, tokenizer
         self.params = sampling_params(rollout)
-        self.max_prompt_length, self.overlong = max_prompt_length, overlong
+        self.greedy_params = msgspec.structs.replace(self.params, temperature=0.0)
+        self.max_num_seqs = rollout.max_num_seqs
+        self.max_prompt_length = max_prompt_length
         self.weights_timeout_s = weights_timeout_s
         self.counters = Counters()
+        self.leases = LeaseBook()
         self._buffer = Client(buffer_endpoint, keys=keys)
         self._weights = WeightReceiver(weights_endpoint, generator_id, keys=keys)
         self._heart = Heartbeater(generator_id, buffer_endpoint, engine, self.counters, keys)
+        self.sender = GroupSender(generator_id=generator_id, buffer_endpoint=buffer_endpoint,
+                                  scorer=scorer, counters=self.counters,
+                                  max_new_tokens=rollout.response_length, overlong=overlong,
+                                  keys=keys)
+        self._next_lease_at = 0.0
+        # engine sequences per prompt and per lease; each lease corrects them (n, baseline)
+        self._sequences_per_prompt = rollout.n
+        self._lease_sequences = rollout.n * rollout.prompts_per_lease
+        self._occupied = self._steps = 0
+        self._next_report_at = time.monotonic() + REPORT_EVERY_S
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -148,18 +149,30 @@ class GeneratorLoop:
             return
         self._weights.start(self.engine.version)
         self._heart.start()
+        self.sender.start()
         try:
-            while not (stop.is_set() or self._heart.stop_requested.is_set()):
+            while not self._stopping(stop):
                 if self._heart.reattach.is_set():
                     self._heart.reattach.clear()
                     if not self._attach():
                         return
+                self.sender.raise_if_failed()
                 self._work_once(stop)
+        except BaseException:
+            self._give_back_all("generation failed")
+            raise
         finally:
+            run_over = self._heart.stop_requested.is_set()
+            self.sender.stop(discard=run_over)  # after the run, nobody wants the groups
+            if stop.is_set() and not run_over:
+                self._give_back_all("the generator is stopping")
             self._heart.stop()
             self._weights.stop()
             self._detach()
             self._buffer.close()
+
+    def _stopping(self, stop: threading.Event) -> bool:
+        return stop.is_set() or self._heart.stop_requested.is_set()
 
     def _attach(self) -> bool:
         reply = self._buffer.request(
@@ -181,70 +194,115 @@ class GeneratorLoop:
         except PeerTimeout:
             logger.info("the buffer is gone; left without detaching")
 
-    # -- one lease ----------------------------------------------------------------------
+    # -- one turn of the loop -----------------------------------------------------------
 
     def _work_once(self, stop: threading.Event) -> None:
+        """Lease if a lease fits, start the leases whose weights are here, run one engine
+        step (or, with nothing to run, wait for weights or for the next lease)."""
+        self._lease_if_room()
+        self.apply_staged_weights()
+        self._start_ready_leases()
+        if self.engine.in_flight:
+            began = time.perf_counter()
+            finished = self.engine.step(between_steps=self.apply_staged_weights)
+            self.counters.seconds += time.perf_counter() - began
+            self._occupied += self.engine.in_flight
+            self._steps += 1
+            for group in finished:
+                self._collect(group)
+            self._report()
+        elif self.leases.waiting:
+            self._wait_for_weights(stop)
+        else:
+            stop.wait(max(0.0, self._next_lease_at - time.monotonic()))
+
+    def _lease_if_room(self) -> None:
+        """Ask for prompts while a whole lease's sequences fit beside the work in flight
+        (any lease at all when the engine is idle), until the buffer has none to give."""
+        while time.monotonic() >= self._next_lease_at and not self._heart.stop_requested.is_set():
+            free = self.max_num_seqs - self.engine.in_flight - self.leases.waiting_sequences
+            busy = self.engine.in_flight or self.leases.waiting
+            if free < self._sequences_per_prompt or (busy and free < self._lease_sequences):
+                return
+            if not self._lease(max_prompts=free // self._sequences_per_prompt):
+                return
+
+    def _lease(self, max_prompts: int) -> bool:
+        """One lease request; True when prompts came."""
         reply = self._buffer.request(LeaseRequest(generator_id=self.generator_id,
-                                                  max_prompts=1 << 16), REQUEST_TIMEOUT_S)
+                                                  max_prompts=max_prompts), REQUEST_TIMEOUT_S)
         if isinstance(reply, Shutdown):
             logger.info("buffer says: %s", reply.reason)
             self._heart.stop_requested.set()
         elif isinstance(reply, ErrorReply) and reply.code == "not_attached":
             self._heart.reattach.set()
         elif isinstance(reply, PromptLease) and reply.prompts:
-            self._serve(reply, stop)
+            logger.info("lease %s: %d prompts x %d samples", reply.lease_id, len(reply.prompts),
+                        reply.n)
+            self._sequences_per_prompt = reply.n + (1 if reply.greedy_baseline else 0)
+            self._lease_sequences = self._sequences_per_prompt * len(reply.prompts)
+            self.leases.waiting.append(HeldLease(reply, [self._tokenize(p)
+                                                         for p in reply.prompts]))
+            return True
         elif isinstance(reply, PromptLease):
-            self.apply_staged_weights()
-            stop.wait(reply.retry_after_s)
+            self._next_lease_at = time.monotonic() + reply.retry_after_s
         else:
             raise RuntimeError(f"unexpected reply to a lease request: {reply!r}")
+        return False
 
-    def _serve(self, lease: PromptLease, stop: threading.Event) -> None:
-        logger.info("lease %s: %d prompts x %d samples", lease.lease_id, len(lease.prompts),
-                    lease.n)
-        self.apply_staged_weights()
-        if self.engine.version < lease.min_version and not self._wait_for(lease.min_version, stop):
-            if self._heart.stop_requested.is_set():
-                logger.info("lease %s dropped: the run has ended", lease.lease_id)
-            else:
-                self._give_back(lease, f"weights version {lease.min_version} never arrived")
+    def _start_ready_leases(self) -> None:
+        """Submit the waiting leases whose weights the engine holds; return those that
+        waited past ``weights_timeout_s``."""
+        now = time.monotonic()
+        for held in list(self.leases.waiting):
+            if self.engine.version >= held.lease.min_version:
+                self.leases.start(held)
+                for request in held.requests(self.params, self.greedy_params):
+                    self.engine.submit(request)
+            elif now - held.leased_at > self.weights_timeout_s:
+                self.leases.waiting.remove(held)
+                self._give_back(held, f"weights version {held.lease.min_version} never arrived")
+
+    def _wait_for_weights(self, stop: threading.Event) -> None:
+        """Idle with leases waiting: block briefly for the oldest lease's weights."""
+        needed = min(h.lease.min_version for h in self.leases.waiting)
+        staged = self._weights.wait_for(needed, timeout_s=0.5)
+        if staged is not None and staged.version > self.engine.version:
+            self.engine.load_weights(staged.version, staged.tensors)
+            logger.info("now generating with weights version %d", staged.version)
+
+    def _collect(self, group: FinishedGroup) -> None:
+        """Record a finished engine group; hand its prompt on once the prompt is done."""
+        self.counters.tokens += sum(c.token_ids.numel() for c in group.completions)
+        done = self.leases.finish(group)
+        if done is None:
             return
-        began = time.monotonic()
-        prompt_ids = [self._tokenize(p) for p in lease.prompts]
-        try:
-            completions = self._generate(prompt_ids, lease.n, self.params)
-            greedy = self._generate(prompt_ids, 1, self.greedy_params) \
-                if lease.greedy_baseline else None
-        except Exception:
-            self._give_back(lease, "generation failed")
-            raise
-        took = time.monotonic() - began
-        if took > lease.expires_in_s:
+        held, index = done
+        lease, prompt = held.lease, held.lease.prompts[index]
+        took = time.monotonic() - held.leased_at
+        if took > lease.expires_in_s and not held.warned_late:
+            held.warned_late = True
             logger.warning("lease %s took %.0f s, past its %.0f s expiry: the buffer has "
                            "leased its prompts again and will refuse these groups (raise "
                            "buffer.lease_timeout_s)", lease.lease_id, took, lease.expires_in_s)
-        for index, prompt in enumerate(lease.prompts):
-            group = self._group(lease, prompt, prompt_ids[index],
-                                completions[index * lease.n:(index + 1) * lease.n])
-            if greedy is not None:
-                group = self._with_baseline(group, prompt, greedy[index])
-            self._send(group)
+        greedy = held.greedy.get(index)
+        completions = held.sampled.pop(index)
+        self.sender.put(FinishedPrompt(
+            rollout_id=f"{lease.lease_id}/{prompt.prompt_id}", lease_id=lease.lease_id,
+            prompt=prompt, prompt_ids=held.prompt_ids[index], completions=completions,
+            texts=decode_all(self.tokenizer, completions), greedy=greedy,
+            greedy_text=decode_all(self.tokenizer, [greedy])[0] if greedy else ""))
 
-    @property
-    def greedy_params(self) -> SamplingParams:
-        """Greedy decoding with the rollout's length limit (ReMax's baseline response)."""
-        return msgspec.structs.replace(self.params, temperature=0.0)
-
-    def _generate(self, prompt_ids: list[list[int]], n: int,
-                  params: SamplingParams) -> list[Completion]:
-        """``n`` completions per prompt, prompt after prompt."""
-        batch = [ids for ids in prompt_ids for _ in range(n)]
-        started = time.perf_counter()
-        completions = self.engine.generate(batch, params,
-                                           between_steps=self.apply_staged_weights)
-        self.counters.seconds += time.perf_counter() - started
-        self.counters.tokens += sum(c.token_ids.numel() for c in completions)
-        return completions
+    def _report(self) -> None:
+        now = time.monotonic()
+        if now < self._next_report_at or not self._steps:
+            return
+        logger.info("%.0f tokens/s of generation; %.0f sequences in flight per step on "
+                    "average (max_num_seqs %d); %d groups sent, %d refused",
+                    self.counters.tokens / max(self.counters.seconds, 1e-9),
+                    self._occupied / self._steps, self.max_num_seqs,
+                    self.counters.groups_sent, self.counters.groups_rejected)
+        self._next_report_at = now + REPORT_EVERY_S
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         ids = self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True,
@@ -256,68 +314,25 @@ class GeneratorLoop:
             ids = ids[-limit:]
         return list(ids)
 
-    def _group(self, lease: PromptLease, prompt: Prompt, prompt_ids: list[int],
-               completions: Sequence[Completion]) -> RolloutGroup:
-        texts = [self.tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True)
-                 for c in completions]
-        rewards = self.scorer.score([RewardItem(prompt.data_source, text, prompt.ground_truth,
-                                                prompt.extra_info) for text in texts])
-        prompt_tensor = torch.tensor(prompt_ids, dtype=torch.int32)
-        samples = []
-        for c, r, text in zip(completions, rewards, texts, strict=True):
-            reward, info = self._shaped(r.score, r.info, c)
-            samples.append(Sample(prompt_ids=prompt_tensor, response_ids=c.token_ids,
-                                  logprobs=c.logprobs, versions=c.versions, reward=reward,
-                                  finish_reason=c.finish_reason, reward_info=info,
-                                  reward_error=r.error, text=text))
-        return RolloutGroup(rollout_id=f"{lease.lease_id}/{prompt.prompt_id}",
-                            lease_id=lease.lease_id, prompt_id=prompt.prompt_id,
-                            generator_id=self.generator_id, samples=samples,
-                            data_source=prompt.data_source, ground_truth=prompt.ground_truth)
+    # -- returning prompts --------------------------------------------------------------
 
-    def _shaped(self, score: float, info: dict[str, float],
-                completion: Completion) -> tuple[float, dict[str, float]]:
-        """The reward with DAPO's overlong penalty added when it is on, and the penalty
-        recorded as ``info["overlong_reward"]``."""
-        overlong = self.overlong
-        if not overlong.enable:
-            return score, info
-        penalty = float(overlong_penalty(torch.tensor([len(completion.token_ids)]),
-                                         self.params.max_new_tokens, overlong.len,
-                                         overlong.penalty_factor)[0])
-        return score + penalty, {**info, "overlong_reward": penalty}
-
-    def _with_baseline(self, group: RolloutGroup, prompt: Prompt,
-                       greedy: Completion) -> RolloutGroup:
-        """The group with the greedy response's reward as ``baseline_reward`` (ReMax)."""
-        text = self.tokenizer.decode(greedy.token_ids.tolist(), skip_special_tokens=True)
-        (result,) = self.scorer.score([RewardItem(prompt.data_source, text,
-                                                  prompt.ground_truth, prompt.extra_info)])
-        metadata = {**group.metadata, "greedy_text": text}
-        if result.error:
-            logger.warning("greedy baseline of %s scored 0: %s", group.rollout_id, result.error)
-            metadata["greedy_reward_error"] = result.error
-        baseline, _ = self._shaped(result.score, result.info, greedy)
-        return msgspec.structs.replace(group, baseline_reward=baseline, metadata=metadata)
-
-    def _send(self, group: RolloutGroup) -> None:
-        reply = self._buffer.request(group, REQUEST_TIMEOUT_S)
-        if isinstance(reply, RolloutAck) and reply.accepted:
-            self.counters.groups_sent += 1
-            return
-        self.counters.groups_rejected += 1
-        if isinstance(reply, RolloutAck):
-            logger.warning("buffer refused %s: %s %s", group.rollout_id, reply.verdict,
-                           reply.detail)
-        else:
-            logger.warning("buffer refused %s: %r", group.rollout_id, reply)
-
-    def _give_back(self, lease: PromptLease, reason: str) -> None:
-        logger.warning("returning lease %s: %s", lease.lease_id, reason)
+    def _give_back(self, held: HeldLease, reason: str) -> None:
+        logger.warning("returning lease %s: %s", held.lease.lease_id, reason)
         self._buffer.request(LeaseReturn(generator_id=self.generator_id,
-                                         lease_id=lease.lease_id,
-                                         prompt_ids=[p.prompt_id for p in lease.prompts],
+                                         lease_id=held.lease.lease_id,
+                                         prompt_ids=held.unsent_prompt_ids,
                                          reason=reason), REQUEST_TIMEOUT_S)
+
+    def _give_back_all(self, reason: str) -> None:
+        """Return the unsent prompts of every lease held (best effort: the buffer may be
+        gone)."""
+        for held in self.leases.clear():
+            try:
+                self._give_back(held, reason)
+            except PeerTimeout:
+                logger.warning("could not return lease %s: the buffer did not answer",
+                               held.lease.lease_id)
+                return
 
     # -- weights ------------------------------------------------------------------------
 
@@ -327,16 +342,3 @@ class GeneratorLoop:
         if staged is not None and staged.version > self.engine.version:
             self.engine.load_weights(staged.version, staged.tensors)
             logger.info("now generating with weights version %d", staged.version)
-
-    def _wait_for(self, version: int, stop: threading.Event) -> bool:
-        """Load weights ``version`` (or newer) once they arrive; False on a timeout or
-        when the run is stopping (the learner may be gone and never publish them)."""
-        deadline = time.monotonic() + self.weights_timeout_s
-        while not (stop.is_set() or self._heart.stop_requested.is_set()) \
-                and time.monotonic() < deadline:
-            staged = self._weights.wait_for(version, timeout_s=0.5)
-            if staged is not None:
-                self.engine.load_weights(staged.version, staged.tensors)
-                logger.info("now generating with weights version %d", staged.version)
-                return True
-        return False

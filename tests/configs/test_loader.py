@@ -218,6 +218,12 @@ def test_grpo_needs_two_samples_per_prompt(run_dir: Path) -> None:
     assert err.key == "rollout.n" and "at least 2" in str(err)
 
 
+def test_a_generator_must_hold_one_prompts_samples(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   ["rollout.n=8", "rollout.max_num_seqs=8", "algorithm.adv_estimator=remax"])
+    assert err.key == "rollout.max_num_seqs" and "9 sequences" in str(err)
+
+
 def test_mini_batch_must_divide_the_batch(run_dir: Path) -> None:
     err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["actor.ppo_mini_batch_size=3"])
     assert err.key == "actor.ppo_mini_batch_size" and "does not divide" in str(err)
@@ -321,7 +327,7 @@ def test_topology_generator_list_and_index_overrides(tmp_path: Path) -> None:
     topology = load_topology(write(tmp_path, TOPOLOGY, "t.toml"),
                              ["generators[1].engine=torch", "generators.0.device=cuda:1"])
     assert [(g.name, g.engine, g.device) for g in topology.generators] == [
-        ("a", "torch", "cuda:1"), ("b", "torch", "cpu")]
+        ("a", "lean", "cuda:1"), ("b", "torch", "cpu")]
 
 
 def test_topology_unknown_key_in_list_item(tmp_path: Path) -> None:
@@ -332,7 +338,7 @@ def test_topology_unknown_key_in_list_item(tmp_path: Path) -> None:
 
 def test_topology_bad_engine_lists_engines(tmp_path: Path) -> None:
     err = error_of(load_topology, write(tmp_path, TOPOLOGY, "t.toml"), ["generators[0].engine=x"])
-    assert err.key == "generators[0].engine" and "'hf', 'torch'" in str(err)
+    assert err.key == "generators[0].engine" and "'hf', 'lean', 'torch'" in str(err)
 
 
 def test_topology_index_out_of_range(tmp_path: Path) -> None:
