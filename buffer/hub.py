@@ -31,7 +31,7 @@ from buffer.leases import LeaseBook
 from buffer.prompt_source import PromptSource
 from buffer.registry import Registry
 from buffer.rollout_log import RolloutLogWriter
-from buffer.staleness import lease_capacity, oldest_version, staleness
+from buffer.staleness import lease_capacity, lease_min_version, oldest_version, staleness
 from buffer.store import Admission, ReplayStore
 from configs.run_schema import BufferConfig
 from transport.messages import (
@@ -152,10 +152,15 @@ class Hub:
         if count <= 0:
             self.counts["leases/gated"] += 1
             return PromptLease(lease_id="", retry_after_s=RETRY_AFTER_S)
-        lease = self.leases.grant(msg.generator_id, self.source.take(count), self.clock())
+        prompts = self.source.take(count)
+        min_version = lease_min_version(version=self.learner_version,
+                                        max_staleness=max_staleness, batch_size=self.batch_size,
+                                        accepted=self.accepted, running=self.leases.running,
+                                        count=len(prompts))
+        lease = self.leases.grant(msg.generator_id, prompts, self.clock())
         self.counts["leases/granted"] += 1
         return PromptLease(lease_id=lease.lease_id, prompts=list(lease.outstanding.values()),
-                           n=self.n, min_version=max(0, self.learner_version - max_staleness),
+                           n=self.n, min_version=min_version,
                            expires_in_s=self.config.lease_timeout_s,
                            greedy_baseline=self.greedy_baseline)
 

@@ -10,6 +10,12 @@ training time minus the oldest version among its tokens.
    counting groups (one per prompt): ``accepted`` groups ever admitted to the store
    (consumed or not), ``running`` prompts leased and unanswered, ``batch_size`` groups per
    learner step. With eta = 0 exactly one batch is generated per version: synchronous.
+   The lease names the oldest weights it may be generated with (``lease_min_version``):
+   its prompts complete batch j = ceil((accepted + running + count) / batch_size), which
+   the learner trains at version j - 1 at the earliest (and never before its current
+   version), so their tokens must come from version max(version, j - 1) - eta or later
+   to be trained at all. (Asking only for version - eta would let a generator that runs
+   ahead make groups that are dropped as stale before training.)
 2. Training: groups whose staleness exceeds eta are dropped before a batch is formed.
 """
 
@@ -22,6 +28,13 @@ def lease_capacity(*, version: int, max_staleness: int, batch_size: int, accepte
                    running: int) -> int:
     """How many more prompts may be leased now (never negative)."""
     return max(0, (max_staleness + version + 1) * batch_size - (accepted + running))
+
+
+def lease_min_version(*, version: int, max_staleness: int, batch_size: int, accepted: int,
+                      running: int, count: int) -> int:
+    """The oldest weights version a lease of ``count`` prompts may use (module docstring)."""
+    last_batch = -(-(accepted + running + count) // batch_size)
+    return max(0, max(version, last_batch - 1) - max_staleness)
 
 
 def oldest_version(group: RolloutGroup) -> int:

@@ -62,6 +62,21 @@ def test_eta_bounds_leases_ahead_of_the_learner(make_hub) -> None:
     assert lease(hub).prompts == []
 
 
+def test_a_lease_asks_for_the_weights_its_batch_needs_to_be_fresh(make_hub) -> None:
+    """eta = 1, batch 2, one prompt per lease. At version 0 batches 1 and 2 may be leased
+    (trained at versions 0 and 1: weights >= 0). Once batch 1 is trained and version 1
+    published, the next prompts complete batch 3, trained at version 2 at the earliest:
+    weights >= 1, where version - eta would have asked for 0 and had them dropped."""
+    hub = make_hub(batch_size=2, per_lease=1, max_staleness=1)
+    first = [lease(hub) for _ in range(4)]
+    assert [granted.min_version for granted in first] == [0, 0, 0, 0]
+    for granted in first:
+        answer(hub, granted)
+    assert len(hub.handle(SampleRequest(num_groups=2)).groups) == 2
+    hub.handle(VersionUpdate(version=1))
+    assert [lease(hub).min_version for _ in range(2)] == [1, 1]
+
+
 def test_expired_lease_returns_its_prompts_first(make_hub, clock) -> None:
     hub = make_hub(batch_size=4, per_lease=2, lease_timeout_s=10.0)
     granted = lease(hub)
