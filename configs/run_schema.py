@@ -116,7 +116,9 @@ class ActorConfig(_Section):
     aggregates the policy loss, except for the per-sequence objectives gspo, sapo and
     geo_mean, which are always aggregated per sequence as verl does (the learner logs it),
     and the entropy and KL-loss terms. ``ppo_mini_batch_size`` counts prompts per optimizer
-    step; ``ppo_micro_batch_size_per_gpu`` counts sequences per forward/backward.
+    step; ``ppo_micro_batch_size_per_gpu`` counts sequences per forward/backward, or with
+    ``use_dynamic_bsz`` each pass holds rows of like length up to
+    ``ppo_max_token_len_per_gpu`` padded tokens (``learner.micro_batches``).
     ``proximal_logprobs`` (Relay) says how the proximal policy's log-probs are obtained when
     a step makes several updates: ``recompute`` runs a forward pass with the weights before
     the step; ``a3po`` interpolates between behavior and current log-probs by version
@@ -137,6 +139,8 @@ class ActorConfig(_Section):
     ppo_epochs: Positive = 1
     ppo_mini_batch_size: NonNegative = 0  # 0: the whole train batch (one update per step)
     ppo_micro_batch_size_per_gpu: Positive = 64
+    use_dynamic_bsz: bool = False  # cut passes by token budget instead of row count
+    ppo_max_token_len_per_gpu: Positive = 16384  # the budget: rows x longest row per pass
     proximal_logprobs: Literal["recompute", "a3po"] = "recompute"  # Relay
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
 

@@ -2,11 +2,20 @@
 
 Every rank holds the whole batch (rank 0 broadcast it). A mini-batch is a run of whole
 prompt groups: one optimizer step each. Within a mini-batch, rank r of W takes rows
-r, r + W, r + 2W, ... and cuts them into micro-batches of at most ``micro_batch_size`` rows:
-one forward (and backward) pass each. FSDP2's collectives need every rank to make the same
-number of passes, so the count is set by the rank with the most rows, and a rank that has
-no rows left makes a stand-in pass over one real row with ``weight`` 0: every loss and
-diagnostic of the pass is multiplied by the weight, so it changes nothing.
+r, r + W, r + 2W, ..., orders them by length and cuts them into micro-batches: one forward
+(and backward) pass each, padded only to its own longest row, so rows of like length share
+a pass and little compute goes to padding. The cut is either
+
+- by count (``micro_batch_size`` rows at most, verl's ``ppo_micro_batch_size_per_gpu``), or
+- by token budget (``max_token_len``: rows x longest row <= budget per pass, verl's
+  ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``); a row longer than the budget
+  gets a pass of its own.
+
+Losses are normalised by mini-batch totals, so how rows are grouped into passes changes no
+gradient. FSDP2's collectives need every rank to make the same number of passes, so the
+count is the largest any rank needs, and a rank that has no rows left makes a stand-in pass
+over one real row with ``weight`` 0: every loss and diagnostic of the pass is multiplied by
+the weight, so it changes nothing.
 
 The actor's update, its up-front log-prob passes, the critic and the implicit PRM all walk
 their batches with ``MicroBatches``.
@@ -41,9 +50,12 @@ class MicroBatches:
     """This rank's walk through a batch: ``mini_batches`` then ``passes`` over each."""
 
     def __init__(self, *, groups_per_mini_batch: int, micro_batch_size: int,
+                 max_token_len: int | None = None,
                  group: dist.ProcessGroup | None = None) -> None:
         self.groups_per_mini_batch = groups_per_mini_batch
         self.micro_batch_size = micro_batch_size
+        self.max_token_len = max_token_len
+        self.group = group
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
 
@@ -56,10 +68,38 @@ class MicroBatches:
 
     def passes(self, batch: TrainBatch, mini: torch.Tensor) -> Iterator[MicroBatch]:
         """This rank's micro-batches of the mini-batch ``mini``, as many as every rank's."""
-        most = math.ceil(len(mini) / self.world)
-        count = math.ceil(most / self.micro_batch_size)
         mine = mini[self.rank::self.world]
+        lengths = batch.attention_mask[mine].sum(-1)
+        order = lengths.argsort(stable=True)
+        mine, lengths = mine[order], lengths[order]
+        if self.max_token_len is None:
+            most = math.ceil(len(mini) / self.world)
+            count = math.ceil(most / self.micro_batch_size)
+            chunks = list(torch.tensor_split(mine, count)) if len(mine) else []
+        else:
+            chunks = _by_token_budget(mine, lengths.tolist(), self.max_token_len)
+            count = self._most(len(chunks))
         for index in range(count):
-            chunk = mine[index::count]
+            chunk = chunks[index] if index < len(chunks) else mine[:0]
             rows, weight = (chunk, 1.0) if len(chunk) else (mini[:1], 0.0)
             yield MicroBatch(rows=rows, part=batch.select(rows), weight=weight)
+
+    def _most(self, count: int) -> int:
+        """The largest ``count`` over the ranks."""
+        if self.world == 1:
+            return count
+        value = torch.tensor([count])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return int(value)
+
+
+def _by_token_budget(rows: torch.Tensor, lengths: list[int], budget: int) -> list[torch.Tensor]:
+    """Cut ``rows`` (sorted by ascending ``lengths``) into runs whose size times their
+    longest (last) row's length stays within ``budget``."""
+    chunks, start = [], 0
+    for end in range(1, len(lengths) + 1):
+        if end < len(lengths) and (end + 1 - start) * lengths[end] <= budget:
+            continue
+        chunks.append(rows[start:end])
+        start = end
+    return chunks

@@ -149,7 +149,9 @@ class Learner:
         self.steps_done = 0  # learner steps taken, counting the critic's warm-up
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.micro = MicroBatches(groups_per_mini_batch=actor.ppo_mini_batch_size or num_prompts,
-                                  micro_batch_size=actor.ppo_micro_batch_size_per_gpu, group=group)
+                                  micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
+                                  max_token_len=actor.ppo_max_token_len_per_gpu
+                                  if actor.use_dynamic_bsz else None, group=group)
         if algorithm.adv_estimator == "gae" and critic is None:
             raise ValueError("algorithm.adv_estimator = 'gae' needs the critic")
         if algorithm.adv_estimator == "prime" and prm is None:

@@ -120,16 +120,19 @@ def test_micro_batches_do_not_change_the_update(random_model_dir: Path) -> None:
                                          pad_id=0, seed=2)
     batch = collate(rollouts(engine, 1), pad_id=0)
     results = []
-    for micro in (64, 5):
+    cuts = (dict(ppo_micro_batch_size_per_gpu=64), dict(ppo_micro_batch_size_per_gpu=5),
+            dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=60))
+    for cut in cuts:
         torch.manual_seed(0)
-        learner = build_learner(random_model_dir, ppo_micro_batch_size_per_gpu=micro,
-                                loss_agg_mode="seq-mean-token-mean")
+        learner = build_learner(random_model_dir, **cut, loss_agg_mode="seq-mean-token-mean")
         metrics = learner.step(batch).metrics
         results.append((metrics["actor/loss"], first_moments(learner)))
     assert results[0][0] == pytest.approx(results[1][0], abs=1e-6)
+    assert results[0][0] == pytest.approx(results[2][0], abs=1e-6)
     # Compare the gradients (Adam's first moment after one step is (1 - beta1) * g), not the
     # weights: Adam's first step moves each weight by about lr * g / |g|, which turns float
     # summation-order noise in a near-zero gradient into a full lr-sized difference.
     scale = max(float(m.abs().max()) for m in results[0][1])
-    for mine, theirs in zip(*(r[1] for r in results), strict=True):
-        torch.testing.assert_close(mine, theirs, atol=1e-5 * scale, rtol=1e-4)
+    for other in results[1:]:
+        for mine, theirs in zip(results[0][1], other[1], strict=True):
+            torch.testing.assert_close(mine, theirs, atol=1e-5 * scale, rtol=1e-4)
