@@ -363,6 +363,11 @@ def sapo_policy_loss(
     return _terms(loss, ratio, torch.zeros_like(loss, dtype=torch.bool), log_ratio)
 
 
+ADVANTAGE_PROPORTIONAL = frozenset({"vanilla", "gspo", "gpg", "geo_mean", "cispo", "sapo"})
+"""The modes whose loss, and so gradient, for a sequence is exactly zero when all its
+advantages are zero: the learner may skip such rows' passes. Not clip_cov (its random token
+selection) nor kl_cov (its KL term), which see the whole micro-batch."""
+
 LOSS_MODES: dict[str, Callable[..., PolicyLossTerms]] = {
     "vanilla": vanilla_policy_loss,
     "gspo": gspo_policy_loss,

@@ -119,6 +119,12 @@ class ActorConfig(_Section):
     step; ``ppo_micro_batch_size_per_gpu`` counts sequences per forward/backward, or with
     ``use_dynamic_bsz`` each pass holds rows of like length up to
     ``ppo_max_token_len_per_gpu`` padded tokens (``learner.micro_batches``).
+    ``skip_zero_advantage`` (Relay) skips the forward and backward passes of rows whose
+    advantages are all zero (a GRPO group whose samples all scored the same) when their
+    loss and gradient are exactly zero: a loss mode in
+    ``algorithms.policy_loss.ADVANTAGE_PROPORTIONAL``, no entropy bonus, no KL loss. The
+    loss keeps its denominators, so the update is the same; the actor's diagnostics then
+    describe the rows trained on.
     ``proximal_logprobs`` (Relay) says how the proximal policy's log-probs are obtained when
     a step makes several updates: ``recompute`` runs a forward pass with the weights before
     the step; ``a3po`` interpolates between behavior and current log-probs by version
@@ -142,6 +148,7 @@ class ActorConfig(_Section):
     use_dynamic_bsz: bool = False  # cut passes by token budget instead of row count
     ppo_max_token_len_per_gpu: Positive = 16384  # the budget: rows x longest row per pass
     proximal_logprobs: Literal["recompute", "a3po"] = "recompute"  # Relay
+    skip_zero_advantage: bool = True  # Relay: no passes over rows whose advantages are all 0
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
 
 

@@ -42,6 +42,11 @@ first ``trainer.critic_warmup`` steps the actor does not update; each group's me
 |return - value| is its TD-error, the priority of prioritized replay by ``td_error``.
 Under prioritized replay each row's policy and value losses are multiplied by its group's
 importance weight (``TrainBatch.sample_weights``).
+
+Rows whose advantages are all zero (a GRPO group whose samples all scored the same: often
+half the batch) add exactly nothing to the gradient when the loss is proportional to the
+advantage and there is no entropy or KL-loss term; with ``actor.skip_zero_advantage`` they
+get no forward or backward pass, while still counting in the loss's denominators.
 """
 
 from __future__ import annotations
@@ -64,7 +69,12 @@ from algorithms.advantages import (
 from algorithms.aggregation import aggregate_loss, count_sequences
 from algorithms.kl import kl_penalty, kl_reward_penalty, make_kl_controller
 from algorithms.off_policy import Correction, a3po_proximal_logprobs, off_policy_correction
-from algorithms.policy_loss import PolicyLossTerms, policy_loss, policy_loss_agg_mode
+from algorithms.policy_loss import (
+    ADVANTAGE_PROPORTIONAL,
+    PolicyLossTerms,
+    policy_loss,
+    policy_loss_agg_mode,
+)
 from algorithms.prime import implicit_process_rewards, prime_advantages
 from configs.run_schema import ActorConfig, AlgorithmConfig
 from learner.batch import TrainBatch
@@ -163,6 +173,8 @@ class Learner:
         self.kl_ctrl = make_kl_controller(algorithm.kl_ctrl) if algorithm.use_kl_in_reward \
             else None
         mode = actor.policy_loss.loss_mode
+        self.skips_zero_advantage = (actor.skip_zero_advantage and mode in ADVANTAGE_PROPORTIONAL
+                                     and not actor.use_kl_loss and actor.entropy_coeff == 0)
         self.pg_agg_mode = policy_loss_agg_mode(mode, actor.loss_agg_mode)
         if self.pg_agg_mode != actor.loss_agg_mode and self.micro.rank == 0:
             logger.info("actor.policy_loss.loss_mode = %r: its policy loss is aggregated with "
@@ -240,6 +252,7 @@ class Learner:
             "actor/updates_skipped": stats.get("skipped", 0.0) / self.world,
             "actor/loss": stats.get("loss", 0.0) / updates,
             "actor/tokens": stats.get("tokens", 0.0) / actor.ppo_epochs,
+            "actor/zero_advantage_rows_skipped": stats.get("rows_skipped", 0.0) / updates,
         })
         self.steps_done += 1
         return StepResult(metrics, td_errors)
@@ -300,7 +313,9 @@ class Learner:
         mini_mask = batch.response_mask[mini]
         totals = dict(num_tokens=float(mini_mask.sum()), num_seqs=count_sequences(mini_mask),
                       horizon=self.horizon)
-        for each in self.micro.passes(batch, mini):
+        trained = self._rows_with_advantage(batch, mini, advantages)
+        sums.add("rows_skipped", float(len(mini) - len(trained)) / self.world)
+        for each in self.micro.passes(batch, trained):
             rows, part, weight = each.rows, each.part, each.weight
             width = part.response_mask.shape[1]
             logprobs, entropy = forward_logprobs(self.model, part, self.temperature,
@@ -336,6 +351,16 @@ class Learner:
             with torch.no_grad():
                 self._diagnostics(terms, part_correction, entropy, prox, part, mask, kept, sums)
                 sums.add("loss", loss.detach())
+
+    def _rows_with_advantage(self, batch: TrainBatch, mini: torch.Tensor,
+                             advantages: torch.Tensor) -> torch.Tensor:
+        """The rows of ``mini`` to run passes over: all of them, or (``skips_zero_advantage``)
+        those with a nonzero advantage on a response token. When none has one, all of them,
+        so the optimizer still steps on a zero gradient, exactly as without skipping."""
+        if not self.skips_zero_advantage:
+            return mini
+        signal = ((advantages[mini] != 0) & (batch.response_mask[mini] > 0)).any(-1)
+        return mini[signal] if bool(signal.any()) else mini
 
     def _proximal(self, logprobs: torch.Tensor, part: TrainBatch, proximal: torch.Tensor | None,
                   rows: torch.Tensor, current_version: float, version: int) -> torch.Tensor:

@@ -81,5 +81,10 @@ def test_two_ranks_match_one(random_model_dir: Path, tmp_path: Path,
     assert two["rejected"] == pytest.approx(one["rejected"], abs=1e-6)
     if algorithm.rollout_correction.m2po:
         assert 0 < one["rejected"][1] < 1
-    for name, tensor in one["weights"].items():  # Adam amplifies noise where grads are ~0
-        torch.testing.assert_close(two["weights"][name], tensor, atol=LR / 100, rtol=1e-4)
+    # Adam moves a weight by about lr whatever its gradient's size, so where a gradient is
+    # ~0 the float noise of summing in another order (other ranks, other passes) can flip
+    # its sign: such weights may differ by up to ~lr. A wrong update moves most weights.
+    for name, tensor in one["weights"].items():
+        close = torch.isclose(two["weights"][name], tensor, atol=LR / 100, rtol=1e-4)
+        assert float(close.float().mean()) > 0.999, name
+        torch.testing.assert_close(two["weights"][name], tensor, atol=LR / 5, rtol=1e-4)

@@ -136,3 +136,27 @@ def test_micro_batches_do_not_change_the_update(random_model_dir: Path) -> None:
     for other in results[1:]:
         for mine, theirs in zip(results[0][1], other[1], strict=True):
             torch.testing.assert_close(mine, theirs, atol=1e-5 * scale, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_skipping_rows_without_advantage_does_not_change_the_update(
+        random_model_dir: Path) -> None:
+    """A group whose samples all scored the same has zero advantages: its rows get no pass
+    but still count in token-mean's denominator, so loss and gradients are unchanged."""
+    engine = TorchEngine.from_pretrained(str(random_model_dir), dtype=torch.float32, eos_ids=[2],
+                                         pad_id=0, seed=2)
+    batch = collate(rollouts(engine, 1), pad_id=0)
+    batch.rewards[batch.group_ids == batch.group_ids[0]] = 1.0
+    results = []
+    for skip in (False, True):
+        torch.manual_seed(0)
+        learner = build_learner(random_model_dir, skip_zero_advantage=skip)
+        metrics = learner.step(batch).metrics
+        results.append((metrics, first_moments(learner)))
+    (plain, plain_moments), (skipping, skipping_moments) = results
+    assert plain["actor/zero_advantage_rows_skipped"] == 0
+    assert skipping["actor/zero_advantage_rows_skipped"] >= N
+    assert skipping["actor/loss"] == pytest.approx(plain["actor/loss"], abs=1e-6)
+    scale = max(float(m.abs().max()) for m in plain_moments)
+    for mine, theirs in zip(plain_moments, skipping_moments, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5 * scale, rtol=1e-4)

@@ -144,8 +144,10 @@ def test_a3po_skips_the_proximal_forward_pass(random_model_dir: Path, batch: Tra
 @pytest.mark.usefixtures("one_rank_group")
 def test_kl_in_reward_feeds_the_adaptive_controller(random_model_dir: Path,
                                                     batch: TrainBatch) -> None:
-    algorithm = AlgorithmConfig(use_kl_in_reward=True, kl_ctrl=KLControlConfig(
-        type="adaptive", kl_coef=0.1, target_kl=0.01, horizon=100))
+    # k3 (low_var_kl) is >= 0 on every token, so any move away from the reference shows
+    algorithm = AlgorithmConfig(use_kl_in_reward=True, kl_penalty="low_var_kl",
+                                kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.1,
+                                                        target_kl=0.01, horizon=100))
     learner = make_learner(random_model_dir, algorithm=algorithm)
     first = learner.step(batch).metrics
     # Policy == reference before the first update: KL 0, so the coefficient shrinks by the
@@ -305,10 +307,11 @@ def test_the_loss_mode_sees_the_rejection_mask(random_model_dir: Path, batch: Tr
     monkeypatch.setattr(update, "policy_loss",
                         lambda *args, **kw: seen.append(args[3].clone()) or original(*args, **kw))
     shifted, tail = rejecting_tails(batch, torch.full((batch.rows,), 2.0))
-    actor = ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0),
+    actor = ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0), skip_zero_advantage=False,
                         policy_loss=PolicyLossConfig(loss_mode=mode))
     make_learner(random_model_dir, actor=actor, algorithm=TOKEN_REJECTION).step(shifted)
-    kept = (batch.response_mask * ~tail)[:, :seen[0].shape[1]]
+    order = batch.attention_mask.sum(-1).argsort(stable=True)  # one pass, rows by length
+    kept = (batch.response_mask * ~tail)[order, :seen[0].shape[1]]
     assert torch.equal(seen[0], kept)
 
 
