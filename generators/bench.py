@@ -1,8 +1,12 @@
-"""Measurements for ``tools/bench-engine.py``: Relay's engine against transformers' generate.
+"""Measurements for ``tools/bench-engine.py``: Relay's engines against transformers' generate.
 
-Every contender decodes the same batch: ``batch`` prompts of ``prompt_len`` random token ids,
-exactly ``new_tokens`` new tokens each (nothing stops early), sampled at temperature 1, on
-one model in this process. The floor is the bare decode loop the engines cannot beat: one
+Every contender decodes the same batch: ``batch`` sequences, ``batch / samples_per_prompt``
+distinct prompts of ``prompt_len`` random token ids each repeated ``samples_per_prompt``
+times (a GRPO group's samples: 1 gives all-distinct prompts), exactly ``new_tokens`` new
+tokens each (nothing stops early), sampled at temperature 1, on one model in this process.
+The contenders: the lean engine (``generators.lean_engine``: lean forward, static cache,
+one prefill per distinct prompt), the torch engine (transformers' forward in Relay's decode
+loop), and transformers' ``generate``. The floor is transformers' bare decode loop: one
 prefill and ``new_tokens - 1`` single-token forward passes with a KV cache, greedy, with no
 sampling, no log-probs and no bookkeeping. Each is timed ``repeats`` times after one warm-up
 run; the median is reported as generated tokens per second.
@@ -26,6 +30,8 @@ import msgspec
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from generators.engine import Engine
+from generators.lean_engine import LeanEngine
 from generators.sampling import SamplingParams
 from generators.torch_engine import TorchEngine
 
@@ -36,18 +42,20 @@ class EngineComparison(msgspec.Struct, frozen=True):
     batch: int
     prompt_len: int
     new_tokens: int
-    relay: float
+    samples_per_prompt: int
+    lean: float
+    torch: float
     hf_generate: float
     floor: float
     compute_ceiling: float
 
     @property
-    def relay_over_hf(self) -> float:
-        return self.relay / self.hf_generate
+    def lean_over_hf(self) -> float:
+        return self.lean / self.hf_generate
 
     @property
-    def floor_over_relay(self) -> float:
-        return self.floor / self.relay
+    def floor_over_lean(self) -> float:
+        return self.floor / self.lean
 
 
 def _median_tokens_per_s(run: Callable[[], int], repeats: int) -> float:
@@ -80,18 +88,27 @@ def forward_flops_per_token(model: PreTrainedModel, context: float) -> float:
 
 
 def compare_engines(model: PreTrainedModel, *, batch: int, prompt_len: int, new_tokens: int,
-                    repeats: int = 5, seed: int = 0) -> EngineComparison:
-    """Relay's ``TorchEngine``, transformers' ``generate`` and the bare decode floor."""
+                    samples_per_prompt: int = 1, repeats: int = 5,
+                    seed: int = 0) -> EngineComparison:
+    """The lean and torch engines, transformers' ``generate`` and the bare decode floor."""
+    if batch % samples_per_prompt:
+        raise ValueError(f"batch {batch} is not a multiple of {samples_per_prompt} samples")
     model = model.eval()
     vocab = model.config.vocab_size
-    prompts = torch.randint(0, vocab, (batch, prompt_len),
-                            generator=torch.Generator().manual_seed(seed))
-    engine = TorchEngine(model, eos_ids=[], pad_id=0, seed=seed)  # no eos: nothing stops
+    distinct = torch.randint(0, vocab, (batch // samples_per_prompt, prompt_len),
+                             generator=torch.Generator().manual_seed(seed))
+    prompts = distinct.repeat_interleave(samples_per_prompt, dim=0)
+    # no eos: nothing stops early
+    lean = LeanEngine.from_model(model, eos_ids=[], pad_id=0, seed=seed, max_num_seqs=batch,
+                                 max_len=prompt_len + new_tokens)
+    plain = TorchEngine(model, eos_ids=[], pad_id=0, seed=seed)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
 
-    def relay() -> int:
-        completions = engine.generate(prompts.tolist(), params)
-        return sum(c.token_ids.numel() for c in completions)
+    def engine_run(engine: Engine) -> Callable[[], int]:
+        def run() -> int:
+            completions = engine.generate(prompts.tolist(), params)
+            return sum(c.token_ids.numel() for c in completions)
+        return run
 
     @torch.inference_mode()
     def hf_generate() -> int:
@@ -115,7 +132,9 @@ def compare_engines(model: PreTrainedModel, *, batch: int, prompt_len: int, new_
     ceiling = matmul_flops_per_s(dtype) / forward_flops_per_token(
         model, context=prompt_len + new_tokens / 2)
     return EngineComparison(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                            relay=_median_tokens_per_s(relay, repeats),
+                            samples_per_prompt=samples_per_prompt,
+                            lean=_median_tokens_per_s(engine_run(lean), repeats),
+                            torch=_median_tokens_per_s(engine_run(plain), repeats),
                             hf_generate=_median_tokens_per_s(hf_generate, repeats),
                             floor=_median_tokens_per_s(floor, repeats),
                             compute_ceiling=ceiling)

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from generators.engine import (
     Completion,
@@ -106,6 +106,17 @@ class LeanEngine(Engine):
                                                      trust_remote_code=trust_remote_code)
         engine = cls(decoder, eos_ids=eos_ids, pad_id=pad_id, seed=seed)
         engine.load_weights(0, dict(model.named_parameters()))
+        return engine
+
+    @classmethod
+    def from_model(cls, model: PreTrainedModel, *, eos_ids: Sequence[int], pad_id: int,
+                   seed: int = 0, max_num_seqs: int = 256, max_len: int = 2048) -> LeanEngine:
+        """An engine holding a copy of an in-memory transformers model's weights."""
+        parameter = next(model.parameters())
+        decoder = LeanDecoder(model.config, slots=max_num_seqs, max_len=max_len,
+                              dtype=parameter.dtype, device=parameter.device)
+        engine = cls(decoder, eos_ids=eos_ids, pad_id=pad_id, seed=seed)
+        engine.load_weights(0, {n: p.detach() for n, p in model.named_parameters()})
         return engine
 
     # -- weights ------------------------------------------------------------------------

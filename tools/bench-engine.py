@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
-"""Benchmark Relay's generation engine against transformers' generate and the bare floor.
+"""Benchmark Relay's generation engines against transformers' generate and the bare floor.
 
     tools/with-venv python tools/bench-engine.py [--model PATH] [--batch 64 ...]
-        [--prompt-len 32] [--new-tokens 16] [--repeats 5] [--threads 2] [--dtype float32]
+        [--prompt-len 32] [--new-tokens 16] [--samples-per-prompt 1] [--repeats 5]
+        [--threads 2] [--dtype float32]
 
 With no ``--model``, the embedded default model (built and cached on first use, as the
-launcher does). Prints generated tokens/s (medians) per batch size: Relay's engine,
-transformers' generate, the bare decode-forward floor and the compute ceiling, with the
-ratios relay/generate and floor/relay. The measurements live in ``generators.bench``.
+launcher does). Prints generated tokens/s (medians) per batch size: the lean engine, the
+torch engine, transformers' generate, transformers' bare decode-forward floor and the
+compute ceiling, with the ratios lean/generate and floor/lean. ``--samples-per-prompt 8``
+makes the batch GRPO-like (each prompt sampled 8 times: the lean engine prefills it once).
+The measurements live in ``generators.bench``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--samples-per-prompt", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -46,13 +50,16 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
     print(f"model {path} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{args.dtype}), {torch.get_num_threads()} threads; prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens; tokens/s, median of {args.repeats}")
+          f"{args.new_tokens} new tokens; {args.samples_per_prompt} samples per prompt; "
+          f"tokens/s, median of {args.repeats}")
     for batch in args.batch:
         c = compare_engines(model, batch=batch, prompt_len=args.prompt_len,
-                            new_tokens=args.new_tokens, repeats=args.repeats)
-        print(f"batch {batch:>4}: relay {c.relay:>9,.0f}  generate {c.hf_generate:>9,.0f}  "
-              f"floor {c.floor:>9,.0f}  compute ceiling {c.compute_ceiling:>11,.0f}  "
-              f"relay/generate {c.relay_over_hf:5.2f}  floor/relay {c.floor_over_relay:5.2f}",
+                            new_tokens=args.new_tokens,
+                            samples_per_prompt=args.samples_per_prompt, repeats=args.repeats)
+        print(f"batch {batch:>4}: lean {c.lean:>9,.0f}  torch {c.torch:>9,.0f}  "
+              f"generate {c.hf_generate:>9,.0f}  floor {c.floor:>9,.0f}  "
+              f"compute ceiling {c.compute_ceiling:>11,.0f}  "
+              f"lean/generate {c.lean_over_hf:5.2f}  floor/lean {c.floor_over_lean:5.2f}",
               flush=True)
 
 

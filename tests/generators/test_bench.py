@@ -20,7 +20,9 @@ def test_forward_flops_per_token_counts_weights_and_attention(random_model_dir: 
 
 def test_every_contender_is_measured_on_the_same_shape(random_model_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(random_model_dir)
-    result = compare_engines(model, batch=3, prompt_len=5, new_tokens=4, repeats=1)
-    assert (result.batch, result.prompt_len, result.new_tokens) == (3, 5, 4)
-    rates = [result.relay, result.hf_generate, result.floor, result.compute_ceiling]
+    result = compare_engines(model, batch=4, prompt_len=5, new_tokens=4, samples_per_prompt=2,
+                             repeats=1)
+    assert (result.batch, result.prompt_len, result.new_tokens) == (4, 5, 4)
+    rates = [result.lean, result.torch, result.hf_generate, result.floor,
+             result.compute_ceiling]
     assert all(math.isfinite(r) and r > 0 for r in rates)

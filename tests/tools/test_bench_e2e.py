@@ -1,0 +1,35 @@
+"""tools/bench-e2e.py: TRL's JSON events and Relay's series become the same numbers."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+TOOL = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "bench-e2e.py"))
+
+
+def test_trl_events_become_per_step_series_and_a_summary() -> None:
+    events = [{"event": "eval", "step": 0, "train_seconds": 0.0, "accuracy": 0.1}]
+    for step in range(1, 9):
+        events.append({"event": "step", "step": step, "train_seconds": 2.0 * step,
+                       "generated_tokens": 100 * step, "reward_mean": 0.5})
+        if step % 4 == 0:
+            events.append({"event": "eval", "step": step, "train_seconds": 2.0 * step,
+                           "accuracy": 0.1 * step})
+    series = TOOL["trl_series"](events)
+    assert series.step_seconds == [2.0] * 8 and series.completion_tokens == [100.0] * 8
+    summary = TOOL["summarize"](series, 0.5)
+    assert summary.seconds_per_step == 2.0  # the median after the 5 warm-up steps
+    assert summary.tokens_per_s == pytest.approx(50.0)
+    assert (summary.accuracy_start, summary.accuracy_end) == (0.1, pytest.approx(0.8))
+    assert summary.seconds_to_target == 16.0  # first evaluation >= 50%: step 8
+    assert TOOL["summarize"](series, 0.9).seconds_to_target is None
+
+
+def test_accuracy_at_a_training_time_is_the_last_measured_by_then() -> None:
+    evals = [(0, 0.0, 0.1), (10, 5.0, 0.3), (20, 11.0, 0.4)]
+    assert TOOL["accuracy_at"](evals, 10.9) == 0.3
+    assert TOOL["accuracy_at"](evals, 11.0) == 0.4
+    assert TOOL["accuracy_at"](evals, -1.0) is None

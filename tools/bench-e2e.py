@@ -1,0 +1,334 @@
+#!/usr/bin/env python3
+"""Relay against TRL's synchronous GRPOTrainer on the same work, side by side in one run.
+
+    tools/with-venv python tools/bench-e2e.py [--steps 400] [--test-freq 10] [--seed 0]
+        [--only relay|trl] [--relay-arg key=value ...] [--target 0.5] [--out bench-e2e.json]
+    tools/with-venv python tools/bench-e2e.py --sweep-staleness 0 1 2 --seeds 0 1 2
+
+Runs, one after the other (never together: they would share the cores), (a) TRL's
+``GRPOTrainer`` through ``tools/trl_grpo.py`` and (b) Relay's default run,
+``tools/launch-cluster.py trainer.total_training_steps=STEPS trainer.test_freq=FREQ``
+(plus ``--relay-arg`` overrides), both on the embedded default task (tiny model, arithmetic,
+32 prompts x 8 samples a step, same hyper-parameters; ``tools/trl_grpo.py`` lists the few
+differences). The TRL side needs ``trl`` (``pip install -e '.[bench]'``).
+
+Measured, per system, from TRL's JSON lines and from Relay's MLflow store
+(``RUN_DIR/mlflow.db``):
+
+- seconds per step: the median over the steps after the first 5 (warm-up); TRL's is the
+  wall-clock of its synchronous step (generate, score, train), Relay's the learner's
+  ``perf/step_seconds``; held-out evaluation is in neither (TRL's callback time is taken
+  out; Relay's evaluator is a process of its own, beside training);
+- generated tokens/s: completion tokens (up to and including eos) per second of training
+  wall-clock, cumulative; for Relay both that (``rollout/response_length_mean`` x the
+  samples of a step / ``perf/step_seconds``, summed) and the median of the generators' own
+  ``perf/generator_tokens_per_s``;
+- held-out greedy accuracy (all test problems, Relay's evaluation) at the start, at the end
+  and at its peak, and the training seconds to the first evaluation at or above
+  ``--target`` (50% by default).
+
+Then the ratios Relay/TRL: the speed-up (TRL s/step over Relay s/step) and TRL's time to
+the target over Relay's.
+
+``--sweep-staleness`` runs Relay alone, once per staleness bound eta
+(``buffer.max_staleness``) and seed, and prints per eta the median seconds per step, the
+held-out accuracy (mean over seeds) at fixed training times and at the last step, and the
+mean time to the target, so the default eta can be the one that gets there first. The per-step series of both go to ``--out`` as JSON, for curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from configs import load_run_config
+from configs.rundir import RESOLVED_RUN
+
+ROOT = Path(__file__).resolve().parent.parent
+WARMUP_STEPS = 5  # left out of the median seconds per step
+RUN_DIR_LINE = re.compile(r"launch-cluster: trained \d+ steps; results in (.+)$")
+
+
+class Series(msgspec.Struct, kw_only=True):
+    """One system's run: per-step series and held-out evaluations on its training clock."""
+
+    system: str
+    step_seconds: list[float]  # of steps 1..N
+    completion_tokens: list[float]  # generated in each step
+    evals: list[tuple[int, float, float]]  # (step, training seconds at that step, accuracy)
+    generator_tokens_per_s: list[float] = []  # Relay: the generators' own rate, per step
+    reward_mean: list[float] = []  # per step
+    source: str = ""  # Relay's run directory
+
+
+class Summary(msgspec.Struct, kw_only=True):
+    """The numbers of the table for one system."""
+
+    system: str
+    steps: int
+    seconds_per_step: float  # median after warm-up
+    tokens_per_s: float  # cumulative completion tokens / cumulative training seconds
+    generator_tokens_per_s: float | None  # Relay: median of perf/generator_tokens_per_s
+    accuracy_start: float
+    accuracy_end: float
+    accuracy_peak: float
+    seconds_to_target: float | None  # training seconds to the first accuracy >= target
+
+
+# -- running the two systems -----------------------------------------------------------
+
+
+def run_trl(args: argparse.Namespace) -> Series:
+    """Train with TRL's GRPOTrainer in a subprocess and read its JSON lines."""
+    command = [sys.executable, str(ROOT / "tools" / "trl_grpo.py"), "--steps", str(args.steps),
+               "--test-freq", str(args.test_freq), "--seed", str(args.seed)]
+    print(f"bench-e2e: TRL: {' '.join(command)}", flush=True)
+    events = []
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) as proc:
+        for line in proc.stdout:
+            if not line.startswith('{"event"'):
+                continue
+            event = json.loads(line)
+            events.append(event)
+            if event["event"] == "eval":
+                print(f"  TRL step {event['step']}: held-out accuracy {event['accuracy']:.1%} "
+                      f"after {event['train_seconds']:.0f} s", flush=True)
+    if proc.returncode != 0:
+        sys.exit(f"bench-e2e: tools/trl_grpo.py failed (exit code {proc.returncode})")
+    return trl_series(events)
+
+
+def trl_series(events: list[dict[str, Any]]) -> Series:
+    """The per-step series of ``tools/trl_grpo.py``'s events (cumulative counters)."""
+    steps = [e for e in events if e["event"] == "step"]
+    seconds = [e["train_seconds"] for e in steps]
+    tokens = [e["generated_tokens"] for e in steps]
+    return Series(system="TRL", step_seconds=differences(seconds),
+                  completion_tokens=differences(tokens),
+                  evals=[(e["step"], e["train_seconds"], e["accuracy"])
+                         for e in events if e["event"] == "eval"],
+                  reward_mean=[e["reward_mean"] for e in steps])
+
+
+def run_relay(args: argparse.Namespace) -> Series:
+    """Launch Relay's default run, wait for it, read its MLflow store."""
+    command = [sys.executable, str(ROOT / "tools" / "launch-cluster.py"),
+               f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.test_freq}",
+               f"trainer.seed={args.seed}", f"data.seed={args.seed}", *args.relay_arg]
+    print(f"bench-e2e: Relay: {' '.join(command)}", flush=True)
+    run_dir = None
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) as proc:
+        for line in proc.stdout:
+            print(f"  {line.rstrip()}", flush=True)
+            match = RUN_DIR_LINE.search(line.strip())
+            run_dir = Path(match.group(1)) if match else run_dir
+    if proc.returncode != 0 or run_dir is None:
+        sys.exit(f"bench-e2e: launch-cluster failed (exit code {proc.returncode}); see above")
+    return relay_series(run_dir)
+
+
+def relay_series(run_dir: Path) -> Series:
+    """The per-step series of a finished Relay run, from its MLflow store and run config."""
+    from mlflow.tracking import MlflowClient
+
+    run = load_run_config(run_dir / RESOLVED_RUN)
+    samples_per_step = run.data.train_batch_size * run.rollout.n
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    if len(runs) != 1:
+        sys.exit(f"bench-e2e: {run_dir / 'mlflow.db'} holds {len(runs)} runs, expected one")
+    run_id = runs[0].info.run_id
+
+    def history(key: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+    step_seconds = history("perf/step_seconds")
+    steps = sorted(step_seconds)
+    if steps != list(range(1, len(steps) + 1)):
+        sys.exit(f"bench-e2e: {run_dir}: perf/step_seconds misses steps")
+    lengths, rates = history("rollout/response_length_mean"), history("perf/generator_tokens_per_s")
+    rewards = history("rollout/reward_mean")
+    clock = cumulative([step_seconds[s] for s in steps])
+    return Series(system="Relay", step_seconds=[step_seconds[s] for s in steps],
+                  completion_tokens=[lengths[s] * samples_per_step for s in steps],
+                  evals=[(s, clock[s - 1] if s else 0.0, a)
+                         for s, a in sorted(history("eval/accuracy").items())],
+                  generator_tokens_per_s=[rates[s] for s in steps],
+                  reward_mean=[rewards[s] for s in steps], source=str(run_dir))
+
+
+# -- numbers -----------------------------------------------------------------------------
+
+
+def differences(cumulative_values: list[float]) -> list[float]:
+    """Per-step increments of a cumulative series."""
+    return [b - a for a, b in zip([0.0, *cumulative_values], cumulative_values)]
+
+
+def cumulative(values: list[float]) -> list[float]:
+    total, out = 0.0, []
+    for value in values:
+        total += value
+        out.append(total)
+    return out
+
+
+def after_warmup(values: list[float]) -> list[float]:
+    """The values after the warm-up steps (all but the first, for runs too short to have
+    any after them)."""
+    return values[WARMUP_STEPS:] if len(values) > WARMUP_STEPS else values[1:] or values
+
+
+def seconds_to(evals: list[tuple[int, float, float]], target: float) -> float | None:
+    """Training seconds at the first evaluation at or above ``target``, if any."""
+    return next((seconds for _, seconds, accuracy in evals if accuracy >= target), None)
+
+
+def summarize(series: Series, target: float) -> Summary:
+    if not series.step_seconds or not series.evals:
+        sys.exit(f"bench-e2e: {series.system} reported no steps or no evaluation")
+    accuracies = [accuracy for _, _, accuracy in series.evals]
+    rates = after_warmup(series.generator_tokens_per_s)
+    return Summary(system=series.system, steps=len(series.step_seconds),
+                   seconds_per_step=statistics.median(after_warmup(series.step_seconds)),
+                   tokens_per_s=sum(series.completion_tokens) / sum(series.step_seconds),
+                   generator_tokens_per_s=statistics.median(rates) if rates else None,
+                   accuracy_start=accuracies[0], accuracy_end=accuracies[-1],
+                   accuracy_peak=max(accuracies),
+                   seconds_to_target=seconds_to(series.evals, target))
+
+
+# -- report ------------------------------------------------------------------------------
+
+
+def seconds_text(seconds: float | None) -> str:
+    return "not reached" if seconds is None else f"{seconds:.1f} s"
+
+
+def print_table(summaries: list[Summary], target: float) -> None:
+    warmup = f"median, steps after the first {WARMUP_STEPS}"
+    rows = [
+        (f"seconds per step ({warmup})", lambda s: f"{s.seconds_per_step:.3f}"),
+        ("generated tokens/s (completion tokens / training s)", lambda s: f"{s.tokens_per_s:,.0f}"),
+        (f"generators' own tokens/s ({warmup})",
+         lambda s: "-" if s.generator_tokens_per_s is None else f"{s.generator_tokens_per_s:,.0f}"),
+        ("held-out accuracy at start", lambda s: f"{s.accuracy_start:.1%}"),
+        ("held-out accuracy at end", lambda s: f"{s.accuracy_end:.1%}"),
+        ("held-out accuracy, peak", lambda s: f"{s.accuracy_peak:.1%}"),
+        (f"training time to {target:.0%} held-out accuracy",
+         lambda s: seconds_text(s.seconds_to_target)),
+    ]
+    width = max(len(label) for label, _ in rows)
+    print(f"\n{'':<{width}}  " + "  ".join(f"{s.system:>12}" for s in summaries))
+    print(f"{'steps':<{width}}  " + "  ".join(f"{s.steps:>12}" for s in summaries))
+    for label, cell in rows:
+        print(f"{label:<{width}}  " + "  ".join(f"{cell(s):>12}" for s in summaries))
+
+
+def print_ratios(relay: Summary, trl: Summary, target: float) -> None:
+    print(f"\nRelay/TRL speed-up (TRL s/step / Relay s/step): "
+          f"{trl.seconds_per_step / relay.seconds_per_step:.2f}x")
+    if relay.seconds_to_target is None or trl.seconds_to_target is None:
+        print(f"time to {target:.0%}: TRL {seconds_text(trl.seconds_to_target)}, "
+              f"Relay {seconds_text(relay.seconds_to_target)}: no ratio")
+    else:
+        print(f"time to {target:.0%} (TRL / Relay): "
+              f"{trl.seconds_to_target / max(relay.seconds_to_target, 1e-9):.2f}x")
+
+
+def accuracy_at(evals: list[tuple[int, float, float]], seconds: float) -> float | None:
+    """The last held-out accuracy measured by training time ``seconds``."""
+    measured = [accuracy for _, at, accuracy in evals if at <= seconds]
+    return measured[-1] if measured else None
+
+
+def sweep_staleness(args: argparse.Namespace) -> None:
+    """Relay once per eta and seed; a table of accuracy against training time per eta."""
+    runs: dict[int, list[Series]] = {}
+    for eta in args.sweep_staleness:
+        for seed in args.seeds:
+            one = argparse.Namespace(**{**vars(args), "seed": seed, "relay_arg": [
+                *args.relay_arg, f"buffer.max_staleness={eta}"]})
+            runs.setdefault(eta, []).append(run_relay(one))
+    Path(args.out).write_bytes(msgspec.json.format(msgspec.json.encode(
+        {"steps": args.steps, "test_freq": args.test_freq, "seeds": args.seeds,
+         "relay_args": args.relay_arg, "target": args.target,
+         "series": {str(eta): series for eta, series in runs.items()}})))
+    longest = max(sum(s.step_seconds) for series in runs.values() for s in series)
+    marks = [round(longest * fraction) for fraction in (0.125, 0.25, 0.5, 0.75, 1.0)]
+    header = "".join(f"{f'{mark} s':>8}" for mark in marks)
+    print(f"\nheld-out accuracy (mean of seeds {args.seeds}) by training time; eta = "
+          f"buffer.max_staleness")
+    print(f"{'eta':>4} {'s/step':>7} {header} {'last step':>10} {'peak':>6} "
+          f"{f'to {args.target:.0%}':>10}")
+    for eta, series in runs.items():
+        summaries = [summarize(s, args.target) for s in series]
+        cells = []
+        for mark in marks:
+            values = [a for s in series if (a := accuracy_at(s.evals, mark)) is not None]
+            cells.append(f"{statistics.fmean(values):>8.1%}" if values else f"{'-':>8}")
+        reached = [s.seconds_to_target for s in summaries if s.seconds_to_target is not None]
+        to_target = (f"{statistics.fmean(reached):.0f} s ({len(reached)}/{len(series)})"
+                     if reached else "not reached")
+        print(f"{eta:>4} {statistics.median(s.seconds_per_step for s in summaries):>7.3f} "
+              f"{''.join(cells)} {statistics.fmean(s.accuracy_end for s in summaries):>10.1%} "
+              f"{statistics.fmean(s.accuracy_peak for s in summaries):>6.1%} {to_target:>10}")
+    print(f"\nper-step series in {args.out}")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps of each run")
+    parser.add_argument("--test-freq", type=int, default=10,
+                        help="held-out evaluation every this many steps (and at the last)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", choices=["relay", "trl"], help="run one system only")
+    parser.add_argument("--relay-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for launch-cluster (repeatable), e.g. "
+                             "topology.generators[0].engine=hf")
+    parser.add_argument("--sweep-staleness", type=int, nargs="+", metavar="ETA",
+                        help="run Relay alone for each of these buffer.max_staleness values")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="the seeds of each sweep point")
+    parser.add_argument("--target", type=float, default=0.5,
+                        help="the held-out accuracy whose training time is compared")
+    parser.add_argument("--out", default="bench-e2e.json",
+                        help="where the per-step series go (JSON)")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.test_freq < 1:
+        parser.error("--steps and --test-freq must be >= 1")
+    if any("=" not in a for a in args.relay_arg):
+        parser.error("--relay-arg takes key=value")
+    return args
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.sweep_staleness:
+        sweep_staleness(args)
+        return
+    series = []
+    if args.only != "relay":
+        series.append(run_trl(args))
+    if args.only != "trl":
+        series.append(run_relay(args))
+    summaries = {s.system: summarize(s, args.target) for s in series}
+    Path(args.out).write_bytes(msgspec.json.format(msgspec.json.encode(
+        {"steps": args.steps, "test_freq": args.test_freq, "seed": args.seed,
+         "relay_args": args.relay_arg, "target": args.target, "series": series, "summaries": summaries})))
+    print_table(list(summaries.values()), args.target)
+    if len(summaries) == 2:
+        print_ratios(summaries["Relay"], summaries["TRL"], args.target)
+    print(f"\nper-step series in {args.out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
