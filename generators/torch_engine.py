@@ -7,7 +7,9 @@ version: the remaining tokens are sampled (and stamped) with the new version whi
 cache of earlier tokens is kept, so in-flight prompts are never lost (PipelineRL-style
 in-flight updates; the per-token versions tell the learner exactly what happened).
 
-Correct first; the fast path (continuous batching, CUDA graphs) comes later.
+It runs any transformers causal LM; for the Llama, Qwen2 and Qwen3 families the lean
+engine (``generators.lean_engine``) is faster: a lean forward, a static cache, one prefill
+per prompt's samples and continuous batching.
 """
 
 from __future__ import annotations
