@@ -60,6 +60,25 @@ class WeightMismatch(ValueError):
     """A weight version does not fit the engine's model (names or shapes)."""
 
 
+def check_weights(shapes: Mapping[str, torch.Size], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise ``WeightMismatch`` unless ``tensors`` has exactly the names of ``shapes``, each
+    with its shape."""
+    missing = sorted(set(shapes) - set(tensors))
+    extra = sorted(set(tensors) - set(shapes))
+    if missing or extra:
+        raise WeightMismatch(f"weight names differ: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, shape in shapes.items():
+        if tensors[name].shape != shape:
+            raise WeightMismatch(f"{name}: shape {tuple(tensors[name].shape)}, "
+                                 f"the model has {tuple(shape)}")
+
+
+def check_request(request: GroupRequest) -> None:
+    """Raise ``ValueError`` for a group with no samples or an empty prompt."""
+    if request.n < 1 or not request.prompt_ids:
+        raise ValueError(f"group {request.key!r}: needs n >= 1 and a non-empty prompt")
+
+
 class Engine(abc.ABC):
     """Generates completions; holds one weight version at a time."""
 
@@ -85,8 +104,7 @@ class Engine(abc.ABC):
 
     def submit(self, request: GroupRequest) -> None:
         """Queue a group; a later ``step`` generates it."""
-        if request.n < 1 or not request.prompt_ids:
-            raise ValueError(f"group {request.key!r}: needs n >= 1 and a non-empty prompt")
+        check_request(request)
         self._submitted.append(request)
 
     @property
@@ -133,15 +151,7 @@ class ModelEngine(Engine):
 
     @torch.no_grad()
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        missing = sorted(set(self._shapes) - set(tensors))
-        extra = sorted(set(tensors) - set(self._shapes))
-        if missing or extra:
-            raise WeightMismatch(f"weight names differ: missing {missing[:5]}, "
-                                 f"unexpected {extra[:5]}")
-        for name, shape in self._shapes.items():
-            if tensors[name].shape != shape:
-                raise WeightMismatch(f"{name}: shape {tuple(tensors[name].shape)}, "
-                                     f"the model has {tuple(shape)}")
+        check_weights(self._shapes, tensors)
         for name, param in self.model.named_parameters():
             param.copy_(tensors[name])
         self.version = version

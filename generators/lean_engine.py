@@ -34,7 +34,8 @@ from generators.engine import (
     FinishedGroup,
     GroupRequest,
     StepHook,
-    WeightMismatch,
+    check_request,
+    check_weights,
 )
 from generators.lean_model import LeanDecoder
 from generators.sampling import SamplingParams, sample_next
@@ -122,16 +123,7 @@ class LeanEngine(Engine):
     # -- weights ------------------------------------------------------------------------
 
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        shapes = self.decoder.parameter_shapes()
-        missing = sorted(set(shapes) - set(tensors))
-        extra = sorted(set(tensors) - set(shapes))
-        if missing or extra:
-            raise WeightMismatch(f"weight names differ: missing {missing[:5]}, "
-                                 f"unexpected {extra[:5]}")
-        for name, shape in shapes.items():
-            if tensors[name].shape != shape:
-                raise WeightMismatch(f"{name}: shape {tuple(tensors[name].shape)}, "
-                                     f"the model has {tuple(shape)}")
+        check_weights(self.decoder.parameter_shapes(), tensors)
         self.decoder.load(tensors)
         self.version = version
 
@@ -159,8 +151,7 @@ class LeanEngine(Engine):
     # -- continuous batching ------------------------------------------------------------
 
     def submit(self, request: GroupRequest) -> None:
-        if request.n < 1 or not request.prompt_ids:
-            raise ValueError(f"group {request.key!r}: needs n >= 1 and a non-empty prompt")
+        check_request(request)
         if request.n > self.max_num_seqs:
             raise ValueError(f"group {request.key!r}: n = {request.n} samples exceed the "
                              f"engine's {self.max_num_seqs} slots (rollout.max_num_seqs)")

@@ -151,11 +151,9 @@ class LeanDecoder:
             q, k, v = self._qkv(x, block, cos, sin)  # (P, W, H|Hkv, D)
             self.k_cache[layer, slots, :, :width] = k.transpose(1, 2)
             self.v_cache[layer, slots, :, :width] = v.transpose(1, 2)
-            kv_rep = self.heads // self.kv_heads
-            keys = k.transpose(1, 2).repeat_interleave(kv_rep, dim=1)
-            values = v.transpose(1, 2).repeat_interleave(kv_rep, dim=1)
-            attended = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
-                                                      is_causal=True)
+            attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                      v.transpose(1, 2), is_causal=True,
+                                                      enable_gqa=True)
             x = self._finish_layer(x, attended.transpose(1, 2).reshape(batch, width, -1), block)
         last = x[torch.arange(batch, device=self.device), lengths - 1]
         return self._logits(last)

@@ -38,6 +38,7 @@ class HeldLease:
         return per_prompt * len(self.prompt_ids)
 
     def requests(self, params: SamplingParams, greedy: SamplingParams) -> Iterator[GroupRequest]:
+        """The engine groups of every prompt: its samples, and its greedy response."""
         for index, ids in enumerate(self.prompt_ids):
             yield GroupRequest((self.lease.lease_id, index, SAMPLED), ids, self.lease.n, params)
             if self.lease.greedy_baseline:
@@ -75,7 +76,16 @@ class LeaseBook:
     def all(self) -> list[HeldLease]:
         return [*self.waiting, *self.generating.values()]
 
+    def hold(self, held: HeldLease) -> None:
+        """A new lease, waiting until the engine has the weights it needs."""
+        self.waiting.append(held)
+
+    def forget(self, held: HeldLease) -> None:
+        """A waiting lease the caller gives back."""
+        self.waiting.remove(held)
+
     def start(self, held: HeldLease) -> None:
+        """A waiting lease whose weights are here: its groups go to the engine."""
         self.waiting.remove(held)
         self.generating[held.lease.lease_id] = held
 

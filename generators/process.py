@@ -30,7 +30,7 @@ from generators.engine import Engine, FinishedGroup
 from generators.leases import HeldLease, LeaseBook
 from generators.sampling import SamplingParams
 from generators.sender import Counters, FinishedPrompt, GroupSender, decode_all
-from generators.weight_receiver import WeightReceiver
+from generators.weight_receiver import StagedWeights, WeightReceiver
 from transport.messages import (
     Attach,
     AttachAck,
@@ -212,7 +212,7 @@ class GeneratorLoop:
                 self._collect(group)
             self._report()
         elif self.leases.waiting:
-            self._wait_for_weights(stop)
+            self._wait_for_weights()
         else:
             stop.wait(max(0.0, self._next_lease_at - time.monotonic()))
 
@@ -241,8 +241,7 @@ class GeneratorLoop:
                         reply.n)
             self._sequences_per_prompt = reply.n + (1 if reply.greedy_baseline else 0)
             self._lease_sequences = self._sequences_per_prompt * len(reply.prompts)
-            self.leases.waiting.append(HeldLease(reply, [self._tokenize(p)
-                                                         for p in reply.prompts]))
+            self.leases.hold(HeldLease(reply, [self._tokenize(p) for p in reply.prompts]))
             return True
         elif isinstance(reply, PromptLease):
             self._next_lease_at = time.monotonic() + reply.retry_after_s
@@ -260,16 +259,13 @@ class GeneratorLoop:
                 for request in held.requests(self.params, self.greedy_params):
                     self.engine.submit(request)
             elif now - held.leased_at > self.weights_timeout_s:
-                self.leases.waiting.remove(held)
+                self.leases.forget(held)
                 self._give_back(held, f"weights version {held.lease.min_version} never arrived")
 
-    def _wait_for_weights(self, stop: threading.Event) -> None:
+    def _wait_for_weights(self) -> None:
         """Idle with leases waiting: block briefly for the oldest lease's weights."""
         needed = min(h.lease.min_version for h in self.leases.waiting)
-        staged = self._weights.wait_for(needed, timeout_s=0.5)
-        if staged is not None and staged.version > self.engine.version:
-            self.engine.load_weights(staged.version, staged.tensors)
-            logger.info("now generating with weights version %d", staged.version)
+        self._load(self._weights.wait_for(needed, timeout_s=0.5))
 
     def _collect(self, group: FinishedGroup) -> None:
         """Record a finished engine group; hand its prompt on once the prompt is done."""
@@ -338,7 +334,10 @@ class GeneratorLoop:
 
     def apply_staged_weights(self) -> None:
         """Load a staged version if one is waiting (the safe-point hook)."""
-        staged = self._weights.take()
+        self._load(self._weights.take())
+
+    def _load(self, staged: StagedWeights | None) -> None:
+        """Load ``staged`` if it is newer than the engine's weights."""
         if staged is not None and staged.version > self.engine.version:
             self.engine.load_weights(staged.version, staged.tensors)
             logger.info("now generating with weights version %d", staged.version)
