@@ -125,6 +125,11 @@ class ActorConfig(_Section):
     ``algorithms.policy_loss.ADVANTAGE_PROPORTIONAL``, no entropy bonus, no KL loss. The
     loss keeps its denominators, so the update is the same; the actor's diagnostics then
     describe the rows trained on.
+    ``share_prompts`` (Relay) runs the samples of a prompt group as one sequence, the prompt
+    computed once and each response attending to it (``learner.shared_prompts``; the same
+    log-probs and gradients for fewer tokens); it needs an attention implementation that
+    takes a custom mask (sdpa, eager) and otherwise runs rows. With it, passes hold whole
+    groups and ``ppo_max_token_len_per_gpu`` counts packed tokens.
     ``proximal_logprobs`` (Relay) says how the proximal policy's log-probs are obtained when
     a step makes several updates: ``recompute`` runs a forward pass with the weights before
     the step; ``a3po`` interpolates between behavior and current log-probs by version
@@ -149,6 +154,7 @@ class ActorConfig(_Section):
     ppo_max_token_len_per_gpu: Positive = 16384  # the budget: rows x longest row per pass
     proximal_logprobs: Literal["recompute", "a3po"] = "recompute"  # Relay
     skip_zero_advantage: bool = True  # Relay: no passes over rows whose advantages are all 0
+    share_prompts: bool = True  # Relay: one sequence per prompt group, the prompt computed once
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
 
 

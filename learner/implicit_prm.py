@@ -56,7 +56,8 @@ class ImplicitPRM:
             for each in micro.passes(batch, mini):
                 rows, part, weight = each.rows, each.part, each.weight
                 width = part.response_mask.shape[1]
-                logprobs, _ = forward_logprobs(self.model, part, self.temperature, False)
+                logprobs, _ = forward_logprobs(self.model, part, self.temperature, False,
+                                               micro.share_prompts)
                 reference = reference_logprobs[rows, :width]
                 per_sequence = implicit_prm_loss(logprobs, reference, part.response_mask,
                                                  part.rewards, self.beta) * weight

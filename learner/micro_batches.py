@@ -11,6 +11,13 @@ a pass and little compute goes to padding. The cut is either
   ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``); a row longer than the budget
   gets a pass of its own.
 
+With ``share_prompts`` (``actor.share_prompts``) the rows of a prompt group stay together so
+their prompt can be computed once (``learner.shared_prompts``): rank r takes groups
+r, r + W, ..., orders them by packed length (prompt + all responses) and fills passes with
+whole groups, up to ``micro_batch_size`` rows or ``max_token_len`` packed tokens (sequences
+x longest sequence) a pass; a group bigger than that is split, and its parts still share
+the prompt within their pass.
+
 Losses are normalised by mini-batch totals, so how rows are grouped into passes changes no
 gradient. FSDP2's collectives need every rank to make the same number of passes, so the
 count is the largest any rank needs, and a rank that has no rows left makes a stand-in pass
@@ -50,11 +57,12 @@ class MicroBatches:
     """This rank's walk through a batch: ``mini_batches`` then ``passes`` over each."""
 
     def __init__(self, *, groups_per_mini_batch: int, micro_batch_size: int,
-                 max_token_len: int | None = None,
+                 max_token_len: int | None = None, share_prompts: bool = False,
                  group: dist.ProcessGroup | None = None) -> None:
         self.groups_per_mini_batch = groups_per_mini_batch
         self.micro_batch_size = micro_batch_size
         self.max_token_len = max_token_len
+        self.share_prompts = share_prompts
         self.group = group
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -68,6 +76,19 @@ class MicroBatches:
 
     def passes(self, batch: TrainBatch, mini: torch.Tensor) -> Iterator[MicroBatch]:
         """This rank's micro-batches of the mini-batch ``mini``, as many as every rank's."""
+        if self.share_prompts:
+            chunks = self._group_chunks(batch, mini)
+            count = self._most(len(chunks))
+        else:
+            chunks, count = self._row_chunks(batch, mini)
+        for index in range(count):
+            chunk = chunks[index] if index < len(chunks) else mini[:0]
+            rows, weight = (chunk, 1.0) if len(chunk) else (mini[:1], 0.0)
+            yield MicroBatch(rows=rows, part=batch.select(rows), weight=weight)
+
+    def _row_chunks(self, batch: TrainBatch, mini: torch.Tensor
+                    ) -> tuple[list[torch.Tensor], int]:
+        """This rank's rows of ``mini`` by length in passes, and every rank's pass count."""
         mine = mini[self.rank::self.world]
         lengths = batch.attention_mask[mine].sum(-1)
         order = lengths.argsort(stable=True)
@@ -75,14 +96,52 @@ class MicroBatches:
         if self.max_token_len is None:
             most = math.ceil(len(mini) / self.world)
             count = math.ceil(most / self.micro_batch_size)
-            chunks = list(torch.tensor_split(mine, count)) if len(mine) else []
-        else:
-            chunks = _by_token_budget(mine, lengths.tolist(), self.max_token_len)
-            count = self._most(len(chunks))
-        for index in range(count):
-            chunk = chunks[index] if index < len(chunks) else mine[:0]
-            rows, weight = (chunk, 1.0) if len(chunk) else (mini[:1], 0.0)
-            yield MicroBatch(rows=rows, part=batch.select(rows), weight=weight)
+            return (list(torch.tensor_split(mine, count)) if len(mine) else []), count
+        chunks = _by_token_budget(mine, lengths.tolist(), self.max_token_len)
+        return chunks, self._most(len(chunks))
+
+    def _group_chunks(self, batch: TrainBatch, mini: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's rows of ``mini`` in passes of whole prompt groups (``share_prompts``)."""
+        ids = batch.group_ids[mini]
+        groups = torch.unique(ids)[self.rank::self.world]
+        total = batch.attention_mask.sum(-1)
+        units: list[tuple[int, torch.Tensor]] = []  # (packed length, rows)
+        for group in groups.tolist():
+            rows = mini[ids == group]
+            prompt = int(total[rows[0]] - batch.response_lengths[rows[0]])
+            for part in self._split_group(rows, prompt, batch.response_lengths):
+                units.append((prompt + int(batch.response_lengths[part].sum()), part))
+        units.sort(key=lambda unit: unit[0])
+        chunks: list[torch.Tensor] = []
+        current: list[torch.Tensor] = []
+        rows_in = 0
+        for length, rows in units:
+            fits = (rows_in + len(rows) <= self.micro_batch_size if self.max_token_len is None
+                    else (len(current) + 1) * length <= self.max_token_len)
+            if current and not fits:
+                chunks.append(torch.cat(current))
+                current, rows_in = [], 0
+            current.append(rows)
+            rows_in += len(rows)
+        if current:
+            chunks.append(torch.cat(current))
+        return chunks
+
+    def _split_group(self, rows: torch.Tensor, prompt: int,
+                     response_lengths: torch.Tensor) -> list[torch.Tensor]:
+        """A group's rows in parts that fit one pass (one row at least per part)."""
+        parts: list[torch.Tensor] = []
+        start, length = 0, prompt
+        for end in range(len(rows)):
+            extra = int(response_lengths[rows[end]])
+            fits = (end - start < self.micro_batch_size if self.max_token_len is None
+                    else length + extra <= self.max_token_len)
+            if end > start and not fits:
+                parts.append(rows[start:end])
+                start, length = end, prompt
+            length += extra
+        parts.append(rows[start:])
+        return parts
 
     def _most(self, count: int) -> int:
         """The largest ``count`` over the ranks."""

@@ -81,7 +81,7 @@ from learner.batch import TrainBatch
 from learner.critic import Critic
 from learner.implicit_prm import ImplicitPRM
 from learner.micro_batches import MicroBatches
-from learner.model import forward_logprobs
+from learner.model import forward_logprobs, takes_block_masks
 from learner.optim import clipped_step
 
 logger = logging.getLogger("relay.learner")
@@ -161,7 +161,8 @@ class Learner:
         self.micro = MicroBatches(groups_per_mini_batch=actor.ppo_mini_batch_size or num_prompts,
                                   micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
                                   max_token_len=actor.ppo_max_token_len_per_gpu
-                                  if actor.use_dynamic_bsz else None, group=group)
+                                  if actor.use_dynamic_bsz else None,
+                                  share_prompts=actor.share_prompts, group=group)
         if algorithm.adv_estimator == "gae" and critic is None:
             raise ValueError("algorithm.adv_estimator = 'gae' needs the critic")
         if algorithm.adv_estimator == "prime" and prm is None:
@@ -175,6 +176,9 @@ class Learner:
         mode = actor.policy_loss.loss_mode
         self.skips_zero_advantage = (actor.skip_zero_advantage and mode in ADVANTAGE_PROPORTIONAL
                                      and not actor.use_kl_loss and actor.entropy_coeff == 0)
+        if actor.share_prompts and not takes_block_masks(model) and self.micro.rank == 0:
+            logger.info("actor.share_prompts: the model's attention (%s) takes no block mask; "
+                        "every sample is its own row", model.config._attn_implementation)
         self.pg_agg_mode = policy_loss_agg_mode(mode, actor.loss_agg_mode)
         if self.pg_agg_mode != actor.loss_agg_mode and self.micro.rank == 0:
             logger.info("actor.policy_loss.loss_mode = %r: its policy loss is aggregated with "
@@ -298,7 +302,8 @@ class Learner:
         out = torch.zeros_like(batch.behavior_logprobs)
         for mini in self.micro.mini_batches(batch):
             for each in self.micro.passes(batch, mini):
-                logprobs, _ = forward_logprobs(model, each.part, self.temperature, False)
+                logprobs, _ = forward_logprobs(model, each.part, self.temperature, False,
+                                               self.actor.share_prompts)
                 if each.owned():
                     out[each.rows, :logprobs.shape[1]] = logprobs
         if dist.is_initialized() and self.world > 1:
@@ -319,7 +324,8 @@ class Learner:
             rows, part, weight = each.rows, each.part, each.weight
             width = part.response_mask.shape[1]
             logprobs, entropy = forward_logprobs(self.model, part, self.temperature,
-                                                 with_entropy=True)
+                                                 with_entropy=True,
+                                                 share_prompts=actor.share_prompts)
             prox = self._proximal(logprobs, part, proximal, rows, current_version, version)
             if correction is None:
                 part_correction = off_policy_correction(prox, part.behavior_logprobs,

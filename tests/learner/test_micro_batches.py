@@ -55,3 +55,58 @@ def test_a_row_longer_than_the_budget_gets_a_pass_of_its_own() -> None:
     passes = list(micro.passes(whole, mini))
     assert [p.part.input_ids.shape[1] for p in passes][-1] == 12
     assert len(passes[-1].rows) == 1
+
+
+def grouped_batch(prompt_lengths: list[int], response_lengths: list[list[int]]) -> TrainBatch:
+    """One group per prompt length, with those responses."""
+    rows = [(g, p, r) for g, (p, rs) in enumerate(zip(prompt_lengths, response_lengths))
+            for r in rs]
+    width = max(p + r for _, p, r in rows)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, (_, p, r) in enumerate(rows):
+        attention[row, :p + r] = 1
+    count = len(rows)
+    return TrainBatch(input_ids=attention.clone(), attention_mask=attention,
+                      response_mask=attention[:, 1:].float(),
+                      behavior_logprobs=torch.zeros(count, width - 1),
+                      versions=torch.zeros(count, width - 1, dtype=torch.long),
+                      rewards=torch.zeros(count),
+                      group_ids=torch.tensor([g for g, _, _ in rows]),
+                      response_lengths=torch.tensor([r for _, _, r in rows]),
+                      sample_weights=torch.ones(count), baseline_rewards=torch.zeros(count))
+
+
+def test_sharing_prompts_keeps_groups_whole_ordered_by_packed_length() -> None:
+    # packed lengths: group 0: 5 + 8 = 13, group 1: 2 + 4 = 6, group 2: 3 + 12 = 15
+    whole = grouped_batch([5, 2, 3], [[4, 4], [2, 2], [6, 6]])
+    micro = MicroBatches(groups_per_mini_batch=3, micro_batch_size=4, share_prompts=True)
+    (mini,) = micro.mini_batches(whole)
+    passes = list(micro.passes(whole, mini))
+    groups = [whole.group_ids[p.rows].tolist() for p in passes]
+    assert groups == [[1, 1, 0, 0], [2, 2]]
+
+
+def test_sharing_prompts_splits_a_group_bigger_than_a_pass() -> None:
+    whole = grouped_batch([3, 3], [[1, 2, 3, 4, 5], [1]])
+    micro = MicroBatches(groups_per_mini_batch=2, micro_batch_size=2, share_prompts=True)
+    (mini,) = micro.mini_batches(whole)
+    passes = list(micro.passes(whole, mini))
+    assert sorted(torch.cat([p.rows for p in passes]).tolist()) == list(range(6))
+    assert all(len(p.rows) <= 2 for p in passes)
+
+
+def test_sharing_prompts_under_a_token_budget_counts_packed_tokens() -> None:
+    # packed lengths 10 (4 + 6), 7 (4 + 3), 12 (4 + 8); a budget of 20 tokens a pass
+    whole = grouped_batch([4, 4, 4], [[3, 3], [1, 2], [4, 4]])
+    micro = MicroBatches(groups_per_mini_batch=3, micro_batch_size=1, max_token_len=20,
+                         share_prompts=True)
+    (mini,) = micro.mini_batches(whole)
+    passes = list(micro.passes(whole, mini))
+    # sorted 7 | 10: 2 x 10 = 20 fits; 12: 3 x 12 > 20
+    assert [whole.group_ids[p.rows].unique_consecutive().tolist() for p in passes] == [[1, 0], [2]]
+    # a group longer than the budget is split, each part within it (4 + 3 + 3 > 8)
+    micro = MicroBatches(groups_per_mini_batch=3, micro_batch_size=1, max_token_len=8,
+                         share_prompts=True)
+    passes = list(micro.passes(whole, mini))
+    assert sorted(torch.cat([p.rows for p in passes]).tolist()) == list(range(6))
+    assert max(len(p.rows) for p in passes) <= 2

@@ -160,3 +160,28 @@ def test_skipping_rows_without_advantage_does_not_change_the_update(
     scale = max(float(m.abs().max()) for m in plain_moments)
     for mine, theirs in zip(plain_moments, skipping_moments, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-5 * scale, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_sharing_prompts_does_not_change_the_update(random_model_dir: Path) -> None:
+    """One sequence per prompt group (the prompt computed once) gives the loss and gradients
+    of one row per sample, whole groups in a pass or split across passes."""
+    engine = TorchEngine.from_pretrained(str(random_model_dir), dtype=torch.float32, eos_ids=[2],
+                                         pad_id=0, seed=3)
+    batch = collate(rollouts(engine, 1), pad_id=0)
+    results = []
+    cuts = (dict(share_prompts=False), dict(share_prompts=True),
+            dict(share_prompts=True, ppo_micro_batch_size_per_gpu=3),
+            dict(share_prompts=True, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=40))
+    for cut in cuts:
+        torch.manual_seed(0)
+        learner = build_learner(random_model_dir, **cut)
+        metrics = learner.step(batch).metrics
+        results.append((metrics, first_moments(learner)))
+    rows, rows_moments = results[0]
+    scale = max(float(m.abs().max()) for m in rows_moments)
+    for metrics, moments in results[1:]:
+        assert metrics["actor/loss"] == pytest.approx(rows["actor/loss"], abs=1e-6)
+        assert metrics["actor/entropy"] == pytest.approx(rows["actor/entropy"], abs=1e-5)
+        for mine, theirs in zip(rows_moments, moments, strict=True):
+            torch.testing.assert_close(mine, theirs, atol=1e-5 * scale, rtol=1e-4)
