@@ -50,6 +50,10 @@ from transport.sockets import Client, PeerTimeout
 logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 30.0
+# once the run is over, how long a background thread's request in progress (a group being
+# sent, a heartbeat, a weight poll) may take before the process leaves without it: the
+# peers may be gone already, and the threads are daemons
+RUN_OVER_WAIT_S = 2.0
 HEARTBEAT_EVERY_S = 1.0
 WEIGHTS_TIMEOUT_S = 300.0  # how long a lease may wait for the weights it needs
 REPORT_EVERY_S = 30.0  # how often the loop logs its throughput and batch occupancy
@@ -78,9 +82,9 @@ class Heartbeater:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self._done.set()
-        self._thread.join(REQUEST_TIMEOUT_S)
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         client = Client(self._buffer_endpoint, keys=self._keys)
@@ -162,13 +166,18 @@ class GeneratorLoop:
             self._give_back_all("generation failed")
             raise
         finally:
-            run_over = self._heart.stop_requested.is_set()
-            self.sender.stop(discard=run_over)  # after the run, nobody wants the groups
-            if stop.is_set() and not run_over:
-                self._give_back_all("the generator is stopping")
-            self._heart.stop()
-            self._weights.stop()
-            self._detach()
+            if self._heart.stop_requested.is_set():  # the run is over: nobody wants the
+                # groups, the buffer forgets every generator itself, and may be gone already
+                self.sender.stop(discard=True, timeout_s=RUN_OVER_WAIT_S)
+                self._heart.stop(RUN_OVER_WAIT_S)
+                self._weights.stop(RUN_OVER_WAIT_S)
+            else:
+                self.sender.stop()
+                if stop.is_set():
+                    self._give_back_all("the generator is stopping")
+                self._heart.stop()
+                self._weights.stop()
+                self._detach()
             self._buffer.close()
 
     def _stopping(self, stop: threading.Event) -> bool:

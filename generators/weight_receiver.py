@@ -96,12 +96,14 @@ class WeightReceiver:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
+        """End the polling thread; wait for a poll in progress up to ``timeout_s`` (default:
+        a request's own timeout)."""
         self._stop.set()
         with self._arrived:
             self._arrived.notify_all()
         if self._thread.is_alive():
-            self._thread.join(self._timeout_s)
+            self._thread.join(self._timeout_s if timeout_s is None else timeout_s)
 
     def take(self) -> StagedWeights | None:
         """The staged version, if any, handed over once."""
