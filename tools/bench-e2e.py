@@ -4,6 +4,7 @@
     tools/with-venv python tools/bench-e2e.py [--steps 400] [--test-freq 10] [--seed 0]
         [--only relay|trl] [--relay-arg key=value ...] [--target 0.5] [--out bench-e2e.json]
     tools/with-venv python tools/bench-e2e.py --sweep-staleness 0 1 2 --seeds 0 1 2
+    tools/with-venv python tools/bench-e2e.py --throughput [--steps 12] [--dtype bfloat16]
 
 Runs, one after the other (never together: they would share the cores), (a) TRL's
 ``GRPOTrainer`` through ``tools/trl_grpo.py`` and (b) Relay's default run,
@@ -33,7 +34,20 @@ the target over Relay's.
 ``--sweep-staleness`` runs Relay alone, once per staleness bound eta
 (``buffer.max_staleness``) and seed, and prints per eta the median seconds per step, the
 held-out accuracy (mean over seeds) at fixed training times and at the last step, and the
-mean time to the target, so the default eta can be the one that gets there first. The per-step series of both go to ``--out`` as JSON, for curves.
+mean time to the target, so the default eta can be the one that gets there first. The
+per-step series of both go to ``--out`` as JSON, for curves.
+
+``--throughput`` compares speed where compute, not per-call overhead, dominates: both
+systems train a randomly initialised 24M-parameter Qwen2 (``tools/bench_model.py``, built
+and cached on first use) for ``--steps`` steps (12 by default) on ``--prompts-per-step``
+prompts x 8 samples of up to ``--response-length`` tokens, in ``--dtype`` (bf16 by default:
+Relay's learner computes in bf16 over fp32 master weights, TRL autocasts), with a reward
+that is a hash of the response (``tools/bench_reward.py``: every group has spread, so every
+row trains) and no evaluation; Relay's learner gets 2 threads there (TRL has 2), the generator 1. It prints
+seconds per step, generated tokens/s (completion
+tokens per second of training) and learner tokens/s (prompt + completion tokens trained per
+second of the update: Relay's ``perf/learner_tokens_per_s``; TRL's step less the time in
+``generate``), medians after the first step, and the ratios.
 """
 
 from __future__ import annotations
@@ -54,6 +68,7 @@ from configs.rundir import RESOLVED_RUN
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 5  # left out of the median seconds per step
+THROUGHPUT_LEARNER_THREADS = 2  # Relay's learner in --throughput (the generator keeps 1)
 RUN_DIR_LINE = re.compile(r"launch-cluster: trained \d+ steps; results in (.+)$")
 
 
@@ -65,6 +80,8 @@ class Series(msgspec.Struct, kw_only=True):
     completion_tokens: list[float]  # generated in each step
     evals: list[tuple[int, float, float]]  # (step, training seconds at that step, accuracy)
     generator_tokens_per_s: list[float] = []  # Relay: the generators' own rate, per step
+    # prompt + completion tokens trained per second of the update, per step
+    learner_tokens_per_s: list[float] = []
     reward_mean: list[float] = []  # per step
     source: str = ""  # Relay's run directory
 
@@ -86,10 +103,10 @@ class Summary(msgspec.Struct, kw_only=True):
 # -- running the two systems -----------------------------------------------------------
 
 
-def run_trl(args: argparse.Namespace) -> Series:
+def run_trl(args: argparse.Namespace, extra: list[str] = ()) -> Series:
     """Train with TRL's GRPOTrainer in a subprocess and read its JSON lines."""
     command = [sys.executable, str(ROOT / "tools" / "trl_grpo.py"), "--steps", str(args.steps),
-               "--test-freq", str(args.test_freq), "--seed", str(args.seed)]
+               "--test-freq", str(args.test_freq), "--seed", str(args.seed), *extra]
     print(f"bench-e2e: TRL: {' '.join(command)}", flush=True)
     events = []
     with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) as proc:
@@ -109,20 +126,24 @@ def run_trl(args: argparse.Namespace) -> Series:
 def trl_series(events: list[dict[str, Any]]) -> Series:
     """The per-step series of ``tools/trl_grpo.py``'s events (cumulative counters)."""
     steps = [e for e in events if e["event"] == "step"]
-    seconds = [e["train_seconds"] for e in steps]
+    seconds = differences([e["train_seconds"] for e in steps])
     tokens = [e["generated_tokens"] for e in steps]
-    return Series(system="TRL", step_seconds=differences(seconds),
+    trained = differences([e["trained_tokens"] for e in steps])
+    generating = differences([e["generation_seconds"] for e in steps])
+    return Series(system="TRL", step_seconds=seconds,
                   completion_tokens=differences(tokens),
+                  learner_tokens_per_s=[n / max(total - g, 1e-9)
+                                        for n, total, g in zip(trained, seconds, generating)],
                   evals=[(e["step"], e["train_seconds"], e["accuracy"])
                          for e in events if e["event"] == "eval"],
                   reward_mean=[e["reward_mean"] for e in steps])
 
 
-def run_relay(args: argparse.Namespace) -> Series:
+def run_relay(args: argparse.Namespace, extra: list[str] = ()) -> Series:
     """Launch Relay's default run, wait for it, read its MLflow store."""
     command = [sys.executable, str(ROOT / "tools" / "launch-cluster.py"),
                f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.test_freq}",
-               f"trainer.seed={args.seed}", f"data.seed={args.seed}", *args.relay_arg]
+               f"trainer.seed={args.seed}", f"data.seed={args.seed}", *extra, *args.relay_arg]
     print(f"bench-e2e: Relay: {' '.join(command)}", flush=True)
     run_dir = None
     with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) as proc:
@@ -155,13 +176,14 @@ def relay_series(run_dir: Path) -> Series:
     if steps != list(range(1, len(steps) + 1)):
         sys.exit(f"bench-e2e: {run_dir}: perf/step_seconds misses steps")
     lengths, rates = history("rollout/response_length_mean"), history("perf/generator_tokens_per_s")
-    rewards = history("rollout/reward_mean")
+    rewards, learner = history("rollout/reward_mean"), history("perf/learner_tokens_per_s")
     clock = cumulative([step_seconds[s] for s in steps])
     return Series(system="Relay", step_seconds=[step_seconds[s] for s in steps],
                   completion_tokens=[lengths[s] * samples_per_step for s in steps],
                   evals=[(s, clock[s - 1] if s else 0.0, a)
                          for s, a in sorted(history("eval/accuracy").items())],
                   generator_tokens_per_s=[rates[s] for s in steps],
+                  learner_tokens_per_s=[learner[s] for s in steps],
                   reward_mean=[rewards[s] for s in steps], source=str(run_dir))
 
 
@@ -284,13 +306,74 @@ def sweep_staleness(args: argparse.Namespace) -> None:
     print(f"\nper-step series in {args.out}")
 
 
+def throughput_rows(trl: Series, relay: Series) -> list[tuple[str, float, float, float, str]]:
+    """(label, TRL, Relay, Relay's advantage, format) for seconds per step, generated
+    tokens/s and learner tokens/s, over the steps after the first."""
+    def seconds(s: Series) -> float:
+        return statistics.median(s.step_seconds[1:])
+
+    def generated(s: Series) -> float:
+        return sum(s.completion_tokens[1:]) / sum(s.step_seconds[1:])
+
+    def learner(s: Series) -> float:
+        return statistics.median(s.learner_tokens_per_s[1:])
+
+    return [("seconds per step", seconds(trl), seconds(relay), seconds(trl) / seconds(relay),
+             "{:.2f}"),
+            ("generated tokens/s (completion tokens / training s)", generated(trl),
+             generated(relay), generated(relay) / generated(trl), "{:,.0f}"),
+            ("learner tokens/s (prompt + completion, in the update)", learner(trl),
+             learner(relay), learner(relay) / learner(trl), "{:,.0f}")]
+
+
+def throughput(args: argparse.Namespace) -> None:
+    """Both systems on the 24M-parameter random Qwen2: speed only (see the module docstring)."""
+    from bench_model import ensure_bench_model
+
+    model = ensure_bench_model()
+    reward = ROOT / "tools" / "bench_reward.py"
+    trl = run_trl(args, ["--model", str(model), "--prompts-per-step", str(args.prompts_per_step),
+                         "--response-length", str(args.response_length),
+                         "--reward", f"{reward}:compute_score", "--dtype", args.dtype])
+    relay = run_relay(args, [f"model.path={model}", f"model.dtype={args.dtype}",
+                             f"data.train_batch_size={args.prompts_per_step}",
+                             f"rollout.response_length={args.response_length}",
+                             f"custom_reward_function.path={reward}",
+                             "custom_reward_function.name=compute_score",
+                             "trainer.val_before_train=false",
+                             # TRL runs on 2 threads; here the learner is the slow stage and
+                             # the generator idles most of a step (1 thread: 1.26x, 2: 1.59x)
+                             f"topology.learner.threads={THROUGHPUT_LEARNER_THREADS}"])
+    Path(args.out).write_bytes(msgspec.json.format(msgspec.json.encode(
+        {"mode": "throughput", "model": str(model), "steps": args.steps, "dtype": args.dtype,
+         "prompts_per_step": args.prompts_per_step, "response_length": args.response_length,
+         "relay_args": args.relay_arg, "series": [trl, relay]})))
+    print(f"\n{model.name}, {args.dtype}, {args.prompts_per_step} prompts x 8 samples, up to "
+          f"{args.response_length} new tokens, {args.steps} steps (medians after the first)")
+    rows = throughput_rows(trl, relay)
+    width = max(len(label) for label, *_ in rows)
+    print(f"{'':<{width}}  {'TRL':>10}  {'Relay':>10}  {'Relay/TRL':>10}")
+    for label, theirs, ours, ratio, form in rows:
+        print(f"{label:<{width}}  {form.format(theirs):>10}  {form.format(ours):>10}  "
+              f"{ratio:>9.2f}x")
+    print(f"\nper-step series in {args.out}")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400, help="optimizer steps of each run")
+    parser.add_argument("--steps", type=int, help="optimizer steps of each run (default 400; "
+                                                   "12 with --throughput)")
     parser.add_argument("--test-freq", type=int, default=10,
                         help="held-out evaluation every this many steps (and at the last)")
+    parser.add_argument("--throughput", action="store_true",
+                        help="speed only, on a random 24M-parameter Qwen2")
+    parser.add_argument("--prompts-per-step", type=int, default=8, help="with --throughput")
+    parser.add_argument("--response-length", type=int, default=32, help="with --throughput")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                        help="with --throughput")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", choices=["relay", "trl"], help="run one system only")
+    parser.add_argument("--only", choices=["relay", "trl"],
+                        help="run one system only (not with --throughput)")
     parser.add_argument("--relay-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="an override for launch-cluster (repeatable), e.g. "
                              "topology.generators[0].engine=hf")
@@ -303,8 +386,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", default="bench-e2e.json",
                         help="where the per-step series go (JSON)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.test_freq < 1:
-        parser.error("--steps and --test-freq must be >= 1")
+    if args.steps is None:
+        args.steps = 12 if args.throughput else 400
+    if args.throughput and (args.only or args.sweep_staleness):
+        parser.error("--throughput runs both systems: no --only or --sweep-staleness")
+    if args.throughput:
+        args.test_freq = 0  # no evaluation: the model is random
+    elif args.test_freq < 1:
+        parser.error("--test-freq must be >= 1")
+    if args.steps < 2 or args.prompts_per_step < 1 or args.response_length < 1:
+        parser.error("--steps must be >= 2, --prompts-per-step and --response-length >= 1")
     if any("=" not in a for a in args.relay_arg):
         parser.error("--relay-arg takes key=value")
     return args
@@ -312,6 +403,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
+    if args.throughput:
+        throughput(args)
+        return
     if args.sweep_staleness:
         sweep_staleness(args)
         return

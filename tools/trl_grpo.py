@@ -3,6 +3,7 @@
 
     tools/with-venv python tools/trl_grpo.py [--model PATH] [--steps 400] [--test-freq 10]
         [--threads 2] [--seed 0] [--eval-problems N] [--train-file F] [--test-file F]
+        [--prompts-per-step 32] [--response-length 16] [--reward PATH:NAME] [--dtype float32]
 
 Needs ``trl`` (``pip install -e '.[bench]'``). ``tools/bench-e2e.py`` runs it beside Relay's
 default run. Prints one JSON object per line on stdout (everything else goes to stderr):
@@ -10,11 +11,13 @@ default run. Prints one JSON object per line on stdout (everything else goes to 
     {"event": "step", "step": s, "train_seconds": t, "generated_tokens": g, ...}
         after every optimizer step; ``train_seconds`` is the cumulative wall-clock of
         training without evaluation, ``generated_tokens`` the cumulative completion tokens
-        (up to and including eos, no padding); also the cumulative ``completions`` and
-        ``prompts`` and this step's ``reward_mean``
+        (up to and including eos, no padding); also the cumulative ``completions``,
+        ``prompts``, ``trained_tokens`` (prompt + completion tokens of every completion, what
+        a step trains on) and ``generation_seconds`` (inside ``generate``), and this step's
+        ``reward_mean``
     {"event": "eval", "step": s, "train_seconds": t, "accuracy": a}
         held-out greedy accuracy at step 0, every ``--test-freq`` steps and at the last
-        step, measured by a ``TrainerCallback`` with Relay's own evaluation
+        step (never with ``--test-freq 0``), measured by a ``TrainerCallback`` with Relay's own evaluation
         (``generators.evaluate``, its torch engine around the model being trained, Relay's
         verifier); its time is not in ``train_seconds``
     {"event": "done", ...}  the summary
@@ -35,6 +38,11 @@ completions per forward/backward, 64 as Relay's ``actor.ppo_micro_batch_size_per
 trains on them in 4 micro-batches. Where TRL cannot follow Relay: it has no dual clip
 (Relay's ``clip_ratio_c`` 3), its advantage epsilon is 1e-4 (Relay's 1e-6), and it does not
 cut prompts to ``max_prompt_length`` 64 (the arithmetic prompts are shorter).
+
+The throughput benchmark (``tools/bench-e2e.py --throughput``) changes the batch
+(``--prompts-per-step``), the response length, the reward (``--reward``, a custom function in
+verl's signature) and the dtype (``--dtype bfloat16``: TRL's ``bf16=True``, autocast over
+fp32 weights) and turns evaluation off.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from datasets import Dataset
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PrinterCallback,
                           TrainerCallback, TrainerControl, TrainerState, TrainingArguments)
 
+from algorithms.rewards.config import RewardConfig
 from algorithms.rewards.result import RewardItem
 from configs import load_run_config
 from algorithms.rewards.scorer import RewardScorer
@@ -65,7 +74,6 @@ from generators.torch_engine import TorchEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = load_run_config(ROOT / "configs" / "arithmetic-grpo.toml")  # Relay's default run
-COMPLETIONS_PER_STEP = RUN.data.train_batch_size * RUN.rollout.n
 EVAL_PARAMS = SamplingParams(max_new_tokens=RUN.rollout.response_length,
                              temperature=RUN.rollout.val_kwargs.temperature)
 
@@ -120,9 +128,10 @@ class RelayReward:
 
     __name__ = "relay_verifier"  # TRL names reward functions by ``__name__``
 
-    def __init__(self, scorer: RewardScorer) -> None:
-        self.scorer = scorer
-        self.completions = self.prompts = self.generated_tokens = 0
+    def __init__(self, scorer: RewardScorer, tokenizer) -> None:
+        self.scorer, self.tokenizer = scorer, tokenizer
+        self.completions = self.prompts = self.generated_tokens = self.trained_tokens = 0
+        self._prompt_tokens: dict[str, int] = {}
         self.reward_mean = float("nan")  # of the last round
 
     def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]],
@@ -136,8 +145,33 @@ class RelayReward:
         self.completions += len(completions)
         self.prompts += len({repr(prompt) for prompt in prompts})
         self.generated_tokens += sum(len(ids) for ids in completion_ids)
+        self.trained_tokens += sum(self.prompt_tokens(p) + len(ids)
+                                   for p, ids in zip(prompts, completion_ids, strict=True))
         self.reward_mean = statistics.fmean(scores)
         return scores
+
+    def prompt_tokens(self, prompt: list) -> int:
+        """Tokens of the chat-templated prompt, as generation saw it."""
+        key = repr(prompt)
+        if key not in self._prompt_tokens:
+            self._prompt_tokens[key] = len(self.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return self._prompt_tokens[key]
+
+
+class TimedGenerate:
+    """Wraps a model's ``generate`` and adds up the seconds spent in it."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.inner, self.seconds = model.generate, 0.0
+        model.generate = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - began
 
 
 class Stopwatch:
@@ -162,8 +196,10 @@ class Progress(TrainerCallback):
     """Emits the step events and measures held-out accuracy, its time kept off the clock."""
 
     def __init__(self, tokenizer, model_path: str, rows: list[PromptRow],
-                 scorer: RewardScorer, reward: RelayReward, test_freq: int) -> None:
+                 scorer: RewardScorer, reward: RelayReward, generate: TimedGenerate,
+                 test_freq: int) -> None:
         self.tokenizer, self.rows, self.scorer, self.reward = tokenizer, rows, scorer, reward
+        self.generate = generate
         self.eos, self.pad = eos_and_pad(model_path, tokenizer)
         self.test_freq = test_freq
         self.clock = Stopwatch()
@@ -189,10 +225,12 @@ class Progress(TrainerCallback):
         emit("eval", step=step, train_seconds=self.train_seconds, accuracy=accuracy)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
-                       control: TrainerControl, model: PreTrainedModel = None,
+                            control: TrainerControl, model: PreTrainedModel = None,
                        **_: Any) -> None:
-        self.record_accuracy(0, model)
+        if self.test_freq:
+            self.record_accuracy(0, model)
         self.clock.start()
+        self.generate.seconds = 0.0
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, model: PreTrainedModel = None, **_: Any) -> None:
@@ -200,24 +238,26 @@ class Progress(TrainerCallback):
         self.train_seconds = self.clock.seconds()
         emit("step", step=step, train_seconds=self.train_seconds,
              generated_tokens=self.reward.generated_tokens, completions=self.reward.completions,
-             prompts=self.reward.prompts, reward_mean=self.reward.reward_mean)
-        if step % self.test_freq == 0 or step == state.max_steps:
+             prompts=self.reward.prompts, trained_tokens=self.reward.trained_tokens,
+             generation_seconds=self.generate.seconds, reward_mean=self.reward.reward_mean)
+        if self.test_freq and (step % self.test_freq == 0 or step == state.max_steps):
             self.record_accuracy(step, model)
 
 
 def grpo_config(config_class: type, args: argparse.Namespace, output_dir: str):
     """TRL's config with the knobs of Relay's default run (see the module docstring)."""
     actor, rollout, optim = RUN.actor, RUN.rollout, RUN.actor.optim
-    micro = actor.ppo_micro_batch_size_per_gpu
+    completions = args.prompts_per_step * rollout.n
+    micro = min(actor.ppo_micro_batch_size_per_gpu, completions)
     config = config_class(
         output_dir=output_dir, max_steps=args.steps, seed=args.seed, use_cpu=True,
-        bf16=False, fp16=False, gradient_checkpointing=False,
+        bf16=args.dtype == "bfloat16", fp16=False, gradient_checkpointing=False,
         # batch: prompts x samples generated per optimizer step, micro per forward/backward
-        num_generations=rollout.n, generation_batch_size=COMPLETIONS_PER_STEP,
+        num_generations=rollout.n, generation_batch_size=completions,
         per_device_train_batch_size=micro,
-        gradient_accumulation_steps=COMPLETIONS_PER_STEP // micro, num_iterations=1,
+        gradient_accumulation_steps=completions // micro, num_iterations=1,
         # sampling
-        max_completion_length=rollout.response_length, temperature=rollout.temperature,
+        max_completion_length=args.response_length, temperature=rollout.temperature,
         top_p=rollout.top_p, top_k=max(rollout.top_k, 0),
         # loss and advantages (token-mean is TRL's "dapo"; no KL in Relay's default run)
         loss_type="dapo", epsilon=actor.clip_ratio_low, epsilon_high=actor.clip_ratio_high,
@@ -244,14 +284,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--test-file", default=RUN.data.val_files[0])
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps")
     parser.add_argument("--test-freq", type=int, default=10,
-                        help="held-out evaluation every this many steps (and at the last)")
+                        help="held-out evaluation every this many steps (and at the last); "
+                             "0: none")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-problems", type=int, default=0,
                         help="evaluate on the first N test problems (0: all)")
+    parser.add_argument("--prompts-per-step", type=int, default=RUN.data.train_batch_size,
+                        help="prompts per optimizer step (each sampled rollout.n times)")
+    parser.add_argument("--response-length", type=int, default=RUN.rollout.response_length,
+                        help="at most this many new tokens a completion")
+    parser.add_argument("--reward", default="", metavar="PATH:NAME",
+                        help="a custom reward function in verl's signature (default: the "
+                             "verifier chosen by data_source)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.test_freq < 1 or args.eval_problems < 0:
-        parser.error("--steps and --test-freq must be >= 1, --eval-problems >= 0")
+    if args.steps < 1 or args.test_freq < 0 or args.eval_problems < 0:
+        parser.error("--steps must be >= 1, --test-freq and --eval-problems >= 0")
+    if args.prompts_per_step < 1 or args.response_length < 1:
+        parser.error("--prompts-per-step and --response-length must be >= 1")
+    if args.reward and ":" not in args.reward:
+        parser.error("--reward takes PATH:NAME")
     return args
 
 
@@ -265,10 +318,13 @@ def main(argv: list[str]) -> None:
     train = to_trl_dataset(load_prompt_rows(args.train_file))
     test_rows = load_prompt_rows(args.test_file)
     test_rows = test_rows[:args.eval_problems] if args.eval_problems else test_rows
-    with RewardScorer() as scorer, tempfile.TemporaryDirectory() as output_dir:
+    path_name = args.reward.rsplit(":", 1)
+    config = RewardConfig(path=path_name[0], name=path_name[1]) if args.reward else None
+    with RewardScorer(config) as scorer, tempfile.TemporaryDirectory() as output_dir:
         scorer.check_data_sources({*train["data_source"], *(r.data_source for r in test_rows)})
-        reward = RelayReward(scorer)
-        progress = Progress(tokenizer, path, test_rows, scorer, reward, args.test_freq)
+        reward = RelayReward(scorer, tokenizer)
+        progress = Progress(tokenizer, path, test_rows, scorer, reward, TimedGenerate(model),
+                            args.test_freq)
         trainer = trainer_class(model=model, reward_funcs=reward,
                                 args=grpo_config(config_class, args, output_dir),
                                 train_dataset=train, processing_class=tokenizer,
@@ -276,12 +332,12 @@ def main(argv: list[str]) -> None:
         trainer.remove_callback(PrinterCallback)  # it prints the final log to stdout
         trainer.train()
     seconds = progress.train_seconds
-    accuracies = [a for _, _, a in progress.accuracies]
+    accuracies = [a for _, _, a in progress.accuracies] or [float("nan")]
     emit("done", steps=args.steps, train_seconds=seconds,
          generated_tokens=reward.generated_tokens, completions=reward.completions,
          prompts=reward.prompts, tokens_per_s=reward.generated_tokens / seconds,
          accuracy_start=accuracies[0], accuracy_end=accuracies[-1],
-         accuracy_peak=max(accuracies), eval_problems=len(test_rows),
+         accuracy_peak=max(accuracies), eval_problems=len(test_rows) if args.test_freq else 0,
          threads=torch.get_num_threads(), model=path)
 
 

@@ -14,12 +14,14 @@ def test_trl_events_become_per_step_series_and_a_summary() -> None:
     events = [{"event": "eval", "step": 0, "train_seconds": 0.0, "accuracy": 0.1}]
     for step in range(1, 9):
         events.append({"event": "step", "step": step, "train_seconds": 2.0 * step,
-                       "generated_tokens": 100 * step, "reward_mean": 0.5})
+                       "generated_tokens": 100 * step, "trained_tokens": 300 * step,
+                       "generation_seconds": 0.5 * step, "reward_mean": 0.5})
         if step % 4 == 0:
             events.append({"event": "eval", "step": step, "train_seconds": 2.0 * step,
                            "accuracy": 0.1 * step})
     series = TOOL["trl_series"](events)
     assert series.step_seconds == [2.0] * 8 and series.completion_tokens == [100.0] * 8
+    assert series.learner_tokens_per_s == [pytest.approx(200.0)] * 8  # 300 in 2 - 0.5 s
     summary = TOOL["summarize"](series, 0.5)
     assert summary.seconds_per_step == 2.0  # the median after the 5 warm-up steps
     assert summary.tokens_per_s == pytest.approx(50.0)
@@ -33,3 +35,18 @@ def test_accuracy_at_a_training_time_is_the_last_measured_by_then() -> None:
     assert TOOL["accuracy_at"](evals, 10.9) == 0.3
     assert TOOL["accuracy_at"](evals, 11.0) == 0.4
     assert TOOL["accuracy_at"](evals, -1.0) is None
+
+
+def test_throughput_rows_compare_medians_after_the_first_step() -> None:
+    series = TOOL["Series"]
+    trl = series(system="TRL", step_seconds=[9.0, 4.0, 4.0, 4.0],
+                 completion_tokens=[100.0] * 4, evals=[],
+                 learner_tokens_per_s=[1.0, 1000.0, 1000.0, 1000.0])
+    relay = series(system="Relay", step_seconds=[9.0, 2.0, 2.0, 2.0],
+                   completion_tokens=[100.0] * 4, evals=[],
+                   learner_tokens_per_s=[1.0, 1500.0, 1500.0, 1500.0])
+    rows = {label.split(" (")[0]: (theirs, ours, ratio)
+            for label, theirs, ours, ratio, _ in TOOL["throughput_rows"](trl, relay)}
+    assert rows["seconds per step"] == (4.0, 2.0, 2.0)
+    assert rows["generated tokens/s"] == (25.0, 50.0, 2.0)
+    assert rows["learner tokens/s"] == (1000.0, 1500.0, 1.5)
