@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from algorithms.logprobs import entropy_from_logits, token_logprobs
 from learner.batch import TrainBatch
-from learner.shared_prompts import PACKABLE_ATTENTION, pack
+from learner.shared_prompts import pack, rows_attention, unsupported
 
 
 def learner_device(setting: str, local_rank: int) -> torch.device:
@@ -67,25 +67,20 @@ def shard(model: nn.Module, *, compute_dtype: torch.dtype,
     return model
 
 
-def takes_block_masks(model: nn.Module) -> bool:
-    """Whether the model's attention implementation takes the 4D mask of packed groups."""
-    return model.config._attn_implementation in PACKABLE_ATTENTION
-
-
 def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
                      with_entropy: bool, share_prompts: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (B, L-1) of the batch's tokens, and the entropy if asked.
 
     ``share_prompts``: the rows of a group that share a prompt go through the model as one
-    sequence (``learner.shared_prompts``) when the model's attention takes a custom mask;
-    the results are the row layout's.
+    sequence (``learner.shared_prompts``) when the model's family allows it; the results
+    are the row layout's.
     """
-    if share_prompts and takes_block_masks(model):
+    if share_prompts and unsupported(model.config) is None:
         packed = pack(batch)
-        mask = packed.attention_mask(model.config._attn_implementation)
-        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                    attention_mask=mask, use_cache=False)
+        with rows_attention(model):
+            out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                        shared_prompt_rows=packed.rows, use_cache=False)
         logits = packed.row_logits(out.logits)[:, :-1]
     else:
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,

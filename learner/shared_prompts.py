@@ -7,29 +7,48 @@ become one sequence
     prompt, response_1, ..., response_k
 
 with position ids ``0..p-1`` for the prompt and ``p..p+l_i-1`` for every response (they
-restart after the prompt), and a block attention mask: a prompt token attends causally to
-the prompt; a response token attends to the whole prompt and causally to its own response.
-Every logit is then computed from the same tokens at the same positions as in the row
-layout, and the gradient reaching a shared prompt position is the sum over the group's
-responses, as it is across rows: the update is the same (up to float summation order) for
-``p (k - 1)`` fewer tokens a group. This is the shared-prefix forward of Prefix Grouper
-(Liu et al., 2025, arXiv:2506.05433).
+restart after the prompt). Every layer but attention works token by token, so it runs the
+prompt once. Attention (``shared_prompt_attention``, registered with transformers as
+``relay_shared_prompt``) goes back to rows: row ``i`` holds the keys and values of
+``prompt, response_i`` (gathered from the packed sequence) and the queries of ``response_i``
+(the group's first row also those of the prompt), causal by position. So each token sees
+exactly what it sees in the row layout, at the attention cost of the row layout, and the
+gradient reaching a shared prompt position is the sum over the group's responses, as it is
+across rows: the update is the same (up to float summation order) for ``p (k - 1)`` fewer
+tokens a group through every other layer. This is the shared-prefix forward of Prefix
+Grouper (Liu et al., 2025, arXiv:2506.05433).
 
 ``pack`` builds the packed inputs of a pass; ``PackedRows.row_logits`` maps the packed
 logits back onto the row layout ``(B, L, V)``, so log-probs, entropies and losses are
-computed exactly as before.
+computed exactly as before. ``unsupported`` says which models cannot be run this way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import msgspec
 import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface, PretrainedConfig
 
 from learner.batch import TrainBatch
 
-# attention implementations that take an arbitrary 4D mask: boolean for SDPA (True attends),
-# additive float for eager
-PACKABLE_ATTENTION = ("sdpa", "eager")
+ATTENTION = "relay_shared_prompt"  # the attention implementation's registered name
+# families whose attention is plain causal softmax attention over RoPE'd queries and keys
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class AttentionRows(msgspec.Struct, frozen=True):
+    """Where row attention reads and writes, for S packed sequences of length Lp flattened
+    to S * Lp positions, and R rows of at most Q queries and K keys."""
+
+    query_index: torch.Tensor  # (R, Q) long: the packed position of each query (padding: 0)
+    query_valid: torch.Tensor  # (R, Q) bool
+    key_index: torch.Tensor  # (R, K) long: the packed position of each key (padding: 0)
+    attend: torch.Tensor  # (R, 1, Q, K) bool: query q may attend to key k
 
 
 class PackedRows(msgspec.Struct, frozen=True):
@@ -37,22 +56,28 @@ class PackedRows(msgspec.Struct, frozen=True):
 
     input_ids: torch.Tensor  # (S, Lp) long
     position_ids: torch.Tensor  # (S, Lp) long
-    attend: torch.Tensor  # (S, 1, Lp, Lp) bool: query q may attend to key k
+    rows: AttentionRows
     source: torch.Tensor  # (B, L) long: flat index into (S * Lp) of each row position
-
-    def attention_mask(self, implementation: str) -> torch.Tensor:
-        """The 4D mask in the form ``implementation`` expects: SDPA's boolean, or eager's
-        additive float32 (added to any compute dtype's scores, it promotes them)."""
-        if implementation == "sdpa":
-            return self.attend
-        return torch.zeros(self.attend.shape).masked_fill(~self.attend,
-                                                          torch.finfo(torch.float32).min)
 
     def row_logits(self, packed_logits: torch.Tensor) -> torch.Tensor:
         """(S, Lp, V) packed logits -> (B, L, V) in the row layout (padding positions of a
         row read an arbitrary logit of its sequence; nothing reads them)."""
         flat = packed_logits.reshape(-1, packed_logits.shape[-1])
         return flat[self.source]
+
+
+def unsupported(config: PretrainedConfig) -> str | None:
+    """Why a model cannot share prompts (its attention is not plain causal attention), or
+    None when it can."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return (f"model_type {config.model_type!r} (supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) or any(
+            kind != "full_attention" for kind in layer_types) or (
+            config.model_type == "mistral" and getattr(config, "sliding_window", None)):
+        return "sliding-window attention"
+    return None
 
 
 def pack(batch: TrainBatch) -> PackedRows:
@@ -70,36 +95,100 @@ def pack(batch: TrainBatch) -> PackedRows:
     rows, row_width = batch.attention_mask.shape
     input_ids = torch.zeros((count, width), dtype=torch.long)
     position_ids = torch.zeros((count, width), dtype=torch.long)
-    segment = torch.full((count, width), -1, dtype=torch.long)  # 0 prompt, i response i
     source = torch.zeros((rows, row_width), dtype=torch.long)
+    queries: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * rows
+    first_position = [0] * rows  # the row position of each row's first query
     for index, members in enumerate(sequences.values()):
         p = prompts[members[0]]
         base = index * width
         input_ids[index, :p] = batch.input_ids[members[0], :p]
         position_ids[index, :p] = torch.arange(p)
-        segment[index, :p] = 0
         offset = p
-        for number, row in enumerate(members, start=1):
+        for row in members:
             length = response[row]
             end = offset + length
             input_ids[index, offset:end] = batch.input_ids[row, p:p + length]
             position_ids[index, offset:end] = torch.arange(p, p + length)
-            segment[index, offset:end] = number
             source[row, :p] = base + torch.arange(p)
             source[row, p:p + length] = base + torch.arange(offset, end)
             source[row, p + length:] = base
+            queries[row] = source[row, p:p + length]
+            first_position[row] = p
             offset = end
-    return PackedRows(input_ids=input_ids, position_ids=position_ids,
-                      attend=_block_mask(segment), source=source)
+        first = members[0]  # the group's first row also asks the prompt's queries
+        queries[first] = source[first, :p + response[first]]
+        first_position[first] = 0
+    return PackedRows(input_ids=input_ids, position_ids=position_ids, source=source,
+                      rows=_attention_rows(source, total, queries, first_position))
 
 
-def _block_mask(segment: torch.Tensor) -> torch.Tensor:
-    """(S, Lp) segment ids (0 prompt, i > 0 response i, -1 padding) -> (S, 1, Lp, Lp):
-    causal, within the prompt or the query's own segment; padding attends to itself."""
-    width = segment.shape[1]
-    causal = torch.ones((width, width), dtype=torch.bool).tril()
-    query, key = segment[:, :, None], segment[:, None, :]
-    padding = query < 0
-    attend = causal & ~padding & (key >= 0) & ((key == 0) | (key == query))
-    attend |= torch.eye(width, dtype=torch.bool) & padding
-    return attend[:, None]
+def _attention_rows(source: torch.Tensor, total: list[int], queries: list[torch.Tensor],
+                    first_position: list[int]) -> AttentionRows:
+    """Row r's keys are its own row positions ``0..total[r]-1`` (``source`` maps them to
+    packed positions); its queries sit at row positions ``first_position[r]`` onward."""
+    rows = len(total)
+    most_queries = max(max(len(q) for q in queries), 1)
+    most_keys = max(total)
+    query_index = torch.zeros((rows, most_queries), dtype=torch.long)
+    query_valid = torch.zeros((rows, most_queries), dtype=torch.bool)
+    query_position = torch.zeros((rows, most_queries), dtype=torch.long)
+    for row, indices in enumerate(queries):
+        query_index[row, :len(indices)] = indices
+        query_valid[row, :len(indices)] = True
+        query_position[row, :len(indices)] = torch.arange(
+            first_position[row], first_position[row] + len(indices))
+    key_position = torch.arange(most_keys)
+    key_valid = key_position[None, :] < torch.tensor(total)[:, None]
+    attend = key_valid[:, None, :] & (key_position[None, None, :] <= query_position[:, :, None])
+    return AttentionRows(query_index=query_index, query_valid=query_valid,
+                         key_index=source[:, :most_keys], attend=attend[:, None])
+
+
+def shared_prompt_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, dropout: float = 0.0,
+                            shared_prompt_rows: AttentionRows | None = None,
+                            sliding_window: int | None = None,
+                            **_: object) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over packed sequences, computed in rows.
+
+    ``query`` (S, H, Lp, D), ``key``/``value`` (S, Hkv, Lp, D) -> (S, Lp, H, D). Packed
+    padding positions get zeros (nothing reads them)."""
+    if shared_prompt_rows is None:
+        raise RuntimeError(f"the {ATTENTION} attention runs only on packed prompt groups "
+                           "(learner.shared_prompts.pack)")
+    if sliding_window is not None:
+        raise RuntimeError(f"{ATTENTION} does not implement sliding-window attention")
+    layout = shared_prompt_rows
+    sequences, heads, width, dim = query.shape
+
+    def gather(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """(S, h, Lp, D) at flat packed positions ``index`` (R, n) -> (R, h, n, D)."""
+        flat = states.transpose(1, 2).reshape(sequences * width, states.shape[1], dim)
+        return flat[index].transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        gather(query, layout.query_index), gather(key, layout.key_index),
+        gather(value, layout.key_index), attn_mask=layout.attend,
+        dropout_p=dropout if module.training else 0.0, scale=scaling,
+        enable_gqa=key.shape[1] != heads)
+    picked = out.transpose(1, 2)[layout.query_valid]  # (queries, H, D)
+    packed = picked.new_zeros(sequences * width, heads, dim).index_copy(
+        0, layout.query_index[layout.query_valid], picked)
+    return packed.view(sequences, width, heads, dim), None
+
+
+AttentionInterface.register(ATTENTION, shared_prompt_attention)
+
+
+@contextmanager
+def rows_attention(model: nn.Module) -> Iterator[None]:
+    """Run ``model``'s forwards inside with ``shared_prompt_attention`` (each attention layer
+    looks its implementation up at every forward; the backward needs no lookup)."""
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before

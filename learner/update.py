@@ -81,7 +81,8 @@ from learner.batch import TrainBatch
 from learner.critic import Critic
 from learner.implicit_prm import ImplicitPRM
 from learner.micro_batches import MicroBatches
-from learner.model import forward_logprobs, takes_block_masks
+from learner.model import forward_logprobs
+from learner.shared_prompts import unsupported
 from learner.optim import clipped_step
 
 logger = logging.getLogger("relay.learner")
@@ -176,9 +177,10 @@ class Learner:
         mode = actor.policy_loss.loss_mode
         self.skips_zero_advantage = (actor.skip_zero_advantage and mode in ADVANTAGE_PROPORTIONAL
                                      and not actor.use_kl_loss and actor.entropy_coeff == 0)
-        if actor.share_prompts and not takes_block_masks(model) and self.micro.rank == 0:
-            logger.info("actor.share_prompts: the model's attention (%s) takes no block mask; "
-                        "every sample is its own row", model.config._attn_implementation)
+        why_not = unsupported(model.config) if actor.share_prompts else None
+        if why_not and self.micro.rank == 0:
+            logger.info("actor.share_prompts: not for this model's %s; every sample is its "
+                        "own row", why_not)
         self.pg_agg_mode = policy_loss_agg_mode(mode, actor.loss_agg_mode)
         if self.pg_agg_mode != actor.loss_agg_mode and self.micro.rank == 0:
             logger.info("actor.policy_loss.loss_mode = %r: its policy loss is aggregated with "

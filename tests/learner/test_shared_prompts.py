@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
 
 from learner.batch import TrainBatch, collate
-from learner.model import forward_logprobs, takes_block_masks
-from learner.shared_prompts import pack
+from learner.model import forward_logprobs
+from learner.shared_prompts import pack, unsupported
 from transport.messages import RolloutGroup, Sample
 
 
@@ -33,28 +33,28 @@ def test_a_group_packs_its_prompt_once_with_positions_restarting_after_it() -> N
     packed = pack(small_batch())
     assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 2, 3], [0, 1, 2, 3, 4]]
-    # group a: prompt 5 6, response one = 7, response two = 8 9
-    assert packed.attend[0, 0].int().tolist() == [[1, 0, 0, 0, 0],
-                                                  [1, 1, 0, 0, 0],
-                                                  [1, 1, 1, 0, 0],
-                                                  [1, 1, 0, 1, 0],
-                                                  [1, 1, 0, 1, 1]]
-    assert packed.attend[1, 0].int().tolist() == torch.ones(5, 5).tril().int().tolist()
     # row 1 (prompt 5 6, response 8 9) reads packed positions 0 1 3 4
     assert packed.source[1].tolist() == [0, 1, 3, 4, 0]
     assert packed.source[2].tolist() == [5, 6, 7, 8, 9]
 
 
+def test_attention_rows_hold_each_response_with_its_prompt() -> None:
+    rows = pack(small_batch()).rows
+    # keys: each row's own prompt + response, at packed positions
+    assert rows.key_index.tolist() == [[0, 1, 2, 0, 0], [0, 1, 3, 4, 0], [5, 6, 7, 8, 9]]
+    # queries: the first row of a group also asks the prompt's; the others their response
+    valid = [index[ok].tolist() for index, ok in zip(rows.query_index, rows.query_valid)]
+    assert valid == [[0, 1, 2], [3, 4], [5, 6, 7, 8, 9]]
+    # row 1's queries (response 8 9, row positions 2 3) see the prompt and their response
+    assert rows.attend[1, 0, :2].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]
+    # row 0: prompt 5 6 and response 7, causal over its three keys
+    assert rows.attend[0, 0, :3].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0],
+                                                    [1, 1, 1, 0, 0]]
+
+
 def test_rows_of_a_group_with_different_prompts_get_sequences_of_their_own() -> None:
     packed = pack(collate([group("a", [[5, 6], [5, 7]], [[8], [9]])], pad_id=0))
     assert packed.input_ids.tolist() == [[5, 6, 8], [5, 7, 9]]
-
-
-def test_padding_attends_only_to_itself() -> None:
-    packed = pack(collate([group("a", [[5]], [[6]]), group("b", [[5, 6, 7]], [[8, 9]])],
-                          pad_id=0))
-    assert packed.attend[0, 0, 2:].int().tolist() == [[0, 0, 1, 0, 0], [0, 0, 0, 1, 0],
-                                                      [0, 0, 0, 0, 1]]
 
 
 def random_rollouts(seed: int) -> TrainBatch:
@@ -75,11 +75,10 @@ def random_rollouts(seed: int) -> TrainBatch:
     return collate(groups, pad_id=0)
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_packed_log_probs_entropy_and_gradients_equal_the_rows(
-        random_model_dir: Path, implementation: str) -> None:
-    model = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32,
-                                                 attn_implementation=implementation)
+        tmp_path: Path, model_type: str) -> None:
+    model = small_model(tmp_path, model_type)
     batch = random_rollouts(0)
     mask = batch.response_mask
     results = []
@@ -94,10 +93,23 @@ def test_packed_log_probs_entropy_and_gradients_equal_the_rows(
     torch.testing.assert_close(packed_h, rows_h, atol=1e-5, rtol=1e-5)
     for mine, theirs in zip(rows_g, packed_g, strict=True):
         torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=1e-4)
+    assert model.config._attn_implementation == "sdpa"  # restored after the packed pass
 
 
-def test_only_attentions_that_take_a_custom_mask_share_prompts(random_model_dir: Path) -> None:
-    model = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32)
-    assert takes_block_masks(model)  # sdpa
-    model.config._attn_implementation = "flash_attention_2"  # varlen only: rows
-    assert not takes_block_masks(model)
+def small_model(folder: Path, model_type: str) -> torch.nn.Module:
+    """A random Llama (MHA) or Qwen2 (GQA, q/k/v biases) over the tiny vocabulary."""
+    shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    config = (LlamaConfig(num_key_value_heads=4, **shape) if model_type == "llama"
+              else Qwen2Config(num_key_value_heads=2, **shape))
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                attn_implementation="sdpa")
+
+
+def test_only_plain_causal_attention_shares_prompts() -> None:
+    assert unsupported(LlamaConfig()) is None
+    assert unsupported(Qwen2Config()) is None
+    assert "sliding" in unsupported(Qwen2Config(use_sliding_window=True, sliding_window=8))
+    assert "gemma2" in unsupported(Gemma2Config())
