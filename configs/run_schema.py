@@ -127,8 +127,8 @@ class ActorConfig(_Section):
     describe the rows trained on.
     ``share_prompts`` (Relay) runs the samples of a prompt group as one sequence, the prompt
     computed once and each response attending to it (``learner.shared_prompts``; the same
-    log-probs and gradients for fewer tokens); it needs an attention implementation that
-    takes a custom mask (sdpa, eager) and otherwise runs rows. With it, passes hold whole
+    log-probs and gradients for fewer tokens) in the Llama, Qwen2, Qwen3 and Mistral
+    families without sliding windows; other models run rows. With it, passes hold whole
     groups and ``ppo_max_token_len_per_gpu`` counts packed tokens.
     ``proximal_logprobs`` (Relay) says how the proximal policy's log-probs are obtained when
     a step makes several updates: ``recompute`` runs a forward pass with the weights before
