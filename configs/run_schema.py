@@ -320,6 +320,9 @@ class TrainerConfig(_Section):
     max_waiting_evals: Positive = 2
     seed: int = 0
     run_dir: str = "runs"  # Relay: each run writes to run_dir/<experiment>-<time>/
+    # Relay: the launcher ends a run that makes no learner step for this long, naming the
+    # stage that holds it up (launcher.watchdog); 0: never
+    progress_timeout_s: NonNegativeFloat = 3600.0
 
 
 class TrackingConfig(_Section):

@@ -4,7 +4,8 @@
   The run must still finish, and the buffer must have returned gen0's unanswered prompts
   to the pool when the lease timed out (the heartbeat timeout is set longer, so the lease
   timeout is what returns them).
-- The buffer is killed: the launcher stops everything and exits non-zero naming it.
+- The buffer is killed, or stops cleanly on SIGTERM: the launcher stops everything and
+  exits non-zero naming it.
 - Ctrl-C on the launcher: everything stops, exit code 130.
 In every case no process of the run is left behind.
 """
@@ -109,19 +110,25 @@ def quick_args(model_dir: Path, run_root: Path, tmp_path: Path) -> list[str]:
         f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
 
 
+@pytest.mark.parametrize(("sig", "named"), [
+    (signal.SIGKILL, "essential process buffer (buffer) died: killed by SIGKILL"),
+    # the buffer stops cleanly on SIGTERM, exit code 0: the run is still not over
+    (signal.SIGTERM, "essential process buffer (buffer) exited (exit code 0) before the "
+                     "learner finished")])
 def test_a_dead_buffer_ends_the_run_and_is_named(random_model_dir: Path, run_root: Path,
-                                                 tmp_path: Path) -> None:
+                                                 tmp_path: Path, sig: signal.Signals,
+                                                 named: str) -> None:
     launcher = start_launcher(quick_args(random_model_dir, run_root, tmp_path))
     try:
         run_dir = first_run_dir(run_root)
         wait_for(run_dir / "logs" / "gen0.log", r"lease L\d+", 120)
-        os.kill(pid_of(run_dir, "buffer.main"), signal.SIGKILL)
+        os.kill(pid_of(run_dir, "buffer.main"), sig)
         output, _ = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 1, output
-    assert "essential process buffer (buffer) died: killed by SIGKILL" in output
+    assert named in output
     assert processes_mentioning(str(run_dir)) == []
 
 
@@ -138,4 +145,30 @@ def test_ctrl_c_stops_everything(random_model_dir: Path, run_root: Path,
             launcher.kill()
     assert launcher.returncode == 130, output
     assert "interrupted" in output
+    assert processes_mentioning(str(run_dir)) == []
+
+
+def test_the_watchdog_ends_a_run_that_makes_no_step_and_names_the_stage(
+        random_model_dir: Path, run_root: Path, tmp_path: Path) -> None:
+    """Both generators frozen (SIGSTOP) after the first step: the learner waits for
+    batches forever; the watchdog ends the run and points at generation."""
+    topology = tmp_path / "topology.toml"
+    topology.write_text(TOPOLOGY)
+    args = [a for a in quick_args(random_model_dir, run_root, tmp_path)
+            if not a.startswith("topology.")]
+    launcher = start_launcher([str(topology), str(ROOT / "configs" / "arithmetic-grpo.toml"),
+                               *args, "trainer.progress_timeout_s=30",
+                               "buffer.heartbeat_timeout_s=600"])
+    try:
+        run_dir = first_run_dir(run_root)
+        wait_for(run_dir / "logs" / "gen0.log", r"now generating with weights version [1-9]", 180)
+        for name in ("gen0", "gen1"):
+            os.kill(pid_of(run_dir, "generators.main", f"--name {name}"), signal.SIGSTOP)
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1, output
+    assert "no learner step for" in output and "trainer.progress_timeout_s = 30" in output
+    assert "generation: the buffer holds" in output
     assert processes_mentioning(str(run_dir)) == []

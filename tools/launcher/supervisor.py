@@ -8,10 +8,14 @@ Order of events:
    own process group with its output in ``RUN_DIR/logs/<name>.log``;
 3. watch: a live status line from the metrics the processes push; a generator may die
    (the run goes on while one is attached), and so may the evaluator (the run goes on
-   without held-out evaluation, and the launcher says so), an essential process may not;
+   without held-out evaluation, and the launcher says so), an essential process may not,
+   not even cleanly: the buffer exiting 0 before the learner is done ends the run too; a
+   run that makes no learner step for ``trainer.progress_timeout_s`` is ended by the
+   watchdog (``launcher.watchdog``), naming the stage that holds it up;
 4. stop: when the learner finishes (exit 0), or on Ctrl-C, or when an essential process
-   dies, every process group gets SIGTERM, then SIGKILL after a grace period. Nothing is
-   left behind; the exit code says how it ended and the reason names the process.
+   exits or the watchdog fires, every process group gets SIGTERM, then SIGKILL after a
+   grace period. Nothing is left behind; the exit code says how it ended and the reason
+   names the process.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from configs.topology_schema import Topology
 from launcher.plan import ProcessSpec, build_plan, write_resolved
 from launcher.resolve import ResolvedLaunch
 from launcher.status import StatusBoard
+from launcher.watchdog import ProgressWatchdog
 from transport.messages import Metrics
 from transport.sockets import Puller
 
@@ -201,6 +206,9 @@ class Supervisor:
         learner_done_at: float | None = None
         no_generator_since: float | None = None
         reported_dead: set[str] = set()
+        watchdog = ProgressWatchdog(self.run.trainer.progress_timeout_s,
+                                    batch_groups=self.run.data.train_batch_size,
+                                    started=time.monotonic())
         while True:
             message = metrics.receive(0.25)
             while message is not None:
@@ -216,8 +224,8 @@ class Supervisor:
                 reported_dead.add(proc.spec.name)
                 if proc.spec.role == "learner" and code == 0:
                     learner_done_at = learner_done_at or now
-                elif proc.spec.essential and code != 0 and learner_done_at is None:
-                    return self._died(proc, code)
+                elif proc.spec.essential and learner_done_at is None:
+                    return self._died(proc, code)  # even exit code 0: the run is not over
                 elif proc.spec.role == "generator" and code != 0 and learner_done_at is None:
                     self.board.note(f"generator {proc.spec.name} died ({describe_exit(code)}); "
                                     f"training goes on. Log: {proc.log}")
@@ -231,6 +239,11 @@ class Supervisor:
                     return Outcome(code=0, reason=f"trained {self.run.trainer.total_training_steps}"
                                                   f" steps; results in {self.run_dir}")
                 continue
+            stuck = watchdog.stuck(self.board, now)
+            if stuck is not None:
+                learner = next(p for p in self.processes if p.spec.role == "learner")
+                return Outcome(code=1, reason=f"{stuck}. Last lines of {learner.log}:\n"
+                                              f"{log_tail(learner.log)}")
             alive = [p for p in self.processes if p.spec.role == "generator"
                      and p.popen.poll() is None]
             attached = self.board.generators_attached()
@@ -245,9 +258,10 @@ class Supervisor:
 
     def _died(self, proc: Running, code: int) -> Outcome:
         tail = log_tail(proc.log)
+        how = (f"exited ({describe_exit(code)}) before the learner finished" if code == 0
+               else f"died: {describe_exit(code)}")
         return Outcome(code=1, reason=f"essential process {proc.spec.name} ({proc.spec.role}) "
-                                      f"died: {describe_exit(code)}. Last lines of {proc.log}:\n"
-                                      f"{tail}")
+                                      f"{how}. Last lines of {proc.log}:\n{tail}")
 
 
 def launch(resolved: ResolvedLaunch) -> int:
