@@ -2,12 +2,30 @@
 
 ``Hub.handle`` answers every request of the buffer's conversation (see
 ``transport.messages``): generators attach, heartbeat, lease prompts, return rollout groups
-and detach; the learner reports versions, asks for batches and ends the run. ``Hub.tick``
+and detach; the learner reports versions, asks for batches and for the buffer's state when
+it writes a checkpoint (``buffer.main``: resuming), and ends the run. ``Hub.tick``
 expires leases and silent generators. ``buffer.main`` puts a socket around it.
 
 Counters in ``Hub.stats()`` (``buffer/...``) say where every prompt and group went:
 accepted, rejected by reason (duplicate, unknown lease, malformed), dropped as stale or by a
 replay filter (``dropped/zero_variance``), samples a filter took out of kept groups.
+
+Accounting: every prompt a lease hands out (``prompts/leased``) is answered by a group
+(``prompts/completed``), given back unanswered by its generator or because the generator
+left (``prompts/returned``), expired, or still in flight (``running_prompts``). Every
+answering group is admitted to the store (``groups/accepted``), dropped by a replay filter,
+refused as stale on arrival or as unsound (both return its prompt to the pool), fails the
+run, or meets a store error (its prompt back in the pool). Every admitted group is trained
+on (``groups/trained``: its first batch), dropped as stale inside the store (its prompt
+back in the pool, like a group stale on arrival), or stored and never trained yet
+(``groups/stored``). ``Hub.accounting_problems`` checks these sums; ``stats`` reports how
+many fail (``accounting_problems``, 0 while all is well).
+
+Authorization: ``SENDERS`` names the role (``transport.roles``) that may send each request;
+a request from a connection in another role, or whose CURVE key may not take that role,
+is refused (``ErrorReply(code="forbidden")``) and counted (``rejected/forbidden``). Values
+no honest learner sends (``buffer.validation``) are refused as ``bad_request``, and a
+rollout group is judged whole before its prompt leaves the lease.
 
 Every sound, fresh group goes to the rollout log whole, before the store's filters, with
 what they did in ``metadata["buffer_admission"]``: an offline replay sees everything the
@@ -19,7 +37,6 @@ frees its admission slot, so a replacement is leased. A filter that cannot go on
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
@@ -31,13 +48,21 @@ from buffer.leases import LeaseBook
 from buffer.prompt_source import PromptSource
 from buffer.registry import Registry
 from buffer.rollout_log import RolloutLogWriter
-from buffer.staleness import lease_capacity, lease_min_version, oldest_version, staleness
+from buffer.staleness import lease_capacity, lease_min_version, staleness
 from buffer.store import Admission, ReplayStore
+from buffer.validation import (
+    GroupLimits,
+    group_problem,
+    sample_request_problem,
+    version_problem,
+)
 from configs.run_schema import BufferConfig
 from transport.messages import (
     Ack,
     Attach,
     AttachAck,
+    BufferCheckpoint,
+    BufferCheckpointRequest,
     Detach,
     ErrorReply,
     Heartbeat,
@@ -45,6 +70,7 @@ from transport.messages import (
     LeaseRequest,
     LeaseReturn,
     Message,
+    Prompt,
     PromptLease,
     RolloutAck,
     RolloutGroup,
@@ -54,6 +80,8 @@ from transport.messages import (
     Shutdown,
     VersionUpdate,
 )
+from transport.roles import PeerRoles, Role
+from transport.sockets import Peer
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +92,22 @@ REFUSALS: dict[RolloutVerdict, str] = {
     "duplicate": "rejected/duplicate", "unknown_lease": "rejected/unknown_lease",
     "malformed": "rejected/malformed", "stale": "dropped/stale_on_arrival",
     "zero_variance": "dropped/zero_variance"}
+# Where a group that answered its prompt went, besides the store (accounting)
+ANSWER_OUTCOMES = ("groups/failed", "groups/store_errors",
+                   *(REFUSALS[v] for v in ("malformed", "stale", "zero_variance")))
 # Counters reported from the start (as 0) so that dashboards always have the series.
-COUNTERS = ("groups/accepted", "groups/served", "dropped/stale", *REFUSALS.values(),
-            "prompts/expired", "prompts/returned", "samples/reward_errors", "samples/filtered",
-            "rejected/unexpected_message", "requests/bad_priorities")
+COUNTERS = ("groups/accepted", "groups/served", "groups/trained", "groups/failed",
+            "groups/store_errors", "dropped/stale", *REFUSALS.values(), "prompts/leased",
+            "prompts/completed", "prompts/expired", "prompts/returned", "samples/reward_errors",
+            "samples/filtered", "rejected/unexpected_message", "rejected/forbidden",
+            "rejected/bad_request", "requests/bad_priorities", "rollout_log/write_errors")
+SENDERS: dict[type[Message], Role] = {
+    Attach: "generator", Heartbeat: "generator", Detach: "generator",
+    LeaseRequest: "generator", LeaseReturn: "generator", RolloutGroup: "generator",
+    SampleRequest: "learner", VersionUpdate: "learner", Shutdown: "learner",
+    BufferCheckpointRequest: "learner",
+}
+"""The role that may send each request the hub takes."""
 RECENT_ROLLOUT_IDS = 100_000  # remembered to name duplicates precisely
 RATE_WINDOW_S = 30.0  # generator throughput is averaged over this much wall time
 
@@ -76,18 +116,19 @@ class Hub:
     """Prompt leasing, rollout admission, batches for the learner, generator registry.
 
     ``config`` is the run's ``buffer`` section; from the other sections the hub needs the
-    groups per learner step (``data.train_batch_size``), the samples per group
-    (``rollout.n``), the prompts per lease (``rollout.prompts_per_lease``) and whether every
-    group must carry a greedy baseline reward (ReMax).
+    groups per learner step (``data.train_batch_size``), what a sound group fits
+    (``limits``: ``rollout.n``, ``rollout.response_length``, the model's vocabulary, and
+    whether every group must carry a greedy baseline reward, ReMax), the prompts per lease
+    (``rollout.prompts_per_lease``) and the run's length (``trainer.total_training_steps``).
     """
 
     def __init__(self, config: BufferConfig, source: PromptSource, store: ReplayStore,
-                 log: RolloutLogWriter | None = None, *, batch_size: int, n: int,
-                 prompts_per_lease: int, greedy_baseline: bool = False,
+                 log: RolloutLogWriter | None = None, *, batch_size: int, limits: GroupLimits,
+                 prompts_per_lease: int, total_steps: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.batch_size, self.n = batch_size, n
-        self.prompts_per_lease, self.greedy_baseline = prompts_per_lease, greedy_baseline
+        self.batch_size, self.limits = batch_size, limits
+        self.prompts_per_lease, self.total_steps = prompts_per_lease, total_steps
         self.source = source
         self.store = store
         self.log = log
@@ -100,6 +141,9 @@ class Hub:
         self.finished = False
         self.failure = ""  # why the run must end with an error ("" while all is well)
         self.counts: Counter[str] = Counter({name: 0 for name in COUNTERS})
+        self.roles = PeerRoles()
+        self._untrained: dict[str, Prompt] = {}  # groups stored, never trained: prompts
+        self._accounting_ok = True
         self._recent_ids: OrderedDict[str, None] = OrderedDict()
         self._token_history: deque[tuple[float, int]] = deque()
         self._handlers: dict[type[Message], Callable[[Message], Message]] = {
@@ -107,23 +151,33 @@ class Hub:
             LeaseRequest: self._lease, LeaseReturn: self._lease_return,
             RolloutGroup: self._rollout, SampleRequest: self._sample,
             VersionUpdate: self._version, Shutdown: self._shutdown,
+            BufferCheckpointRequest: self._checkpoint,
         }
 
     # -- the conversation ---------------------------------------------------------------
 
-    def handle(self, msg: Message, identity: bytes = b"") -> Message:
+    def handle(self, msg: Message, peer: Peer | None = None) -> Message:
+        """Answer one request. ``peer`` is its sender (``transport.sockets.Peer``), who must
+        hold the role ``SENDERS`` names for it; None for a caller in this process (tests,
+        tools), trusted with every role."""
         handler = self._handlers.get(type(msg))
         if handler is None:
             self.counts["rejected/unexpected_message"] += 1
             return ErrorReply(code="unexpected", detail=f"the buffer does not take "
                                                         f"{type(msg).__name__}")
+        if peer is not None:
+            refusal = self.roles.admit(peer, SENDERS[type(msg)])
+            if refusal:
+                self.counts["rejected/forbidden"] += 1
+                logger.warning("refused %s from connection %s: %s", type(msg).__name__,
+                               peer.identity.hex(), refusal)
+                return ErrorReply(code="forbidden", detail=refusal)
         return handler(msg)
 
     def _attach(self, msg: Attach) -> Message:
         if self.finished:
             return AttachAck(accepted=False, reason=self.end_reason)
-        returned = self.leases.release(msg.generator_id)  # a restarted generator
-        self.source.give_back(returned)
+        self._give_back(self.leases.release(msg.generator_id))  # a restarted generator
         self.registry.attach(msg, self.clock())
         logger.info("generator %s attached (%s on %s of %s, pid %d, weights version %d)",
                     msg.generator_id, msg.engine, msg.device, msg.host, msg.pid, msg.version)
@@ -132,7 +186,14 @@ class Hub:
     def _heartbeat(self, msg: Heartbeat) -> Message:
         if self.finished:
             return Shutdown(reason=self.end_reason)
-        known = self.registry.heartbeat(msg, self.clock())
+        now = self.clock()
+        before = self.registry.generators.get(msg.generator_id)
+        busy_before = before.generation_seconds if before is not None else 0.0
+        known = self.registry.heartbeat(msg, now)
+        if known:  # an engine that stepped since the last heartbeat is making progress
+            self.leases.renew(msg.generator_id, now,
+                              progressed=msg.generation_seconds > busy_before,
+                              learner_version=self.learner_version)
         return HeartbeatAck(known=known)
 
     def _detach(self, msg: Detach) -> Message:
@@ -157,51 +218,81 @@ class Hub:
                                         max_staleness=max_staleness, batch_size=self.batch_size,
                                         accepted=self.accepted, running=self.leases.running,
                                         count=len(prompts))
-        lease = self.leases.grant(msg.generator_id, prompts, self.clock())
+        lease = self.leases.grant(msg.generator_id, prompts, self.clock(), min_version)
         self.counts["leases/granted"] += 1
+        self.counts["prompts/leased"] += len(prompts)
         return PromptLease(lease_id=lease.lease_id, prompts=list(lease.outstanding.values()),
-                           n=self.n, min_version=min_version,
+                           n=self.limits.n, min_version=min_version,
                            expires_in_s=self.config.lease_timeout_s,
-                           greedy_baseline=self.greedy_baseline)
+                           greedy_baseline=self.limits.greedy_baseline)
 
     def _lease_return(self, msg: LeaseReturn) -> Message:
         prompts = self.leases.give_back(msg.lease_id, msg.prompt_ids, msg.generator_id)
         logger.info("generator %s returned %d prompts of lease %s: %s", msg.generator_id,
                     len(prompts), msg.lease_id, msg.reason or "no reason given")
-        self.source.give_back(prompts)
-        self.counts["prompts/returned"] += len(prompts)
+        self._give_back(prompts)
         return Ack(detail=f"{len(prompts)} prompts back in the pool")
 
     def _rollout(self, group: RolloutGroup) -> Message:
+        """Judge the whole group before its prompt leaves the lease; a group refused after
+        that returns its prompt to the pool."""
         self.registry.touch(group.generator_id, self.clock())
         if group.rollout_id in self._recent_ids:
             return self._reject(group, "duplicate")
-        prompt = self.leases.complete(group.lease_id, group.prompt_id, group.generator_id)
+        prompt = self.leases.peek(group.lease_id, group.prompt_id, group.generator_id)
         if prompt is None:
             return self._reject(group, "unknown_lease")
-        problem = group_problem(group, self.n, self.learner_version, self.greedy_baseline)
+        problem = group_problem(group, self.limits, self.learner_version)
+        self.leases.complete(group.lease_id, group.prompt_id, group.generator_id)
+        self.counts["prompts/completed"] += 1
         if problem:
             self.source.give_back([prompt])
             return self._reject(group, "malformed", problem)
         if staleness(group, self.learner_version) > self.config.max_staleness:
             self.source.give_back([prompt])  # regenerate it with fresher weights
             return self._refuse(group, "stale")
+        return self._admit(group, prompt)
+
+    def _admit(self, group: RolloutGroup, prompt: Prompt) -> RolloutAck:
+        """Hand a sound, fresh group to the store and count what it did; then log it."""
         self._remember(group.rollout_id)
         try:
             admission = self.store.add(group)
         except ReplayFilterError as exc:
+            self.counts["groups/failed"] += 1
             return self._fail(group, str(exc))
+        except Exception:
+            self.counts["groups/store_errors"] += 1
+            self.source.give_back([prompt])
+            raise
         self.counts["samples/reward_errors"] += sum(1 for s in group.samples if s.reward_error)
-        if self.log is not None:
+        if admission.kept:
+            self.accepted += 1
+            self._untrained[group.rollout_id] = prompt
+            self.counts["groups/accepted"] += 1
+            self.counts["samples/filtered"] += len(group.samples) - len(admission.kept_samples)
+        else:
+            self.source.settle([group.prompt_id])  # dropped for good: a new prompt replaces it
+            self.counts[REFUSALS[admission.reason]] += 1
+        self._log(group, admission)
+        return RolloutAck(rollout_id=group.rollout_id, verdict=admission.reason or "accepted")
+
+    def _log(self, group: RolloutGroup, admission: Admission) -> None:
+        """Append the group to the rollout log; a failed write is counted and logged, and
+        the group stays as admitted (it is in the store already)."""
+        if self.log is None:
+            return
+        try:
             self.log.append(with_admission(group, admission))
-        if not admission.kept:
-            return self._refuse(group, admission.reason)
-        self.accepted += 1
-        self.counts["groups/accepted"] += 1
-        self.counts["samples/filtered"] += len(group.samples) - len(admission.kept_samples)
-        return RolloutAck(rollout_id=group.rollout_id, verdict="accepted")
+        except OSError as exc:
+            self.counts["rollout_log/write_errors"] += 1
+            logger.error("rollout log: group %s is %s but could not be written: %s",
+                         group.rollout_id, admission.reason or "stored", exc)
 
     def _sample(self, msg: SampleRequest) -> Message:
+        problem = sample_request_problem(msg, self.batch_size)
+        if problem:
+            return self._bad_request(msg, problem)
         if msg.priorities:
             try:
                 self.store.update_priorities(msg.priorities)
@@ -209,18 +300,33 @@ class Hub:
                 self.counts["requests/bad_priorities"] += 1
                 return ErrorReply(code="bad_priorities", detail=str(exc))
         taken = self.store.take(msg.num_groups, self.learner_version, self.config.max_staleness)
+        self.source.settle(g.prompt_id for g in taken.groups)
+        self.counts["groups/trained"] += sum(
+            self._untrained.pop(g.rollout_id, None) is not None for g in taken.groups)
         if taken.dropped_stale:
             self.accepted -= len(taken.dropped_stale)  # they never train: free their slots
             self.counts["dropped/stale"] += len(taken.dropped_stale)
+            self.source.give_back([prompt for g in taken.dropped_stale  # regenerate them
+                                   if (prompt := self._untrained.pop(g.rollout_id, None))])
         if taken.groups:
             self.counts["groups/served"] += len(taken.groups)
         return SampleBatch(groups=taken.groups, weights=taken.weights, buffer_stats=self.stats(),
                            retry_after_s=0.0 if taken.groups else RETRY_AFTER_S)
 
     def _version(self, msg: VersionUpdate) -> Message:
-        if msg.version > self.learner_version:
-            self.learner_version, self.learner_step = msg.version, msg.step
+        problem = version_problem(msg, version=self.learner_version, step=self.learner_step,
+                                  total_steps=self.total_steps)
+        if problem:
+            return self._bad_request(msg, problem)
+        self.learner_version, self.learner_step = msg.version, msg.step
         return Ack()
+
+    def _checkpoint(self, msg: BufferCheckpointRequest) -> Message:
+        """What a restarted buffer needs (``buffer.prompt_source``, resuming). The groups
+        stored and never trained on are discarded on resume (their prompts are pending), so
+        they leave the count of accepted groups that the lease gate starts from."""
+        return BufferCheckpoint(step=msg.step, source=self.source.state(),
+                                accepted=self.accepted - len(self._untrained))
 
     def _shutdown(self, msg: Shutdown) -> Message:
         logger.info("the learner ended the run: %s", msg.reason)
@@ -228,6 +334,15 @@ class Hub:
         return Ack()
 
     # -- timers, bookkeeping ------------------------------------------------------------
+
+    def excuse(self, seconds: float) -> None:
+        """The buffer itself did not run for ``seconds``: push back every generator's
+        silence clock and every lease deadline by as much, so that heartbeats and groups
+        still queued from that time are not judged late."""
+        logger.warning("the buffer did not run for %.0f s; generators and leases get that "
+                       "time back", seconds)
+        self.registry.excuse(seconds)
+        self.leases.postpone(seconds)
 
     def tick(self) -> None:
         """Return expired leases' prompts to the pool; forget silent generators."""
@@ -239,6 +354,10 @@ class Hub:
             self.source.give_back(expired)
         for generator_id in self.registry.silent(now):
             self._drop_generator(generator_id, "silent past the heartbeat timeout")
+        problems = self.accounting_problems()
+        if problems and self._accounting_ok:
+            logger.error("the buffer's accounting is off: %s", "; ".join(problems))
+        self._accounting_ok = not problems
         self._token_history.append((now, self.registry.generated_tokens))
         while now - self._token_history[0][0] > RATE_WINDOW_S:
             self._token_history.popleft()
@@ -253,13 +372,48 @@ class Hub:
     def _drop_generator(self, generator_id: str, why: str) -> None:
         if self.registry.forget(generator_id):
             logger.warning("generator %s %s", generator_id, why)
-        self.source.give_back(self.leases.release(generator_id))
+        self._give_back(self.leases.release(generator_id))
+
+    def _give_back(self, prompts: list[Prompt]) -> None:
+        """Leased prompts returned unanswered: back to the pool, counted."""
+        self.source.give_back(prompts)
+        self.counts["prompts/returned"] += len(prompts)
+
+    def accounting_problems(self) -> list[str]:
+        """Each accounting sum (module docstring) that does not hold, with its numbers;
+        empty while every prompt and group is accounted for."""
+        c, problems = self.counts, []
+        in_flight = self.leases.running
+        ended = c["prompts/completed"] + c["prompts/returned"] + c["prompts/expired"]
+        if c["prompts/leased"] != ended + in_flight:
+            problems.append(f"leased {c['prompts/leased']} != completed "
+                            f"{c['prompts/completed']} + returned {c['prompts/returned']} + "
+                            f"expired {c['prompts/expired']} + in flight {in_flight}")
+        answered = c["groups/accepted"] + sum(c[name] for name in ANSWER_OUTCOMES)
+        if c["prompts/completed"] != answered:
+            outcomes = ", ".join(f"{name} {c[name]}" for name in ANSWER_OUTCOMES)
+            problems.append(f"completed {c['prompts/completed']} != accepted "
+                            f"{c['groups/accepted']} + {outcomes}")
+        stored = len(self._untrained)
+        if c["groups/accepted"] != c["groups/trained"] + c["dropped/stale"] + stored:
+            problems.append(f"accepted {c['groups/accepted']} != trained {c['groups/trained']} "
+                            f"+ dropped stale {c['dropped/stale']} + stored {stored}")
+        if stored > len(self.store):
+            problems.append(f"{stored} groups never trained on, but the store holds "
+                            f"{len(self.store)}")
+        return problems
 
     def _fail(self, group: RolloutGroup, why: str) -> RolloutAck:
         logger.error("the run cannot go on: %s", why)
         self.failure = why
         self.finished = True  # generators are told to stop
         return RolloutAck(rollout_id=group.rollout_id, verdict="run_failed", detail=why)
+
+    def _bad_request(self, msg: Message, detail: str) -> ErrorReply:
+        """Refuse a learner request no honest learner sends, with a warning."""
+        self.counts["rejected/bad_request"] += 1
+        logger.warning("refused %s: %s", type(msg).__name__, detail)
+        return ErrorReply(code="bad_request", detail=detail)
 
     def _reject(self, group: RolloutGroup, verdict: RolloutVerdict, detail: str = "") -> RolloutAck:
         """Refuse an unsound or unknown group, with a warning."""
@@ -290,6 +444,8 @@ class Hub:
         stats.update({f"buffer/{k}": v for k, v in self.store.stats().items()})
         stats.update({
             "buffer/occupancy": float(len(self.store)),
+            "buffer/groups/stored": float(len(self._untrained)),
+            "buffer/accounting_problems": float(len(self.accounting_problems())),
             "buffer/running_prompts": float(self.leases.running),
             "buffer/pool_prompts": float(self.source.returned),
             "buffer/accepted_live": float(self.accepted),
@@ -310,35 +466,3 @@ def with_admission(group: RolloutGroup, admission: Admission) -> RolloutGroup:
     group was dropped) and why it was dropped."""
     note = {"kept_samples": list(admission.kept_samples), "dropped": admission.reason}
     return msgspec.structs.replace(group, metadata={**group.metadata, "buffer_admission": note})
-
-
-def group_problem(group: RolloutGroup, n: int, learner_version: int,
-                  greedy_baseline: bool = False) -> str:
-    """Why a group cannot be trained on, or "" when it is sound."""
-    if len(group.samples) != n:
-        return f"{len(group.samples)} samples, the lease asked for {n}"
-    if greedy_baseline and (group.baseline_reward is None
-                            or not math.isfinite(group.baseline_reward)):
-        return (f"baseline_reward is {group.baseline_reward}; the lease asked for the greedy "
-                "response's reward (ReMax's baseline)")
-    for i, s in enumerate(group.samples):
-        length = s.response_ids.numel()
-        if s.prompt_ids.dim() != 1 or s.response_ids.dim() != 1 or s.prompt_ids.numel() == 0:
-            return f"sample {i}: prompt and response ids must be non-empty 1-D tensors"
-        if length == 0:
-            return f"sample {i}: empty response"
-        if s.logprobs.shape != (length,) or s.versions.shape != (length,):
-            return (f"sample {i}: {length} response tokens but logprobs {tuple(s.logprobs.shape)}"
-                    f" and versions {tuple(s.versions.shape)}")
-        if s.prompt_ids.is_floating_point() or s.response_ids.is_floating_point() \
-                or s.versions.is_floating_point():
-            return f"sample {i}: token ids and versions must be integers"
-        if not bool(s.logprobs.isfinite().all()) or bool((s.logprobs > 1e-4).any()):
-            return f"sample {i}: log-probs must be finite and <= 0"
-        if not math.isfinite(s.reward):
-            return f"sample {i}: reward {s.reward} is not finite"
-    newest = max(int(s.versions.max()) for s in group.samples)
-    if oldest_version(group) < 0 or newest > learner_version:
-        return (f"token versions span [{oldest_version(group)}, {newest}] but the learner is "
-                f"at version {learner_version}")
-    return ""

@@ -2,7 +2,10 @@
 
 A lease is granted for a batch of prompts; each prompt is answered by one rollout group.
 Prompts not answered by the lease's deadline, given back, or held by a generator that
-left or died return to the pool (the caller re-leases them first). This module knows
+left or died return to the pool (the caller re-leases them first). A lease's deadline is
+``timeout_s`` after it was granted or last renewed: its generator's heartbeats renew it while
+the generator makes progress or waits for weights the learner has not published yet
+(``renew``), so a long generation never loses its lease, and a stuck generator does. This module knows
 leases and clocks; it knows nothing of sockets, datasets or staleness.
 """
 
@@ -22,6 +25,7 @@ class Lease(msgspec.Struct, kw_only=True):
     generator_id: str
     outstanding: dict[str, Prompt]
     deadline: float
+    min_version: int = 0  # the weights version the lease's samples need
 
 
 class LeaseBook:
@@ -37,12 +41,20 @@ class LeaseBook:
         """Prompts leased and not yet answered."""
         return sum(len(lease.outstanding) for lease in self._leases.values())
 
-    def grant(self, generator_id: str, prompts: list[Prompt], now: float) -> Lease:
+    def grant(self, generator_id: str, prompts: list[Prompt], now: float,
+              min_version: int = 0) -> Lease:
         lease = Lease(lease_id=next(self._ids), generator_id=generator_id,
                       outstanding={p.prompt_id: p for p in prompts},
-                      deadline=now + self.timeout_s)
+                      deadline=now + self.timeout_s, min_version=min_version)
         self._leases[lease.lease_id] = lease
         return lease
+
+    def peek(self, lease_id: str, prompt_id: str, generator_id: str) -> Prompt | None:
+        """The prompt if ``generator_id``'s lease ``lease_id`` holds it, left in the lease."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.generator_id != generator_id:
+            return None
+        return lease.outstanding.get(prompt_id)
 
     def complete(self, lease_id: str, prompt_id: str, generator_id: str) -> Prompt | None:
         """Mark one prompt answered; None if that lease does not hold it (any more)."""
@@ -58,6 +70,24 @@ class LeaseBook:
         """Prompts a generator returns unanswered."""
         return [p for pid in prompt_ids
                 if (p := self.complete(lease_id, pid, generator_id)) is not None]
+
+    def renew(self, generator_id: str, now: float, *, progressed: bool,
+              learner_version: int) -> int:
+        """Push back the deadlines of ``generator_id``'s leases to ``now + timeout_s``: all of
+        them when it ``progressed`` (its engine stepped since its last heartbeat), else those
+        still waiting for a version the learner has not published. Returns how many."""
+        renewed = 0
+        for lease in self._leases.values():
+            if lease.generator_id == generator_id and (
+                    progressed or lease.min_version > learner_version):
+                lease.deadline = now + self.timeout_s
+                renewed += 1
+        return renewed
+
+    def postpone(self, seconds: float) -> None:
+        """Push every deadline back by ``seconds``."""
+        for lease in self._leases.values():
+            lease.deadline += seconds
 
     def expire(self, now: float) -> list[Prompt]:
         """Remove leases past their deadline; return their unanswered prompts."""

@@ -4,26 +4,45 @@ Serves the hub (``buffer.hub``) on the topology's buffer address, expires leases
 timer, pushes its gauges to the launcher's status line, and exits once the learner has
 ended the run and the generators have been told (or after a grace period). When a replay
 filter cannot go on (``Hub.failure``) it exits 1 at once, naming the cause: the launcher
-then ends the run as failed.
+then ends the run as failed. The hub checks rollout groups against the run's limits
+(``buffer.validation``): the model's vocabulary (``buffer.vocab_size``, or ``model.path``'s
+``config.json``), ``rollout.response_length``, ``rollout.n``; the socket refuses frames over
+``buffer.max_message_bytes`` and hands the hub each request's sender, whose role it checks.
+
+Resuming (``trainer.resume_mode = "resume_path"``, which the launcher resolves ``auto`` and
+``--resume`` into): the buffer restarts from the state the learner saved in the checkpoint
+(``buffer.prompt_source.BUFFER_CHECKPOINT_FILE``, asked of the buffer when the checkpoint
+was written, after its step). The prompt stream continues from the saved loader position,
+and every prompt that had not been trained on by then (leased, in the return pool, or
+answered by a group still waiting in the store) is leased again first, in the order it was
+first leased. Groups that were stored or in flight when the run died are discarded: their
+tokens may come from weights newer than the checkpoint. The lease gate starts from the
+groups trained on (``BufferCheckpoint.accepted``) and the learner's version arrives, as
+always, by ``VersionUpdate`` (the learner publishes the checkpoint's weights when it
+resumes). The replay store starts empty: replay priorities, reuse counts and the replay
+filters' counters (DAPO's generation cap, PF-PPO's draws) start afresh.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 from buffer.dataset import PromptDataset
 from buffer.dynamic_sampling import DynamicSampling
 from buffer.hub import Hub
 from buffer.pf_ppo import PolicyFiltration
 from buffer.prioritized import PrioritizedStore
-from buffer.prompt_source import PromptSource
+from buffer.prompt_source import PromptSource, read_buffer_checkpoint
 from buffer.rollout_log import RolloutLogWriter
 from buffer.store import FifoStore, FilteredStore, GroupFilter, ReplayStore
+from buffer.validation import GroupLimits
 from configs.run_schema import RunConfig
 from configs.rundir import RunContext, configure_logging, load_run_dir
 from transport.messages import Metrics
@@ -32,6 +51,9 @@ from transport.sockets import Pusher, Server
 logger = logging.getLogger("relay.buffer")
 
 TICK_S = 0.25
+# a turn of the serving loop this much longer than TICK_S means the buffer was not running;
+# the clients, whose messages wait in the queue, get that time back (``Hub.excuse``)
+STALL_S = 5.0
 METRICS_EVERY_S = 1.0
 SHUTDOWN_GRACE_S = 10.0  # after the learner ends the run, wait this long for generators
 
@@ -60,22 +82,62 @@ def build_hub(ctx: RunContext) -> Hub:
     logger.info("%d training prompts; serving %d groups of %d per step, max staleness %d",
                 len(dataset), run.data.train_batch_size, run.rollout.n,
                 run.buffer.max_staleness)
-    return Hub(run.buffer, source, build_store(run), log, batch_size=run.data.train_batch_size,
-               n=run.rollout.n, prompts_per_lease=run.rollout.prompts_per_lease,
-               greedy_baseline=run.algorithm.adv_estimator == "remax")
+    limits = GroupLimits(n=run.rollout.n, vocab_size=vocab_size(run),
+                         response_length=run.rollout.response_length,
+                         greedy_baseline=run.algorithm.adv_estimator == "remax")
+    hub = Hub(run.buffer, source, build_store(run), log, batch_size=run.data.train_batch_size,
+              limits=limits, prompts_per_lease=run.rollout.prompts_per_lease,
+              total_steps=run.trainer.total_training_steps)
+    if ctx.resume_from is not None:
+        resume(hub, ctx.resume_from)
+    return hub
+
+
+def vocab_size(run: RunConfig) -> int:
+    """``buffer.vocab_size``, or the ``vocab_size`` in ``model.path``'s ``config.json`` (at
+    its top level, or in its ``text_config`` for multimodal models)."""
+    if run.buffer.vocab_size:
+        return run.buffer.vocab_size
+    path = Path(run.model.path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"buffer: cannot read the model's vocabulary size from {path} ({exc}); "
+                         "set buffer.vocab_size when the buffer's host has no copy of the "
+                         "model") from exc
+    text_config = config.get("text_config") if isinstance(config, dict) else None
+    size = next((c["vocab_size"] for c in (config, text_config)
+                 if isinstance(c, dict) and "vocab_size" in c), None)
+    if not isinstance(size, int) or size <= 0:
+        raise SystemExit(f"buffer: {path} names no vocab_size; set buffer.vocab_size")
+    return size
+
+
+def resume(hub: Hub, checkpoint: Path) -> None:
+    """Continue the prompt stream saved in ``checkpoint`` (module docstring)."""
+    saved = read_buffer_checkpoint(checkpoint)
+    hub.source.restore(saved.source)
+    hub.accepted = saved.accepted
+    logger.info("resuming from %s (after step %d): %d prompts not trained on by then are "
+                "leased again first, epoch %d", checkpoint, saved.step,
+                len(saved.source.pending), saved.source.epoch)
 
 
 def serve(ctx: RunContext, hub: Hub, stop: threading.Event) -> None:
     """Serve until the run ends, ``stop`` is set, or the hub fails (see ``Hub.failure``)."""
-    server = Server(ctx.buffer_endpoint, hub.handle, keys=ctx.server_keys())
+    server = Server(ctx.buffer_endpoint, hub.handle, keys=ctx.server_keys(),
+                    max_message_bytes=ctx.run.buffer.max_message_bytes)
     metrics = Pusher(ctx.metrics_endpoint, keys=ctx.client_keys())
     logger.info("buffer serving on %s", server.endpoint)
     next_tick = next_metrics = time.monotonic()
     finished_at: float | None = None
     try:
         while not stop.is_set():
+            began = time.monotonic()
             server.serve_once(TICK_S)
             now = time.monotonic()
+            if now - began > STALL_S:  # this process did not run (SIGSTOP, swap, a long GC)
+                hub.excuse(now - began)
             if now >= next_tick:
                 hub.tick()
                 next_tick = now + TICK_S

@@ -1,26 +1,43 @@
 """An endless, resumable stream of prompts from the run's dataset, with a return pool.
 
-Rows come from torchdata's ``StatefulDataLoader`` (shuffled per epoch from a seed, so a
-restored ``state_dict`` resumes mid-epoch); prompts that come back from expired or
-returned leases are handed out again before new rows. Prompt ids are ``e<epoch>-<row>``:
-unique per visit of a row. This module knows datasets; it knows nothing of leases.
+Rows come from torchdata's ``StatefulDataLoader``, shuffled per epoch by a generator seeded
+from ``data.seed`` and the epoch (epoch 0 by the seed itself), so a restored
+``state_dict`` resumes mid-epoch and every later epoch is the same permutation as in an
+uninterrupted run. Prompts that come back from expired or returned leases are handed out
+again before new rows. Prompt ids are ``e<epoch>-<row>``: unique per visit of a row. This
+module knows datasets; it knows nothing of leases.
+
+Resuming. A prompt handed out stays *pending* until its caller settles it (trained on, or
+dropped for good); a prompt given back stays pending. ``state`` is the loader's position
+plus every pending prompt in the order first handed out; ``restore`` puts those prompts in
+the return pool, so a restored source hands them out again, in that order, before new rows.
+The buffer's whole checkpoint (``BufferCheckpoint``: this state and the hub's count of
+groups trained) is one ``transport.records`` record in the learner's checkpoint folder,
+``BUFFER_CHECKPOINT_FILE``, written by the learner (``write_buffer_checkpoint``) and read by
+a restarted buffer (``read_buffer_checkpoint``).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections import deque
-from collections.abc import Iterator
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from buffer.dataset import PromptDataset, PromptRow
-from transport.messages import Prompt
+from transport.codec import Decoder, WireError, encode
+from transport.messages import BufferCheckpoint, Prompt, PromptSourceState
+from transport.records import RecordError, pack, unpack
 
 # torchdata 0.11 calls a deprecated torch hook on every new iterator; the warning is noise.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+
+BUFFER_CHECKPOINT_FILE = "buffer.rec"  # in a learner checkpoint folder
+EPOCH_SEED_STRIDE = 1_000_003  # epoch e shuffles with seed + e * stride
 
 
 class _Indexed(Dataset):
@@ -51,31 +68,90 @@ class PromptSource:
     """Prompts to lease: returned ones first, then the dataset, epoch after epoch."""
 
     def __init__(self, dataset: PromptDataset, *, shuffle: bool = True, seed: int = 0) -> None:
-        generator = torch.Generator().manual_seed(seed)
+        self._seed = seed
+        self._generator = torch.Generator().manual_seed(seed)
         self._loader = StatefulDataLoader(_Indexed(dataset), batch_size=1, shuffle=shuffle,
-                                          generator=generator, collate_fn=_single)
+                                          generator=self._generator, collate_fn=_single)
         self._iterator: Iterator[tuple[int, PromptRow]] = iter(self._loader)
         self._returned: deque[Prompt] = deque()
+        self._pending: OrderedDict[str, Prompt] = OrderedDict()
         self.epoch = 0
 
     def take(self, count: int) -> list[Prompt]:
         prompts = [self._returned.popleft() for _ in range(min(count, len(self._returned)))]
         while len(prompts) < count:
-            prompts.append(self._next_new())
+            prompt = self._next_new()
+            self._pending[prompt.prompt_id] = prompt
+            prompts.append(prompt)
         return prompts
 
     def give_back(self, prompts: list[Prompt]) -> None:
+        """Prompts to hand out again first; they stay pending."""
+        for prompt in prompts:
+            self._pending.setdefault(prompt.prompt_id, prompt)
         self._returned.extend(prompts)
+
+    def settle(self, prompt_ids: Iterable[str]) -> None:
+        """These prompts are done with (trained on, or dropped for good): a restored source
+        does not hand them out again. Unknown ids are ignored (settled already)."""
+        for prompt_id in prompt_ids:
+            self._pending.pop(prompt_id, None)
 
     @property
     def returned(self) -> int:
+        """Prompts in the return pool."""
         return len(self._returned)
+
+    def state(self) -> PromptSourceState:
+        """The loader's position and the pending prompts (module docstring)."""
+        return PromptSourceState(epoch=self.epoch, loader=self._loader.state_dict(),
+                                 pending=list(self._pending.values()))
+
+    def restore(self, state: PromptSourceState) -> None:
+        """Continue from ``state``: its pending prompts first, then the loader's rows from
+        where it stood. Call on a source built from the same dataset, shuffle and seed."""
+        self.epoch = state.epoch
+        self._generator.manual_seed(self._epoch_seed())
+        self._loader.load_state_dict(state.loader)
+        self._iterator = iter(self._loader)
+        self._returned = deque(state.pending)
+        self._pending = OrderedDict((p.prompt_id, p) for p in state.pending)
+
+    def _epoch_seed(self) -> int:
+        return (self._seed + self.epoch * EPOCH_SEED_STRIDE) % (1 << 63)
 
     def _next_new(self) -> Prompt:
         try:
             index, row = next(self._iterator)
         except StopIteration:
             self.epoch += 1
+            self._generator.manual_seed(self._epoch_seed())
             self._iterator = iter(self._loader)
             index, row = next(self._iterator)
         return to_prompt(f"e{self.epoch}-{index}", row)
+
+
+class BufferCheckpointError(ValueError):
+    """A checkpoint's buffer record is missing or unreadable (the message names the file)."""
+
+
+def write_buffer_checkpoint(folder: Path, checkpoint: BufferCheckpoint) -> Path:
+    """Write ``checkpoint`` into ``folder`` as one record; the caller makes it durable."""
+    path = folder / BUFFER_CHECKPOINT_FILE
+    path.write_bytes(pack(encode(checkpoint)))
+    return path
+
+
+def read_buffer_checkpoint(folder: Path) -> BufferCheckpoint:
+    """The buffer's state saved in checkpoint ``folder``."""
+    path = folder / BUFFER_CHECKPOINT_FILE
+    try:
+        frames = unpack(path.read_bytes())
+        message = Decoder(BufferCheckpoint).decode([bytearray(f) for f in frames])
+    except FileNotFoundError:
+        raise BufferCheckpointError(f"{path}: missing; the checkpoint holds no buffer state "
+                                    "to resume the prompt stream from") from None
+    except (RecordError, WireError) as exc:
+        raise BufferCheckpointError(f"{path}: unreadable buffer state: {exc}") from exc
+    assert isinstance(message, BufferCheckpoint)
+    return message

@@ -62,6 +62,11 @@ class Registry:
             self.departed_tokens += info.generated_tokens
         return info is not None
 
+    def excuse(self, seconds: float) -> None:
+        """Count every generator as heard from ``seconds`` later (the buffer was stalled)."""
+        for info in self.generators.values():
+            info.last_seen += seconds
+
     def silent(self, now: float) -> list[str]:
         """Generators not heard from within the heartbeat timeout."""
         return [g.generator_id for g in self.generators.values()

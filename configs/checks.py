@@ -67,7 +67,7 @@ def load_run_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfi
         overrides,
         path_keys=[("data", "train_files"), ("data", "val_files"), ("model", "path"),
                    ("critic", "model", "path"), ("reward_model", "model", "path"),
-                   ("checkpoint", "dir")],
+                   ("checkpoint", "dir"), ("trainer", "resume_from_path")],
         file_or_module_keys=[("custom_reward_function", "path")],
         aliases=VERL_ALIASES,
     )
@@ -125,11 +125,27 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
                           "sequences (rollout.n, and the greedy baseline with remax)")
     check_algorithm_combinations(run, source)
     check_algorithm_sections(run, source)
+    check_resume(run, source)
     optim = run.actor.optim
     if optim.betas[0] >= 1 or optim.betas[1] >= 1 or min(optim.betas) < 0:
         raise ConfigError(source, "actor.optim.betas", f"each beta must be in [0, 1), "
                                                         f"got {optim.betas}")
     return msgspec.structs.replace(run, data=data)
+
+
+def check_resume(run: RunConfig, source: str) -> None:
+    """``trainer.resume_from_path`` goes with ``trainer.resume_mode = "resume_path"`` and
+    only with it. Whether the folder holds a complete checkpoint is checked at launch
+    (``launcher.resolve``): a running job may prune it later."""
+    trainer = run.trainer
+    if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
+        raise ConfigError(source, "trainer.resume_from_path",
+                          "is empty, but trainer.resume_mode = 'resume_path' needs the "
+                          "checkpoint folder (a step-<N> folder) to resume from")
+    if trainer.resume_from_path and trainer.resume_mode != "resume_path":
+        raise ConfigError(source, "trainer.resume_from_path",
+                          f"is set, but trainer.resume_mode is {trainer.resume_mode!r}; set "
+                          "trainer.resume_mode = 'resume_path' to resume from it")
 
 
 def check_same_vocabulary(source: str, key: str, path: str, policy_path: str) -> None:

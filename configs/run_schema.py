@@ -295,19 +295,42 @@ class BufferConfig(_Section):
     ``filter_groups`` and ``pf_ppo`` are the replay filters (``buffer.store.FilteredStore``):
     dynamic sampling judges each whole group first, then PF-PPO picks the samples of those
     kept; ``replay`` says how the kept groups are served. The rollout log gets every sound
-    group whole, before the filters."""
+    group whole, before the filters.
+
+    The hub refuses a group whose token ids fall outside the model's vocabulary:
+    ``vocab_size`` (0: the ``vocab_size`` of ``model.path``'s ``config.json``; set it when
+    the buffer's host has no copy of the model). ``max_message_bytes`` bounds every frame a
+    peer sends the buffer (ZeroMQ's ``MAXMSGSIZE``: a larger frame drops the sender's
+    connection before it is read, and the buffer logs the drop); a rollout group's largest
+    frame is one tensor of a response or the group's texts and small tensors.
+
+    ``client_patience_s`` (Relay): how long the generators and the learner keep asking a
+    buffer that does not answer (a stall) before they give up (``transport.retry``)."""
 
     max_staleness: NonNegative = 1
     lease_timeout_s: PositiveFloat = 120.0
     heartbeat_timeout_s: PositiveFloat = 30.0
     rollout_log: bool = True  # Relay: append every group received to run_dir/rollouts/
+    vocab_size: NonNegative = 0  # Relay: token ids must be below it; 0: the model's
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 64 << 20  # Relay
+    client_patience_s: PositiveFloat = 300.0  # Relay: retrying a silent buffer, at most
     filter_groups: FilterGroupsConfig = msgspec.field(default_factory=FilterGroupsConfig)
     pf_ppo: PfPpoConfig = msgspec.field(default_factory=PfPpoConfig)
     replay: ReplayConfig = msgspec.field(default_factory=ReplayConfig)
 
 
 class TrainerConfig(_Section):
-    """The run's length and cadence. ``test_freq``/``save_freq`` of -1 turn them off."""
+    """The run's length and cadence. ``test_freq``/``save_freq`` of -1 turn them off.
+
+    ``resume_mode`` (verl's): ``auto`` continues from the newest complete checkpoint in the
+    checkpoint dir (``checkpoint.dir``) if there is one and starts afresh otherwise;
+    ``disable`` always starts afresh; ``resume_path`` continues from the checkpoint folder
+    ``resume_from_path`` (a ``step-<N>`` folder). The launcher resolves ``auto`` before
+    anything starts, so the run directory's ``run.toml`` says ``resume_path`` (with the
+    folder) or ``disable``; ``tools/launch-cluster.py --resume RUN_DIR`` is ``auto`` on a
+    run directory. A resumed run continues at the checkpoint's step + 1 with its weight
+    version (``learner.checkpoint``).
+    """
 
     total_training_steps: Positive = 100
     test_freq: int = 10
@@ -323,6 +346,8 @@ class TrainerConfig(_Section):
     # Relay: the launcher ends a run that makes no learner step for this long, naming the
     # stage that holds it up (launcher.watchdog); 0: never
     progress_timeout_s: NonNegativeFloat = 3600.0
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    resume_from_path: str = ""  # the checkpoint folder of resume_mode = "resume_path"
 
 
 class TrackingConfig(_Section):

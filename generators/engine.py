@@ -94,6 +94,11 @@ class Engine(abc.ABC):
         """One completion per prompt (repeat a prompt to sample it several times)."""
 
     @abc.abstractmethod
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling random stream at ``seed``: what is sampled next depends on
+        the seed and the requests alone, not on what was sampled before."""
+
+    @abc.abstractmethod
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Replace every weight with ``tensors`` (all names, right shapes) and take ``version``.
 

@@ -26,6 +26,9 @@ class HFEngine(ModelEngine):
         super().__init__(*args, **kwargs)
         self._calls = 0
 
+    def reseed(self, seed: int) -> None:
+        self.seed, self._calls = seed, 0  # each call seeds the global RNG from these
+
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  between_steps: StepHook | None = None) -> list[Completion]:

@@ -122,6 +122,9 @@ class LeanEngine(Engine):
 
     # -- weights ------------------------------------------------------------------------
 
+    def reseed(self, seed: int) -> None:
+        self._generator.manual_seed(seed)
+
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         check_weights(self.decoder.parameter_shapes(), tensors)
         self.decoder.load(tensors)

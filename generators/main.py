@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                          weights_endpoint=ctx.weights_endpoint, engine=engine,
                          tokenizer=tokenizer, scorer=scorer, rollout=run.rollout,
                          max_prompt_length=run.data.max_prompt_length,
-                         overlong=run.reward_model.overlong_buffer, keys=ctx.client_keys())
+                         overlong=run.reward_model.overlong_buffer,
+                         patience_s=run.buffer.client_patience_s, seed=seed,
+                         keys=ctx.client_keys())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -8,6 +8,12 @@ weights at that safe point, and hands every finished prompt, decoded to text, to
 ``Heartbeater`` thread keeps the membership alive; a ``WeightReceiver`` thread stages new
 weights.
 
+A lease that starts on an idle engine first restarts the engine's random stream at a seed
+drawn from the generator's seed and the lease's first prompt id (``lease_seed``): what a
+generator samples then depends on the prompts, not on what it sampled before, so a resumed
+run, whose generators start afresh, draws the tokens an uninterrupted run draws (at eta = 0,
+where each step's leases start together on an idle engine).
+
 A lease waits, beside the work in flight, until the weights it needs (``min_version``)
 have arrived; if they never do, or generation fails, its unsent prompts are returned to
 the buffer so they go to another generator. A generator stopped by a signal sends what
@@ -16,6 +22,7 @@ it finished and returns the rest.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -44,6 +51,7 @@ from transport.messages import (
     PromptLease,
     Shutdown,
 )
+from transport.retry import patient_request
 from transport.security import ClientKeys
 from transport.sockets import Client, PeerTimeout
 
@@ -64,6 +72,12 @@ def sampling_params(rollout: RolloutConfig) -> SamplingParams:
     return SamplingParams(max_new_tokens=rollout.response_length,
                           temperature=rollout.temperature, top_p=rollout.top_p,
                           top_k=rollout.top_k)
+
+
+def lease_seed(base: int, prompt_id: str) -> int:
+    """A 63-bit seed from the generator's seed and a prompt id."""
+    digest = hashlib.blake2b(f"{base}/{prompt_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class Heartbeater:
@@ -120,7 +134,7 @@ class GeneratorLoop:
     def __init__(self, *, generator_id: str, buffer_endpoint: str, weights_endpoint: str,
                  engine: Engine, tokenizer, scorer: RewardScorer, rollout: RolloutConfig,
                  max_prompt_length: int, overlong: OverlongBufferConfig,
-                 keys: ClientKeys | None = None,
+                 patience_s: float, seed: int = 0, keys: ClientKeys | None = None,
                  weights_timeout_s: float = WEIGHTS_TIMEOUT_S) -> None:
         self.generator_id, self.buffer_endpoint = generator_id, buffer_endpoint
         self.engine, self.tokenizer = engine, tokenizer
@@ -129,15 +143,17 @@ class GeneratorLoop:
         self.max_num_seqs = rollout.max_num_seqs
         self.max_prompt_length = max_prompt_length
         self.weights_timeout_s = weights_timeout_s
+        self.patience_s = patience_s  # retrying a buffer that does not answer
         self.counters = Counters()
         self.leases = LeaseBook()
+        self.seed = seed  # the generator's own; each lease on an idle engine derives one
         self._buffer = Client(buffer_endpoint, keys=keys)
         self._weights = WeightReceiver(weights_endpoint, generator_id, keys=keys)
         self._heart = Heartbeater(generator_id, buffer_endpoint, engine, self.counters, keys)
         self.sender = GroupSender(generator_id=generator_id, buffer_endpoint=buffer_endpoint,
                                   scorer=scorer, counters=self.counters,
                                   max_new_tokens=rollout.response_length, overlong=overlong,
-                                  keys=keys)
+                                  patience_s=patience_s, keys=keys)
         self._next_lease_at = 0.0
         # engine sequences per prompt and per lease; each lease corrects them (n, baseline)
         self._sequences_per_prompt = rollout.n
@@ -184,10 +200,12 @@ class GeneratorLoop:
         return stop.is_set() or self._heart.stop_requested.is_set()
 
     def _attach(self) -> bool:
-        reply = self._buffer.request(
+        reply = patient_request(
+            self._buffer,
             Attach(generator_id=self.generator_id, engine=self.engine.name,
                    device=str(getattr(self.engine, "device", "")), host=socket.gethostname(),
-                   pid=os.getpid(), version=self.engine.version), REQUEST_TIMEOUT_S)
+                   pid=os.getpid(), version=self.engine.version), REQUEST_TIMEOUT_S,
+            self.patience_s)
         if not isinstance(reply, AttachAck) or not reply.accepted:
             logger.info("not attached: %s", getattr(reply, "reason", reply))
             return False
@@ -238,8 +256,9 @@ class GeneratorLoop:
 
     def _lease(self, max_prompts: int) -> bool:
         """One lease request; True when prompts came."""
-        reply = self._buffer.request(LeaseRequest(generator_id=self.generator_id,
-                                                  max_prompts=max_prompts), REQUEST_TIMEOUT_S)
+        reply = patient_request(self._buffer, LeaseRequest(generator_id=self.generator_id,
+                                                           max_prompts=max_prompts),
+                                REQUEST_TIMEOUT_S, self.patience_s)
         if isinstance(reply, Shutdown):
             logger.info("buffer says: %s", reply.reason)
             self._heart.stop_requested.set()
@@ -265,6 +284,8 @@ class GeneratorLoop:
         for held in list(self.leases.waiting):
             if self.engine.version >= held.lease.min_version:
                 self.leases.start(held)
+                if not self.engine.in_flight:
+                    self.engine.reseed(lease_seed(self.seed, held.lease.prompts[0].prompt_id))
                 for request in held.requests(self.params, self.greedy_params):
                     self.engine.submit(request)
             elif now - held.leased_at > self.weights_timeout_s:
@@ -321,19 +342,22 @@ class GeneratorLoop:
 
     # -- returning prompts --------------------------------------------------------------
 
-    def _give_back(self, held: HeldLease, reason: str) -> None:
+    def _give_back(self, held: HeldLease, reason: str, patience_s: float | None = None) -> None:
+        """Return a lease's unsent prompts, retried through a buffer stall for
+        ``patience_s`` (default ``buffer.client_patience_s``)."""
         logger.warning("returning lease %s: %s", held.lease.lease_id, reason)
-        self._buffer.request(LeaseReturn(generator_id=self.generator_id,
-                                         lease_id=held.lease.lease_id,
-                                         prompt_ids=held.unsent_prompt_ids,
-                                         reason=reason), REQUEST_TIMEOUT_S)
+        patient_request(self._buffer, LeaseReturn(generator_id=self.generator_id,
+                                                  lease_id=held.lease.lease_id,
+                                                  prompt_ids=held.unsent_prompt_ids,
+                                                  reason=reason),
+                        REQUEST_TIMEOUT_S, self.patience_s if patience_s is None else patience_s)
 
     def _give_back_all(self, reason: str) -> None:
         """Return the unsent prompts of every lease held (best effort: the buffer may be
         gone)."""
         for held in self.leases.clear():
             try:
-                self._give_back(held, reason)
+                self._give_back(held, reason, patience_s=REQUEST_TIMEOUT_S)  # one try
             except PeerTimeout:
                 logger.warning("could not return lease %s: the buffer did not answer",
                                held.lease.lease_id)

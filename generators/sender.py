@@ -23,6 +23,7 @@ from algorithms.rewards.scorer import RewardScorer
 from configs.run_schema import OverlongBufferConfig
 from generators.engine import Completion
 from transport.messages import Prompt, RolloutAck, RolloutGroup, Sample
+from transport.retry import patient_request
 from transport.security import ClientKeys
 from transport.sockets import Client
 
@@ -59,8 +60,9 @@ class GroupSender:
 
     def __init__(self, *, generator_id: str, buffer_endpoint: str, scorer: RewardScorer,
                  counters: Counters, max_new_tokens: int, overlong: OverlongBufferConfig,
-                 keys: ClientKeys | None = None) -> None:
+                 patience_s: float, keys: ClientKeys | None = None) -> None:
         self.generator_id, self.scorer, self.counters = generator_id, scorer, counters
+        self.patience_s = patience_s  # retrying a buffer that does not answer
         self.max_new_tokens, self.overlong = max_new_tokens, overlong
         self._endpoint, self._keys = buffer_endpoint, keys
         self._queue: queue.Queue[FinishedPrompt | None] = queue.Queue()
@@ -151,8 +153,10 @@ class GroupSender:
         return msgspec.structs.replace(group, baseline_reward=baseline, metadata=metadata)
 
     def send(self, client: Client, group: RolloutGroup) -> None:
-        """Send one group and count the buffer's verdict; refusals are logged by name."""
-        reply = client.request(group, REQUEST_TIMEOUT_S)
+        """Send one group (retried through a buffer stall) and count the buffer's verdict;
+        refusals are logged by name (after a stall, ``duplicate`` may mean that an earlier
+        try got through)."""
+        reply = patient_request(client, group, REQUEST_TIMEOUT_S, self.patience_s)
         if isinstance(reply, RolloutAck) and reply.accepted:
             self.counters.groups_sent += 1
             return

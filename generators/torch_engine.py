@@ -32,6 +32,9 @@ class TorchEngine(ModelEngine):
         super().__init__(*args, **kwargs)
         self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
 
+    def reseed(self, seed: int) -> None:
+        self._generator.manual_seed(seed)
+
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  between_steps: StepHook | None = None) -> list[Completion]:

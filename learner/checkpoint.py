@@ -1,6 +1,7 @@
-"""Checkpoints every ``trainer.save_freq`` steps.
+"""Checkpoints: written atomically every ``trainer.save_freq`` steps, read back to resume.
 
-Each checkpoint is a folder ``step-<N>`` under the checkpoint dir holding:
+A checkpoint is a folder ``step-<N>`` under the checkpoint dir holding everything a run
+needs to go on after step N:
 
 - ``dcp/``: the sharded state of every trained model and its optimizer
   (``torch.distributed.checkpoint``), written by every rank in parallel, loadable at any
@@ -8,29 +9,113 @@ Each checkpoint is a folder ``step-<N>`` under the checkpoint dir holding:
   the critic (PPO) under ``critic`` and the implicit PRM (PRIME) under ``prm``;
 - ``hf/``: the full policy and its tokenizer in Hugging Face format (rank 0), so the
   trained model loads with ``AutoModelForCausalLM.from_pretrained`` like any other;
-- ``meta.json``: step and weight version.
+- ``rng/rank-<r>.json``: each rank's random states (torch's CPU generator, the CUDA one on a
+  GPU, Python's ``random``);
+- ``buffer.rec``: the buffer's prompt stream after step N, asked of the buffer while the
+  checkpoint is written (``buffer.prompt_source``; the buffer restarts from it);
+- ``meta.json``, written last (``CheckpointMeta``): the train loop's step, weight version
+  and whether the policy changed since that version was published; the learner's step
+  count; the learning-rate schedules; the KL controller's coefficient; the world size; the
+  trained parts; the MLflow run.
 
-Only the newest ``keep_last`` checkpoints are kept.
+Atomicity. Everything is written into ``step-<N>.tmp``; once every rank's files are in
+place rank 0 fsyncs them, writes ``meta.json`` (to a temporary name, fsync,
+``os.replace``) and renames the folder to ``step-<N>`` (then fsyncs the checkpoint dir).
+A checkpoint is complete when it is named ``step-<N>`` and its ``meta.json`` reads; any
+other folder (a ``.tmp`` left by a crash, a folder without ``meta.json``, one of an older
+format) is skipped with a warning naming it. ``keep_last`` counts complete checkpoints; a
+save also removes complete checkpoints of later steps (left by the run that was resumed
+from an earlier checkpoint: ``auto`` would otherwise go back to them) and this step's
+leftover ``.tmp``.
+
+Resuming (``load_checkpoint``) puts every piece back; ``dcp`` reshards, so the world size
+may differ (rank r takes the random state of saved rank r mod the saved world size). A
+checkpoint whose trained parts differ from the run's (a critic, but the run is GRPO) or
+whose tensors do not fit the run's models is refused with a ``CheckpointError`` naming it.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import os
+import random
+import re
 import shutil
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from buffer.prompt_source import read_buffer_checkpoint, write_buffer_checkpoint
+from configs.run_schema import RunConfig
+from learner.update import Learner
 from learner.weights import gather_full_weights
+from transport.messages import BufferCheckpoint, BufferCheckpointRequest
+from transport.retry import patient_request
+from transport.security import ClientKeys
+from transport.sockets import Client
 
 logger = logging.getLogger(__name__)
 
+FORMAT = 1  # CheckpointMeta.format; a checkpoint of another format is not resumed
+META_FILE = "meta.json"
+PARTIAL_SUFFIX = ".tmp"
+REPLACED_SUFFIX = ".replaced"
+COMPLETE_NAME = re.compile(r"step-(\d+)")
+BUFFER_REQUEST_TIMEOUT_S = 60.0
 
-def checkpoint_state(learner) -> dict[str, dict]:
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read or does not fit the run (the message names it)."""
+
+
+class LoopState(msgspec.Struct, kw_only=True, frozen=True):
+    """Where the train loop stands after ``step``: the newest published weight ``version``
+    and whether the policy has changed since it was published."""
+
+    step: int
+    version: int
+    unpublished_update: bool = False
+
+
+class CheckpointMeta(msgspec.Struct, kw_only=True, frozen=True):
+    """``meta.json``, the completion marker (module docstring). ``schedulers`` holds each
+    trained part's ``LRScheduler.state_dict()``; ``kl_coef`` the KL controller's
+    coefficient (None without KL in the reward)."""
+
+    format: int
+    loop: LoopState
+    steps_done: int
+    world_size: int
+    parts: list[str]
+    schedulers: dict[str, dict[str, Any]]
+    kl_coef: float | None = None
+    mlflow_run_id: str = ""
+
+
+# -- what a learner trains ------------------------------------------------------------------
+
+
+def trained_parts(learner: Learner) -> list[str]:
+    """The learner's trained models: the policy, and the critic or the PRM if it has one."""
+    return ["policy"] + [name for name, part in (("critic", learner.critic),
+                                                 ("prm", learner.prm)) if part is not None]
+
+
+def expected_parts(run: RunConfig) -> list[str]:
+    """The trained models of a learner built for ``run`` (``learner.main.build_learner``)."""
+    extra = {"gae": ["critic"], "prime": ["prm"]}.get(run.algorithm.adv_estimator, [])
+    return ["policy", *extra]
+
+
+def checkpoint_state(learner: Learner) -> dict[str, dict]:
     """The sharded state dicts a checkpoint holds, by name (see the module docstring)."""
     model_state, optim_state = get_state_dict(learner.model, learner.optimizer)
     state: dict[str, dict] = {"model": model_state, "optim": optim_state}
@@ -41,22 +126,279 @@ def checkpoint_state(learner) -> dict[str, dict]:
     return state
 
 
-def save_checkpoint(learner, folder: Path, step: int, version: int, keep_last: int,
-                    tokenizer=None) -> Path:
-    """Write ``folder/step-<step>`` on every rank (a collective) and prune old ones."""
-    target = folder / f"step-{step}"
-    dcp.save(checkpoint_state(learner), checkpoint_id=str(target / "dcp"))
+def _schedulers(learner: Learner) -> dict[str, torch.optim.lr_scheduler.LRScheduler]:
+    schedulers = {"policy": learner.scheduler}
+    for name, part in (("critic", learner.critic), ("prm", learner.prm)):
+        if part is not None:
+            schedulers[name] = part.scheduler
+    return schedulers
+
+
+# -- saving ---------------------------------------------------------------------------------
+
+
+def save_checkpoint(learner: Learner, folder: Path, loop: LoopState, *, keep_last: int,
+                    tokenizer=None, buffer: BufferCheckpoint | None = None,
+                    mlflow_run_id: str = "") -> Path:
+    """Write ``folder/step-<loop.step>`` atomically (a collective: call on every rank) and
+    prune old checkpoints. Rank 0 passes the tokenizer, the buffer's state and the MLflow
+    run id; a checkpoint without the buffer's state cannot be resumed by the launcher."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    final = folder / f"step-{loop.step}"
+    partial = folder / f"step-{loop.step}{PARTIAL_SUFFIX}"
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        if partial.exists():
+            shutil.rmtree(partial)  # left by a run that died while writing this step
+    _barrier()
+    dcp.save(checkpoint_state(learner), checkpoint_id=str(partial / "dcp"))
+    _write_rng(partial / "rng", rank)
     full = gather_full_weights(learner.model, torch.float32)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        module = learner.model
-        module.save_pretrained(str(target / "hf"), state_dict=full)
+    if rank == 0:
+        learner.model.save_pretrained(str(partial / "hf"), state_dict=full)
         if tokenizer is not None:
-            tokenizer.save_pretrained(str(target / "hf"))
-        (target / "meta.json").write_text(json.dumps({"step": step, "version": version}))
-        saved = sorted(folder.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-        for old in saved[:-keep_last]:
-            shutil.rmtree(old)
-        logger.info("checkpoint saved to %s", target)
+            tokenizer.save_pretrained(str(partial / "hf"))
+        if buffer is not None:
+            write_buffer_checkpoint(partial, buffer)
+    _barrier()  # every rank's files are in place
+    if rank == 0:
+        meta = CheckpointMeta(format=FORMAT, loop=loop, steps_done=learner.steps_done,
+                              world_size=dist.get_world_size() if dist.is_initialized() else 1,
+                              parts=trained_parts(learner),
+                              schedulers={name: scheduler.state_dict() for name, scheduler
+                                          in _schedulers(learner).items()},
+                              kl_coef=learner.kl_ctrl.value if learner.kl_ctrl else None,
+                              mlflow_run_id=mlflow_run_id)
+        _fsync_tree(partial)
+        _write_durably(partial / META_FILE, msgspec.json.encode(meta))
+        _commit(partial, final)
+        _prune(folder, final, keep_last)
+        logger.info("checkpoint saved to %s", final)
+    _barrier()
+    return final
+
+
+def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-    return target
+
+
+def _write_rng(folder: Path, rank: int) -> None:
+    state: dict[str, Any] = {"torch": _b64(torch.get_rng_state()),
+                             "python": list(random.getstate())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = _b64(torch.cuda.get_rng_state())
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_durably(folder / f"rank-{rank}.json", json.dumps(state).encode())
+
+
+def _b64(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.numpy().tobytes()).decode()
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """Write to a temporary name, fsync, and rename into place."""
+    temporary = path.with_name(path.name + ".partial")
+    with open(temporary, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as written:
+                os.fsync(written.fileno())
+        _fsync_dir(Path(root))
+
+
+def _commit(partial: Path, final: Path) -> None:
+    """Rename the written folder into place (replacing a checkpoint of the same step)."""
+    replaced = final.with_name(final.name + REPLACED_SUFFIX)
+    if final.exists():
+        os.replace(final, replaced)
+    os.replace(partial, final)
+    _fsync_dir(final.parent)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+
+
+def _prune(folder: Path, kept: Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints up to ``kept``; remove the later
+    ones (an abandoned run's: module docstring)."""
+    step = int(COMPLETE_NAME.fullmatch(kept.name).group(1))
+    complete, _incomplete = scan_checkpoints(folder)
+    for later in [path for number, path in complete if number > step]:
+        logger.warning("removing %s: a later step of the run this one resumed from an "
+                       "earlier checkpoint", later)
+        shutil.rmtree(later)
+    older = [path for number, path in complete if number <= step]
+    for old in older[:-keep_last]:
+        shutil.rmtree(old)
+
+
+# -- finding --------------------------------------------------------------------------------
+
+
+def read_meta(checkpoint: Path) -> CheckpointMeta:
+    """The checkpoint's ``meta.json``; ``CheckpointError`` when it is not a complete
+    checkpoint of this format."""
+    match = COMPLETE_NAME.fullmatch(checkpoint.name)
+    if checkpoint.name.endswith(PARTIAL_SUFFIX):
+        raise CheckpointError(f"{checkpoint}: incomplete, its writing did not finish")
+    if match is None:
+        raise CheckpointError(f"{checkpoint}: not a checkpoint folder (step-<N>)")
+    if not checkpoint.is_dir():
+        raise CheckpointError(f"{checkpoint}: no such checkpoint folder")
+    path = checkpoint / META_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{checkpoint}: incomplete, no {META_FILE}") from None
+    try:
+        fields = msgspec.json.decode(raw, type=dict[str, Any])
+    except msgspec.DecodeError as exc:
+        raise CheckpointError(f"{path}: unreadable: {exc}") from exc
+    if fields.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: written by another version of Relay (format "
+                              f"{fields.get('format')}, this one reads {FORMAT}); it cannot "
+                              "be resumed")
+    try:
+        meta = msgspec.convert(fields, type=CheckpointMeta)
+    except msgspec.ValidationError as exc:
+        raise CheckpointError(f"{path}: unreadable: {exc}") from exc
+    if meta.loop.step != int(match.group(1)):
+        raise CheckpointError(f"{path}: says step {meta.loop.step}, the folder says "
+                              f"{match.group(1)}")
+    return meta
+
+
+def scan_checkpoints(folder: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
+    """The complete checkpoints in ``folder`` by step, oldest first, and the other
+    ``step-*`` folders with why each is not complete."""
+    complete: list[tuple[int, Path]] = []
+    incomplete: list[tuple[Path, str]] = []
+    for path in sorted(folder.glob("step-*")) if folder.is_dir() else []:
+        try:
+            meta = read_meta(path)
+        except CheckpointError as exc:
+            incomplete.append((path, str(exc)))
+        else:
+            complete.append((meta.loop.step, path))
+    return sorted(complete), incomplete
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete checkpoint in ``folder`` (None if none); every other
+    ``step-*`` folder is skipped with a warning that names it."""
+    complete, incomplete = scan_checkpoints(folder)
+    for _path, why in incomplete:
+        logger.warning("skipping %s", why)
+    return complete[-1][1] if complete else None
+
+
+def check_resumable(checkpoint: Path, run: RunConfig) -> CheckpointMeta:
+    """``checkpoint``'s meta, after checking that ``run`` can resume from it: complete,
+    the same trained parts, the buffer's state present."""
+    meta = read_meta(checkpoint)
+    check_parts(meta, expected_parts(run), checkpoint)
+    read_buffer_checkpoint(checkpoint)  # raises BufferCheckpointError naming the file
+    return meta
+
+
+def check_parts(meta: CheckpointMeta, parts: list[str], checkpoint: Path) -> None:
+    if meta.parts != parts:
+        raise CheckpointError(f"{checkpoint}: holds {', '.join(meta.parts)} but this run "
+                              f"trains {', '.join(parts)} (algorithm.adv_estimator decides "
+                              "the critic and the PRM); resume with the algorithm it was "
+                              "written with")
+
+
+# -- loading --------------------------------------------------------------------------------
+
+
+def load_checkpoint(learner: Learner, checkpoint: Path) -> CheckpointMeta:
+    """Put every piece of ``checkpoint`` back into ``learner`` and this process (a
+    collective: call on every rank); returns its meta for the loop's own state."""
+    meta = read_meta(checkpoint)
+    check_parts(meta, trained_parts(learner), checkpoint)
+    state = checkpoint_state(learner)
+    try:
+        dcp.load(state, checkpoint_id=str(checkpoint / "dcp"))
+    except CheckpointException as exc:  # every rank's failure, with its traceback
+        causes = "; ".join(f"rank {rank}: {error}" for rank, (error, _trace)
+                           in sorted(exc.failures.items()))
+        raise CheckpointError(f"{checkpoint}: its weights do not fit this run's models "
+                              f"(model.path and the algorithm must be those it was written "
+                              f"with): {causes}") from exc
+    set_state_dict(learner.model, learner.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    for name, part in (("critic", learner.critic), ("prm", learner.prm)):
+        if part is not None:
+            set_state_dict(part.model, part.optimizer, model_state_dict=state[name]["model"],
+                           optim_state_dict=state[name]["optim"])
+    for name, scheduler in _schedulers(learner).items():
+        scheduler.load_state_dict(meta.schedulers[name])
+    if learner.kl_ctrl is not None and meta.kl_coef is not None:
+        learner.kl_ctrl.value = meta.kl_coef
+    elif learner.kl_ctrl is not None:
+        logger.warning("%s: written without KL in the reward; the KL controller starts at "
+                       "its initial coefficient", checkpoint)
+    learner.steps_done = meta.steps_done
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    _read_rng(checkpoint / "rng" / f"rank-{rank % meta.world_size}.json")
+    if world != meta.world_size and rank == 0:
+        logger.info("%s was written by %d ranks, resumed by %d (resharded)", checkpoint,
+                    meta.world_size, world)
+    return meta
+
+
+def _read_rng(path: Path) -> None:
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable random state: {exc}") from exc
+    torch.set_rng_state(_tensor(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_tensor(state["cuda"]))
+
+
+def _tensor(encoded: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.uint8)
+
+
+# -- the buffer's part ----------------------------------------------------------------------
+
+
+class BufferStateLink:
+    """Rank 0's request for the buffer's state when it writes a checkpoint, on a connection
+    of its own beside ``learner.rollouts.BufferLink``, retried through a buffer stall for up
+    to ``patience_s`` (``buffer.client_patience_s``) like that link's requests."""
+
+    def __init__(self, endpoint: str, patience_s: float, keys: ClientKeys | None = None) -> None:
+        self._client = Client(endpoint, keys=keys)
+        self.patience_s = patience_s
+
+    def state(self, step: int) -> BufferCheckpoint:
+        reply = patient_request(self._client, BufferCheckpointRequest(step=step),
+                                BUFFER_REQUEST_TIMEOUT_S, self.patience_s,
+                                expect=BufferCheckpoint)
+        assert isinstance(reply, BufferCheckpoint)
+        return reply
+
+    def close(self) -> None:
+        self._client.close()

@@ -6,6 +6,15 @@ learner starts at version 0 (the checkpoint the generators loaded) and publishes
 v + 1 every ``trainer.publish_every`` steps, skipping a publish when the policy has not
 changed since the last one (the critic's warm-up).
 
+Checkpoints (``learner.checkpoint``) are written after every ``trainer.save_freq``-th step
+and the last, with the buffer's state asked of it at that moment. A resumed loop
+(``TrainLoop.resume``) goes on at the checkpoint's step + 1 with its version: before the
+first step it publishes the loaded weights under that version (version + 1 when the policy
+had changed since that version was published, ``trainer.publish_every`` > 1) and tells the
+buffer, so the generators, which start from ``model.path``, fetch them and the buffer's
+staleness gate counts from there. With ``trainer.val_before_train`` the resumed weights are
+offered for evaluation, as verl validates on resume.
+
 Held-out evaluation is not done here: at each evaluation step (step 0 with
 ``trainer.val_before_train``, every ``trainer.test_freq`` steps, the last step) the loop
 offers the newest published version (before any, the initial checkpoint) to the evaluator
@@ -27,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 
 from configs.run_schema import TrainerConfig
 from learner.batch import TrainBatch, collate
-from learner.checkpoint import save_checkpoint
+from learner.checkpoint import BufferStateLink, LoopState, save_checkpoint
 from learner.rollouts import BufferLink, broadcast_batch
 from learner.tracking import Tracker
 from learner.update import Learner
@@ -55,17 +64,20 @@ class Reporter:
 
 
 class RankZero:
-    """What only rank 0 holds: the link to the buffer, the weight server, the reporter,
+    """What only rank 0 holds: the links to the buffer, the weight server, the reporter,
     and the tokenizer saved with checkpoints."""
 
-    def __init__(self, *, link: BufferLink, weights: WeightServer, reporter: Reporter,
+    def __init__(self, *, link: BufferLink, buffer_state: BufferStateLink,
+                 weights: WeightServer, reporter: Reporter,
                  tokenizer: PreTrainedTokenizerBase) -> None:
-        self.link, self.weights, self.reporter, self.tokenizer = link, weights, reporter, tokenizer
+        self.link, self.buffer_state, self.weights = link, buffer_state, weights
+        self.reporter, self.tokenizer = reporter, tokenizer
 
     def close(self, ok: bool) -> None:
         self.reporter.close(ok)
         self.weights.stop()
         self.link.close()
+        self.buffer_state.close()
 
 
 def batch_metrics(batch: SampleBatch, train: TrainBatch, version: int,
@@ -109,20 +121,28 @@ class TrainLoop:
         self.unpublished_update = False  # the policy changed since the last publish
         self.priorities: dict[str, float] = {}  # td_error priorities for the next request
         self.offered_step = -1  # the step of the last version offered for evaluation
+        self.resumed_at: int | None = None  # the checkpoint's step, when resumed
+
+    def resume(self, state: LoopState) -> None:
+        """Go on after a checkpoint's step, from its version (module docstring)."""
+        self.resumed_at = state.step
+        self.version, self.unpublished_update = state.version, state.unpublished_update
 
     def run_all(self) -> None:
         trainer = self.trainer
         last = trainer.total_training_steps
+        first = 1
+        if self.resumed_at is not None:
+            first = self.resumed_at + 1
+            self._publish_resumed(self.resumed_at)
         if trainer.val_before_train:
             self._offer_evaluation()
-        for step in range(1, last + 1):
+        for step in range(first, last + 1):
             self._step(step)
             if trainer.test_freq > 0 and (step % trainer.test_freq == 0 or step == last):
                 self._offer_evaluation()
             if trainer.save_freq > 0 and (step % trainer.save_freq == 0 or step == last):
-                save_checkpoint(self.learner, self.checkpoint_dir, step, self.version,
-                                keep_last=self.keep_last,
-                                tokenizer=self.rank0.tokenizer if self.rank0 else None)
+                self._save(step)
         if self.rank0 is not None:
             self.rank0.link.end_run(f"trained {last} steps")
             self._finish_evaluation()
@@ -164,12 +184,38 @@ class TrainLoop:
             self._log_eval_report(report)
 
     def _publish(self, step: int) -> None:
-        tensors = gather_full_weights(self.learner.model, self.publish_dtype)
+        """Publish the policy as the next version."""
         self.version += 1
         self.unpublished_update = False
+        self._serve(step)
+
+    def _publish_resumed(self, step: int) -> None:
+        """Serve the loaded weights: as the checkpoint's version, or as a new one when the
+        policy had changed since that version was published. Version 0 with no change is
+        ``model.path``, which the generators load themselves."""
+        if self.unpublished_update:
+            self._publish(step)
+        elif self.version > 0:
+            self._serve(step)
+
+    def _serve(self, step: int) -> None:
+        """Gather the policy (every rank) and serve it as ``self.version``, taken after
+        ``step``; tell the buffer."""
+        tensors = gather_full_weights(self.learner.model, self.publish_dtype)
         if self.rank0 is not None:
             self.rank0.weights.publish(bucketize(self.version, tensors, step=step))
             self.rank0.link.published(self.version, step)
+
+    def _save(self, step: int) -> None:
+        """A checkpoint after ``step``, with the buffer's state at this moment."""
+        rank0 = self.rank0
+        save_checkpoint(self.learner, self.checkpoint_dir,
+                        LoopState(step=step, version=self.version,
+                                  unpublished_update=self.unpublished_update),
+                        keep_last=self.keep_last,
+                        tokenizer=rank0.tokenizer if rank0 else None,
+                        buffer=rank0.buffer_state.state(step) if rank0 else None,
+                        mlflow_run_id=rank0.reporter.tracker.run_id if rank0 else "")
 
     def _offer_evaluation(self) -> None:
         """Offer the newest published version (the initial checkpoint before any) for

@@ -2,7 +2,9 @@
 
 Parse, build, run, close: the process group (gloo on CPU, NCCL on GPU), the FSDP2 policy
 and optional reference, the optimizer and schedule; rank 0 also builds its link to the
-buffer, the weight server and the MLflow run. Then ``learner.loop``.
+buffer, the weight server and the MLflow run. A resumed run (``trainer.resume_mode``,
+resolved by the launcher) then loads its checkpoint (``learner.checkpoint``) into all of
+them and continues the MLflow run it names. Then ``learner.loop``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from configs.rundir import (
     configure_logging,
     load_run_dir,
 )
+from learner.checkpoint import BufferStateLink, CheckpointMeta, load_checkpoint
 from learner.critic import Critic, load_value_model
 from learner.eval_queue import EvalQueue
 from learner.implicit_prm import ImplicitPRM
@@ -31,7 +34,7 @@ from learner.loop import RankZero, Reporter, TrainLoop
 from learner.model import learner_device, load_sharded
 from learner.optim import build_optimizer, build_scheduler
 from learner.rollouts import BufferLink
-from learner.tracking import Tracker
+from learner.tracking import Resumed, Tracker
 from learner.update import Learner
 from learner.weights import WeightServer
 from transport.sockets import Pusher
@@ -76,13 +79,19 @@ def build_learner(ctx: RunContext, device: torch.device) -> Learner:
                    prm=prm)
 
 
-def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase) -> RankZero:
+def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase,
+                    resumed: CheckpointMeta | None) -> RankZero:
     run = ctx.run
     tracker = Tracker(uri=run.tracking.uri, experiment=run.tracking.experiment,
-                      run_name=run.tracking.run_name, run_dir=ctx.run_dir)
+                      run_name=run.tracking.run_name, run_dir=ctx.run_dir,
+                      resumed=Resumed(step=resumed.loop.step, run_id=resumed.mlflow_run_id)
+                      if resumed is not None else None)
     tracker.log_config(run, [ctx.run_dir / RESOLVED_RUN, ctx.run_dir / RESOLVED_TOPOLOGY])
     reporter = Reporter(tracker, Pusher(ctx.metrics_endpoint, keys=ctx.client_keys()))
-    return RankZero(link=BufferLink(ctx.buffer_endpoint, keys=ctx.client_keys()),
+    patience_s = run.buffer.client_patience_s
+    return RankZero(link=BufferLink(ctx.buffer_endpoint, patience_s, keys=ctx.client_keys()),
+                    buffer_state=BufferStateLink(ctx.buffer_endpoint, patience_s,
+                                                 keys=ctx.client_keys()),
                     weights=WeightServer(ctx.weights_endpoint, keys=ctx.server_keys(),
                                          evaluation=EvalQueue(run.trainer.max_waiting_evals)
                                          ).start(),
@@ -110,15 +119,20 @@ def main(argv: list[str] | None = None) -> int:
     # Padding sits under attention_mask = 0 and off the response: any valid id will do.
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     learner = build_learner(ctx, device)
-    rank0 = build_rank_zero(ctx, tokenizer) if rank == 0 else None
-    checkpoint_dir = ctx.run_dir / "checkpoints" if not run.checkpoint.dir \
-        else ctx.run_dir.joinpath(run.checkpoint.dir)
+    resumed = None
+    if ctx.resume_from is not None:
+        resumed = load_checkpoint(learner, ctx.resume_from)
+        logger.info("resumed from %s: step %d, weights version %d", ctx.resume_from,
+                    resumed.loop.step, resumed.loop.version)
+    rank0 = build_rank_zero(ctx, tokenizer, resumed) if rank == 0 else None
     loop = TrainLoop(run.trainer, learner, batch_size=run.data.train_batch_size,
                      max_staleness=run.buffer.max_staleness,
                      send_td_errors=run.buffer.replay.priority == "td_error",
                      evaluates=run.evaluates, keep_last=run.checkpoint.keep_last, pad_id=pad,
                      publish_dtype=getattr(torch, run.model.dtype),
-                     checkpoint_dir=checkpoint_dir, rank0=rank0, group=cpu_group)
+                     checkpoint_dir=ctx.checkpoint_dir, rank0=rank0, group=cpu_group)
+    if resumed is not None:
+        loop.resume(resumed.loop)
     ok = False
     try:
         loop.run_all()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from transport.codec import Decoder, encode
 from transport.messages import Ack, SampleBatch, SampleRequest, Shutdown, VersionUpdate
 from transport.records import pack, unpack
+from transport.retry import patient_request
 from transport.security import ClientKeys
 from transport.sockets import Client, PeerTimeout
 
@@ -26,10 +27,12 @@ WAIT_LOG_EVERY_S = 30.0
 
 
 class BufferLink:
-    """Rank 0's requests to the buffer."""
+    """Rank 0's requests to the buffer, each retried through a buffer stall for up to
+    ``patience_s`` (``buffer.client_patience_s``; ``transport.retry``), then ``PeerGone``."""
 
-    def __init__(self, endpoint: str, keys: ClientKeys | None = None) -> None:
+    def __init__(self, endpoint: str, patience_s: float, keys: ClientKeys | None = None) -> None:
         self._client = Client(endpoint, keys=keys)
+        self.patience_s = patience_s
 
     def next_batch(self, num_groups: int,
                    priorities: dict[str, float] | None = None) -> tuple[SampleBatch, float]:
@@ -41,11 +44,8 @@ class BufferLink:
         started = last_log = time.monotonic()
         request = SampleRequest(num_groups=num_groups, priorities=priorities or {})
         while True:
-            try:
-                reply = self._client.request(request, REQUEST_TIMEOUT_S, expect=SampleBatch)
-            except PeerTimeout:
-                logger.warning("the buffer did not answer a sample request; asking again")
-                continue
+            reply = patient_request(self._client, request, REQUEST_TIMEOUT_S, self.patience_s,
+                                    expect=SampleBatch)
             assert isinstance(reply, SampleBatch)
             if reply.groups:
                 return reply, time.monotonic() - started
@@ -60,8 +60,8 @@ class BufferLink:
             time.sleep(reply.retry_after_s)
 
     def published(self, version: int, step: int) -> None:
-        self._client.request(VersionUpdate(version=version, step=step), REQUEST_TIMEOUT_S,
-                             expect=Ack)
+        patient_request(self._client, VersionUpdate(version=version, step=step),
+                        REQUEST_TIMEOUT_S, self.patience_s, expect=Ack)
 
     def end_run(self, reason: str) -> None:
         try:

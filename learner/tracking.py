@@ -4,6 +4,16 @@ The default tracking URI is a SQLite store inside the run directory
 (``sqlite:///RUN_DIR/mlflow.db``); any MLflow URI works (``http://host:5000``, a
 ``file:`` store, a database). A run records the flattened run config as params, the
 resolved configs as artifacts, and per-step metrics with step = learner step.
+
+A resumed run logs into the MLflow run of the run it resumes (the checkpoint names it), from
+the checkpoint's step + 1 on: one history per metric across restarts. Steps after the
+checkpoint that the interrupted run had already logged appear twice in a metric's history
+(MLflow keeps every value logged at a step). The params are not logged again (MLflow
+refuses a changed value, and ``trainer.resume_*`` did change); the resumed run's resolved
+configs go to ``config/resumed-at-step-<N>/`` and the tag ``relay.resumed_at_step`` says
+where it went on. When that run cannot be continued (not in the store: another tracking
+URI; deleted; in another experiment), a new run named "<name> (resumed at step N)" is
+started instead, with the params as usual.
 """
 
 from __future__ import annotations
@@ -14,6 +24,8 @@ from typing import Any
 
 import mlflow
 import msgspec
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +51,65 @@ def flatten(config: msgspec.Struct) -> dict[str, str]:
     return out
 
 
-class Tracker:
-    """One MLflow run."""
+class Resumed(msgspec.Struct, frozen=True):
+    """A resumed run: the checkpoint's step and the MLflow run it was written by."""
 
-    def __init__(self, *, uri: str, experiment: str, run_name: str, run_dir: Path) -> None:
+    step: int
+    run_id: str
+
+
+class Tracker:
+    """One MLflow run: a new one, or, resuming, the one the checkpoint names (module
+    docstring)."""
+
+    def __init__(self, *, uri: str, experiment: str, run_name: str, run_dir: Path,
+                 resumed: Resumed | None = None) -> None:
         self.uri = uri or default_uri(run_dir)
+        self.resumed = resumed
         mlflow.set_tracking_uri(self.uri)
-        mlflow.set_experiment(experiment)
-        self.run = mlflow.start_run(run_name=run_name or run_dir.name)
-        logger.info("tracking to %s (experiment %r, run %s)", self.uri, experiment,
-                    self.run.info.run_id)
+        experiment_id = mlflow.set_experiment(experiment).experiment_id
+        name = run_name or run_dir.name
+        self.continued = resumed is not None and self._continuable(resumed.run_id,
+                                                                   experiment_id)
+        if resumed is None:
+            self.run = mlflow.start_run(run_name=name)
+        elif self.continued:
+            self.run = mlflow.start_run(run_id=resumed.run_id)
+        else:
+            self.run = mlflow.start_run(run_name=f"{name} (resumed at step {resumed.step})")
+        if resumed is not None:
+            mlflow.set_tag("relay.resumed_at_step", str(resumed.step))
+        logger.info("tracking to %s (experiment %r, run %s%s)", self.uri, experiment,
+                    self.run.info.run_id, " continued" if self.continued else "")
+
+    @property
+    def run_id(self) -> str:
+        return self.run.info.run_id
+
+    def _continuable(self, run_id: str, experiment_id: str) -> bool:
+        """Whether a resumed run can go on logging into ``run_id``: the store holds it, in
+        this experiment, not deleted."""
+        if not run_id:
+            return False
+        try:
+            found = MlflowClient(self.uri).get_run(run_id).info
+        except MlflowException as exc:
+            logger.warning("the checkpoint's MLflow run %s is not in %s (%s); starting a new "
+                           "run", run_id, self.uri, exc.message)
+            return False
+        if found.lifecycle_stage == "deleted" or found.experiment_id != experiment_id:
+            logger.warning("the checkpoint's MLflow run %s is deleted or in another experiment; "
+                           "starting a new run", run_id)
+            return False
+        return True
 
     def log_config(self, config: msgspec.Struct, files: list[Path]) -> None:
+        if self.continued:
+            assert self.resumed is not None
+            for file in files:
+                mlflow.log_artifact(str(file),
+                                    artifact_path=f"config/resumed-at-step-{self.resumed.step}")
+            return
         params = flatten(config)
         keys = sorted(params)
         for start in range(0, len(keys), 100):  # MLflow takes at most 100 params per call

@@ -1,12 +1,22 @@
 #!/usr/bin/env python3
-"""Create the CURVE keys folder a topology with ``[security] curve = true`` points at.
+"""Create per-role CURVE key folders for a topology with ``[security] curve = true``.
 
     python tools/make-curve-keys.py KEYS_DIR
 
-Writes ``server.key``/``server.key_secret`` (for every process that binds),
-``client.key``/``client.key_secret`` (for every process that connects) and
-``authorized/client.key`` (the public keys servers accept). Copy the folder to every host
-of the run; keep the ``*.key_secret`` files private.
+Writes two folders, each laid out as ``[security] keys_dir`` expects:
+
+- ``KEYS_DIR/control/`` for the hosts of the buffer, the learner and the launcher (they
+  bind): the server key pair (``server.key``, ``server.key_secret``), the learner's key pair
+  as ``client.key`` / ``client.key_secret``, and ``authorized/`` with the public keys the
+  servers accept, named by role (``learner.key``, ``generator.key``);
+- ``KEYS_DIR/generator/`` for generator and evaluator hosts: the server's public key
+  (``server.key``) and the generator key pair as ``client.key`` / ``client.key_secret``.
+
+Put ``control/`` at the topology's ``keys_dir`` on the control hosts and ``generator/`` at
+the same path on every other host; a run on one machine uses ``KEYS_DIR/control``. The
+buffer tells roles apart by key (``transport.roles``): the generator key may lease and send
+rollouts but never act as the learner, and no generator host holds the server's or the
+learner's secret key. Keep every ``*.key_secret`` file private.
 """
 
 from __future__ import annotations
@@ -18,22 +28,35 @@ from pathlib import Path
 
 from transport.security import create_keypair
 
+CONTROL, GENERATOR = "control", "generator"
+
+
+def make_keys(keys_dir: Path) -> None:
+    """Write both folders (module docstring) under ``keys_dir``."""
+    control, generator = keys_dir / CONTROL, keys_dir / GENERATOR
+    create_keypair(control, "server")
+    create_keypair(control, "client")  # the learner's
+    create_keypair(generator, "client")
+    shutil.copy(control / "server.key", generator / "server.key")
+    authorized = control / "authorized"
+    authorized.mkdir(exist_ok=True)
+    shutil.copy(control / "client.key", authorized / "learner.key")
+    shutil.copy(generator / "client.key", authorized / "generator.key")
+
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("keys_dir", type=Path)
     parser.add_argument("--force", action="store_true", help="replace existing keys")
     args = parser.parse_args(argv)
-    if (args.keys_dir / "server.key_secret").exists() and not args.force:
+    if (args.keys_dir / CONTROL / "server.key_secret").exists() and not args.force:
         print(f"make-curve-keys: {args.keys_dir} already holds keys (--force replaces them)",
               file=sys.stderr)
         return 1
-    create_keypair(args.keys_dir, "server")
-    create_keypair(args.keys_dir, "client")
-    authorized = args.keys_dir / "authorized"
-    authorized.mkdir(exist_ok=True)
-    shutil.copy(args.keys_dir / "client.key", authorized / "client.key")
-    print(f"make-curve-keys: wrote server, client and authorized/ keys to {args.keys_dir}")
+    make_keys(args.keys_dir)
+    print(f"make-curve-keys: wrote {args.keys_dir / CONTROL} (buffer, learner and launcher "
+          f"hosts) and {args.keys_dir / GENERATOR} (generator and evaluator hosts: no secret "
+          "key but the generator's)")
     return 0
 
 

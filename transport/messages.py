@@ -36,11 +36,14 @@ PROTOCOL_VERSION = 2
 
 WireErrorKind = Literal["envelope", "preamble", "version", "malformed", "schema", "tensor"]
 """Why a receiver rejected a frame set (``transport.codec``)."""
-ErrorCode = Literal[WireErrorKind, "handler", "unexpected", "not_attached", "bad_priorities"]
+ErrorCode = Literal[WireErrorKind, "handler", "unexpected", "not_attached", "bad_priorities",
+                    "forbidden", "bad_request"]
 """``ErrorReply.code``: a wire error kind; ``handler``: the server failed on a sound
 request; ``unexpected``: this server does not take that message; ``not_attached``: a
 generator must attach before it leases; ``bad_priorities``: replay priorities the buffer
-cannot use."""
+cannot use; ``forbidden``: the sender's role may not send that message (``transport.roles``);
+``bad_request``: a value no honest peer sends (a batch of -1 groups, a version from the
+future)."""
 RolloutVerdict = Literal["accepted", "duplicate", "unknown_lease", "malformed", "stale",
                          "zero_variance", "run_failed"]
 """What the buffer did with a ``RolloutGroup``: kept it, or why not (``zero_variance``: DAPO
@@ -248,6 +251,35 @@ class VersionUpdate(Message):
     step: int = 0
 
 
+class BufferCheckpointRequest(Message):
+    """The learner is checkpointing after ``step`` and asks for what a restarted buffer needs
+    to go on from there (``BufferCheckpoint``)."""
+
+    step: int
+
+
+class PromptSourceState(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True,
+                        gc=False):
+    """Where the buffer's prompt stream stands (``buffer.prompt_source``): the epoch, the
+    data loader's ``state_dict`` (it may hold tensors: the shuffle's generator) and every
+    prompt handed out and not yet trained on or dropped, in the order first handed out."""
+
+    epoch: int
+    loader: dict[str, Any]
+    pending: list[Prompt] = []
+
+
+class BufferCheckpoint(Message):
+    """The buffer's answer to ``BufferCheckpointRequest``: its prompt stream, and
+    ``accepted``, the groups it admitted less those still waiting in its store (a restarted
+    buffer discards stored groups and leases their prompts again): the count its lease gate
+    starts from on resume."""
+
+    step: int
+    source: PromptSourceState
+    accepted: int = 0
+
+
 # ---------------------------------------------------------------------------------------
 # Weights
 # ---------------------------------------------------------------------------------------
@@ -361,6 +393,8 @@ AnyMessage = Union[
     SampleRequest,
     SampleBatch,
     VersionUpdate,
+    BufferCheckpointRequest,
+    BufferCheckpoint,
     WeightRequest,
     WeightManifest,
     WeightBucket,

@@ -6,9 +6,14 @@ in an authorized-clients directory) and the client side (its key pair plus the s
 public key). It also holds the one check every bind goes through: a bind reachable from
 other machines without CURVE keys raises ``InsecureBindError``.
 
-It does not know which process holds which key (the topology config does) nor anything
-about messages. Key files: ``<name>.key`` (public, safe to copy to peers) and
-``<name>.key_secret`` (secret, stays on its host).
+The server's ZAP handler names every client it lets in after its public key's file in the
+authorized-clients directory (``authorized/generator.key`` -> ``"generator"``) and ZeroMQ
+hands that name, the ZAP User-Id, to the server with each message (``Peer.key`` in
+``transport.sockets``), so a server can tell what a client may do by the key it holds
+(``transport.roles``). This module does not know which process holds which key (the
+topology config and ``tools/make-curve-keys.py`` do) nor anything about messages. Key
+files: ``<name>.key`` (public, safe to copy to peers) and ``<name>.key_secret`` (secret,
+stays on its host).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from transport.endpoints import is_local_endpoint
 
@@ -100,6 +106,27 @@ def _load(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:
         raise KeyFileError(f"key file {path} is not a zmq certificate: {exc}") from exc
 
 
+def authorized_key_names(directory: str | os.PathLike[str]) -> dict[bytes, str]:
+    """Each authorized client's public key (Z85) -> its file's name without ``.key``, for
+    every ``*.key`` in ``directory`` (in name order; a key found twice keeps its first name)."""
+    names: dict[bytes, str] = {}
+    for key_file in sorted(Path(directory).glob("*.key")):
+        names.setdefault(load_public_key(key_file), key_file.stem)
+    return names
+
+
+class _NamingAuthenticator(ThreadAuthenticator):
+    """pyzmq's ZAP handler, with each admitted client's User-Id the name of its key file."""
+
+    def __init__(self, context: zmq.Context, names: dict[bytes, str]) -> None:
+        super().__init__(context)
+        self.names = names
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        public = z85.encode(client_public_key)
+        return self.names.get(public, public.decode("ascii"))
+
+
 def check_bind(endpoint: str, keys: Keys | None) -> None:
     """Raise ``InsecureBindError`` unless ``endpoint`` is local or ``keys`` are server keys."""
     if keys is not None and not isinstance(keys, ServerKeys):
@@ -116,7 +143,8 @@ class CurveAuthenticator:
 
     ZAP is per context, so each CURVE server owns one context and authenticator; sockets
     made from ``context`` and passed to ``secure`` accept only clients whose public key
-    file is in ``keys.authorized_clients`` when the authenticator started (a snapshot).
+    file is in ``keys.authorized_clients`` when the authenticator started (a snapshot), and
+    receive each message with its sender's key name as ZeroMQ's ``User-Id`` property.
     """
 
     def __init__(self, keys: ServerKeys) -> None:
@@ -128,7 +156,8 @@ class CurveAuthenticator:
             )
         self.keys = keys
         self.context = zmq.Context()
-        self._authenticator = ThreadAuthenticator(self.context)
+        self._authenticator = _NamingAuthenticator(self.context,
+                                                   authorized_key_names(authorized))
         try:
             self._authenticator.start()
             self._authenticator.configure_curve(domain="*", location=str(authorized))

@@ -17,7 +17,12 @@ carry request id 0, which no client uses.
 Receivers never crash on bad input: each rejected frame set is counted in ``errors`` by
 ``WireError`` kind (and, on a ``Server``, answered with ``ErrorReply(code=kind)``). A
 ``Server`` also counts ``handler`` (the handler raised or returned no message) and
-``unroutable`` (a reply could not be delivered within ``send_timeout_s``).
+``unroutable`` (a reply could not be delivered within ``send_timeout_s``). A ``Server``
+hands its handler each request's ``Peer``: the connection's identity and, under CURVE, the
+name of the key it authenticated with. With ``max_message_bytes`` ZeroMQ refuses any frame
+larger than that before buffering it (``zmq.MAXMSGSIZE``) by dropping the sender's
+connection; ZeroMQ does not say why a connection dropped, so the server logs each drop
+with the limit (see ``Server``).
 
 Every bind goes through ``transport.security.check_bind``: loopback and ipc may be plain,
 anything reachable needs CURVE ``ServerKeys``. A socket belongs to one thread: drive a
@@ -36,9 +41,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from transport.codec import Decoder, WireError, encode
 from transport.endpoints import needs_ipv6
@@ -61,8 +68,20 @@ MAX_DETAIL_CHARS = 300
 _END = object()  # end of a handler's replies
 
 Reply = Message | Iterable[Message]
-Handler = Callable[[Message, bytes], Reply]
-"""``handler(message, peer_identity)`` returns the reply, or an iterable of replies."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who sent a request: ``identity``, the ZeroMQ routing identity of its connection (a
+    new one for every connection), and under CURVE ``key``, the name of the key file it
+    authenticated with (``transport.security``; "" without CURVE)."""
+
+    identity: bytes
+    key: str = ""
+
+
+Handler = Callable[[Message, Peer], Reply]
+"""``handler(message, peer)`` returns the reply, or an iterable of replies."""
 M = TypeVar("M", bound=Message)
 
 
@@ -91,10 +110,13 @@ class RemoteError(RuntimeError):
 
 
 class _Socket:
-    """One configured socket, bound or connected, plus the CURVE authenticator it owns."""
+    """One configured socket, bound or connected, plus the CURVE authenticator it owns.
+    ``max_message_bytes`` bounds the frames it accepts (set before binding: a listener's
+    connections take its options as they were at bind time)."""
 
     def __init__(
-        self, kind: int, endpoint: str, *, bind: bool, keys: Keys | None, hwm: int
+        self, kind: int, endpoint: str, *, bind: bool, keys: Keys | None, hwm: int,
+        max_message_bytes: int | None = None,
     ) -> None:
         self.authenticator: CurveAuthenticator | None = None
         if bind:
@@ -114,6 +136,8 @@ class _Socket:
             self.zmq.linger = 0
             self.zmq.sndhwm = self.zmq.rcvhwm = hwm
             self.zmq.ipv6 = needs_ipv6(endpoint)
+            if max_message_bytes is not None:
+                self.zmq.maxmsgsize = max_message_bytes
             if self.authenticator is not None:
                 self.authenticator.secure(self.zmq)
             elif isinstance(keys, ClientKeys):
@@ -166,6 +190,10 @@ class Server:
     Backpressure: replies wait up to ``send_timeout_s`` when a peer's queue holds ``hwm``
     messages (ROUTER_MANDATORY), then count as ``unroutable``; requests beyond ``hwm``
     per peer wait in the peer's own queue.
+
+    ``max_message_bytes`` (None: no limit) bounds every frame a peer sends: ZeroMQ drops
+    the connection of a peer that sends a larger one, so its request is never answered
+    (the client times out). The server logs every dropped connection, naming the limit.
     """
 
     def __init__(
@@ -177,22 +205,29 @@ class Server:
         keys: ServerKeys | None = None,
         hwm: int = DEFAULT_HWM,
         send_timeout_s: float = 2.0,
+        max_message_bytes: int | None = None,
     ) -> None:
         self._handler = handler
         self._decoder = decoder or Decoder()
-        self._socket = _Socket(zmq.ROUTER, endpoint, bind=True, keys=keys, hwm=hwm)
+        self._socket = _Socket(zmq.ROUTER, endpoint, bind=True, keys=keys, hwm=hwm,
+                               max_message_bytes=max_message_bytes)
         self._socket.zmq.router_mandatory = 1
         self._socket.zmq.sndtimeo = int(send_timeout_s * 1000)
         self.endpoint = self._socket.endpoint  # with the real port when bound to ":*"
+        self._drops: _DropLog | None = None
+        if max_message_bytes is not None:
+            self._drops = _DropLog(self._socket.zmq, self.endpoint, max_message_bytes)
         self.errors: Counter[str] = Counter()
         self.served = 0  # requests decoded and handed to the handler
 
     def serve_once(self, timeout_s: float) -> bool:
         """Handle at most one request, waiting up to ``timeout_s``; True if one came."""
+        if self._drops is not None:
+            self._drops.report()
         if not self._socket.poll_in(timeout_s):
             return False
         identity, *frames = self._socket.zmq.recv_multipart(copy=False)
-        self._handle(identity.bytes, frames)
+        self._handle(Peer(identity.bytes, self._key_name(identity)), frames)
         return True
 
     def serve_until(self, stop: threading.Event, poll_s: float = 0.05) -> None:
@@ -201,9 +236,16 @@ class Server:
             self.serve_once(poll_s)
 
     def close(self) -> None:
+        if self._drops is not None:
+            self._drops.close()
         self._socket.close()
 
-    def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
+    def _key_name(self, frame: zmq.Frame) -> str:
+        """The CURVE key name ZAP gave the sender (``transport.security``), or ""."""
+        return frame.get("User-Id") if self._socket.authenticator is not None else ""
+
+    def _handle(self, peer: Peer, frames: list[zmq.Frame]) -> None:
+        identity = peer.identity
         request_id = 0
         try:
             request_id = _request_id(frames)
@@ -220,7 +262,7 @@ class Server:
             return
         self.served += 1
         try:
-            for reply, more in _flag_last(self._handler(message, identity)):
+            for reply, more in _flag_last(self._handler(message, peer)):
                 if not self._send(identity, request_id, reply, more):
                     return
         except Exception as exc:  # a handler bug must not take the server down
@@ -239,6 +281,30 @@ class Server:
             logger.warning("reply to peer %s dropped: %s", identity.hex(), exc)
             return False
         return True
+
+
+class _DropLog:
+    """Logs every connection a server's socket loses, naming its frame size limit: ZeroMQ
+    drops a peer that sends a frame over ``zmq.MAXMSGSIZE`` and reports only that a
+    connection ended (the same event as a peer that closed its socket)."""
+
+    def __init__(self, socket: zmq.Socket, endpoint: str, limit: int) -> None:
+        self.endpoint, self.limit = endpoint, limit
+        self._socket = socket
+        self._events = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def report(self) -> None:
+        """Log the connections lost since the last call; never waits."""
+        while self._events.poll(0, zmq.POLLIN):
+            recv_monitor_message(self._events)
+            logger.info("a peer's connection to %s ended: the peer closed it, or it sent a frame "
+                        "over the %d-byte limit (max_message_bytes), which ZeroMQ refuses by "
+                        "dropping the connection (that peer's request then times out)",
+                        self.endpoint, self.limit)
+
+    def close(self) -> None:
+        self._socket.disable_monitor()
+        self._events.close(linger=0)
 
 
 def _flag_last(replies: Reply) -> Iterator[tuple[Message, bool]]:

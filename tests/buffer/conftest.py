@@ -10,6 +10,7 @@ from buffer.hub import Hub
 from buffer.prompt_source import PromptSource
 from buffer.rollout_log import RolloutLogWriter
 from buffer.store import FifoStore, ReplayStore
+from buffer.validation import GroupLimits
 from configs.run_schema import BufferConfig
 from transport.messages import Attach, Prompt, RolloutGroup, Sample
 
@@ -51,6 +52,11 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
+VOCAB_SIZE = 32  # token ids of the groups above stay below it
+RESPONSE_LENGTH = 8
+TOTAL_STEPS = 100
+
+
 @pytest.fixture
 def make_hub(clock: FakeClock):
     def build(*, batch_size: int = 4, n: int = 2, max_staleness: int = 0, per_lease: int = 2,
@@ -59,9 +65,11 @@ def make_hub(clock: FakeClock):
               greedy_baseline: bool = False) -> Hub:
         config = BufferConfig(max_staleness=max_staleness, lease_timeout_s=lease_timeout_s)
         store = FifoStore() if store is None else store
+        limits = GroupLimits(n=n, vocab_size=VOCAB_SIZE, response_length=RESPONSE_LENGTH,
+                             greedy_baseline=greedy_baseline)
         hub = Hub(config, PromptSource(make_dataset(rows), seed=0), store, log,
-                  batch_size=batch_size, n=n, prompts_per_lease=per_lease,
-                  greedy_baseline=greedy_baseline, clock=clock)
+                  batch_size=batch_size, limits=limits, prompts_per_lease=per_lease,
+                  total_steps=TOTAL_STEPS, clock=clock)
         hub.handle(Attach(generator_id="g0", engine="torch", device="cpu"))
         return hub
     return build

@@ -51,7 +51,7 @@ def test_eta_zero_admits_exactly_one_batch_per_version(make_hub) -> None:
     assert lease(hub).prompts == []  # 4 accepted still fill version 0's budget
     batch = hub.handle(SampleRequest(num_groups=4))
     assert isinstance(batch, SampleBatch) and len(batch.groups) == 4
-    hub.handle(VersionUpdate(version=1))
+    hub.handle(VersionUpdate(version=1, step=1))
     third = lease(hub)
     assert len(third.prompts) == 3 and third.min_version == 1
 
@@ -73,7 +73,7 @@ def test_a_lease_asks_for_the_weights_its_batch_needs_to_be_fresh(make_hub) -> N
     for granted in first:
         answer(hub, granted)
     assert len(hub.handle(SampleRequest(num_groups=2)).groups) == 2
-    hub.handle(VersionUpdate(version=1))
+    hub.handle(VersionUpdate(version=1, step=1))
     assert [lease(hub).min_version for _ in range(2)] == [1, 1]
 
 
@@ -125,9 +125,9 @@ def test_tokens_from_a_future_version_are_malformed(make_hub) -> None:
 def test_stale_groups_are_dropped_before_training(make_hub) -> None:
     hub = make_hub(batch_size=2, per_lease=2, max_staleness=1)
     answer(hub, lease(hub), version=0)
-    hub.handle(VersionUpdate(version=1))
+    hub.handle(VersionUpdate(version=1, step=1))
     answer(hub, lease(hub), version=1)
-    hub.handle(VersionUpdate(version=2))
+    hub.handle(VersionUpdate(version=2, step=2))
     batch = hub.handle(SampleRequest(num_groups=2))
     assert len(batch.groups) == 2 and hub.counts["dropped/stale"] == 2
     assert all(int(g.samples[0].versions[0]) == 1 for g in batch.groups)
@@ -222,7 +222,7 @@ def test_only_version_update_moves_the_learner_version(make_hub) -> None:
 def test_group_stale_on_arrival_is_dropped_and_its_prompt_returns(make_hub) -> None:
     hub = make_hub(batch_size=2, per_lease=2, max_staleness=0)
     granted = lease(hub)
-    hub.handle(VersionUpdate(version=1))
+    hub.handle(VersionUpdate(version=1, step=1))
     acks = answer(hub, granted, version=0)
     assert [(a.verdict, a.accepted) for a in acks] == [("stale", False)] * 2
     assert hub.counts["dropped/stale_on_arrival"] == 2 and hub.source.returned == 2
@@ -241,3 +241,38 @@ def test_a_message_the_buffer_does_not_take_is_answered_unexpected(make_hub) -> 
     reply = hub.handle(Ack(detail="hello"))
     assert isinstance(reply, ErrorReply) and reply.code == "unexpected"
     assert hub.counts["rejected/unexpected_message"] == 1
+
+
+def test_heartbeats_renew_the_leases_of_a_generator_that_makes_progress(make_hub,
+                                                                        clock) -> None:
+    """A lease outlives its timeout while its generator's engine steps (or waits for weights
+    the learner has not published); a generator that heartbeats but stopped generating
+    loses it."""
+    hub = make_hub(batch_size=4, per_lease=2, lease_timeout_s=10.0)
+    granted = lease(hub)
+    busy = 0.0
+    for _ in range(5):  # 40 s of generation, four times the timeout
+        clock.now += 8.0
+        busy += 1.0
+        hub.handle(Heartbeat(generator_id="g0", version=0, generation_seconds=busy))
+        hub.tick()
+    assert hub.leases.running == 2 and hub.counts["prompts/expired"] == 0
+    assert all(a.accepted for a in answer(hub, granted))
+    stuck = lease(hub)
+    for _ in range(2):  # alive, but its engine no longer steps
+        clock.now += 8.0
+        hub.handle(Heartbeat(generator_id="g0", version=0, generation_seconds=busy))
+        hub.tick()
+    assert hub.counts["prompts/expired"] == len(stuck.prompts)
+
+
+def test_a_stalled_buffer_excuses_its_generators_and_leases(make_hub, clock) -> None:
+    """After the buffer itself stood still for 60 s, nobody is silent and no lease expired
+    for that: their heartbeats and groups were waiting in its queue."""
+    hub = make_hub(batch_size=4, per_lease=2, lease_timeout_s=10.0)
+    granted = lease(hub)
+    clock.now += 60.0
+    hub.excuse(60.0)
+    hub.tick()
+    assert hub.counts["prompts/expired"] == 0 and hub.generators == 1
+    assert all(a.accepted for a in answer(hub, granted))

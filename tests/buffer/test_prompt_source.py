@@ -1,6 +1,18 @@
-"""The prompt source cycles epochs and hands returned prompts out first."""
+"""The prompt source cycles epochs, hands returned prompts out first, and resumes: a
+restored source hands out what was not settled, then continues the stream exactly."""
 
-from buffer.prompt_source import PromptSource
+from pathlib import Path
+
+import pytest
+
+from buffer.prompt_source import (
+    BUFFER_CHECKPOINT_FILE,
+    BufferCheckpointError,
+    PromptSource,
+    read_buffer_checkpoint,
+    write_buffer_checkpoint,
+)
+from transport.messages import BufferCheckpoint
 
 from .conftest import make_dataset
 
@@ -28,3 +40,65 @@ def test_returned_prompts_come_first() -> None:
     assert again[0].prompt_id == first[1].prompt_id and again[1].prompt_id == "e0-2"
     assert again[0].messages == [{"role": "user", "content": "What is 1 + 1?"}]
     assert again[0].ground_truth == "2"
+
+
+def ids(prompts) -> list[str]:
+    return [p.prompt_id for p in prompts]
+
+
+@pytest.mark.parametrize("taken", [0, 3, 5, 7, 10, 12])
+def test_a_restored_source_continues_the_stream_exactly(taken: int) -> None:
+    """Mid-epoch, at an epoch's end and past it: the same prompts, ids and shuffles as a
+    source that was never interrupted."""
+    source = PromptSource(make_dataset(5), shuffle=True, seed=4)
+    source.settle(ids(source.take(taken)))
+    state = source.state()
+    restored = PromptSource(make_dataset(5), shuffle=True, seed=4)
+    restored.restore(state)
+    assert ids(restored.take(13)) == ids(source.take(13))
+    assert restored.epoch == source.epoch
+
+
+def test_later_epochs_shuffle_by_seed_and_epoch() -> None:
+    epochs = [ids(PromptSource(make_dataset(8), seed=2).take(24))[8 * e:8 * e + 8]
+              for e in range(3)]
+    orders = [[i.split("-")[1] for i in epoch] for epoch in epochs]
+    assert len({tuple(o) for o in orders}) == 3  # a new permutation each epoch
+
+
+def test_unsettled_prompts_come_back_first_after_a_restore_in_the_order_first_taken() -> None:
+    source = PromptSource(make_dataset(10), shuffle=False)
+    first = source.take(4)  # e0-0 .. e0-3
+    source.give_back([first[2]])
+    source.settle([first[0].prompt_id, first[3].prompt_id])  # trained, or dropped for good
+    assert ids(source.state().pending) == ["e0-1", "e0-2"] and source.returned == 1
+    restored = PromptSource(make_dataset(10), shuffle=False)
+    restored.restore(source.state())
+    again = restored.take(4)
+    assert ids(again) == ["e0-1", "e0-2", "e0-4", "e0-5"]
+    assert again[0] == first[1]  # the whole prompt, messages and answer included
+    assert ids(restored.state().pending) == ["e0-1", "e0-2", "e0-4", "e0-5"]
+
+
+def test_the_buffer_checkpoint_file_round_trips(tmp_path: Path) -> None:
+    source = PromptSource(make_dataset(6), seed=1)
+    source.take(3)
+    saved = BufferCheckpoint(step=7, source=source.state(), accepted=12)
+    write_buffer_checkpoint(tmp_path, saved)
+    loaded = read_buffer_checkpoint(tmp_path)
+    assert (loaded.step, loaded.accepted, loaded.source.epoch) == (7, 12, 0)
+    assert loaded.source.pending == saved.source.pending
+    restored = PromptSource(make_dataset(6), seed=1)
+    restored.restore(loaded.source)
+    assert ids(restored.take(9)) == ids(source.state().pending) + ids(source.take(6))
+
+
+def test_a_missing_or_torn_buffer_checkpoint_is_named(tmp_path: Path) -> None:
+    with pytest.raises(BufferCheckpointError, match="buffer.rec: missing"):
+        read_buffer_checkpoint(tmp_path)
+    source = PromptSource(make_dataset(2))
+    write_buffer_checkpoint(tmp_path, BufferCheckpoint(step=1, source=source.state()))
+    path = tmp_path / BUFFER_CHECKPOINT_FILE
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(BufferCheckpointError, match="buffer.rec: unreadable"):
+        read_buffer_checkpoint(tmp_path)

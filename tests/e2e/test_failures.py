@@ -7,6 +7,8 @@
 - The buffer is killed, or stops cleanly on SIGTERM: the launcher stops everything and
   exits non-zero naming it.
 - Ctrl-C on the launcher: everything stops, exit code 130.
+- The buffer frozen for 35 s: every client retries and the run finishes.
+- Generators frozen: the watchdog ends the run, pointing at generation.
 In every case no process of the run is left behind.
 """
 
@@ -171,4 +173,28 @@ def test_the_watchdog_ends_a_run_that_makes_no_step_and_names_the_stage(
     assert launcher.returncode == 1, output
     assert "no learner step for" in output and "trainer.progress_timeout_s = 30" in output
     assert "generation: the buffer holds" in output
+    assert processes_mentioning(str(run_dir)) == []
+
+
+def test_a_stalled_buffer_does_not_kill_the_run(random_model_dir: Path, run_root: Path,
+                                                tmp_path: Path) -> None:
+    """The buffer frozen (SIGSTOP) for 35 s, longer than any request's timeout: the
+    generators and the learner retry (buffer.client_patience_s) and the run finishes."""
+    args = small_run_overrides(random_model_dir, run_root, steps=12) + [
+        "trainer.val_before_train=false", "trainer.test_freq=-1",
+        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    launcher = start_launcher(args)
+    try:
+        run_dir = first_run_dir(run_root)
+        wait_for(run_dir / "logs" / "gen0.log", r"now generating with weights version [1-9]", 180)
+        buffer = pid_of(run_dir, "buffer.main")
+        os.kill(buffer, signal.SIGSTOP)
+        time.sleep(35)
+        os.kill(buffer, signal.SIGCONT)
+        output, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, output
+    assert "trained 12 steps" in output
     assert processes_mentioning(str(run_dir)) == []

@@ -114,3 +114,20 @@ def test_a_weight_set_that_does_not_fit_changes_nothing(kind: str,
     assert ours.version == 0
     for n, t in weights(ours).items():
         assert torch.equal(t, before[n])
+
+
+@pytest.mark.parametrize("kind", [*OURS, "hf"])
+def test_reseeding_makes_sampling_depend_on_the_seed_alone(kind: str,
+                                                           random_model_dir: Path) -> None:
+    engine = build(kind, random_model_dir)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    prompts = [[1, 271, 201, 273], [1, 271, 201, 24, 25]] * 2
+
+    def sampled(seed: int) -> list[list[int]]:
+        engine.reseed(seed)
+        return [c.token_ids.tolist() for c in engine.generate(prompts, params)]
+
+    first = sampled(7)
+    engine.generate(prompts, params)  # the stream moves on ...
+    assert sampled(7) == first  # ... and a reseed starts it over
+    assert sampled(8) != first

@@ -36,7 +36,8 @@ def endpoint() -> Iterator[str]:
 
 def sender(endpoint: str, scorer=None) -> GroupSender:
     return GroupSender(generator_id="g0", buffer_endpoint=endpoint, scorer=scorer,
-                       counters=Counters(), max_new_tokens=4, overlong=OverlongBufferConfig())
+                       counters=Counters(), max_new_tokens=4, overlong=OverlongBufferConfig(),
+                       patience_s=5.0)
 
 
 def group(rollout_id: str) -> RolloutGroup:

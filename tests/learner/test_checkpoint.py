@@ -1,56 +1,207 @@
-"""Checkpoints hold every trained model with its optimizer: the policy, and the critic (PPO)
-or the implicit PRM (PRIME) where the algorithm has one."""
+"""Checkpoints: written atomically (a folder is complete only once renamed, with its
+``meta.json``), found newest-complete-first with incomplete ones skipped by name, pruned to
+``keep_last`` complete ones, and read back whole: a learner resumed from a checkpoint takes
+the same next step as the learner that wrote it, and one written by two ranks loads at
+one."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import random
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import set_state_dict
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from configs.run_schema import AlgorithmConfig
+from algorithms.kl import KLControlConfig
+from buffer.prompt_source import BUFFER_CHECKPOINT_FILE, read_buffer_checkpoint
+from configs.run_schema import ActorConfig, AlgorithmConfig, OptimConfig
 from generators.torch_engine import TorchEngine
+from learner import checkpoint as checkpoints
 from learner.batch import TrainBatch, collate
-from learner.checkpoint import checkpoint_state, save_checkpoint
+from learner.checkpoint import (
+    CheckpointError,
+    LoopState,
+    latest_checkpoint,
+    load_checkpoint,
+    read_meta,
+    save_checkpoint,
+)
+from learner.update import Learner
 from learner.weights import gather_full_weights
+from transport.messages import BufferCheckpoint, Prompt, PromptSourceState
 
+from ..conftest import free_port, save_random_model
 from .test_update import rollouts
 from .test_update_algorithms import make_learner
 
+pytestmark = pytest.mark.usefixtures("one_rank_group")
+
+# a schedule that moves every step and an adaptive KL controller: state a resume must keep
+ACTOR = ActorConfig(optim=OptimConfig(lr=1e-3, weight_decay=0.0, warmup_style="cosine",
+                                      lr_warmup_steps=3))
+KL_IN_REWARD = AlgorithmConfig(use_kl_in_reward=True,
+                               kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.05,
+                                                       horizon=10, target_kl=0.01))
+BUFFER = BufferCheckpoint(step=2, accepted=8, source=PromptSourceState(
+    epoch=1, loader={"_num_yielded": 3, "generator": torch.arange(8, dtype=torch.uint8)},
+    pending=[Prompt(prompt_id="e1-4", messages=[{"role": "user", "content": "1 + 1?"}],
+                    data_source="arithmetic", ground_truth="2")]))
+
 
 @pytest.fixture(scope="module")
-def batch(random_model_dir: Path) -> TrainBatch:
+def batches(random_model_dir: Path) -> list[TrainBatch]:
     engine = TorchEngine.from_pretrained(str(random_model_dir), dtype=torch.float32,
                                          eos_ids=[2], pad_id=0, seed=5)
-    return collate(rollouts(engine, 1), pad_id=0)
+    return [collate(rollouts(engine, step), pad_id=0) for step in range(3)]
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: CPU kernels then sum in a fixed order, so two equal steps give
+    bitwise equal weights (with more threads a busy machine may change the order)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in gather_full_weights(model, torch.float32).items()}
 
 
-@pytest.mark.usefixtures("one_rank_group")
+def moments(learner: Learner) -> list[torch.Tensor]:
+    return [s["exp_avg"].full_tensor().clone() for s in learner.optimizer.state.values()]
+
+
+def save(learner: Learner, folder: Path, step: int, keep_last: int = 2) -> Path:
+    return save_checkpoint(learner, folder, LoopState(step=step, version=step), keep_last=keep_last,
+                           buffer=BUFFER, mlflow_run_id="run-1")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_resumed_learner_takes_the_same_next_step(random_model_dir: Path, tmp_path: Path,
+                                                     batches: list[TrainBatch]) -> None:
+    torch.manual_seed(11)
+    random.seed(11)
+    trained = make_learner(random_model_dir, actor=ACTOR, algorithm=KL_IN_REWARD)
+    for batch in batches[:2]:
+        trained.step(batch)
+    folder = save_checkpoint(trained, tmp_path, LoopState(step=2, version=2,
+                                                          unpublished_update=True),
+                             keep_last=2, buffer=BUFFER, mlflow_run_id="run-1")
+    draws = (torch.rand(3), random.random())
+    saved_weights, saved_moments = full_weights(trained.model), moments(trained)
+    saved_lr, saved_kl = trained.scheduler.get_last_lr(), trained.kl_ctrl.value
+    uninterrupted = trained.step(batches[2])
+
+    torch.manual_seed(99)  # a fresh process: other random states
+    random.seed(99)
+    resumed = make_learner(random_model_dir, actor=ACTOR, algorithm=KL_IN_REWARD)
+    meta = load_checkpoint(resumed, folder)
+    assert meta.loop == LoopState(step=2, version=2, unpublished_update=True)
+    assert meta.mlflow_run_id == "run-1" and meta.parts == ["policy"]
+    assert torch.equal(torch.rand(3), draws[0]) and random.random() == draws[1]  # RNG states
+    loaded = full_weights(resumed.model)
+    assert all(torch.equal(loaded[k], saved_weights[k]) for k in saved_weights)
+    assert all(torch.equal(a, b) for a, b in zip(moments(resumed), saved_moments, strict=True))
+    assert resumed.scheduler.get_last_lr() == saved_lr != [1e-3]
+    assert resumed.kl_ctrl.value == saved_kl != 0.05
+    assert resumed.steps_done == 2
+    assert read_buffer_checkpoint(folder).source.pending[0].prompt_id == "e1-4"
+
+    again = resumed.step(batches[2])
+    assert again.metrics == uninterrupted.metrics
+    after = full_weights(resumed.model)
+    assert all(torch.equal(after[k], v) for k, v in full_weights(trained.model).items())
+
+
+def test_a_checkpoint_is_complete_only_once_renamed(random_model_dir: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    learner = make_learner(random_model_dir)
+    save(learner, tmp_path, step=1)
+
+    def crash(_folder: Path) -> None:  # everything is written but meta.json
+        raise OSError("disk full")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(checkpoints, "_fsync_tree", crash)
+        with pytest.raises(OSError):
+            save(learner, tmp_path, step=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2.tmp"]
+    assert sorted(p.name for p in (tmp_path / "step-2.tmp").iterdir()) == [
+        BUFFER_CHECKPOINT_FILE, "dcp", "hf", "rng"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-1"
+
+    save(learner, tmp_path, step=2)  # the same step again: the leftover is replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2"]
+    assert not list(tmp_path.rglob("*.partial"))
+    assert sorted(p.name for p in (tmp_path / "step-2").iterdir()) == [
+        BUFFER_CHECKPOINT_FILE, "dcp", "hf", "meta.json", "rng"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-2"
+
+
+def test_incomplete_checkpoints_are_skipped_by_name(random_model_dir: Path, tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    learner = make_learner(random_model_dir)
+    good = save(learner, tmp_path, step=2, keep_last=5)
+    for name in ("step-3.tmp", "step-4", "step-5", "step-6"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step-5" / "meta.json").write_text(json.dumps({"step": 5, "version": 5}))
+    (tmp_path / "step-6" / "meta.json").write_text("{\"format\": 1, \"loop\": ")  # torn
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(tmp_path) == good
+    skipped = caplog.text
+    assert "step-3.tmp: incomplete, its writing did not finish" in skipped
+    assert "step-4: incomplete, no meta.json" in skipped
+    assert "step-5/meta.json: written by another version of Relay" in skipped
+    assert "step-6/meta.json: unreadable" in skipped
+    assert latest_checkpoint(tmp_path / "nothing-here") is None
+
+
+def test_keep_last_counts_complete_checkpoints_and_drops_an_abandoned_future(
+        random_model_dir: Path, tmp_path: Path) -> None:
+    learner = make_learner(random_model_dir)
+    (tmp_path / "step-0.tmp").mkdir(parents=True)
+    for step in (1, 2, 3, 4):
+        save(learner, tmp_path, step=step, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0.tmp", "step-3", "step-4"]
+    save(learner, tmp_path, step=3, keep_last=2)  # resumed from an earlier checkpoint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0.tmp", "step-3"]
+    assert read_meta(tmp_path / "step-3").loop.step == 3
+
+
+def test_a_checkpoint_of_another_algorithm_or_model_is_refused(
+        random_model_dir: Path, tmp_path: Path) -> None:
+    folder = save(make_learner(random_model_dir), tmp_path / "grpo", step=1)
+    ppo = make_learner(random_model_dir, algorithm=AlgorithmConfig(adv_estimator="gae"))
+    with pytest.raises(CheckpointError, match="holds policy but this run trains policy, "
+                                              "critic"):
+        load_checkpoint(ppo, folder)
+    wider = save_random_model(tmp_path / "wider", hidden=96)
+    with pytest.raises(CheckpointError, match="do not fit this run's models"):
+        load_checkpoint(make_learner(wider), folder)
+
+
 @pytest.mark.parametrize("estimator, part", [("gae", "critic"), ("prime", "prm")])
-def test_the_critic_and_the_prm_are_saved_with_their_optimizers(
-        random_model_dir: Path, batch: TrainBatch, tmp_path: Path, estimator: str,
+def test_the_critic_and_the_prm_are_saved_and_loaded_with_their_optimizers(
+        random_model_dir: Path, batches: list[TrainBatch], tmp_path: Path, estimator: str,
         part: str) -> None:
     algorithm = AlgorithmConfig(adv_estimator=estimator)
     trained = make_learner(random_model_dir, algorithm=algorithm)
     untrained = full_weights(getattr(trained, part).model)
-    trained.step(batch)
+    trained.step(batches[0])
     saved = full_weights(getattr(trained, part).model)
     assert any(not torch.equal(saved[k], untrained[k]) for k in saved)
-    target = save_checkpoint(trained, tmp_path, step=1, version=1, keep_last=2)
+    folder = save(trained, tmp_path, step=1)
 
     fresh = make_learner(random_model_dir, algorithm=algorithm)
-    state = checkpoint_state(fresh)
-    assert {"model", "optim", part} <= state.keys()
-    dcp.load(state, checkpoint_id=str(target / "dcp"))
+    assert load_checkpoint(fresh, folder).parts == ["policy", part]
     module = getattr(fresh, part)
-    set_state_dict(module.model, module.optimizer, model_state_dict=state[part]["model"],
-                   optim_state_dict=state[part]["optim"])
     loaded = full_weights(module.model)
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
     trained_moments = [s["exp_avg"] for s in getattr(trained, part).optimizer.state.values()]
@@ -58,3 +209,40 @@ def test_the_critic_and_the_prm_are_saved_with_their_optimizers(
     assert len(loaded_moments) == len(trained_moments) > 0
     assert all(torch.equal(a.full_tensor(), b.full_tensor())
                for a, b in zip(loaded_moments, trained_moments))
+    assert module.scheduler.state_dict() == getattr(trained, part).scheduler.state_dict()
+
+
+def save_from_two_ranks(rank: int, port: int, model_dir: str, batch_file: str, folder: str,
+                        out_file: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        learner = make_learner(Path(model_dir), actor=ACTOR)
+        learner.step(torch.load(batch_file, weights_only=False))
+        save_checkpoint(learner, Path(folder), LoopState(step=1, version=1), keep_last=2,
+                        buffer=BUFFER if rank == 0 else None)
+        weights = gather_full_weights(learner.model, torch.float32)
+        exp_avg = [s["exp_avg"].full_tensor() for s in learner.optimizer.state.values()]
+        if rank == 0:
+            torch.save({"weights": weights, "moments": exp_avg}, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_checkpoint_of_two_ranks_loads_at_one(random_model_dir: Path, tmp_path: Path,
+                                                batches: list[TrainBatch]) -> None:
+    torch.save(batches[0], tmp_path / "batch.pt")
+    mp.start_processes(save_from_two_ranks, nprocs=2, start_method="spawn",
+                       args=(free_port(), str(random_model_dir), str(tmp_path / "batch.pt"),
+                             str(tmp_path / "checkpoints"), str(tmp_path / "saved.pt")))
+    saved = torch.load(tmp_path / "saved.pt", weights_only=False)
+    folder = latest_checkpoint(tmp_path / "checkpoints")
+    assert sorted(p.name for p in (folder / "rng").iterdir()) == ["rank-0.json", "rank-1.json"]
+
+    resumed = make_learner(random_model_dir, actor=ACTOR)
+    meta = load_checkpoint(resumed, folder)
+    assert meta.world_size == 2 and resumed.steps_done == 1
+    loaded = full_weights(resumed.model)
+    assert all(torch.equal(loaded[k], v) for k, v in saved["weights"].items())
+    assert all(torch.equal(a, b) for a, b in zip(moments(resumed), saved["moments"],
+                                                 strict=True))

@@ -1,7 +1,14 @@
 """Resolve what a launch would do: both configs checked, the run directory, the process plan.
 
 ``resolve_launch`` refuses a bad topology, run config or override before anything starts;
-``dry_run_report`` prints the result for ``tools/launch-cluster.py --dry-run``.
+``resolve_resume`` does the same for ``--resume RUN_DIR`` from the configs stored in that run
+directory; ``dry_run_report`` prints the result for ``tools/launch-cluster.py --dry-run``.
+
+Resuming is decided here, once, for every process of the run: ``trainer.resume_mode =
+"auto"`` becomes ``"resume_path"`` with the newest complete checkpoint of the checkpoint dir
+(``learner.checkpoint.latest_checkpoint``), or ``"disable"`` when there is none; a
+checkpoint to resume from must be complete, hold the buffer's state and the trained parts
+of this run's algorithm, or the launch is refused naming it.
 """
 
 from __future__ import annotations
@@ -14,11 +21,14 @@ import msgspec
 
 from algorithms.rewards.registry import UnknownDataSourceError, check_data_sources
 from buffer.dataset import DatasetError, load_prompt_rows
+from buffer.prompt_source import BufferCheckpointError
 from configs.checks import load_run_config, load_topology
-from configs.loader import ConfigError
+from configs.loader import COMMAND_LINE, ConfigError
 from configs.run_schema import RunConfig
+from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, checkpoint_dir, is_run_dir
 from configs.topology_schema import Topology
 from launcher.plan import ProcessSpec, build_plan, new_run_dir
+from learner.checkpoint import CheckpointError, check_resumable, latest_checkpoint
 
 
 class ResolvedLaunch(msgspec.Struct, kw_only=True, frozen=True):
@@ -39,9 +49,57 @@ def resolve_launch(topology_file: str, run_file: str, topology_overrides: Sequen
     run = load_run_config(run_file, run_overrides)
     check_validation_data(run, run_file)
     run_dir = new_run_dir(run)
+    run = resolve_resume_mode(run, run_dir, run_file)
     return ResolvedLaunch(topology_file=topology_file, run_file=run_file, topology=topology,
                           run=run, run_dir=run_dir,
                           processes=build_plan(topology, run, run_dir))
+
+
+def resolve_resume(run_dir: str | Path, topology_overrides: Sequence[str] = (),
+                   run_overrides: Sequence[str] = ()) -> ResolvedLaunch:
+    """``--resume RUN_DIR``: the run directory's resolved configs, with overrides, resuming
+    from its newest complete checkpoint (``trainer.resume_mode = "auto"``), or from the one
+    the overrides name (``trainer.resume_mode=resume_path trainer.resume_from_path=...``)."""
+    run_dir = Path(run_dir).resolve()
+    if not is_run_dir(run_dir):
+        raise ConfigError(str(run_dir), "", f"not a run directory: --resume needs the folder "
+                                            f"a launch wrote ({RESOLVED_RUN} and "
+                                            f"{RESOLVED_TOPOLOGY} beside logs/)")
+    topology_file, run_file = str(run_dir / RESOLVED_TOPOLOGY), str(run_dir / RESOLVED_RUN)
+    topology = load_topology(topology_file, topology_overrides)
+    run = load_run_config(run_file, run_overrides)
+    check_validation_data(run, run_file)
+    if not any(o.startswith("trainer.resume_") for o in run_overrides):
+        auto = msgspec.structs.replace(run.trainer, resume_mode="auto", resume_from_path="")
+        run = msgspec.structs.replace(run, trainer=auto)
+    if run.trainer.resume_mode == "disable":
+        raise ConfigError(COMMAND_LINE, "trainer.resume_mode",
+                          "'disable' with --resume would start the run afresh; drop it")
+    run = resolve_resume_mode(run, run_dir, run_file)
+    if run.trainer.resume_mode != "resume_path":
+        raise ConfigError(str(run_dir), "", f"no complete checkpoint in "
+                                            f"{checkpoint_dir(run, run_dir)} to resume from "
+                                            "(they are written every trainer.save_freq steps)")
+    return ResolvedLaunch(topology_file=topology_file, run_file=run_file, topology=topology,
+                          run=run, run_dir=run_dir, processes=build_plan(topology, run, run_dir))
+
+
+def resolve_resume_mode(run: RunConfig, run_dir: Path, source: str) -> RunConfig:
+    """``run`` with ``trainer.resume_mode`` decided (module docstring)."""
+    trainer = run.trainer
+    if trainer.resume_mode == "disable":
+        return run
+    checkpoint = Path(trainer.resume_from_path) if trainer.resume_mode == "resume_path" \
+        else latest_checkpoint(checkpoint_dir(run, run_dir))  # logs what it skips
+    if checkpoint is None:
+        return msgspec.structs.replace(run, trainer=msgspec.structs.replace(
+            trainer, resume_mode="disable"))
+    try:
+        check_resumable(checkpoint, run)
+    except (CheckpointError, BufferCheckpointError) as exc:
+        raise ConfigError(source, "trainer.resume_from_path", str(exc)) from exc
+    return msgspec.structs.replace(run, trainer=msgspec.structs.replace(
+        trainer, resume_mode="resume_path", resume_from_path=str(checkpoint)))
 
 
 def check_validation_data(run: RunConfig, source: str) -> None:
@@ -69,6 +127,7 @@ def dry_run_report(resolved: ResolvedLaunch) -> str:
         f"# Resolved run config (from {resolved.run_file})",
         run_toml,
         f"# Run directory: {resolved.run_dir}",
+        f"# Resuming from: {resolved.run.trainer.resume_from_path or 'nothing (a fresh start)'}",
         f"# Processes ({len(resolved.processes)}):",
     ]
     width = max(len(p.name) for p in resolved.processes)

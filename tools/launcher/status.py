@@ -2,10 +2,14 @@
 
 Interactive terminals get one line rewritten in place; logs (no tty) get the same line
 every ``LOG_EVERY_S`` seconds. Notes (a generator died...) always get a line of their own.
+Any process on the metrics address may send anything a ``Metrics`` message can hold, so
+every value is shown through ``count`` or ``number``: NaN, infinities and absurd magnitudes
+read as "?" and never raise.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -13,6 +17,17 @@ from transport.messages import Metrics
 
 LOG_EVERY_S = 10.0
 RENDER_EVERY_S = 0.5
+MAX_SHOWN = 1e15  # larger magnitudes are no metric of a real run: shown as "?"
+
+
+def count(value: float) -> int:
+    """A gauge as a count: 0 for anything not a finite number below ``MAX_SHOWN``."""
+    return int(value) if math.isfinite(value) and abs(value) < MAX_SHOWN else 0
+
+
+def number(value: float, spec: str) -> str:
+    """``value`` formatted with ``spec``, or "?" when not finite or beyond ``MAX_SHOWN``."""
+    return format(value, spec) if math.isfinite(value) and abs(value) < MAX_SHOWN else "?"
 
 
 class StatusBoard:
@@ -34,25 +49,21 @@ class StatusBoard:
             self.buffer.update(message.values)
 
     def generators_attached(self) -> int:
-        return int(self.buffer.get("buffer/generators", 0))
+        return count(self.buffer.get("buffer/generators", 0.0))
 
     def line(self) -> str:
         learner, buffer = self.learner, self.buffer
         minutes, seconds = divmod(int(time.monotonic() - self.started), 60)
         parts = [f"{minutes:02d}:{seconds:02d}", f"step {self.step}/{self.total_steps}",
-                 f"v{int(learner.get('version', 0))}"]
-        if "rollout/reward_mean" in learner:
-            parts.append(f"reward {learner['rollout/reward_mean']:.3f}")
-        if "eval/accuracy" in learner:
-            parts.append(f"acc {learner['eval/accuracy']:.1%}")
-        if "staleness/mean" in learner:
-            parts.append(f"stale {learner['staleness/mean']:.2f}")
-        if "perf/generator_tokens_per_s" in learner:
-            parts.append(f"gen {learner['perf/generator_tokens_per_s']:.0f} tok/s")
-        if "perf/learner_tokens_per_s" in learner:
-            parts.append(f"learn {learner['perf/learner_tokens_per_s']:.0f} tok/s")
+                 f"v{count(learner.get('version', 0.0))}"]
+        shown = (("rollout/reward_mean", "reward {}", ".3f"), ("eval/accuracy", "acc {}", ".1%"),
+                 ("staleness/mean", "stale {}", ".2f"),
+                 ("perf/generator_tokens_per_s", "gen {} tok/s", ".0f"),
+                 ("perf/learner_tokens_per_s", "learn {} tok/s", ".0f"))
+        parts += [text.format(number(learner[key], spec)) for key, text, spec in shown
+                  if key in learner]
         parts.append(f"generators {self.generators_attached()}")
-        parts.append(f"buffered {int(buffer.get('buffer/occupancy', 0))}")
+        parts.append(f"buffered {count(buffer.get('buffer/occupancy', 0.0))}")
         return " | ".join(parts)
 
     def render(self) -> None:

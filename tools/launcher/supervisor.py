@@ -9,7 +9,9 @@ Order of events:
 3. watch: a live status line from the metrics the processes push; a generator may die
    (the run goes on while one is attached), and so may the evaluator (the run goes on
    without held-out evaluation, and the launcher says so), an essential process may not,
-   not even cleanly: the buffer exiting 0 before the learner is done ends the run too; a
+   not even cleanly: the buffer exiting 0 before the learner's last step ends the run too
+   (after it, the buffer leaves once the generators have; the learner may still wait
+   for the last held-out evaluation); a
    run that makes no learner step for ``trainer.progress_timeout_s`` is ended by the
    watchdog (``launcher.watchdog``), naming the stage that holds it up;
 4. stop: when the learner finishes (exit 0), or on Ctrl-C, or when an essential process
@@ -224,8 +226,9 @@ class Supervisor:
                 reported_dead.add(proc.spec.name)
                 if proc.spec.role == "learner" and code == 0:
                     learner_done_at = learner_done_at or now
-                elif proc.spec.essential and learner_done_at is None:
-                    return self._died(proc, code)  # even exit code 0: the run is not over
+                elif proc.spec.essential and learner_done_at is None and (
+                        code != 0 or self.board.step < self.run.trainer.total_training_steps):
+                    return self._died(proc, code)  # exit code 0 too, unless the run is over
                 elif proc.spec.role == "generator" and code != 0 and learner_done_at is None:
                     self.board.note(f"generator {proc.spec.name} died ({describe_exit(code)}); "
                                     f"training goes on. Log: {proc.log}")

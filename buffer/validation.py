@@ -1,0 +1,124 @@
+"""What the hub checks before a message may change its state.
+
+``group_problem`` judges a whole ``RolloutGroup`` before the hub takes its prompt off the
+lease: the number of samples the lease asked for, the dtypes the wire promises (int32 token
+ids and versions, float32 log-probs: float8, float16 or int64 tensors decode fine but are
+refused here), 1-D shapes that agree, token ids inside the model's vocabulary, responses
+no longer than ``rollout.response_length``, finite rewards, log-probs <= 0, and token
+versions the learner has published. It answers every decoded group, whatever its tensors
+hold, with a reason or "", and never raises: a bad group is refused whole and its prompt
+goes back to the pool.
+
+``sample_request_problem`` and ``version_problem`` judge the learner's requests: a batch of
+1 to ``data.train_batch_size`` groups; versions and steps that only go forward, at most one
+version per learner step, no step past ``trainer.total_training_steps``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import torch
+
+from buffer.staleness import oldest_version
+from transport.messages import RolloutGroup, Sample, SampleRequest, VersionUpdate
+
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "prompt_ids": torch.int32, "response_ids": torch.int32,
+    "logprobs": torch.float32, "versions": torch.int32}
+"""The dtype of each tensor of a ``Sample`` (``transport.messages.Sample``)."""
+TOKEN_FIELDS = ("prompt_ids", "response_ids")
+LOGPROB_SLACK = 1e-4  # log-probs a little above 0 are rounding, not a bug
+
+
+class GroupLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What a sound group fits: ``n`` samples (what the lease asked for), responses of at
+    most ``response_length`` tokens (``rollout.response_length``), token ids below
+    ``vocab_size`` (the model's), and with ``greedy_baseline`` (ReMax) a finite
+    ``baseline_reward``."""
+
+    n: int
+    vocab_size: int
+    response_length: int
+    greedy_baseline: bool = False
+
+
+def group_problem(group: RolloutGroup, limits: GroupLimits, learner_version: int) -> str:
+    """Why ``group`` cannot be trained on, or "" when it is sound."""
+    if len(group.samples) != limits.n:
+        return f"{len(group.samples)} samples, the lease asked for {limits.n}"
+    if limits.greedy_baseline and (group.baseline_reward is None
+                                   or not math.isfinite(group.baseline_reward)):
+        return (f"baseline_reward is {group.baseline_reward}; the lease asked for the greedy "
+                "response's reward (ReMax's baseline)")
+    for i, sample in enumerate(group.samples):
+        problem = sample_problem(sample, limits)
+        if problem:
+            return f"sample {i}: {problem}"
+    newest = max(int(s.versions.max()) for s in group.samples)
+    if oldest_version(group) < 0 or newest > learner_version:
+        return (f"token versions span [{oldest_version(group)}, {newest}] but the learner is "
+                f"at version {learner_version}")
+    return ""
+
+
+def sample_problem(sample: Sample, limits: GroupLimits) -> str:
+    """Why one sample is unsound, or ""."""
+    for name, dtype in WIRE_DTYPES.items():
+        tensor: torch.Tensor = getattr(sample, name)
+        if tensor.dtype != dtype:
+            return f"{name} is {dtype_name(tensor.dtype)}; it must be {dtype_name(dtype)}"
+    if sample.prompt_ids.dim() != 1 or sample.response_ids.dim() != 1 \
+            or sample.prompt_ids.numel() == 0:
+        return "prompt and response ids must be non-empty 1-D tensors"
+    length = sample.response_ids.numel()
+    if length == 0:
+        return "empty response"
+    if length > limits.response_length:
+        return (f"{length} response tokens, more than rollout.response_length = "
+                f"{limits.response_length}")
+    if sample.logprobs.shape != (length,) or sample.versions.shape != (length,):
+        return (f"{length} response tokens but logprobs {tuple(sample.logprobs.shape)} and "
+                f"versions {tuple(sample.versions.shape)}")
+    for name in TOKEN_FIELDS:
+        ids: torch.Tensor = getattr(sample, name)
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= limits.vocab_size:
+            return (f"{name} span [{low}, {high}], outside the model's vocabulary "
+                    f"[0, {limits.vocab_size})")
+    if not bool(sample.logprobs.isfinite().all()) or bool((sample.logprobs > LOGPROB_SLACK).any()):
+        return "log-probs must be finite and <= 0"
+    if not math.isfinite(sample.reward):
+        return f"reward {sample.reward} is not finite"
+    bad_info = sorted(k for k, v in sample.reward_info.items() if not math.isfinite(v))
+    if bad_info:
+        return f"reward_info {', '.join(bad_info)} not finite"
+    return ""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def sample_request_problem(msg: SampleRequest, batch_size: int) -> str:
+    """Why the learner's batch request is out of range, or ""."""
+    if not 1 <= msg.num_groups <= batch_size:
+        return (f"num_groups = {msg.num_groups}: a batch holds 1 to {batch_size} groups "
+                "(data.train_batch_size)")
+    return ""
+
+
+def version_problem(msg: VersionUpdate, *, version: int, step: int, total_steps: int) -> str:
+    """Why a version update cannot be true, or "", given the learner's last ``version``
+    and ``step`` and the run's ``total_steps``. The learner publishes at most once per step
+    (steps count from 1), so a version never exceeds its step."""
+    if msg.version < version or msg.step < step:
+        return (f"version {msg.version} after step {msg.step} goes back from version "
+                f"{version} after step {step}")
+    if msg.step > total_steps:
+        return f"step {msg.step} is past trainer.total_training_steps = {total_steps}"
+    if msg.version > msg.step:
+        return (f"version {msg.version} after step {msg.step}: the learner publishes at most "
+                "one version per step")
+    return ""
