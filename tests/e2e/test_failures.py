@@ -150,6 +150,7 @@ def test_ctrl_c_stops_everything(random_model_dir: Path, run_root: Path,
     assert processes_mentioning(str(run_dir)) == []
 
 
+@pytest.mark.slow  # over a minute each: the slow tier
 def test_the_watchdog_ends_a_run_that_makes_no_step_and_names_the_stage(
         random_model_dir: Path, run_root: Path, tmp_path: Path) -> None:
     """Both generators frozen (SIGSTOP) after the first step: the learner waits for
@@ -176,6 +177,7 @@ def test_the_watchdog_ends_a_run_that_makes_no_step_and_names_the_stage(
     assert processes_mentioning(str(run_dir)) == []
 
 
+@pytest.mark.slow  # over a minute each: the slow tier
 def test_a_stalled_buffer_does_not_kill_the_run(random_model_dir: Path, run_root: Path,
                                                 tmp_path: Path) -> None:
     """The buffer frozen (SIGSTOP) for 35 s, longer than any request's timeout: the
