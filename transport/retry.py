@@ -41,6 +41,7 @@ def patient_request(client: Client, message: Message, timeout_s: float, patience
                     max_pause_s: float = MAX_PAUSE_S, **request_kwargs: Any) -> Message:
     """``client.request(message, timeout_s)``, retried through ``PeerTimeout`` for up to
     ``patience_s`` (a set ``stop`` ends the waiting early with the last ``PeerTimeout``)."""
+    stop = stop or threading.Event()  # never set: the pauses are plain sleeps
     began = time.monotonic()
     pause, tries = first_pause_s, 0
     what = type(message).__name__
@@ -50,14 +51,10 @@ def patient_request(client: Client, message: Message, timeout_s: float, patience
             reply = client.request(message, timeout_s, **request_kwargs)
         except PeerTimeout:
             waited = time.monotonic() - began
-            if waited + pause >= patience_s or (stop is not None and stop.is_set()):
+            if waited + pause >= patience_s or stop.wait(pause):
                 raise PeerGone(client.endpoint, what, patience_s, tries) from None
-            logger.warning("no reply from %s to %s for %.0f s; retrying in %.0f s (giving up "
-                           "after %.0f s)", client.endpoint, what, waited, pause, patience_s)
-            if stop is not None and stop.wait(pause):
-                raise PeerGone(client.endpoint, what, patience_s, tries) from None
-            if stop is None:
-                time.sleep(pause)
+            logger.warning("no reply from %s to %s for %.0f s; retried after %.0f s (giving "
+                           "up after %.0f s)", client.endpoint, what, waited, pause, patience_s)
             pause = min(pause * 2, max_pause_s)
             continue
         if tries > 1:

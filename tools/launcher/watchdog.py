@@ -17,9 +17,7 @@ the first step (model loading and the first batch included) and from each step a
 
 from __future__ import annotations
 
-import math
-
-from launcher.status import StatusBoard
+from launcher.status import StatusBoard, count
 
 
 class ProgressWatchdog:
@@ -47,12 +45,12 @@ class ProgressWatchdog:
         if not buffer:
             return "the buffer has reported nothing (is it serving?)"
         generators = board.generators_attached()
-        stored = _count(buffer.get("buffer/occupancy", 0.0))
+        stored = count(buffer.get("buffer/occupancy", 0.0))
         if generators == 0:
             return "no generator is attached to the buffer"
         if stored < self.batch_groups:
             rate = buffer.get("buffer/generator_tokens_per_s", 0.0)
-            gated = _count(buffer.get("buffer/leases/gated", 0.0))
+            gated = count(buffer.get("buffer/leases/gated", 0.0))
             return (f"generation: the buffer holds {stored} of the {self.batch_groups} groups "
                     f"a batch needs; {generators} generator(s) attached making "
                     f"{rate:.0f} tokens/s, {gated} lease requests gated so far by the "
@@ -60,7 +58,3 @@ class ProgressWatchdog:
         return (f"the learner: the buffer holds {stored} groups, enough for a batch, so the "
                 "learner's update or a collective is stuck (see its log)")
 
-
-def _count(value: float) -> int:
-    """A gauge as a count; anything not finite reads as 0."""
-    return int(value) if math.isfinite(value) else 0
