@@ -28,8 +28,12 @@ no honest learner sends (``buffer.validation``) are refused as ``bad_request``, 
 rollout group is judged whole before its prompt leaves the lease.
 
 Every sound, fresh group goes to the rollout log whole, before the store's filters, with
-what they did in ``metadata["buffer_admission"]``: an offline replay sees everything the
-generators produced and can tell what was trained on. A dropped group is not accepted: it
+what they did in ``metadata["buffer_admission"]``, and every batch served goes there as a
+``StepRecord`` under the learner step it was asked for: an offline replay
+(``learner.replay``) sees everything the generators produced and knows what each step
+trained on. The log is synced to disk whenever the learner writes a checkpoint. A batch
+request repeated for the step last served (the learner's retry after a lost reply) gets
+the same batch again, so a lost reply loses no groups. A dropped group is not accepted: it
 frees its admission slot, so a replacement is leased. A filter that cannot go on
 (``ReplayFilterError``) ends the run: ``Hub.failure`` says why and ``buffer.main`` exits 1.
 """
@@ -47,9 +51,9 @@ from buffer.dynamic_sampling import ReplayFilterError
 from buffer.leases import LeaseBook
 from buffer.prompt_source import PromptSource
 from buffer.registry import Registry
-from buffer.rollout_log import RolloutLogWriter
+from buffer.rollout_log import RolloutLogWriter, StepRecord
 from buffer.staleness import lease_capacity, lease_min_version, staleness
-from buffer.store import Admission, ReplayStore
+from buffer.store import Admission, ReplayStore, Taken
 from buffer.validation import (
     GroupLimits,
     group_problem,
@@ -145,6 +149,7 @@ class Hub:
         self._untrained: dict[str, Prompt] = {}  # groups stored, never trained: prompts
         self._accounting_ok = True
         self._recent_ids: OrderedDict[str, None] = OrderedDict()
+        self._served: tuple[int, SampleBatch] | None = None  # the last batch and its step
         self._token_history: deque[tuple[float, int]] = deque()
         self._handlers: dict[type[Message], Callable[[Message], Message]] = {
             Attach: self._attach, Heartbeat: self._heartbeat, Detach: self._detach,
@@ -290,9 +295,13 @@ class Hub:
                          group.rollout_id, admission.reason or "stored", exc)
 
     def _sample(self, msg: SampleRequest) -> Message:
-        problem = sample_request_problem(msg, self.batch_size)
+        problem = sample_request_problem(msg, self.batch_size, self.total_steps)
         if problem:
             return self._bad_request(msg, problem)
+        if self._served is not None and msg.step and msg.step == self._served[0]:
+            logger.info("the learner asked again for step %d's batch (the reply was lost); "
+                        "sent again", msg.step)
+            return self._served[1]
         if msg.priorities:
             try:
                 self.store.update_priorities(msg.priorities)
@@ -308,10 +317,27 @@ class Hub:
             self.counts["dropped/stale"] += len(taken.dropped_stale)
             self.source.give_back([prompt for g in taken.dropped_stale  # regenerate them
                                    if (prompt := self._untrained.pop(g.rollout_id, None))])
+        batch = SampleBatch(groups=taken.groups, weights=taken.weights, buffer_stats=self.stats(),
+                            retry_after_s=0.0 if taken.groups else RETRY_AFTER_S)
         if taken.groups:
             self.counts["groups/served"] += len(taken.groups)
-        return SampleBatch(groups=taken.groups, weights=taken.weights, buffer_stats=self.stats(),
-                           retry_after_s=0.0 if taken.groups else RETRY_AFTER_S)
+            self._served = (msg.step, batch)
+            self._log_step(msg.step, taken)
+        return batch
+
+    def _log_step(self, step: int, taken: Taken) -> None:
+        """Record what learner ``step`` is served (a learner that does not say its step,
+        0, is not recorded); a failed write is counted and logged, as for groups."""
+        if self.log is None or not step:
+            return
+        record = StepRecord(step=step, version=self.learner_version,
+                            rollout_ids=[g.rollout_id for g in taken.groups],
+                            weights=list(taken.weights))
+        try:
+            self.log.append_step(record)
+        except OSError as exc:
+            self.counts["rollout_log/write_errors"] += 1
+            logger.error("rollout log: the batch of step %d could not be recorded: %s", step, exc)
 
     def _version(self, msg: VersionUpdate) -> Message:
         problem = version_problem(msg, version=self.learner_version, step=self.learner_step,
@@ -325,8 +351,20 @@ class Hub:
         """What a restarted buffer needs (``buffer.prompt_source``, resuming). The groups
         stored and never trained on are discarded on resume (their prompts are pending), so
         they leave the count of accepted groups that the lease gate starts from."""
+        self._sync_log()
         return BufferCheckpoint(step=msg.step, source=self.source.state(),
                                 accepted=self.accepted - len(self._untrained))
+
+    def _sync_log(self) -> None:
+        """Make the rollout log durable up to this checkpoint; a failure is counted and
+        logged (the checkpoint itself does not depend on it)."""
+        if self.log is None:
+            return
+        try:
+            self.log.sync()
+        except OSError as exc:
+            self.counts["rollout_log/write_errors"] += 1
+            logger.error("rollout log: could not be synced to disk at a checkpoint: %s", exc)
 
     def _shutdown(self, msg: Shutdown) -> Message:
         logger.info("the learner ended the run: %s", msg.reason)

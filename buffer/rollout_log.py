@@ -1,16 +1,30 @@
-"""The append-only rollout log: every accepted group, on disk, for offline replay.
+"""The append-only rollout log: every group the buffer admitted, and what each learner step
+was served, on disk, for offline replay (``tools/replay-rollouts.py``).
 
-A log is a folder of segment files ``segment-000000.rlog``, ``segment-000001.rlog``, ...
-Each holds ``transport.records`` records back to back, one per ``RolloutGroup``, encoded
-with the wire codec (msgspec + raw tensor frames), so a reader needs nothing but Relay. A
-segment is closed and a new one begun past ``segment_bytes``. Records are flushed as
-written; a crash can leave at most the last record of the last segment torn, which the
-reader reports and skips.
+A log is a folder. Groups go to segment files ``segment-000000.rlog``,
+``segment-000001.rlog``, ...: ``transport.records`` records back to back, one per
+``RolloutGroup``, encoded with the wire codec (msgspec + raw tensor frames), so a reader
+needs nothing but Relay. A segment is closed and a new one begun past ``segment_bytes``, and
+every writer (a restarted buffer) begins a new one. What each learner step consumed goes to
+``steps.rlog``: one ``StepRecord`` per batch served (the groups by rollout id, in order, and
+their importance weights); the samples a step trained on are those of the logged group that
+the store kept (``metadata["buffer_admission"]["kept_samples"]``).
+
+Durability: records are flushed as written and the files fsynced whenever the learner
+writes a checkpoint (``RolloutLogWriter.sync``), so a replay from any checkpoint finds what
+followed it up to the crash. A write that fails part-way is cut back off the file, so later
+records never sit behind a torn one; a crash can still leave the last record of a file torn,
+which the readers report with its file and byte offset (``LogProblem``) and skip.
+
+Steps replayed after a resume: the resumed run serves steps after its checkpoint again, so a
+step record for step s makes every earlier record for steps >= s void (``read_steps``): the
+log then describes the lineage of the weights that were kept.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -24,6 +38,7 @@ from transport.records import RecordError, pack, unpack_from
 logger = logging.getLogger(__name__)
 
 SEGMENT_GLOB = "segment-*.rlog"
+STEPS_FILE = "steps.rlog"
 DEFAULT_SEGMENT_BYTES = 64 << 20
 
 
@@ -35,8 +50,20 @@ class LogProblem(msgspec.Struct, frozen=True):
     reason: str
 
 
+class StepRecord(msgspec.Struct, frozen=True):
+    """The batch served for learner step ``step`` (counted from 1): its groups by rollout id,
+    in order, their importance weights (empty: all 1), and the weights version the learner
+    held when it asked (the version it trained that step at)."""
+
+    step: int
+    version: int
+    rollout_ids: list[str]
+    weights: list[float] = []
+
+
 class RolloutLogWriter:
-    """Appends groups to the newest segment of ``folder``, rolling segments by size."""
+    """Appends groups to the newest segment of ``folder`` (rolling segments by size) and
+    step records to ``folder/steps.rlog``."""
 
     def __init__(self, folder: str | Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
         self.folder = Path(folder)
@@ -45,6 +72,8 @@ class RolloutLogWriter:
         existing = sorted(self.folder.glob(SEGMENT_GLOB))
         self._index = len(existing)
         self._file: BinaryIO | None = None
+        self._steps = open(self.folder / STEPS_FILE, "ab")
+        _cut_torn_tail(self._steps, self.folder / STEPS_FILE)
         self.records = 0
 
     def append(self, group: RolloutGroup) -> None:
@@ -52,19 +81,71 @@ class RolloutLogWriter:
         if self._file is None or self._file.tell() + len(record) > self.segment_bytes:
             self._roll()
         assert self._file is not None
-        self._file.write(record)
-        self._file.flush()
+        _write_whole(self._file, record)
         self.records += 1
+
+    def append_step(self, record: StepRecord) -> None:
+        _write_whole(self._steps, pack([msgspec.msgpack.encode(record)]))
+
+    def sync(self) -> None:
+        """Make everything written so far durable (the learner is writing a checkpoint)."""
+        for file in (self._file, self._steps):
+            if file is not None:
+                file.flush()
+                os.fsync(file.fileno())
+        _fsync_dir(self.folder)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._steps.close()
 
     def _roll(self) -> None:
-        self.close()
+        if self._file is not None:
+            self._file.close()
         self._file = open(self.folder / f"segment-{self._index:06d}.rlog", "ab")
         self._index += 1
+
+
+def _write_whole(file: BinaryIO, record: bytes) -> None:
+    """Append ``record`` and flush; if that fails, cut the file back to where it was, so the
+    next record does not land behind a torn one, and re-raise."""
+    start = file.tell()
+    try:
+        file.write(record)
+        file.flush()
+    except OSError:
+        try:
+            file.seek(start)
+            file.truncate(start)
+        except OSError as exc:
+            logger.error("rollout log: could not cut a failed write back off %s at byte %d "
+                         "(%s); readers will report a torn record there", file.name, start, exc)
+        raise
+
+
+def _cut_torn_tail(file: BinaryIO, path: Path) -> None:
+    """A crash may have left ``path``'s last record torn: report it and cut it off before
+    appending."""
+    view = memoryview(path.read_bytes())
+    offset = 0
+    while offset < len(view):
+        try:
+            _, offset = unpack_from(view, offset)
+        except RecordError as exc:
+            logger.warning("rollout log: %s ends in a torn record at byte %d (%s); cut off",
+                           path, offset, exc)
+            file.truncate(offset)
+            return
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_rollout_log(folder: str | Path,
@@ -79,20 +160,54 @@ def read_rollout_log(folder: str | Path,
     if not segments:
         raise FileNotFoundError(f"no rollout log segments ({SEGMENT_GLOB}) in {folder}")
     for segment in segments:
-        view = memoryview(segment.read_bytes())
-        offset = 0
-        while offset < len(view):
-            try:
-                frames, end = unpack_from(view, offset)
-            except RecordError as exc:
-                _note(problems, LogProblem(segment=str(segment), offset=offset,
-                                           reason=f"torn record: {exc}"))
-                break
+        for offset, frames in _records(segment, problems):
             try:
                 yield decoder.decode([bytearray(f) for f in frames])
             except WireError as exc:
                 _note(problems, LogProblem(segment=str(segment), offset=offset, reason=str(exc)))
-            offset = end
+
+
+def read_steps(folder: str | Path,
+               problems: list[LogProblem] | None = None) -> dict[int, StepRecord]:
+    """The step records of ``folder`` by step, of the weights' lineage: a record for step s
+    voids every earlier record for steps >= s (a resumed run went on from an earlier
+    checkpoint). Unreadable records are skipped and noted in ``problems``."""
+    path = Path(folder) / STEPS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no step records ({STEPS_FILE}) in {folder}: the run was "
+                                "made before Relay recorded what each step consumed, or "
+                                "buffer.rollout_log was off")
+    decoder = msgspec.msgpack.Decoder(StepRecord)
+    steps: dict[int, StepRecord] = {}
+    for offset, frames in _records(path, problems):
+        try:
+            record = decoder.decode(frames[0]) if len(frames) == 1 else None
+        except msgspec.DecodeError as exc:
+            record, why = None, str(exc)
+        else:
+            why = f"{len(frames)} frames, expected 1"
+        if record is None:
+            _note(problems, LogProblem(segment=str(path), offset=offset, reason=why))
+            continue
+        steps = {s: r for s, r in steps.items() if s < record.step}
+        steps[record.step] = record
+    return steps
+
+
+def _records(path: Path, problems: list[LogProblem] | None) -> Iterator[tuple[int, list]]:
+    """(offset, frames) of each whole record of ``path``; a torn record is noted and ends
+    the file."""
+    view = memoryview(path.read_bytes())
+    offset = 0
+    while offset < len(view):
+        try:
+            frames, end = unpack_from(view, offset)
+        except RecordError as exc:
+            _note(problems, LogProblem(segment=str(path), offset=offset,
+                                       reason=f"torn record: {exc}"))
+            return
+        yield offset, frames
+        offset = end
 
 
 def _note(problems: list[LogProblem] | None, problem: LogProblem) -> None:

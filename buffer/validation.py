@@ -101,11 +101,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def sample_request_problem(msg: SampleRequest, batch_size: int) -> str:
+def sample_request_problem(msg: SampleRequest, batch_size: int, total_steps: int) -> str:
     """Why the learner's batch request is out of range, or ""."""
     if not 1 <= msg.num_groups <= batch_size:
         return (f"num_groups = {msg.num_groups}: a batch holds 1 to {batch_size} groups "
                 "(data.train_batch_size)")
+    if not 0 <= msg.step <= total_steps:
+        return (f"step {msg.step} is outside 0 to trainer.total_training_steps = "
+                f"{total_steps}")
     return ""
 
 

@@ -152,7 +152,8 @@ class TrainLoop:
         waited = 0.0
         batch = None
         if self.rank0 is not None:
-            batch, waited = self.rank0.link.next_batch(self.batch_size, self.priorities)
+            batch, waited = self.rank0.link.next_batch(self.batch_size, self.priorities,
+                                                       step=step)
         batch = broadcast_batch(batch, self.group)
         train = collate(batch.groups, self.pad_id, batch.weights)
         rollout = {} if self.rank0 is None else batch_metrics(batch, train, self.version,

@@ -34,22 +34,24 @@ class BufferLink:
         self._client = Client(endpoint, keys=keys)
         self.patience_s = patience_s
 
-    def next_batch(self, num_groups: int,
-                   priorities: dict[str, float] | None = None) -> tuple[SampleBatch, float]:
-        """Wait for a batch of ``num_groups`` groups; return it and the seconds waited.
+    def next_batch(self, num_groups: int, priorities: dict[str, float] | None = None, *,
+                   step: int) -> tuple[SampleBatch, float]:
+        """Wait for a batch of ``num_groups`` groups for learner ``step``; return it and the
+        seconds waited. A request retried after a lost reply names the same step, so the
+        buffer sends the same batch again.
 
         ``priorities`` (replay priorities of the last batch, by rollout id) go with the
         first request only.
         """
         started = last_log = time.monotonic()
-        request = SampleRequest(num_groups=num_groups, priorities=priorities or {})
+        request = SampleRequest(num_groups=num_groups, priorities=priorities or {}, step=step)
         while True:
             reply = patient_request(self._client, request, REQUEST_TIMEOUT_S, self.patience_s,
                                     expect=SampleBatch)
             assert isinstance(reply, SampleBatch)
             if reply.groups:
                 return reply, time.monotonic() - started
-            request = SampleRequest(num_groups=num_groups)
+            request = SampleRequest(num_groups=num_groups, step=step)
             now = time.monotonic()
             if now - last_log > WAIT_LOG_EVERY_S:
                 last_log = now

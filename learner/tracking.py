@@ -30,6 +30,9 @@ from mlflow.tracking import MlflowClient
 logger = logging.getLogger(__name__)
 
 MAX_PARAM_CHARS = 500
+RUN_DIR_TAG = "relay.run_dir"
+"""Every MLflow run of a run directory carries its absolute path under this tag (the offline
+replay, ``learner.replay``, finds the live metrics by it)."""
 
 
 def default_uri(run_dir: Path) -> str:
@@ -77,6 +80,7 @@ class Tracker:
             self.run = mlflow.start_run(run_id=resumed.run_id)
         else:
             self.run = mlflow.start_run(run_name=f"{name} (resumed at step {resumed.step})")
+        mlflow.set_tag(RUN_DIR_TAG, str(run_dir.resolve()))
         if resumed is not None:
             mlflow.set_tag("relay.resumed_at_step", str(resumed.step))
         logger.info("tracking to %s (experiment %r, run %s%s)", self.uri, experiment,

@@ -218,15 +218,17 @@ class RolloutAck(Message):
 
 
 class SampleRequest(Message):
-    """The learner asks for a batch of ``num_groups`` groups (its version reaches the buffer
-    by ``VersionUpdate`` alone).
+    """The learner asks for a batch of ``num_groups`` groups for learner step ``step``
+    (counted from 1; 0: not said). Its version reaches the buffer by ``VersionUpdate``.
 
     ``priorities`` carries the replay priorities (by rollout id) the learner measured on
-    its last batch, for prioritized replay by TD-error; empty otherwise.
+    its last batch, for prioritized replay by TD-error; empty otherwise. A request repeated
+    for the step last served (its reply was lost) gets the same batch again.
     """
 
     num_groups: int
     priorities: dict[str, float] = {}
+    step: int = 0
 
 
 class SampleBatch(Message):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from buffer.hub import COUNTERS, REFUSALS, Hub
+from buffer.rollout_log import RolloutLogWriter, read_steps
 from transport.messages import (
     Ack,
     Attach,
@@ -276,3 +277,35 @@ def test_a_stalled_buffer_excuses_its_generators_and_leases(make_hub, clock) -> 
     hub.tick()
     assert hub.counts["prompts/expired"] == 0 and hub.generators == 1
     assert all(a.accepted for a in answer(hub, granted))
+
+
+def test_a_batch_asked_again_for_the_same_step_is_sent_again(make_hub) -> None:
+    """The learner retries after a lost reply: the same groups, nothing served twice."""
+    hub = make_hub(batch_size=2, per_lease=4, max_staleness=1)
+    answer(hub, lease(hub))
+    first = hub.handle(SampleRequest(num_groups=2, step=1))
+    again = hub.handle(SampleRequest(num_groups=2, step=1))
+    assert [g.rollout_id for g in again.groups] == [g.rollout_id for g in first.groups]
+    assert hub.counts["groups/served"] == 2 and hub.counts["groups/trained"] == 2
+    second = hub.handle(SampleRequest(num_groups=2, step=2))
+    assert {g.rollout_id for g in second.groups}.isdisjoint(g.rollout_id for g in first.groups)
+    assert hub.accounting_problems() == []
+
+
+def test_each_served_step_is_recorded_in_the_rollout_log(make_hub, tmp_path) -> None:
+    log = RolloutLogWriter(tmp_path)
+    hub = make_hub(batch_size=2, per_lease=4, max_staleness=1, log=log)
+    answer(hub, lease(hub))
+    hub.handle(VersionUpdate(version=1, step=1))
+    served = hub.handle(SampleRequest(num_groups=2, step=2))
+    log.close()
+    steps = read_steps(tmp_path)
+    assert list(steps) == [2] and steps[2].version == 1
+    assert steps[2].rollout_ids == [g.rollout_id for g in served.groups]
+
+
+def test_a_batch_request_for_a_step_past_the_run_is_refused(make_hub) -> None:
+    hub = make_hub()
+    reply = hub.handle(SampleRequest(num_groups=1, step=10**9))
+    assert isinstance(reply, ErrorReply) and reply.code == "bad_request"
+    assert "trainer.total_training_steps" in reply.detail

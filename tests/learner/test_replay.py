@@ -1,0 +1,85 @@
+"""The offline replay's pieces: served groups, recorded steps, the starting checkpoint, the
+comparison. The whole tool runs end to end in tests/e2e/test_replay.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from buffer.hub import with_admission
+from buffer.rollout_log import RolloutLogWriter, StepRecord
+from buffer.store import Admission
+from learner.checkpoint import FORMAT, META_FILE, CheckpointMeta, LoopState
+from learner.replay import (
+    ReplayError,
+    StepComparison,
+    recorded_steps,
+    served_group,
+    starting_checkpoint,
+)
+from transport.messages import Prompt
+from tests.buffer.conftest import make_group
+
+
+def group(name: str, rewards: list[float]):
+    return make_group("L1", Prompt(prompt_id=name, messages=[], data_source="d"), len(rewards),
+                      rewards=rewards)
+
+
+def test_a_served_group_holds_the_samples_the_store_kept() -> None:
+    logged = with_admission(group("p", [0.0, 1.0, 0.5]), Admission(kept_samples=(0, 2)))
+    served = served_group(logged)
+    assert [s.reward for s in served.samples] == [0.0, 0.5]
+    assert "buffer_admission" not in served.metadata
+
+
+def test_recorded_steps_bring_their_groups_in_order(tmp_path: Path) -> None:
+    log = RolloutLogWriter(tmp_path)
+    a, b = group("a", [1.0, 0.0]), group("b", [0.0, 1.0])
+    for g in (a, b):
+        log.append(with_admission(g, Admission(kept_samples=(0, 1))))
+    log.append_step(StepRecord(step=1, version=0, rollout_ids=[b.rollout_id, a.rollout_id]))
+    log.close()
+    (step,) = recorded_steps(tmp_path, 1, 0)
+    assert [g.rollout_id for g in step.groups] == [b.rollout_id, a.rollout_id]
+    with pytest.raises(ReplayError, match="no record of step"):
+        recorded_steps(tmp_path, 1, 2)
+
+
+def test_a_group_missing_from_the_log_is_named(tmp_path: Path) -> None:
+    log = RolloutLogWriter(tmp_path)
+    log.append(group("a", [1.0, 0.0]))
+    log.append_step(StepRecord(step=1, version=0, rollout_ids=["L1/gone"]))
+    log.close()
+    with pytest.raises(ReplayError, match="L1/gone"):
+        recorded_steps(tmp_path, 1, 1)
+
+
+def checkpoint(folder: Path, step: int) -> None:
+    path = folder / f"step-{step}"
+    path.mkdir(parents=True)
+    meta = CheckpointMeta(format=FORMAT, loop=LoopState(step=step, version=step),
+                          steps_done=step, world_size=1, parts=["policy"],
+                          schedulers={"policy": {}})
+    (path / META_FILE).write_bytes(msgspec.json.encode(meta))
+
+
+def test_the_replay_starts_from_the_newest_checkpoint_before_the_first_step(tmp_path) -> None:
+    for step in (2, 4, 6):
+        checkpoint(tmp_path, step)
+    (tmp_path / "step-5.tmp").mkdir()  # incomplete: never chosen
+    assert starting_checkpoint(tmp_path, 5) == (4, tmp_path / "step-4")
+    assert starting_checkpoint(tmp_path, 4) == (2, tmp_path / "step-2")
+    assert starting_checkpoint(tmp_path, 2) == (0, None)
+
+
+def test_the_comparison_is_relative_and_absolute_near_zero() -> None:
+    same = StepComparison(step=1, replayed={"actor/loss": 2e-8}, live={"actor/loss": -3e-8})
+    assert same.worst_relative_difference() < 1e-4
+    off = StepComparison(step=1, replayed={"actor/grad_norm": 1.1}, live={"actor/grad_norm": 1.0})
+    assert off.worst_relative_difference() == pytest.approx(0.1)
+    unlogged = StepComparison(step=1, replayed={"actor/loss": 1.0},
+                              live={"actor/loss": float("nan")})
+    assert unlogged.worst_relative_difference() == 0.0
