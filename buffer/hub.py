@@ -23,7 +23,9 @@ many fail (``accounting_problems``, 0 while all is well).
 
 Authorization: ``SENDERS`` names the role (``transport.roles``) that may send each request;
 a request from a connection in another role, or whose CURVE key may not take that role,
-is refused (``ErrorReply(code="forbidden")``) and counted (``rejected/forbidden``). Values
+is refused (``ErrorReply(code="forbidden")``) and counted (``rejected/forbidden``). A
+generator's name belongs to one live process: another process attaching under it is
+refused, with the time after which the name may be free (``rejected/name_in_use``). Values
 no honest learner sends (``buffer.validation``) are refused as ``bad_request``, and a
 rollout group is judged whole before its prompt leaves the lease.
 
@@ -104,7 +106,7 @@ COUNTERS = ("groups/accepted", "groups/served", "groups/trained", "groups/failed
             "groups/store_errors", "dropped/stale", *REFUSALS.values(), "prompts/leased",
             "prompts/completed", "prompts/expired", "prompts/returned", "samples/reward_errors",
             "samples/filtered", "rejected/unexpected_message", "rejected/forbidden",
-            "rejected/bad_request", "requests/bad_priorities", "rollout_log/write_errors")
+            "rejected/bad_request", "rejected/name_in_use", "requests/bad_priorities", "rollout_log/write_errors")
 SENDERS: dict[type[Message], Role] = {
     Attach: "generator", Heartbeat: "generator", Detach: "generator",
     LeaseRequest: "generator", LeaseReturn: "generator", RolloutGroup: "generator",
@@ -182,8 +184,18 @@ class Hub:
     def _attach(self, msg: Attach) -> Message:
         if self.finished:
             return AttachAck(accepted=False, reason=self.end_reason)
+        now = self.clock()
+        holder = self.registry.holder(msg, now)
+        if holder is not None:
+            self.counts["rejected/name_in_use"] += 1
+            silent_in = holder.last_seen + self.config.heartbeat_timeout_s - now
+            reason = (f"the name {msg.generator_id!r} belongs to a live generator (pid "
+                      f"{holder.pid} on {holder.host or '?'}, heard from "
+                      f"{now - holder.last_seen:.0f} s ago); pick another name")
+            logger.warning("refused pid %d on %s: %s", msg.pid, msg.host or "?", reason)
+            return AttachAck(accepted=False, reason=reason, retry_after_s=silent_in + 1.0)
         self._give_back(self.leases.release(msg.generator_id))  # a restarted generator
-        self.registry.attach(msg, self.clock())
+        self.registry.attach(msg, now)
         logger.info("generator %s attached (%s on %s of %s, pid %d, weights version %d)",
                     msg.generator_id, msg.engine, msg.device, msg.host, msg.pid, msg.version)
         return AttachAck(accepted=True, learner_version=self.learner_version)

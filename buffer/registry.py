@@ -1,8 +1,10 @@
 """The generators attached to the buffer: who they are, when last heard from, throughput.
 
 A generator is alive while its heartbeats (or any request) arrive within the timeout; one
-that falls silent is declared dead and forgotten (the hub then returns its leases). This
-module knows membership and clocks only.
+that falls silent is declared dead and forgotten (the hub then returns its leases). A name
+belongs to one process (host and pid) while it is alive: another process attaching under it
+is refused (``Registry.holder``), never let take it over; the same process attaching again
+(after the buffer forgot it) is welcome. This module knows membership and clocks only.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ class Registry:
         self.generators[msg.generator_id] = GeneratorInfo(
             generator_id=msg.generator_id, engine=msg.engine, device=msg.device, host=msg.host,
             pid=msg.pid, attached_at=now, last_seen=now, version=msg.version)
+
+    def holder(self, msg: Attach, now: float) -> GeneratorInfo | None:
+        """The live generator of another process that holds the name ``msg`` asks for, or
+        None when the name is free to take."""
+        info = self.generators.get(msg.generator_id)
+        if info is None or now - info.last_seen > self.heartbeat_timeout_s:
+            return None
+        return None if (info.host, info.pid) == (msg.host, msg.pid) else info
 
     def touch(self, generator_id: str, now: float) -> bool:
         """Record that a generator spoke; False if it is not attached."""

@@ -2,7 +2,12 @@
 
 Builds the engine named by the topology for this generator, the tokenizer and the reward
 scorer, then runs ``generators.process.GeneratorLoop`` until the run ends. Started by the
-launcher, or by hand to attach an extra generator to a running job.
+launcher under a topology name, or with ``--attached`` (``tools/attach-generator.py``) as an
+extra generator joining a running job under a name of its own: its engine, device and
+threads come from the command line, else from the topology's first generator.
+
+Seeds: the topology's i-th generator draws from ``trainer.seed * 1000 + i``; an attached one
+from a hash of its name, never one of those.
 """
 
 from __future__ import annotations
@@ -10,37 +15,73 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 import threading
+import zlib
 
+import msgspec
 import torch
 
 from algorithms.rewards.scorer import RewardScorer
 from buffer.dataset import load_prompt_rows
-from configs.rundir import configure_logging, load_run_dir
+from configs.rundir import RunContext, configure_logging, load_run_dir
+from configs.topology_schema import GeneratorPlacement
 from generators.build import build_engine
-from generators.process import GeneratorLoop
+from generators.process import GeneratorLoop, NameInUse
 
 logger = logging.getLogger("relay.generator")
 
+EXIT_NAME_IN_USE = 3
 
-def main(argv: list[str] | None = None) -> int:
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m generators.main")
     parser.add_argument("--run-dir", required=True, help="run directory written by the launcher")
-    parser.add_argument("--name", required=True, help="the generator's name in the topology")
-    args = parser.parse_args(argv)
+    parser.add_argument("--name", required=True,
+                        help="the generator's name in the topology, or with --attached a name "
+                             "of its own")
+    parser.add_argument("--attached", action="store_true",
+                        help="an extra generator, not in the topology, joining the running job")
+    parser.add_argument("--engine", help="with --attached: the inference engine")
+    parser.add_argument("--device", help="with --attached: the device")
+    parser.add_argument("--threads", type=int, help="with --attached: torch threads (0: all)")
+    return parser.parse_args(argv)
+
+
+def placement_and_seed(ctx: RunContext, args: argparse.Namespace) -> tuple[GeneratorPlacement, int]:
+    """Where and how this generator runs, and its seed (module docstring); SystemExit
+    naming the problem when ``--name`` does not fit."""
+    placements = {g.name: g for g in ctx.topology.generators}
+    base = ctx.run.trainer.seed * 1000
+    if not args.attached:
+        if args.name not in placements:
+            raise SystemExit(f"generators.main: no generator named {args.name!r} in the "
+                             f"topology (have: {', '.join(placements)}); an extra generator "
+                             "takes --attached")
+        return placements[args.name], base + list(placements).index(args.name)
+    if args.name in placements:
+        raise SystemExit(f"generators.main: {args.name!r} is a topology name; an attached "
+                         "generator needs a name of its own")
+    model = next(iter(placements.values()), GeneratorPlacement(name=args.name))
+    given = {"engine": args.engine, "device": args.device, "threads": args.threads}
+    placement = msgspec.structs.replace(model, name=args.name, host=socket.gethostname(),
+                                        **{k: v for k, v in given.items() if v is not None})
+    topology_seeds = range(base, base + len(placements))
+    seed = base + zlib.crc32(args.name.encode())
+    while seed in topology_seeds:
+        seed += len(placements)
+    return placement, seed
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     configure_logging()
     ctx = load_run_dir(args.run_dir)
-    placements = {g.name: g for g in ctx.topology.generators}
-    if args.name not in placements:
-        logger.error("no generator named %r in the topology (have: %s)", args.name,
-                     ", ".join(placements))
-        return 2
-    placement = placements[args.name]
+    placement, seed = placement_and_seed(ctx, args)
     if placement.threads:
         torch.set_num_threads(placement.threads)
     run = ctx.run
-    seed = run.trainer.seed * 1000 + list(placements).index(args.name)
     engine, tokenizer = build_engine(run.model, placement.engine, placement.device, seed,
                                      max_num_seqs=run.rollout.max_num_seqs,
                                      max_len=run.data.max_prompt_length
@@ -57,8 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    with scorer:
-        loop.run(stop)
+    try:
+        with scorer:
+            loop.run(stop)
+    except NameInUse as exc:
+        logger.error("generator %s not started: %s", args.name, exc)
+        return EXIT_NAME_IN_USE
     logger.info("generator %s done", args.name)
     return 0
 

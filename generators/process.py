@@ -67,6 +67,10 @@ WEIGHTS_TIMEOUT_S = 300.0  # how long a lease may wait for the weights it needs
 REPORT_EVERY_S = 30.0  # how often the loop logs its throughput and batch occupancy
 
 
+class NameInUse(RuntimeError):
+    """Another live generator holds this generator's name at the buffer."""
+
+
 def sampling_params(rollout: RolloutConfig) -> SamplingParams:
     """The engine's sampling parameters for training rollouts."""
     return SamplingParams(max_new_tokens=rollout.response_length,
@@ -200,12 +204,24 @@ class GeneratorLoop:
         return stop.is_set() or self._heart.stop_requested.is_set()
 
     def _attach(self) -> bool:
-        reply = patient_request(
-            self._buffer,
-            Attach(generator_id=self.generator_id, engine=self.engine.name,
-                   device=str(getattr(self.engine, "device", "")), host=socket.gethostname(),
-                   pid=os.getpid(), version=self.engine.version), REQUEST_TIMEOUT_S,
-            self.patience_s)
+        """Attach; False when the run is over. While another live process holds this name
+        (a generator restarted under its topology name before the buffer noticed the old
+        one die) the attach is retried for up to ``patience_s``; then ``NameInUse``."""
+        began = time.monotonic()
+        while True:
+            reply = patient_request(
+                self._buffer,
+                Attach(generator_id=self.generator_id, engine=self.engine.name,
+                       device=str(getattr(self.engine, "device", "")),
+                       host=socket.gethostname(), pid=os.getpid(), version=self.engine.version),
+                REQUEST_TIMEOUT_S, self.patience_s)
+            if not isinstance(reply, AttachAck) or reply.accepted or not reply.retry_after_s:
+                break
+            if time.monotonic() - began + reply.retry_after_s > self.patience_s:
+                raise NameInUse(reply.reason)
+            logger.warning("not attached yet: %s; trying again in %.0f s", reply.reason,
+                           reply.retry_after_s)
+            time.sleep(reply.retry_after_s)
         if not isinstance(reply, AttachAck) or not reply.accepted:
             logger.info("not attached: %s", getattr(reply, "reason", reply))
             return False

@@ -79,11 +79,13 @@ class Attach(Message):
 
 class AttachAck(Message):
     """The buffer's answer to ``Attach``: accepted (with the learner's current version) or
-    refused, and why."""
+    refused, and why. ``retry_after_s`` > 0: refused for now, because another live process
+    holds the name; it is free once that one falls silent, which is no sooner than this."""
 
     accepted: bool
     learner_version: int = 0
     reason: str = ""
+    retry_after_s: float = 0.0
 
 
 class Heartbeat(Message):

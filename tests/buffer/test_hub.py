@@ -309,3 +309,21 @@ def test_a_batch_request_for_a_step_past_the_run_is_refused(make_hub) -> None:
     reply = hub.handle(SampleRequest(num_groups=1, step=10**9))
     assert isinstance(reply, ErrorReply) and reply.code == "bad_request"
     assert "trainer.total_training_steps" in reply.detail
+
+
+def test_a_second_process_under_a_live_name_is_refused_not_let_take_over(make_hub,
+                                                                           clock) -> None:
+    hub = make_hub(batch_size=8, per_lease=2)
+    hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="a", pid=1))
+    held = lease(hub, "gen")
+    reply = hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="b", pid=2))
+    assert isinstance(reply, AttachAck) and not reply.accepted
+    assert "belongs to a live generator (pid 1 on a" in reply.reason
+    assert 30.0 < reply.retry_after_s <= 31.0
+    assert hub.counts["rejected/name_in_use"] == 1
+    assert hub.leases.running == len(held.prompts)  # the holder keeps its leases
+    again = hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="a", pid=1))
+    assert again.accepted
+    clock.now += 31.0  # the first process died: its name is free once it falls silent
+    taken = hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="b", pid=2))
+    assert taken.accepted and hub.registry.generators["gen"].pid == 2

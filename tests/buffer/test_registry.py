@@ -25,3 +25,13 @@ def test_a_generator_silent_past_the_timeout_is_named() -> None:
     registry = Registry(heartbeat_timeout_s=30.0)
     registry.attach(Attach(generator_id="a", engine="torch", device="cpu"), now=0.0)
     assert registry.silent(29.0) == [] and registry.silent(31.0) == ["a"]
+
+
+def test_a_live_name_belongs_to_its_process() -> None:
+    registry = Registry(heartbeat_timeout_s=30.0)
+    first = Attach(generator_id="a", engine="torch", device="cpu", host="h1", pid=10)
+    registry.attach(first, now=0.0)
+    other = Attach(generator_id="a", engine="torch", device="cpu", host="h2", pid=10)
+    assert registry.holder(other, now=20.0) is registry.generators["a"]
+    assert registry.holder(first, now=20.0) is None  # the same process again
+    assert registry.holder(other, now=31.0) is None  # the holder fell silent

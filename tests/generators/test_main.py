@@ -1,0 +1,56 @@
+"""A generator's placement and seed: a topology name, or an attached generator's own."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from configs import DEFAULT_RUN, load_run_config, load_topology
+from configs.rundir import RunContext
+from generators.main import parse_args, placement_and_seed
+
+TOPOLOGY = """
+[[generators]]
+name = "gen0"
+engine = "torch"
+threads = 2
+[[generators]]
+name = "gen1"
+"""
+
+
+def context(tmp_path: Path) -> RunContext:
+    topology = tmp_path / "topology.toml"
+    topology.write_text(TOPOLOGY)
+    return RunContext(run_dir=tmp_path, topology=load_topology(topology),
+                      run=load_run_config(DEFAULT_RUN, ["trainer.seed=7"]))
+
+
+def args(*extra: str) -> argparse.Namespace:
+    return parse_args(["--run-dir", "unused", *extra])
+
+
+def test_topology_generators_take_their_placement_and_index_seed(tmp_path: Path) -> None:
+    placement, seed = placement_and_seed(context(tmp_path), args("--name", "gen1"))
+    assert placement.name == "gen1" and seed == 7001
+
+
+def test_an_attached_generator_defaults_to_the_first_placement_with_its_own_seed(
+        tmp_path: Path) -> None:
+    ctx = context(tmp_path)
+    placement, seed = placement_and_seed(ctx, args("--name", "extra", "--attached"))
+    assert (placement.name, placement.engine, placement.threads) == ("extra", "torch", 2)
+    assert seed not in (7000, 7001)
+    other, other_seed = placement_and_seed(ctx, args("--name", "extra2", "--attached",
+                                                     "--engine", "lean", "--threads", "1"))
+    assert (other.engine, other.threads) == ("lean", 1) and other_seed != seed
+
+
+def test_names_must_fit_the_topology_or_stay_out_of_it(tmp_path: Path) -> None:
+    ctx = context(tmp_path)
+    with pytest.raises(SystemExit, match="no generator named 'gen9'.*--attached"):
+        placement_and_seed(ctx, args("--name", "gen9"))
+    with pytest.raises(SystemExit, match="'gen0' is a topology name"):
+        placement_and_seed(ctx, args("--name", "gen0", "--attached"))

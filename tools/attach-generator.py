@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Attach an extra generator to a running job.
+
+    python tools/attach-generator.py RUN_DIR [--host H] [--engine E] [--device D]
+                                     [--threads N] [--name NAME]
+
+Starts ``generators.main --attached`` under a fresh name (``attached-<host>-<pid>-<hex>``
+unless ``--name`` gives one) with the run directory's configs and keys: it joins the job,
+fetches the current weights and leases prompts like the topology's generators, and the
+launcher's status line counts it. Engine, device and threads default to the topology's
+first generator's. ``--host H`` starts it on H over the topology's ssh command (the run
+directory must be at the same path there). It runs in the foreground, its output also in
+``RUN_DIR/logs/<name>.log``; Ctrl-C or SIGTERM detaches it, returning its unfinished
+leases to the pool. A name held by a live generator is refused, never taken over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from configs import ConfigError
+from configs.rundir import RunContext, load_run_dir
+from launcher.plan import ProcessSpec
+from transport.endpoints import is_loopback
+from transport.messages import Heartbeat, HeartbeatAck, Shutdown
+from transport.sockets import Client, PeerTimeout
+
+PROBE_TIMEOUT_S = 10.0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the running job's run directory")
+    parser.add_argument("--host", default="127.0.0.1", help="where to run it (default: here)")
+    parser.add_argument("--engine", help="inference engine (default: the topology's first "
+                                         "generator's)")
+    parser.add_argument("--device", help="device (default: the topology's first generator's)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: the topology's "
+                                                    "first generator's)")
+    parser.add_argument("--name", help="the generator's name (default: a fresh one)")
+    return parser.parse_args(argv)
+
+
+def fresh_name(host: str) -> str:
+    short = (socket.gethostname() if is_loopback(host) else host).split(".")[0]
+    return f"attached-{short}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def check_live(ctx: RunContext, name: str) -> str:
+    """"" when the run's buffer answers and the run goes on, else why not."""
+    client = Client(ctx.buffer_endpoint, keys=ctx.client_keys())
+    try:
+        reply = client.request(Heartbeat(generator_id=name, version=0), PROBE_TIMEOUT_S)
+    except PeerTimeout:
+        return (f"no buffer answers at {ctx.buffer_endpoint} within {PROBE_TIMEOUT_S:.0f} s: "
+                f"is the run in {ctx.run_dir} still going?")
+    finally:
+        client.close()
+    if isinstance(reply, Shutdown):
+        return f"the run in {ctx.run_dir} is over ({reply.reason})"
+    if not isinstance(reply, HeartbeatAck):
+        return f"the buffer at {ctx.buffer_endpoint} answered {type(reply).__name__}: {reply}"
+    return ""
+
+
+def generator_spec(ctx: RunContext, args: argparse.Namespace, name: str) -> ProcessSpec:
+    python = sys.executable if is_loopback(args.host) else ctx.topology.launcher.remote_python
+    argv = [python, "-m", "generators.main", "--run-dir", str(ctx.run_dir), "--name", name,
+            "--attached"]
+    for option in ("engine", "device", "threads"):
+        if getattr(args, option) is not None:
+            argv += [f"--{option}", str(getattr(args, option))]
+    return ProcessSpec(name=name, role="generator", host=args.host, essential=False, argv=argv)
+
+
+def run_in_foreground(command: list[str], log: Path) -> int:
+    """Run ``command``, its output to this terminal and to ``log``; SIGINT and SIGTERM go
+    on to it (the generator then detaches) and its exit code is returned."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+
+    def forward(signum: int, _frame: object) -> None:
+        child.send_signal(signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    assert child.stdout is not None
+    with open(log, "a") as out:
+        for line in child.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            out.write(line)
+            out.flush()
+    return child.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        ctx = load_run_dir(args.run_dir)
+    except ConfigError as exc:
+        print(f"attach-generator: {args.run_dir} is not a run directory: {exc}", file=sys.stderr)
+        return 2
+    name = args.name or fresh_name(args.host)
+    problem = check_live(ctx, name)
+    if problem:
+        print(f"attach-generator: {problem}", file=sys.stderr)
+        return 1
+    spec = generator_spec(ctx, args, name)
+    log = ctx.run_dir / "logs" / f"{name}.log"
+    print(f"attach-generator: starting {name} on {args.host}, joining {ctx.run_dir} (output "
+          f"also in {log}); Ctrl-C detaches it", flush=True)
+    code = run_in_foreground(spec.command_line(ctx.topology.launcher.ssh,
+                                               ctx.topology.launcher.remote_workdir), log)
+    if code == 0:
+        print(f"attach-generator: {name} left; its unfinished leases went back to the pool")
+        return 0
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    print(f"attach-generator: {name} {how} (see {log})", file=sys.stderr)
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
