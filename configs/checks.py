@@ -126,11 +126,23 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
     check_algorithm_combinations(run, source)
     check_algorithm_sections(run, source)
     check_resume(run, source)
+    check_timeouts(run, source)
     optim = run.actor.optim
     if optim.betas[0] >= 1 or optim.betas[1] >= 1 or min(optim.betas) < 0:
         raise ConfigError(source, "actor.optim.betas", f"each beta must be in [0, 1), "
                                                         f"got {optim.betas}")
     return msgspec.structs.replace(run, data=data)
+
+
+def check_timeouts(run: RunConfig, source: str) -> None:
+    """A generator must give a lease back before the buffer expires it (``BufferConfig``)."""
+    buffer = run.buffer
+    if buffer.weights_timeout_s > buffer.lease_timeout_s:
+        raise ConfigError(source, "buffer.weights_timeout_s",
+                          f"{buffer.weights_timeout_s:g} s exceeds buffer.lease_timeout_s "
+                          f"({buffer.lease_timeout_s:g} s): the buffer would expire and "
+                          "re-lease a lease its generator still waits on; keep it at most "
+                          "buffer.lease_timeout_s (0: equal to it)")
 
 
 def check_resume(run: RunConfig, source: str) -> None:

@@ -305,7 +305,13 @@ class BufferConfig(_Section):
     frame is one tensor of a response or the group's texts and small tensors.
 
     ``client_patience_s`` (Relay): how long the generators and the learner keep asking a
-    buffer that does not answer (a stall) before they give up (``transport.retry``)."""
+    buffer that does not answer (a stall) before they give up (``transport.retry``).
+
+    ``weights_timeout_s`` (Relay): how long a generator holds a lease whose weights
+    (``min_version``) have not arrived before it returns the prompts; 0: ``lease_timeout_s``.
+    It may not exceed ``lease_timeout_s``: an idle generator's lease is renewed only while
+    the learner has not published the version it waits for (``buffer.leases``), so past
+    ``lease_timeout_s`` the buffer has already expired and re-leased it."""
 
     max_staleness: NonNegative = 1
     lease_timeout_s: PositiveFloat = 120.0
@@ -314,6 +320,7 @@ class BufferConfig(_Section):
     vocab_size: NonNegative = 0  # Relay: token ids must be below it; 0: the model's
     max_message_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 64 << 20  # Relay
     client_patience_s: PositiveFloat = 300.0  # Relay: retrying a silent buffer, at most
+    weights_timeout_s: NonNegativeFloat = 0.0  # Relay: a lease's wait for weights; 0: lease's
     filter_groups: FilterGroupsConfig = msgspec.field(default_factory=FilterGroupsConfig)
     pf_ppo: PfPpoConfig = msgspec.field(default_factory=PfPpoConfig)
     replay: ReplayConfig = msgspec.field(default_factory=ReplayConfig)

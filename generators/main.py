@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                          tokenizer=tokenizer, scorer=scorer, rollout=run.rollout,
                          max_prompt_length=run.data.max_prompt_length,
                          overlong=run.reward_model.overlong_buffer,
-                         patience_s=run.buffer.client_patience_s, seed=seed,
+                         patience_s=run.buffer.client_patience_s,
+                         weights_timeout_s=run.buffer.weights_timeout_s
+                         or run.buffer.lease_timeout_s, seed=seed,
                          keys=ctx.client_keys())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -54,6 +54,7 @@ from transport.messages import (
 from transport.retry import patient_request
 from transport.security import ClientKeys
 from transport.sockets import Client, PeerTimeout
+from transport.threads import WatchedThread
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,6 @@ REQUEST_TIMEOUT_S = 30.0
 # peers may be gone already, and the threads are daemons
 RUN_OVER_WAIT_S = 2.0
 HEARTBEAT_EVERY_S = 1.0
-WEIGHTS_TIMEOUT_S = 300.0  # how long a lease may wait for the weights it needs
 REPORT_EVERY_S = 30.0  # how often the loop logs its throughput and batch occupancy
 
 
@@ -94,7 +94,7 @@ class Heartbeater:
         self.stop_requested = threading.Event()
         self.reattach = threading.Event()
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread = WatchedThread(self._run, "heartbeat")
 
     def start(self) -> Heartbeater:
         self._thread.start()
@@ -103,6 +103,9 @@ class Heartbeater:
     def stop(self, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self._done.set()
         self._thread.join(timeout_s)
+
+    def raise_if_died(self) -> None:
+        self._thread.raise_if_died()
 
     def _run(self) -> None:
         client = Client(self._buffer_endpoint, keys=self._keys)
@@ -131,15 +134,18 @@ class GeneratorLoop:
     """The compute loop of one generator process.
 
     ``rollout`` is the run's rollout section; from the others it needs the prompt length
-    limit (``data.max_prompt_length``) and DAPO's overlong penalty
-    (``reward_model.overlong_buffer``).
+    limit (``data.max_prompt_length``), DAPO's overlong penalty
+    (``reward_model.overlong_buffer``), how long to retry a silent buffer
+    (``buffer.client_patience_s``) and how long a lease may wait for its weights
+    (``buffer.weights_timeout_s``, resolved). An unexpected death of the heartbeat or
+    weight-receiving thread stops the loop with ``ThreadDied`` naming it.
     """
 
     def __init__(self, *, generator_id: str, buffer_endpoint: str, weights_endpoint: str,
                  engine: Engine, tokenizer, scorer: RewardScorer, rollout: RolloutConfig,
                  max_prompt_length: int, overlong: OverlongBufferConfig,
-                 patience_s: float, seed: int = 0, keys: ClientKeys | None = None,
-                 weights_timeout_s: float = WEIGHTS_TIMEOUT_S) -> None:
+                 patience_s: float, weights_timeout_s: float, seed: int = 0,
+                 keys: ClientKeys | None = None) -> None:
         self.generator_id, self.buffer_endpoint = generator_id, buffer_endpoint
         self.engine, self.tokenizer = engine, tokenizer
         self.params = sampling_params(rollout)
@@ -181,6 +187,8 @@ class GeneratorLoop:
                     if not self._attach():
                         return
                 self.sender.raise_if_failed()
+                self._heart.raise_if_died()
+                self._weights.raise_if_died()
                 self._work_once(stop)
         except BaseException:
             self._give_back_all("generation failed")

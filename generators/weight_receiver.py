@@ -20,6 +20,7 @@ import torch
 from transport.messages import Message, WeightBucket, WeightManifest, WeightRequest
 from transport.security import ClientKeys
 from transport.sockets import Client, PeerTimeout, RemoteError
+from transport.threads import WatchedThread
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class WeightReceiver:
         self._staged: StagedWeights | None = None
         self._have = 0  # newest version staged or applied
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
+        self._thread = WatchedThread(self._run, "weight-receiver", on_death=self._wake_waiters)
 
     def start(self, applied_version: int) -> WeightReceiver:
         self._have = applied_version
@@ -111,18 +112,28 @@ class WeightReceiver:
             staged, self._staged = self._staged, None
             return staged
 
+    def raise_if_died(self) -> None:
+        """``ThreadDied`` when the receiving thread ended on an exception."""
+        self._thread.raise_if_died()
+
     def wait_for(self, version: int, timeout_s: float) -> StagedWeights | None:
-        """Block until a version >= ``version`` is staged (then take it) or the timeout."""
+        """Block until a version >= ``version`` is staged (then take it) or the timeout;
+        ``ThreadDied`` if the receiving thread dies meanwhile."""
         deadline = time.monotonic() + timeout_s
         with self._arrived:
             while (self._staged is None or self._staged.version < version) \
                     and not self._stop.is_set():
+                self.raise_if_died()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 self._arrived.wait(left)
             staged, self._staged = self._staged, None
             return staged
+
+    def _wake_waiters(self) -> None:
+        with self._arrived:
+            self._arrived.notify_all()
 
     def _run(self) -> None:
         client = Client(self.endpoint, keys=self._keys)

@@ -11,7 +11,11 @@ streams one consistent version.
 
 The same server answers the evaluator's ``EvalRequest``s from the evaluation queue
 (``learner.eval_queue``), which holds the published versions offered for held-out
-evaluation.
+evaluation. A request frame over ``MAX_REQUEST_BYTES`` drops its sender's connection
+before it is read. Who may fetch weights is decided by CURVE (``transport.security``): every
+authorized key's holder (learner hosts, generator hosts, the evaluator) needs them, so the
+server takes no roles. When its thread dies, ``publish`` raises ``ThreadDied`` naming it:
+the learner stops rather than train on while no generator can get new weights.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from transport.sockets import Server, ServerThread
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 64 << 20
+MAX_REQUEST_BYTES = 1 << 20  # requests are small (a version number, an eval report)
 
 
 def gather_full_weights(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -99,7 +104,8 @@ class WeightServer:
                  evaluation: EvalQueue | None = None) -> None:
         self._latest: PublishedVersion | None = None
         self.evaluation = evaluation or EvalQueue()
-        self._server = Server(endpoint, self._handle, keys=keys)
+        self._server = Server(endpoint, self._handle, keys=keys,
+                              max_message_bytes=MAX_REQUEST_BYTES)
         self.endpoint = self._server.endpoint
         self._thread = ServerThread(self._server, name="weight-server")
 
@@ -109,6 +115,7 @@ class WeightServer:
         return self
 
     def publish(self, published: PublishedVersion) -> None:
+        self._thread.raise_if_died()
         self._latest = published
 
     @property

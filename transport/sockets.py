@@ -58,6 +58,7 @@ from transport.security import (
     check_bind,
     secure_client,
 )
+from transport.threads import WatchedThread
 
 logger = logging.getLogger(__name__)
 
@@ -322,14 +323,16 @@ def _flag_last(replies: Reply) -> Iterator[tuple[Message, bool]]:
 
 
 class ServerThread:
-    """Runs a ``Server`` in a daemon thread; ``stop()`` (or leaving ``with``) closes it."""
+    """Runs a ``Server`` in a daemon thread; ``stop()`` (or leaving ``with``) closes it.
+    ``raise_if_died`` raises ``ThreadDied`` if the thread ended on an exception."""
 
     def __init__(self, server: Server, *, poll_s: float = 0.05, name: str = "relay-server") -> None:
         self.server = server
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=server.serve_until, args=(self._stop, poll_s), name=name, daemon=True
-        )
+        self._thread = WatchedThread(lambda: server.serve_until(self._stop, poll_s), name)
+
+    def raise_if_died(self) -> None:
+        self._thread.raise_if_died()
 
     def start(self) -> ServerThread:
         self._thread.start()

@@ -368,3 +368,12 @@ def test_non_loopback_address_requires_curve(tmp_path: Path, monkeypatch) -> Non
                              ["buffer.host=10.1.2.3", "security.curve=true",
                               "security.keys_dir=keys"], )
     assert topology.security.curve
+
+
+def test_a_lease_may_not_wait_for_weights_longer_than_the_buffer_keeps_it() -> None:
+    with pytest.raises(ConfigError, match="buffer.weights_timeout_s.*exceeds "
+                                          "buffer.lease_timeout_s"):
+        load_run_config(DEFAULT_RUN, ["buffer.lease_timeout_s=60",
+                                      "buffer.weights_timeout_s=90"])
+    run = load_run_config(DEFAULT_RUN, ["buffer.lease_timeout_s=60"])
+    assert run.buffer.weights_timeout_s == 0  # the lease's own timeout

@@ -12,8 +12,10 @@ from generators.weight_receiver import (
     assemble,
     receive_version,
 )
-from learner.weights import WeightServer, bucketize
-from transport.messages import Ack, WeightManifest
+from learner.weights import MAX_REQUEST_BYTES, WeightServer, bucketize
+from transport.messages import Ack, WeightManifest, WeightRequest
+from transport.sockets import Client, PeerTimeout
+from transport.threads import ThreadDied
 
 
 def version_tensors(scale: float) -> dict[str, torch.Tensor]:
@@ -85,3 +87,35 @@ def test_receive_version_refuses_anything_but_a_manifest_first() -> None:
     published = bucketize(5, version_tensors(1.0), bucket_bytes=64 * 64 * 2)
     with pytest.raises(IncompleteVersion, match="2 of 5 buckets"):
         receive_version(published.manifest, iter(published.buckets[:2]))
+
+
+def test_a_receiver_whose_thread_dies_says_so_instead_of_waiting(monkeypatch) -> None:
+    """An unexpected error in the receiving thread stops the waiting generator loudly."""
+    import generators.weight_receiver as module
+
+    def broken(*_args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(module, "receive_version", broken)
+    server = WeightServer("tcp://127.0.0.1:*").start()
+    receiver = WeightReceiver(server.endpoint, "g0", poll_s=0.05).start(applied_version=0)
+    try:
+        with pytest.raises(ThreadDied, match="weight-receiver.*a bug"):
+            receiver.wait_for(1, timeout_s=30)
+    finally:
+        receiver.stop()
+        server.stop()
+
+
+def test_the_weight_server_drops_an_oversize_request() -> None:
+    server = WeightServer("tcp://127.0.0.1:*").start()
+    client = Client(server.endpoint)
+    try:
+        huge = WeightRequest(generator_id="x" * MAX_REQUEST_BYTES, have_version=0)
+        with pytest.raises(PeerTimeout):
+            client.request(huge, 1.0)
+        reply = client.request(WeightRequest(generator_id="g0", have_version=0), 5.0)
+        assert isinstance(reply, WeightManifest) and reply.version == 0
+    finally:
+        client.close()
+        server.stop()

@@ -5,6 +5,7 @@ tests/generators/test_weight_receiver.py.)"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +24,7 @@ from transport.messages import (
     WeightRequest,
 )
 from transport.sockets import Client
+from transport.threads import ThreadDied
 
 TIMEOUT_S = 10.0
 
@@ -94,3 +96,21 @@ def test_other_messages_are_answered_unexpected(server: WeightServer, client: Cl
     up_to_date = client.request(WeightRequest(generator_id="g0", have_version=0), TIMEOUT_S)
     assert up_to_date == WeightManifest(version=0)
     assert nothing_newer(ask(client, -1), -1)
+
+
+def test_publishing_after_the_server_thread_died_stops_the_learner(monkeypatch) -> None:
+    server = WeightServer("tcp://127.0.0.1:*")
+
+    def broken(_timeout_s: float) -> bool:
+        raise OSError("socket gone")
+
+    monkeypatch.setattr(server._server, "serve_once", broken)
+    server.start()
+    try:
+        deadline = time.monotonic() + 5
+        while server._thread._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(ThreadDied, match="weight-server.*socket gone"):
+            server.publish(bucketize(1, {"w": torch.zeros(2)}))
+    finally:
+        server.stop()
