@@ -3,7 +3,7 @@
 - Two generators; once gen0 reports a lease, it is SIGKILLed (its whole process group).
   The run must still finish, and the buffer must have returned gen0's unanswered prompts
   to the pool when the lease timed out (the heartbeat timeout is set longer, so the lease
-  timeout is what returns them).
+  timeout is what returns them), and the buffer's accounting must hold at every step.
 - The buffer is killed, or stops cleanly on SIGTERM: the launcher stops everything and
   exits non-zero naming it.
 - Ctrl-C on the launcher: everything stops, exit code 130.
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from .conftest import LAUNCHER, ROOT, processes_mentioning, small_run_overrides
 
@@ -104,6 +105,10 @@ def test_training_survives_a_dead_generator(random_model_dir: Path, run_root: Pa
     expired = re.search(r"(\d+) leased prompts expired; back in the pool", buffer_log)
     assert expired, f"lease {lease.group(1)} never expired:\n{buffer_log}"
     assert processes_mentioning(str(run_dir)) == []
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    accounting = client.get_metric_history(run.info.run_id, "buffer/accounting_problems")
+    assert accounting and all(m.value == 0 for m in accounting)  # at every step
 
 
 def quick_args(model_dir: Path, run_root: Path, tmp_path: Path) -> list[str]:
