@@ -273,12 +273,15 @@ def launch(resolved: ResolvedLaunch) -> int:
     topology = assign_ports(resolved.topology)
     write_resolved(topology, run, resolved.run_dir)
     supervisor = Supervisor(resolved, topology, run)
-    interrupted = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGINT too: a launcher started in the background by a script inherits SIGINT ignored,
+    # and an operator's `kill -INT` must still stop the run
+    previous = {sig: signal.signal(sig, _raise_interrupt)
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         outcome = supervisor.execute()
     finally:
-        signal.signal(signal.SIGTERM, interrupted)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     stream = sys.stdout if outcome.code == 0 else sys.stderr
     print(f"launch-cluster: {outcome.reason}", file=stream, flush=True)
     return outcome.code
