@@ -106,7 +106,8 @@ COUNTERS = ("groups/accepted", "groups/served", "groups/trained", "groups/failed
             "groups/store_errors", "dropped/stale", *REFUSALS.values(), "prompts/leased",
             "prompts/completed", "prompts/expired", "prompts/returned", "samples/reward_errors",
             "samples/filtered", "rejected/unexpected_message", "rejected/forbidden",
-            "rejected/bad_request", "rejected/name_in_use", "requests/bad_priorities", "rollout_log/write_errors")
+            "rejected/bad_request", "rejected/name_in_use", "requests/bad_priorities",
+            "rollout_log/write_errors")
 SENDERS: dict[type[Message], Role] = {
     Attach: "generator", Heartbeat: "generator", Detach: "generator",
     LeaseRequest: "generator", LeaseReturn: "generator", RolloutGroup: "generator",
@@ -202,7 +203,7 @@ class Hub:
 
     def _heartbeat(self, msg: Heartbeat) -> Message:
         if self.finished:
-            return Shutdown(reason=self.end_reason)
+            return self._goodbye(msg.generator_id)
         now = self.clock()
         before = self.registry.generators.get(msg.generator_id)
         busy_before = before.generation_seconds if before is not None else 0.0
@@ -219,7 +220,7 @@ class Hub:
 
     def _lease(self, msg: LeaseRequest) -> Message:
         if self.finished:
-            return Shutdown(reason=self.end_reason)
+            return self._goodbye(msg.generator_id)
         if not self.registry.touch(msg.generator_id, self.clock()):
             return ErrorReply(code="not_attached", detail=f"{msg.generator_id} must attach first")
         max_staleness = self.config.max_staleness
@@ -418,6 +419,14 @@ class Hub:
             return 0.0
         (t0, n0), (t1, n1) = self._token_history[0], self._token_history[-1]
         return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def _goodbye(self, generator_id: str) -> Shutdown:
+        """The run is over: tell the generator, and forget it now (it leaves without
+        detaching), so that the buffer need not wait for it to fall silent."""
+        if self.registry.forget(generator_id):
+            logger.info("generator %s told that %s", generator_id, self.end_reason)
+        self._give_back(self.leases.release(generator_id))
+        return Shutdown(reason=self.end_reason)
 
     def _drop_generator(self, generator_id: str, why: str) -> None:
         if self.registry.forget(generator_id):

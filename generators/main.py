@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def placement_and_seed(ctx: RunContext, args: argparse.Namespace) -> tuple[GeneratorPlacement, int]:
     """Where and how this generator runs, and its seed (module docstring); SystemExit
-    naming the problem when ``--name`` does not fit."""
+    naming the problem when ``--name`` or an option does not fit."""
     placements = {g.name: g for g in ctx.topology.generators}
     base = ctx.run.trainer.seed * 1000
     if not args.attached:
@@ -63,15 +63,29 @@ def placement_and_seed(ctx: RunContext, args: argparse.Namespace) -> tuple[Gener
     if args.name in placements:
         raise SystemExit(f"generators.main: {args.name!r} is a topology name; an attached "
                          "generator needs a name of its own")
-    model = next(iter(placements.values()), GeneratorPlacement(name=args.name))
+    return (attached_placement(ctx.topology.generators[0], args),
+            attached_seed(args.name, base, len(placements)))
+
+
+def attached_placement(first: GeneratorPlacement, args: argparse.Namespace) -> GeneratorPlacement:
+    """The topology's first generator's placement (``first``) under the attached
+    generator's name and host, with the engine, device and threads the command line gives;
+    SystemExit naming a value the topology schema refuses."""
+    fields = msgspec.structs.asdict(first)
     given = {"engine": args.engine, "device": args.device, "threads": args.threads}
-    placement = msgspec.structs.replace(model, name=args.name, host=socket.gethostname(),
-                                        **{k: v for k, v in given.items() if v is not None})
-    topology_seeds = range(base, base + len(placements))
-    seed = base + zlib.crc32(args.name.encode())
-    while seed in topology_seeds:
-        seed += len(placements)
-    return placement, seed
+    fields |= {k: v for k, v in given.items() if v is not None}
+    fields |= {"name": args.name, "host": socket.gethostname()}
+    try:
+        return msgspec.convert(fields, GeneratorPlacement)
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"generators.main: attached generator {args.name!r}: {exc}") from None
+
+
+def attached_seed(name: str, base: int, topology_size: int) -> int:
+    """A seed drawn from the attached generator's name, never one of the topology's
+    generators' (``base`` to ``base + topology_size - 1``)."""
+    seed = base + zlib.crc32(name.encode())
+    return seed + topology_size if seed < base + topology_size else seed
 
 
 def main(argv: list[str] | None = None) -> int:

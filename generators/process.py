@@ -212,24 +212,26 @@ class GeneratorLoop:
         return stop.is_set() or self._heart.stop_requested.is_set()
 
     def _attach(self) -> bool:
-        """Attach; False when the run is over. While another live process holds this name
-        (a generator restarted under its topology name before the buffer noticed the old
-        one die) the attach is retried for up to ``patience_s``; then ``NameInUse``."""
-        began = time.monotonic()
-        while True:
-            reply = patient_request(
-                self._buffer,
-                Attach(generator_id=self.generator_id, engine=self.engine.name,
-                       device=str(getattr(self.engine, "device", "")),
-                       host=socket.gethostname(), pid=os.getpid(), version=self.engine.version),
-                REQUEST_TIMEOUT_S, self.patience_s)
-            if not isinstance(reply, AttachAck) or reply.accepted or not reply.retry_after_s:
-                break
-            if time.monotonic() - began + reply.retry_after_s > self.patience_s:
-                raise NameInUse(reply.reason)
-            logger.warning("not attached yet: %s; trying again in %.0f s", reply.reason,
+        """Attach; False when the run is over.
+
+        A refusal with ``retry_after_s`` says another live process holds this name. That
+        may be this generator's own earlier process, dead but not yet declared silent (a
+        generator restarted under its topology name): the attach is tried once more after
+        ``retry_after_s``, when the buffer will have declared a dead holder silent (at most
+        ``buffer.heartbeat_timeout_s`` and a second). Refused again, the holder is alive:
+        ``NameInUse``."""
+        attach = Attach(generator_id=self.generator_id, engine=self.engine.name,
+                        device=str(getattr(self.engine, "device", "")),
+                        host=socket.gethostname(), pid=os.getpid(), version=self.engine.version)
+        reply = patient_request(self._buffer, attach, REQUEST_TIMEOUT_S, self.patience_s)
+        if isinstance(reply, AttachAck) and reply.retry_after_s > 0:
+            logger.warning("not attached yet: %s; trying again in %.0f s, when the buffer will "
+                           "have declared that process silent if it is gone", reply.reason,
                            reply.retry_after_s)
             time.sleep(reply.retry_after_s)
+            reply = patient_request(self._buffer, attach, REQUEST_TIMEOUT_S, self.patience_s)
+            if isinstance(reply, AttachAck) and reply.retry_after_s > 0:
+                raise NameInUse(reply.reason)
         if not isinstance(reply, AttachAck) or not reply.accepted:
             logger.info("not attached: %s", getattr(reply, "reason", reply))
             return False

@@ -24,9 +24,11 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_args
 
 from configs import ConfigError
 from configs.rundir import RunContext, load_run_dir
+from configs.topology_schema import EngineName
 from launcher.plan import ProcessSpec
 from transport.endpoints import is_loopback
 from transport.messages import Heartbeat, HeartbeatAck, Shutdown
@@ -36,28 +38,35 @@ PROBE_TIMEOUT_S = 10.0
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line (module docstring); argparse exits naming a bad option."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the running job's run directory")
     parser.add_argument("--host", default="127.0.0.1", help="where to run it (default: here)")
-    parser.add_argument("--engine", help="inference engine (default: the topology's first "
-                                         "generator's)")
+    parser.add_argument("--engine", choices=get_args(EngineName),
+                        help="inference engine (default: the topology's first generator's)")
     parser.add_argument("--device", help="device (default: the topology's first generator's)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: the topology's "
-                                                    "first generator's)")
+    parser.add_argument("--threads", type=int, help="torch threads, 0 for torch's default "
+                                                    "(default: the topology's first generator's)")
     parser.add_argument("--name", help="the generator's name (default: a fresh one)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 0:
+        parser.error(f"--threads must be 0 or more, not {args.threads}")
+    return args
 
 
 def fresh_name(host: str) -> str:
+    """``attached-<host>-<pid>-<4 hex>``: unique to this invocation, never a topology name."""
     short = (socket.gethostname() if is_loopback(host) else host).split(".")[0]
     return f"attached-{short}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
-def check_live(ctx: RunContext, name: str) -> str:
-    """"" when the run's buffer answers and the run goes on, else why not."""
+def check_live(ctx: RunContext) -> str:
+    """"" when the run's buffer answers and the run goes on, else why not. The probe is a
+    heartbeat under a name no generator holds, which the buffer answers without effect."""
     client = Client(ctx.buffer_endpoint, keys=ctx.client_keys())
+    probe = Heartbeat(generator_id=f"attach-probe-{secrets.token_hex(8)}", version=0)
     try:
-        reply = client.request(Heartbeat(generator_id=name, version=0), PROBE_TIMEOUT_S)
+        reply = client.request(probe, PROBE_TIMEOUT_S)
     except PeerTimeout:
         return (f"no buffer answers at {ctx.buffer_endpoint} within {PROBE_TIMEOUT_S:.0f} s: "
                 f"is the run in {ctx.run_dir} still going?")
@@ -71,6 +80,7 @@ def check_live(ctx: RunContext, name: str) -> str:
 
 
 def generator_spec(ctx: RunContext, args: argparse.Namespace, name: str) -> ProcessSpec:
+    """The generator process: ``generators.main --attached`` on ``args.host``."""
     python = sys.executable if is_loopback(args.host) else ctx.topology.launcher.remote_python
     argv = [python, "-m", "generators.main", "--run-dir", str(ctx.run_dir), "--name", name,
             "--attached"]
@@ -102,6 +112,9 @@ def run_in_foreground(command: list[str], log: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Check the run, start the generator, wait for it; the exit code: 0 when it detached,
+    2 for a folder that is not a run, 1 for a run whose buffer does not answer, else the
+    generator's (3: the name belongs to a live generator)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         ctx = load_run_dir(args.run_dir)
@@ -109,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"attach-generator: {args.run_dir} is not a run directory: {exc}", file=sys.stderr)
         return 2
     name = args.name or fresh_name(args.host)
-    problem = check_live(ctx, name)
+    problem = check_live(ctx)
     if problem:
         print(f"attach-generator: {problem}", file=sys.stderr)
         return 1

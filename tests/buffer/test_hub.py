@@ -179,6 +179,19 @@ def test_shutdown_tells_generators_to_stop(make_hub) -> None:
     assert isinstance(ack, AttachAck) and not ack.accepted
 
 
+def test_a_generator_told_the_run_is_over_is_forgotten_with_its_leases(make_hub) -> None:
+    hub = make_hub()
+    granted = lease(hub)  # attaches g0
+    hub.handle(Attach(generator_id="g1", engine="torch", device="cpu"))
+    hub.handle(Shutdown(reason="done"))
+    assert hub.generators == 2
+    assert isinstance(hub.handle(Heartbeat(generator_id="g0", version=0)), Shutdown)
+    assert hub.generators == 1 and hub.leases.running == 0
+    assert hub.counts["prompts/returned"] == len(granted.prompts)
+    assert isinstance(hub.handle(LeaseRequest(generator_id="g1", max_prompts=1)), Shutdown)
+    assert hub.generators == 0 and hub.accounting_problems() == []
+
+
 def test_generator_throughput_over_a_window(make_hub, clock) -> None:
     hub = make_hub()
     for second, tokens in ((0, 0), (10, 500), (20, 1500)):

@@ -33,5 +33,7 @@ def test_a_live_name_belongs_to_its_process() -> None:
     registry.attach(first, now=0.0)
     other = Attach(generator_id="a", engine="torch", device="cpu", host="h2", pid=10)
     assert registry.holder(other, now=20.0) is registry.generators["a"]
+    restarted = Attach(generator_id="a", engine="torch", device="cpu", host="h1", pid=11)
+    assert registry.holder(restarted, now=20.0) is registry.generators["a"]  # not yet silent
     assert registry.holder(first, now=20.0) is None  # the same process again
     assert registry.holder(other, now=31.0) is None  # the holder fell silent

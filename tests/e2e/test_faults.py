@@ -1,44 +1,75 @@
-"""Hostile peers against a live run: refused, counted, and the run trains on.
+"""Hostile peers and dead processes against a live run: refused, counted, accounted for.
 
-Both tests start a real run, wait until it trains, and then, from this process:
+Every test starts a real run, waits until it trains, and then probes it from this process:
 
 - without CURVE (loopback): a connection that acted as a generator sends every learner
-  message (the end of the run, a batch request, an absurd version, a checkpoint request):
+  message (the end of the run, batch requests, an absurd version, a checkpoint request):
   each is refused as ``forbidden``. A connection that takes the learner role (possible
-  without keys, the documented limit of a keyless run) sends out-of-range requests: each
-  is refused as ``bad_request``. A hostile generator leases a prompt and answers with token
-  ids outside the vocabulary (refused as malformed, the prompt back in the pool); garbage
-  frames and an oversize frame are dropped; NaN metrics go to the launcher's status line.
+  without keys, the documented limit of a keyless run) sends out-of-range requests (each
+  refused as ``bad_request``) and then generator messages (``forbidden``: a connection keeps
+  its first role). A hostile generator leases a prompt and answers with token ids outside
+  the vocabulary (refused as malformed, the prompt back in the pool) and detaches the run's
+  real generator under its name (it attaches again). Frames no codec made get an
+  ``ErrorReply`` naming the fault, from the buffer and from the learner's weight server; a
+  message over ``buffer.max_message_bytes`` gets no answer (ZeroMQ drops the connection);
+  NaN metrics and garbage go to the launcher's metrics address.
 - with CURVE: a peer holding the generator key (what every generator host holds) sends
   every learner message: all refused as ``forbidden``; a peer with no key or a key the
   buffer does not know gets no answer at all.
+- a generator SIGKILLed while it holds a lease: its prompts expire back into the pool.
+- a disk fault: the learner's checkpoint folder lies under a regular file; and an operator
+  who presses Ctrl-C a second time while the launcher stops the run.
 
-Then the run must finish with exit code 0, the refusals must be counted in the buffer's
-metrics, and the buffer's accounting must hold (``buffer/accounting_problems`` = 0).
-Faults of processes (SIGKILL, SIGSTOP, SIGTERM, resume) are in ``test_failures.py`` and
-``test_resume.py``; attaching and detaching in ``test_attach.py``.
+Then a run probed by peers must finish with exit code 0, the refusals must be counted in
+the buffer's metrics, and the buffer's accounting must hold, checked from the outside on
+the counters it reports (MLflow, at every step, and its final ``buffer done`` log line):
+``leased = completed + returned + expired + in flight``, ``completed = accepted +
+malformed + stale on arrival + dropped by a filter + failed + store errors`` and
+``accepted = trained + dropped stale + stored``, with ``buffer/accounting_problems`` = 0.
+
+Four more probes: a dead learner's exception must be named in the launcher's message; a
+second Ctrl-C while the run stops must leave nothing behind (exit 130); a learner step
+spoofed on the metrics address must not blind the launcher's watchdog; an absurd evaluation
+report sent to the weight server must not kill the learner. A failed ``precondition`` (a
+step of the probe, not what it checks) names itself.
+
+Faults of processes (SIGKILL, SIGSTOP, SIGTERM, Ctrl-C, resume) are in ``test_failures.py``
+and ``test_resume.py``; attaching and detaching in ``test_attach.py``.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import importlib.util
 import math
+import os
+import re
+import signal
+import struct
+import time
+from collections.abc import Mapping
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import zmq
 from mlflow.tracking import MlflowClient
 
-from configs.rundir import RunContext, load_run_dir
+from configs.rundir import load_run_dir
+from transport.codec import PREAMBLE_FRAME, WIRE_ERROR_KINDS, Decoder
 from transport.messages import (
     Attach,
     AttachAck,
     BufferCheckpointRequest,
     Detach,
     ErrorReply,
+    EvalReport,
+    EvalRequest,
     Heartbeat,
     LeaseRequest,
+    Message,
     Metrics,
     PromptLease,
     RolloutAck,
@@ -47,52 +78,117 @@ from transport.messages import (
     SampleRequest,
     Shutdown,
     VersionUpdate,
+    WeightManifest,
 )
 from transport.security import ClientKeys, create_keypair, load_keypair, load_public_key
 from transport.sockets import Client, PeerTimeout, Pusher
 
 from .conftest import ROOT, processes_mentioning, small_run_overrides
-from .test_failures import first_run_dir, start_launcher, wait_for
+from .test_failures import TOPOLOGY, first_run_dir, pid_of, start_launcher, wait_for
 
 pytestmark = pytest.mark.e2e
 
 LEARNER_MESSAGES = (Shutdown(reason="hostile"), SampleRequest(num_groups=1),
-                    VersionUpdate(version=10**12, step=1), BufferCheckpointRequest(step=1))
+                    SampleRequest(num_groups=-1), VersionUpdate(version=10**12, step=1),
+                    BufferCheckpointRequest(step=1))
+GENERATOR_MESSAGES = (Heartbeat(generator_id="intruder", version=0),
+                      LeaseRequest(generator_id="intruder", max_prompts=1),
+                      Attach(generator_id="intruder", engine="x", device="x"))
 MAX_MESSAGE_BYTES = 1 << 16
+WEIGHT_SERVER_MAX_BYTES = 1 << 20  # learner.weights.MAX_REQUEST_BYTES
+ENVELOPE = struct.Struct(">QB")  # transport.sockets: request id, flags
+
+# Where every prompt and group went (buffer.hub, "Accounting"), as ``buffer/...`` keys
+PROMPT_ENDS = ("prompts/completed", "prompts/returned", "prompts/expired", "running_prompts")
+ANSWERS = ("groups/accepted", "rejected/malformed", "dropped/stale_on_arrival",
+           "dropped/zero_variance", "groups/failed", "groups/store_errors")
+ADMITTED = ("groups/trained", "dropped/stale", "groups/stored")
+ACCOUNTING_KEYS = ("prompts/leased", *PROMPT_ENDS, *ANSWERS, *ADMITTED, "accounting_problems")
 
 
-def run_args(model_dir: Path, run_root: Path, *extra: str) -> list[str]:
-    return small_run_overrides(model_dir, run_root, steps=100) + [
+def run_args(model_dir: Path, run_root: Path, *extra: str, steps: int = 100) -> list[str]:
+    return small_run_overrides(model_dir, run_root, steps=steps) + [
         "rollout.response_length=16", "trainer.val_before_train=false", "trainer.test_freq=-1",
         f"buffer.max_message_bytes={MAX_MESSAGE_BYTES}", *extra]
 
 
-def last_metric(run_dir: Path, name: str) -> float:
+def mlflow_run(run_dir: Path) -> tuple[MlflowClient, str]:
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    history = sorted(client.get_metric_history(run.info.run_id, name), key=lambda m: m.step)
+    return client, run.info.run_id
+
+
+def last_metric(run_dir: Path, name: str) -> float:
+    client, run_id = mlflow_run(run_dir)
+    history = sorted(client.get_metric_history(run_id, name), key=lambda m: m.step)
     return history[-1].value
 
 
-def started_run(model_dir: Path, run_root: Path, *extra: str):
-    launcher = start_launcher(run_args(model_dir, run_root, *extra))
+def buffer_stats_by_step(run_dir: Path) -> dict[int, dict[str, float]]:
+    """The buffer's counters the learner logged with each step (``buffer/`` dropped)."""
+    client, run_id = mlflow_run(run_dir)
+    steps: dict[int, dict[str, float]] = {}
+    for key in ACCOUNTING_KEYS:
+        for metric in client.get_metric_history(run_id, f"buffer/{key}"):
+            steps.setdefault(metric.step, {})[key] = metric.value
+    return steps
+
+
+def buffer_done_stats(run_dir: Path) -> dict[str, float]:
+    """The buffer's counters in its last log line (``buffer/`` dropped; those it leaves
+    out are 0)."""
+    done = re.findall(r"buffer done: (\{.*\})", (run_dir / "logs" / "buffer.log").read_text())
+    assert done, f"the buffer never logged its final counters in {run_dir / 'logs'}"
+    return {k.removeprefix("buffer/"): v for k, v in ast.literal_eval(done[-1]).items()}
+
+
+def accounting_failures(stats: Mapping[str, float]) -> list[str]:
+    """Each accounting sum that ``stats`` break, with its numbers (buffer.hub)."""
+    get = lambda key: stats.get(key, 0.0)  # noqa: E731
+    failures = []
+    for total, parts in (("prompts/leased", PROMPT_ENDS), ("prompts/completed", ANSWERS),
+                         ("groups/accepted", ADMITTED)):
+        if get(total) != sum(get(part) for part in parts):
+            failures.append(f"{total} {get(total)} != " +
+                            " + ".join(f"{part} {get(part)}" for part in parts))
+    if get("accounting_problems"):
+        failures.append(f"the buffer reports {get('accounting_problems')} accounting problems")
+    return failures
+
+
+def assert_accounting_holds(run_dir: Path) -> dict[str, float]:
+    """The accounting holds at every logged step and at the buffer's end; returns the
+    buffer's final counters."""
+    steps = buffer_stats_by_step(run_dir)
+    assert steps, "the learner logged no buffer counters"
+    for step, stats in sorted(steps.items()):
+        assert set(stats) == set(ACCOUNTING_KEYS), f"step {step} lacks counters: {stats}"
+        assert not accounting_failures(stats), (step, accounting_failures(stats))
+    final = buffer_done_stats(run_dir)
+    assert not accounting_failures(final), accounting_failures(final)
+    return final
+
+
+def started_run(model_dir: Path, run_root: Path, *extra: str, steps: int = 100):
+    """A run that trains, and the name of its first generator once it has attached."""
+    launcher = start_launcher(run_args(model_dir, run_root, *extra, steps=steps))
     run_dir = first_run_dir(run_root)
-    wait_for(run_dir / "logs" / "buffer.log", r"generator \S+ attached", 180)
-    return launcher, run_dir
+    attached = wait_for(run_dir / "logs" / "buffer.log", r"generator (\S+) attached", 180)
+    return launcher, run_dir, attached.group(1)
 
 
-def finish(launcher, run_dir: Path) -> str:
+def finish(launcher, run_dir: Path) -> tuple[str, dict[str, float]]:
+    """The run's output once it has ended well, and the buffer's final counters."""
     output, _ = launcher.communicate(timeout=600)
     assert launcher.returncode == 0, output
     assert processes_mentioning(str(run_dir)) == []
-    assert last_metric(run_dir, "buffer/accounting_problems") == 0
-    return output
+    return output, assert_accounting_holds(run_dir)
 
 
-def refuse_learner_messages(client: Client) -> None:
-    for message in LEARNER_MESSAGES:
+def refused(client: Client, messages: tuple[Message, ...], code: str) -> None:
+    for message in messages:
         reply = client.request(message, 10.0)
-        assert isinstance(reply, ErrorReply) and reply.code == "forbidden", (message, reply)
+        assert isinstance(reply, ErrorReply) and reply.code == code, (message, reply)
 
 
 def hostile_group(lease: PromptLease) -> RolloutGroup:
@@ -106,30 +202,72 @@ def hostile_group(lease: PromptLease) -> RolloutGroup:
                         samples=[sample] * lease.n)
 
 
-def send_raw(ctx: RunContext, frames: list[bytes]) -> None:
-    """Frames a codec never made, on a bare socket."""
+def raw_request(endpoint: str, frames: list[bytes], timeout_s: float = 10.0) -> Message | None:
+    """Frames a codec never made, on a bare socket: the server's reply, None if none came."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(endpoint)
+        socket.send_multipart(frames)
+        if not socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        _envelope, *reply = socket.recv_multipart()
+        return Decoder().decode(reply)
+    finally:
+        socket.close()
+
+
+def push_raw(endpoint: str, frames: list[bytes]) -> None:
+    socket = zmq.Context.instance().socket(zmq.PUSH)
     socket.setsockopt(zmq.LINGER, 1000)
-    socket.connect(ctx.buffer_endpoint)
+    socket.connect(endpoint)
     socket.send_multipart(frames)
     socket.close()
+
+
+def garbage_is_answered(endpoint: str, max_bytes: int) -> None:
+    """Frames no codec made get an ErrorReply naming the fault; a frame over the server's
+    limit gets no answer (ZeroMQ drops the connection)."""
+    body = msgspec.msgpack.encode({"type": "Nonsense"})
+    for frames in ([b"not a message"], [ENVELOPE.pack(7, 0), b"garbage"],
+                   [ENVELOPE.pack(8, 0), PREAMBLE_FRAME, body],
+                   [ENVELOPE.pack(9, 0), PREAMBLE_FRAME, b"\xc1"]):
+        reply = raw_request(endpoint, frames)
+        assert isinstance(reply, ErrorReply) and reply.code in WIRE_ERROR_KINDS, (frames, reply)
+    assert raw_request(endpoint, [ENVELOPE.pack(10, 0), b"\0" * (2 * max_bytes)], 3.0) is None
+
+
+def precondition(ok: bool, what: str) -> None:
+    """A step a probe needs, not what it checks: fails the test saying so."""
+    if not ok:
+        pytest.fail(f"precondition failed: {what}", pytrace=False)
+
+
+def wait_for_line(launcher, path: Path, pattern: str, timeout_s: float) -> None:
+    """``pattern`` in ``path`` while the launcher runs (a precondition)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and launcher.poll() is None:
+        if path.exists() and re.search(pattern, path.read_text(errors="replace")):
+            return
+        time.sleep(0.05)
+    precondition(False, f"{pattern!r} in {path} (launcher exit code {launcher.poll()})")
 
 
 @pytest.mark.slow
 def test_a_hostile_peer_without_keys_is_refused_and_the_run_trains_on(
         random_model_dir: Path, run_root: Path) -> None:
-    launcher, run_dir = started_run(random_model_dir, run_root)
+    launcher, run_dir, real_generator = started_run(random_model_dir, run_root)
     ctx = load_run_dir(run_dir)
     generator, learner = Client(ctx.buffer_endpoint), Client(ctx.buffer_endpoint)
     metrics = Pusher(ctx.metrics_endpoint)
     try:
         assert generator.request(Heartbeat(generator_id="intruder", version=0), 10.0)
-        refuse_learner_messages(generator)
+        refused(generator, LEARNER_MESSAGES, "forbidden")
+        refused(generator, (Metrics(source="x", step=0, values={}),), "unexpected")
 
-        for message in (SampleRequest(num_groups=-1), SampleRequest(num_groups=1, step=10**9),
-                        VersionUpdate(version=10**12, step=10**12)):
-            reply = learner.request(message, 10.0)
-            assert isinstance(reply, ErrorReply) and reply.code == "bad_request", reply
+        refused(learner, (SampleRequest(num_groups=-1), SampleRequest(num_groups=1, step=10**9),
+                          VersionUpdate(version=10**12, step=10**12)), "bad_request")
+        refused(learner, GENERATOR_MESSAGES, "forbidden")  # it keeps the learner's role
 
         attach = generator.request(Attach(generator_id="intruder", engine="x", device="x"), 10.0)
         assert isinstance(attach, AttachAck) and attach.accepted
@@ -139,24 +277,41 @@ def test_a_hostile_peer_without_keys_is_refused_and_the_run_trains_on(
         ack = generator.request(hostile_group(lease), 10.0)
         assert isinstance(ack, RolloutAck) and ack.verdict == "malformed", ack
         generator.request(Detach(generator_id="intruder", reason="done"), 10.0)
+        # without keys nothing binds a name to a connection: the real generator is detached
+        # (its leases back in the pool) and must attach again by itself
+        generator.request(Detach(generator_id=real_generator, reason="hostile"), 10.0)
 
-        send_raw(ctx, [b"not a message"])
-        send_raw(ctx, [b"\x00" * (2 * MAX_MESSAGE_BYTES)])
+        with pytest.raises(PeerTimeout):  # over buffer.max_message_bytes: never answered
+            Client(ctx.buffer_endpoint).request(
+                Heartbeat(generator_id="x" * (2 * MAX_MESSAGE_BYTES), version=0), 3.0)
+        garbage_is_answered(ctx.buffer_endpoint, MAX_MESSAGE_BYTES)
+        wait_for(run_dir / "logs" / "learner.log", r"serving weights on", 120)
+        garbage_is_answered(ctx.weights_endpoint, WEIGHT_SERVER_MAX_BYTES)
+
         nan = float("nan")
         metrics.send(Metrics(source="learner", step=0, values={"version": nan,
                                                                "rollout/reward_mean": nan}))
         metrics.send(Metrics(source="buffer", step=0, values={"buffer/generators": nan,
                                                               "buffer/occupancy": math.inf}))
+        push_raw(ctx.metrics_endpoint, [b"garbage"])
+        push_raw(ctx.metrics_endpoint, [PREAMBLE_FRAME, b"\xc1"])
     finally:
         generator.close()
         learner.close()
         metrics.close(linger_s=1.0)
-    finish(launcher, run_dir)
+    output, final = finish(launcher, run_dir)
+    assert final.get("rejected/forbidden", 0) >= len(LEARNER_MESSAGES) + len(GENERATOR_MESSAGES)
+    assert final.get("rejected/bad_request", 0) >= 3
+    assert final.get("rejected/malformed", 0) >= 1
+    assert final.get("rejected/unexpected_message", 0) >= 1
     assert last_metric(run_dir, "buffer/rejected/forbidden") >= len(LEARNER_MESSAGES)
-    assert last_metric(run_dir, "buffer/rejected/bad_request") >= 3
-    assert last_metric(run_dir, "buffer/rejected/malformed") >= 1
     buffer_log = (run_dir / "logs" / "buffer.log").read_text()
-    assert "refused Shutdown" in buffer_log and "rejected rollout hostile-1" in buffer_log
+    assert "refused Shutdown" in buffer_log and "refused Heartbeat" in buffer_log
+    assert "rejected rollout hostile-1" in buffer_log
+    assert f"generator {real_generator} detached (hostile)" in buffer_log
+    assert len(re.findall(f"generator {real_generator} attached", buffer_log)) >= 2, buffer_log
+    kinds = re.search(r"rejected requests by kind: (\{.*\})", buffer_log)
+    assert kinds and {"envelope", "preamble"} <= set(ast.literal_eval(kinds.group(1))), kinds
 
 
 def make_keys(keys_dir: Path) -> None:
@@ -172,18 +327,19 @@ def test_a_generator_key_cannot_act_as_the_learner_and_no_key_gets_no_answer(
         random_model_dir: Path, run_root: Path, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     make_keys(keys)
-    launcher, run_dir = started_run(random_model_dir, run_root,
-                                    "topology.security.curve=true",
-                                    f"topology.security.keys_dir={keys / 'control'}")
+    launcher, run_dir, _ = started_run(random_model_dir, run_root,
+                                       "topology.security.curve=true",
+                                       f"topology.security.keys_dir={keys / 'control'}")
     ctx = load_run_dir(run_dir)
-    generator_keys = ClientKeys(keypair=load_keypair(keys / "generator" / "client.key_secret"),
-                                server_public_key=load_public_key(keys / "generator" / "server.key"))
+    held = keys / "generator"  # what a generator host holds
+    generator_keys = ClientKeys(keypair=load_keypair(held / "client.key_secret"),
+                                server_public_key=load_public_key(held / "server.key"))
     create_keypair(tmp_path / "stranger", "client")
     stranger_keys = ClientKeys(keypair=load_keypair(tmp_path / "stranger" / "client.key_secret"),
                                server_public_key=generator_keys.server_public_key)
     holder = Client(ctx.buffer_endpoint, keys=generator_keys)
     try:
-        refuse_learner_messages(holder)
+        refused(holder, LEARNER_MESSAGES, "forbidden")
     finally:
         holder.close()
     for keys_held in (None, stranger_keys):
@@ -193,5 +349,129 @@ def test_a_generator_key_cannot_act_as_the_learner_and_no_key_gets_no_answer(
                 outsider.request(Shutdown(reason="hostile"), 3.0)
         finally:
             outsider.close()
-    finish(launcher, run_dir)
+    _, final = finish(launcher, run_dir)
+    assert final.get("rejected/forbidden", 0) >= len(LEARNER_MESSAGES)
     assert last_metric(run_dir, "buffer/rejected/forbidden") >= len(LEARNER_MESSAGES)
+    assert "refused Shutdown" in (run_dir / "logs" / "buffer.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_generator_killed_mid_lease_leaves_every_prompt_accounted_for(
+        random_model_dir: Path, run_root: Path, tmp_path: Path) -> None:
+    """test_failures' dead generator, with the accounting checked from the outside."""
+    topology = tmp_path / "topology.toml"
+    topology.write_text(TOPOLOGY)
+    args = [a for a in small_run_overrides(random_model_dir, run_root, steps=6)
+            if not a.startswith("topology.")]
+    args += ["rollout.response_length=32", "trainer.val_before_train=false",
+             "trainer.test_freq=-1", "buffer.lease_timeout_s=4",
+             "buffer.heartbeat_timeout_s=600", "buffer.max_staleness=2"]
+    launcher = start_launcher([str(topology), str(ROOT / "configs" / "arithmetic-grpo.toml"),
+                               *args])
+    try:
+        run_dir = first_run_dir(run_root)
+        lease = wait_for(run_dir / "logs" / "gen0.log", r"lease (L\d+): (\d+) prompts", 120)
+        os.killpg(pid_of(run_dir, "generators.main", "--name gen0"), signal.SIGKILL)
+        output, final = finish(launcher, run_dir)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert "generator gen0 died" in output
+    # gen0 never answered the lease it logged: those prompts expired back into the pool
+    assert final.get("prompts/expired", 0) >= int(lease.group(2)), final
+    assert final["prompts/leased"] > final["prompts/expired"]
+    assert final.get("groups/trained", 0) >= 6 * 4  # every step's batch: data.train_batch_size
+
+
+@pytest.mark.slow
+def test_a_learner_that_cannot_write_its_checkpoint_ends_the_run_naming_the_error(
+        random_model_dir: Path, run_root: Path, tmp_path: Path) -> None:
+    """A disk fault: the checkpoint folder lies under a regular file."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    launcher = start_launcher(run_args(random_model_dir, run_root, "trainer.save_freq=2",
+                                       f"checkpoint.dir={blocker / 'checkpoints'}", steps=6))
+    try:
+        output, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    precondition(launcher.returncode == 1 and processes_mentioning(str(run_root)) == [] and
+                 "essential process learner (learner) died" in output, output)
+    learner_log = next(run_root.glob("*/logs/learner.log")).read_text()
+    cause = f"NotADirectoryError: [Errno 20] Not a directory: '{blocker / 'checkpoints'}'"
+    precondition(cause in learner_log, f"{cause} in the learner's log")
+    assert f"raising {cause}" in output, "the launcher's message does not name the error"
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_while_the_run_stops_leaves_nothing_behind(
+        random_model_dir: Path, run_root: Path) -> None:
+    launcher = start_launcher(run_args(random_model_dir, run_root, steps=100_000))
+    run_dir = first_run_dir(run_root)
+    try:
+        wait_for_line(launcher, run_dir / "logs" / "gen0.log", r"lease L\d+", 120)
+        launcher.send_signal(signal.SIGINT)
+        wait_for_line(launcher, run_dir / "logs" / "buffer.log", r"signal \d+: stopping", 60)
+        launcher.send_signal(signal.SIGINT)  # an impatient operator
+        output, _ = launcher.communicate(timeout=120)
+        left_behind = processes_mentioning(str(run_dir))
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for line in processes_mentioning(str(run_dir)):  # what this test started, by pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
+    assert left_behind == [], "\n".join([*left_behind, output])
+    assert launcher.returncode == 130, output
+    assert "interrupted" in output
+
+
+@pytest.mark.slow
+def test_a_spoofed_learner_step_on_the_metrics_address_does_not_end_the_run(
+        random_model_dir: Path, run_root: Path) -> None:
+    timeout_s = 60  # counted from the launch to the first step too: room for a slow start
+    launcher = start_launcher(run_args(random_model_dir, run_root,
+                                       f"trainer.progress_timeout_s={timeout_s}", steps=100_000))
+    run_dir = first_run_dir(run_root)
+    buffer_log = run_dir / "logs" / "buffer.log"
+    try:
+        wait_for_line(launcher, run_dir / "logs" / "gen0.log",
+                      r"now generating with weights version [1-9]", 180)
+        metrics = Pusher(load_run_dir(run_dir).metrics_endpoint)
+        metrics.send(Metrics(source="learner", step=10**12, values={}))
+        metrics.close(linger_s=1.0)
+        stopping = lambda: re.search(r"signal \d+: stopping", buffer_log.read_text())  # noqa: E731
+        deadline = time.monotonic() + timeout_s + 15  # the learner keeps stepping all along
+        while time.monotonic() < deadline and launcher.poll() is None and not stopping():
+            time.sleep(0.5)
+        if launcher.poll() is None and not stopping():
+            launcher.send_signal(signal.SIGINT)  # still training: the probe is over
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, output
+    assert "no learner step" not in output
+    assert processes_mentioning(str(run_dir)) == []
+
+
+@pytest.mark.slow
+def test_an_absurd_evaluation_report_does_not_kill_the_learner(
+        random_model_dir: Path, run_root: Path) -> None:
+    launcher, run_dir, _ = started_run(random_model_dir, run_root)
+    try:
+        wait_for_line(launcher, run_dir / "logs" / "learner.log", r"serving weights on", 120)
+        weights = Client(load_run_dir(run_dir).weights_endpoint)
+        try:
+            for report in (EvalReport(step=1, version=0, metrics={"eval/" + "x" * 300: 1.0}),
+                           EvalReport(step=2**63, version=0, metrics={"eval/accuracy": 1.0})):
+                reply = weights.request(EvalRequest(after_step=0, report=report), 10.0)
+                precondition(isinstance(reply, WeightManifest), f"the weight server answered "
+                                                                f"{reply!r}")
+        finally:
+            weights.close()
+        finish(launcher, run_dir)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

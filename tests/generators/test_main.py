@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import zlib
 from pathlib import Path
 
 import pytest
 
 from configs import DEFAULT_RUN, load_run_config, load_topology
 from configs.rundir import RunContext
-from generators.main import parse_args, placement_and_seed
+from generators.main import attached_seed, parse_args, placement_and_seed
 
 TOPOLOGY = """
 [[generators]]
@@ -54,3 +55,16 @@ def test_names_must_fit_the_topology_or_stay_out_of_it(tmp_path: Path) -> None:
         placement_and_seed(ctx, args("--name", "gen9"))
     with pytest.raises(SystemExit, match="'gen0' is a topology name"):
         placement_and_seed(ctx, args("--name", "gen0", "--attached"))
+
+
+def test_an_attached_seed_steps_past_every_topology_seed() -> None:
+    assert attached_seed("extra", 7000, 2) == 7000 + zlib.crc32(b"extra")
+    every_seed_taken = 2**32  # a crc32 always falls among them
+    assert attached_seed("extra", 0, every_seed_taken) >= every_seed_taken
+
+
+def test_an_attached_generator_option_the_schema_refuses_is_named(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"attached generator 'extra': Expected `int` >= 0 - "
+                                         r"at `\$.threads`"):
+        placement_and_seed(context(tmp_path), args("--name", "extra", "--attached",
+                                                   "--threads", "-1"))
