@@ -6,7 +6,10 @@ any, the initial checkpoint: free, the evaluator loads it itself); the weight se
 thread answers the evaluator's ``EvalRequest``s from here (``handle``), oldest offer first,
 and queues the reports they carry for the loop (``take_reports``). An offer stays first in
 line until the evaluator asks for something after it, so a reply lost to a timeout is
-simply handed out again; a report is kept once (a resent one is ignored).
+simply handed out again; a report is kept once (a resent one is ignored). Any peer that
+reaches the weight server can send a report, so one is kept only when it measured a step
+that was offered and its metric names are ones MLflow takes (``report_problem``); others
+are dropped with a warning, never handed to the learner's loop.
 
 Each waiting offer holds a CPU copy of the weights, so at most ``max_waiting`` wait: past
 that the oldest waiting one is skipped, with a warning. At the end of the run ``end``
@@ -17,6 +20,7 @@ over.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -33,6 +37,21 @@ if TYPE_CHECKING:  # learner.weights serves this queue
 logger = logging.getLogger(__name__)
 
 GOODBYE_GRACE_S = 3.0  # after the last report: time for the evaluator's next request
+METRIC_NAME = re.compile(r"[\w./\- :]{1,250}")
+"""A metric name MLflow takes: at most 250 letters, digits, ``_ - . / :`` and spaces."""
+
+
+def report_problem(report: EvalReport, offered_through: int) -> str:
+    """Why ``report`` is no report of this run's evaluations ("" when it is): its step
+    must lie between 0 and the latest step offered, ``offered_through``, and its metric
+    names must suit MLflow."""
+    if not 0 <= report.step <= offered_through:
+        return (f"step {report.step} was never offered for evaluation (the latest is "
+                f"{offered_through})")
+    bad = [name for name in report.metrics if not METRIC_NAME.fullmatch(name)]
+    if bad:
+        return f"metric name {bad[0][:60]!r} is not one MLflow takes"
+    return ""
 
 
 class EvalOffer(msgspec.Struct, frozen=True):
@@ -51,6 +70,7 @@ class EvalQueue:
         self._waiting: deque[EvalOffer] = deque()
         self._reports: list[EvalReport] = []
         self._reported_through = -1  # the latest step a report measured
+        self._offered_through = -1  # the latest step offered
         self._handed_at = 0.0
         self._longest_s = 0.0  # the longest evaluation so far
         self._over = False
@@ -62,6 +82,7 @@ class EvalQueue:
         """Queue ``offer``; the oldest offer holding weights goes when too many wait."""
         with self._lock:
             self._waiting.append(offer)
+            self._offered_through = max(self._offered_through, offer.step)
             holding = [o for o in self._waiting if o.weights is not None]
             for skipped in holding[:max(0, len(holding) - self.max_waiting)]:
                 self._waiting.remove(skipped)
@@ -114,7 +135,10 @@ class EvalQueue:
         now = time.monotonic()
         with self._lock:
             report = msg.report
-            if report is not None and report.step > self._reported_through:
+            problem = "" if report is None else report_problem(report, self._offered_through)
+            if problem:
+                logger.warning("dropped an evaluation report: %s", problem)
+            elif report is not None and report.step > self._reported_through:
                 self._reports.append(report)
                 self._reported_through = report.step
                 self._longest_s = max(self._longest_s, now - self._handed_at)

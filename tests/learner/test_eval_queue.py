@@ -126,3 +126,21 @@ def test_end_gives_up_after_its_budget_and_says_so(caplog: pytest.LogCaptureFixt
     assert "no evaluation of step 10 arrived" in caplog.text
     assert ask(queue, -1)[0].step == 10  # what was offered is still handed out
     assert ask(queue, 10) == [Shutdown(reason="the run is over")]
+
+
+@pytest.mark.parametrize("bad", [
+    EvalReport(step=2**63, version=0, metrics={"eval/accuracy": 1.0}),
+    EvalReport(step=-5, version=0, metrics={"eval/accuracy": 1.0}),
+    EvalReport(step=10, version=0, metrics={"eval/" + "x" * 300: 1.0}),
+    EvalReport(step=10, version=0, metrics={"eval/accuracy\n": 1.0}),
+])
+def test_a_report_of_no_offered_step_or_with_a_name_mlflow_refuses_is_dropped(
+        bad: EvalReport, caplog: pytest.LogCaptureFixture) -> None:
+    queue = EvalQueue()
+    queue.offer(offer(10))
+    with caplog.at_level(logging.WARNING, logger="learner.eval_queue"):
+        assert ask(queue, -1, bad)[0].step == 10  # answered as if no report came
+    assert queue.take_reports() == []
+    assert "dropped an evaluation report" in caplog.text
+    ask(queue, 10, report(10))  # the real one is still kept
+    assert queue.take_reports() == [report(10)]

@@ -4,7 +4,8 @@ Interactive terminals get one line rewritten in place; logs (no tty) get the sam
 every ``LOG_EVERY_S`` seconds. Notes (a generator died...) always get a line of their own.
 Any process on the metrics address may send anything a ``Metrics`` message can hold, so
 every value is shown through ``count`` or ``number``: NaN, infinities and absurd magnitudes
-read as "?" and never raise.
+read as "?" and never raise; a learner step outside the run's steps is no step of this run
+and is ignored, values and all (one would otherwise freeze the step the watchdog waits past).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class StatusBoard:
         self._width = 0
 
     def update(self, message: Metrics) -> None:
-        if message.source == "learner":
+        if message.source == "learner" and 0 <= message.step <= self.total_steps:
             self.step = max(self.step, message.step)
             self.learner.update(message.values)
         elif message.source == "buffer":

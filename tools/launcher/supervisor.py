@@ -15,19 +15,23 @@ Order of events:
    run that makes no learner step for ``trainer.progress_timeout_s`` is ended by the
    watchdog (``launcher.watchdog``), naming the stage that holds it up;
 4. stop: when the learner finishes (exit 0), or on Ctrl-C, or when an essential process
-   exits or the watchdog fires, every process group gets SIGTERM, then SIGKILL after a
-   grace period. Nothing is left behind; the exit code says how it ended and the reason
-   names the process.
+   exits or the watchdog fires, every process group but the buffer's gets SIGTERM (so
+   that generators can still return their leases), then the buffer's, then SIGKILL for
+   what is left after a grace period; a second Ctrl-C (or SIGTERM) while stopping skips
+   the grace. Nothing is left behind; the exit code says how it ended and the reason
+   names the process, and for a Python exception, the exception.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -44,7 +48,7 @@ from launcher.watchdog import ProgressWatchdog
 from transport.messages import Metrics
 from transport.sockets import Puller
 
-STOP_GRACE_S = 15.0  # SIGTERM, then this long, then SIGKILL
+STOP_GRACE_S = 15.0  # SIGTERM, then this long (per wave), then SIGKILL
 FINISH_GRACE_S = 30.0  # after the learner is done, how long the others get to exit
 NO_GENERATOR_GRACE_S = 120.0  # the run fails when no generator is alive this long
 LOG_TAIL_LINES = 15
@@ -141,6 +145,34 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return ""
 
 
+EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(: .*)?")
+"""The last line of a Python traceback: ``ValueError: ...``, ``KeyboardInterrupt``."""
+RANK_PREFIX = re.compile(r"^\[[^\]]*\]:? ?")
+"""What torchrun may put before a rank's lines (``[rank0]:``)."""
+LAUNCHER_EXCEPTIONS = ("torch.distributed.elastic.", "ChildFailedError")
+"""Exceptions that report another process's failure (torchrun's), not the cause."""
+
+
+def last_exception(path: Path) -> str:
+    """The final line of the last Python traceback in the log at ``path`` that is not
+    torchrun reporting a failed child, or "" when there is none."""
+    found, in_traceback = "", False
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                text = RANK_PREFIX.sub("", line.rstrip("\n"))
+                if text.startswith("Traceback (most recent call last)"):
+                    in_traceback = True
+                elif in_traceback and not text.startswith((" ", "\t")):
+                    in_traceback = False
+                    caused_here = not text.startswith(LAUNCHER_EXCEPTIONS)
+                    if caused_here and EXCEPTION_LINE.fullmatch(text):
+                        found = text
+    except OSError:
+        return ""
+    return found
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -151,20 +183,38 @@ def describe_exit(code: int) -> str:
 
 
 def stop_all(processes: list[Running]) -> None:
-    """SIGTERM every live process group, wait, SIGKILL what remains."""
-    for proc in processes:
-        if proc.popen.poll() is None:
-            _signal_group(proc, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for proc in processes:
-        try:
-            proc.popen.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for proc in processes:
-        _signal_group(proc, signal.SIGKILL)  # the group may hold children of an exited leader
-        if proc.popen.poll() is None:
-            proc.popen.wait()
+    """SIGTERM every live process group but the buffer's and wait, then the buffer's and
+    wait (each wave at most ``STOP_GRACE_S``), then SIGKILL every group. A SIGINT or SIGTERM
+    meanwhile (an impatient operator) goes straight to the SIGKILL sweep."""
+    hurry = threading.Event()
+    previous = _catch_signals(hurry)
+    try:
+        waves = ([p for p in processes if p.spec.role != "buffer"],
+                 [p for p in processes if p.spec.role == "buffer"])
+        for wave in waves:
+            for proc in wave:
+                if proc.popen.poll() is None:
+                    _signal_group(proc, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            while not hurry.is_set() and time.monotonic() < deadline and \
+                    any(p.popen.poll() is None for p in wave):
+                time.sleep(0.1)
+        for proc in processes:
+            _signal_group(proc, signal.SIGKILL)  # the group may hold children of an exited leader
+            if proc.popen.poll() is None:
+                proc.popen.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _catch_signals(caught: threading.Event) -> dict[int, object]:
+    """SIGINT and SIGTERM set ``caught`` instead of raising; the handlers they replace (none
+    outside the main thread, where signals cannot be caught)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, lambda _signum, _frame: caught.set())
+            for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _signal_group(proc: Running, sig: signal.Signals) -> None:
@@ -200,8 +250,8 @@ class Supervisor:
         except KeyboardInterrupt:
             return Outcome(code=130, reason="interrupted (Ctrl-C); stopped every process")
         finally:
-            self.board.finish()
             stop_all(self.processes)
+            self.board.finish()
             metrics.close()
 
     def _watch(self, metrics: Puller) -> Outcome:
@@ -263,6 +313,9 @@ class Supervisor:
         tail = log_tail(proc.log)
         how = (f"exited ({describe_exit(code)}) before the learner finished" if code == 0
                else f"died: {describe_exit(code)}")
+        cause = last_exception(proc.log)
+        if cause:
+            how += f", raising {cause}"
         return Outcome(code=1, reason=f"essential process {proc.spec.name} ({proc.spec.role}) "
                                       f"{how}. Last lines of {proc.log}:\n{tail}")
 

@@ -67,3 +67,13 @@ def test_nan_over_the_wire_does_not_crash_the_board() -> None:
     finally:
         pusher.close()
         puller.close()
+
+
+@pytest.mark.parametrize("step", [-1, 11, 10**12])
+def test_a_step_outside_the_run_is_ignored_values_and_all(step: int) -> None:
+    board = StatusBoard(total_steps=10, interactive=False)
+    board.update(Metrics(source="learner", step=4, values={"version": 4.0}))
+    board.update(Metrics(source="learner", step=step, values={"version": 99.0}))
+    assert board.step == 4 and "step 4/10 | v4" in board.line()
+    board.update(Metrics(source="learner", step=10, values={"version": 10.0}))
+    assert board.step == 10

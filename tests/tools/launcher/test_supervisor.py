@@ -1,0 +1,115 @@
+"""The supervisor's stop (waves, a second signal) and how it names a dead process's cause."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher import supervisor
+from launcher.plan import ProcessSpec
+from launcher.supervisor import Running, last_exception, stop_all
+
+CHILD_TRACEBACK = """\
+step 3 | loss 0.1
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "learner/checkpoint.py", line 80, in save
+[rank0]:     folder.mkdir(parents=True)
+[rank0]: NotADirectoryError: [Errno 20] Not a directory: '/tmp/a-file/checkpoints'
+E1124 18:00:00 torch/distributed/elastic/multiprocessing/api.py:874] failed (exitcode: 1)
+Traceback (most recent call last):
+  File "/venv/bin/torchrun", line 8, in <module>
+    sys.exit(main())
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+learner.main FAILED
+"""
+
+
+def test_the_cause_is_the_childs_exception_not_torchruns_report(tmp_path: Path) -> None:
+    log = tmp_path / "learner.log"
+    log.write_text(CHILD_TRACEBACK)
+    assert last_exception(log) == ("NotADirectoryError: [Errno 20] Not a directory: "
+                                   "'/tmp/a-file/checkpoints'")
+
+
+def test_the_last_of_several_tracebacks_is_the_cause(tmp_path: Path) -> None:
+    log = tmp_path / "buffer.log"
+    log.write_text("Traceback (most recent call last):\n  File \"a.py\", line 1\n"
+                   "KeyError: 'x'\n\nDuring handling of the above exception, another "
+                   "exception occurred:\n\nTraceback (most recent call last):\n"
+                   "  File \"a.py\", line 3\nconfigs.ConfigError: run.toml: bad key\n"
+                   "INFO after the traceback\n")
+    assert last_exception(log) == "configs.ConfigError: run.toml: bad key"
+
+
+def test_a_log_without_a_traceback_or_no_log_names_no_cause(tmp_path: Path) -> None:
+    log = tmp_path / "gen0.log"
+    log.write_text("ValueError: a line that quotes an error is no traceback\n")
+    assert last_exception(log) == ""
+    assert last_exception(tmp_path / "missing.log") == ""
+
+
+RECORDER = """\
+import signal, sys, time
+def on_term(*_):
+    time.sleep({delay})
+    open(sys.argv[1], "a").write(f"{{time.monotonic()}}\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term if {stops} else signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def start(tmp_path: Path, name: str, role: str, *, delay: float = 0.0,
+          stops: bool = True) -> Running:
+    """A process that notes when SIGTERM stopped it (after ``delay``), or ignores it."""
+    spec = ProcessSpec(name=name, role=role, host="127.0.0.1",  # type: ignore[arg-type]
+                       argv=[sys.executable, "-c", RECORDER.format(delay=delay, stops=stops),
+                             str(tmp_path / f"{name}.stopped")])
+    popen = subprocess.Popen(spec.argv, stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    assert popen.stdout is not None and popen.stdout.readline() == "ready\n"
+    return Running(spec=spec, popen=popen, log=tmp_path / f"{name}.log")
+
+
+def stopped_at(tmp_path: Path, name: str) -> float:
+    return float((tmp_path / f"{name}.stopped").read_text())
+
+
+def test_the_buffer_is_stopped_after_the_processes_that_talk_to_it(tmp_path: Path) -> None:
+    generator = start(tmp_path, "gen0", "generator", delay=0.5)  # returns its leases
+    buffer = start(tmp_path, "buffer", "buffer")
+    learner = start(tmp_path, "learner", "learner")
+    stop_all([buffer, learner, generator])
+    assert all(p.popen.poll() is not None for p in (generator, buffer, learner))
+    assert stopped_at(tmp_path, "buffer") > stopped_at(tmp_path, "gen0")
+    assert stopped_at(tmp_path, "buffer") > stopped_at(tmp_path, "learner")
+
+
+def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(supervisor, "STOP_GRACE_S", 1.0)
+    stubborn = start(tmp_path, "gen0", "generator", stops=False)
+    began = time.monotonic()
+    stop_all([stubborn])
+    assert stubborn.popen.returncode == -signal.SIGKILL
+    assert 1.0 <= time.monotonic() - began < 10.0
+
+
+def test_a_second_ctrl_c_while_stopping_skips_the_grace(tmp_path: Path) -> None:
+    stubborn = start(tmp_path, "gen0", "generator", stops=False)
+    buffer = start(tmp_path, "buffer", "buffer")
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    began = time.monotonic()
+    stop_all([stubborn, buffer])  # no KeyboardInterrupt out of it
+    assert time.monotonic() - began < supervisor.STOP_GRACE_S / 2
+    assert stubborn.popen.returncode == -signal.SIGKILL and buffer.popen.poll() is not None
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
