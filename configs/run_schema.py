@@ -135,6 +135,11 @@ class ActorConfig(_Section):
     the step; ``a3po`` interpolates between behavior and current log-probs by version
     (A-3PO) and skips it, unless the batch needs them before the first update anyway (KL in
     the reward, rejection by ``algorithm.rollout_correction``), when they are recomputed.
+    ``ulysses_sequence_parallel_size`` (verl's key) is the number of learner ranks that
+    split the tokens of each pass (Ulysses sequence parallelism, ``learner.ulysses``): it
+    must divide the learner's ranks and the model's attention heads, and it applies to every
+    model the learner runs (the policy, the reference, the critic and the PRM). Under it
+    passes run rows packed without padding (``share_prompts`` is not applied).
     """
 
     clip_ratio_low: NonNegativeFloat = 0.2
@@ -155,6 +160,7 @@ class ActorConfig(_Section):
     proximal_logprobs: Literal["recompute", "a3po"] = "recompute"  # Relay
     skip_zero_advantage: bool = True  # Relay: no passes over rows whose advantages are all 0
     share_prompts: bool = True  # Relay: one sequence per prompt group, the prompt computed once
+    ulysses_sequence_parallel_size: Positive = 1  # ranks that split each pass's tokens
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
 
 

@@ -8,7 +8,8 @@ to token t). The body loads with ``AutoModel`` from the policy checkpoint (or
 live on the learner's shifted grid (entry j is the value of the state before token j + 1,
 as log-probs are), and are computed by the learner in the very step whose advantages use
 them, so a stale value never enters GAE. Training follows the actor's mini-batches with
-the clipped value loss (``algorithms.value_loss``).
+the clipped value loss (``algorithms.value_loss``), and its passes (under Ulysses sequence
+parallelism too: ``learner.ulysses``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import AutoModel
+from transformers import AutoModel, PretrainedConfig
 
 from algorithms.aggregation import aggregate_loss, count_sequences
 from algorithms.value_loss import clipped_value_loss
@@ -24,6 +25,7 @@ from configs.run_schema import CriticConfig
 from learner.batch import TrainBatch
 from learner.micro_batches import MicroBatches
 from learner.model import block_classes, shard
+from learner.ulysses import gather_tokens, packed_forward
 from learner.optim import build_optimizer, build_scheduler, clipped_step
 
 
@@ -37,9 +39,15 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    @property
+    def config(self) -> PretrainedConfig:
+        """The body's config (its attention implementation is looked up there)."""
+        return self.body.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                **body_inputs: object) -> torch.Tensor:
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask,
-                           use_cache=False).last_hidden_state
+                           use_cache=False, **body_inputs).last_hidden_state
         # A copy, not a view: FSDP2 hooks the output for backward, and views defeat that hook.
         return self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)
 
@@ -57,16 +65,18 @@ def load_value_model(path: str, *, compute_dtype: torch.dtype, device: torch.dev
 class Critic:
     """The value model, its optimizer and schedule, and how it predicts and trains."""
 
-    def __init__(self, model: ValueModel, config: CriticConfig, total_steps: int,
-                 group: dist.ProcessGroup | None = None) -> None:
-        self.model, self.config, self.group = model, config, group
+    def __init__(self, model: ValueModel, config: CriticConfig, total_steps: int) -> None:
+        self.model, self.config = model, config
         self.optimizer = build_optimizer(model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, total_steps=total_steps,
                                          optim=config.optim)
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
 
-    def _grid_values(self, part: TrainBatch) -> torch.Tensor:
-        return self.model(part.input_ids, part.attention_mask)[:, :-1]
+    def _grid_values(self, part: TrainBatch, micro: MicroBatches) -> torch.Tensor:
+        """Values (B, L-1) of ``part``'s rows on the learner's grid."""
+        if micro.sp is None:
+            return self.model(part.input_ids, part.attention_mask)[:, :-1]
+        packed, values = packed_forward(self.model, part, micro.sp)
+        return packed.to_grid(gather_tokens(values, micro.sp))
 
     @torch.no_grad()
     def values(self, batch: TrainBatch, minis: list[torch.Tensor],
@@ -76,11 +86,11 @@ class Critic:
         out = torch.zeros_like(batch.behavior_logprobs)
         for mini in minis:
             for each in micro.passes(batch, mini):
-                values = self._grid_values(each.part)
+                values = self._grid_values(each.part, micro)
                 if each.owned():
                     out[each.rows, :values.shape[1]] = values
-        if dist.is_initialized():  # each row was filled by exactly one rank
-            dist.all_reduce(out, group=self.group)
+        if dist.is_initialized():  # each row was filled by one data-parallel rank
+            dist.all_reduce(out, group=micro.group)
         return out * batch.response_mask
 
     def train(self, batch: TrainBatch, minis: list[torch.Tensor], micro: MicroBatches,
@@ -99,13 +109,13 @@ class Critic:
                 for each in micro.passes(batch, mini):
                     rows, part = each.rows, each.part
                     width = part.response_mask.shape[1]
-                    predicted = self._grid_values(part)
+                    predicted = self._grid_values(part, micro)
                     terms = clipped_value_loss(predicted, old_values[rows, :width],
                                                returns[rows, :width], self.config.cliprange_value)
                     mask = part.response_mask * each.weight
                     loss = aggregate_loss(terms.loss * part.sample_weights[:, None], mask,
                                           self.config.loss_agg_mode, **totals)
-                    (loss * self.world).backward()
+                    (loss * micro.grad_scale).backward()
                     with torch.no_grad():
                         error = (predicted - returns[rows, :width]) ** 2
                         sums += torch.stack([(terms.loss * mask).sum(),
@@ -115,7 +125,7 @@ class Critic:
                                                self.config.grad_clip))
         self.scheduler.step()
         if dist.is_initialized():
-            dist.all_reduce(sums, group=self.group)
+            dist.all_reduce(sums, group=micro.group)
         tokens = max(float(sums[3]), 1.0)
         return {"critic/vf_loss": float(sums[0]) / tokens,
                 "critic/vf_clipfrac": float(sums[1]) / tokens,

@@ -29,14 +29,12 @@ class ImplicitPRM:
     """The PRM, its frozen reference, its optimizer and schedule, and its training step."""
 
     def __init__(self, model: nn.Module, reference: nn.Module, config: RewardModelConfig,
-                 total_steps: int, temperature: float,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 total_steps: int, temperature: float) -> None:
         self.model, self.reference, self.config = model, reference, config
-        self.temperature, self.group = temperature, group
+        self.temperature = temperature
         self.optimizer = build_optimizer(model, config.model.optim)
         self.scheduler = build_scheduler(self.optimizer, total_steps=total_steps,
                                          optim=config.model.optim)
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
 
     @property
     def beta(self) -> float:
@@ -57,11 +55,11 @@ class ImplicitPRM:
                 rows, part, weight = each.rows, each.part, each.weight
                 width = part.response_mask.shape[1]
                 logprobs, _ = forward_logprobs(self.model, part, self.temperature, False,
-                                               micro.share_prompts)
+                                               micro.share_prompts, micro.sp)
                 reference = reference_logprobs[rows, :width]
                 per_sequence = implicit_prm_loss(logprobs, reference, part.response_mask,
                                                  part.rewards, self.beta) * weight
-                (per_sequence.sum() / len(mini) * self.world).backward()
+                (per_sequence.sum() / len(mini) * micro.grad_scale).backward()
                 with torch.no_grad():
                     implicit = ((logprobs - reference) * part.response_mask).sum(-1)
                     right = ((implicit > 0) == (part.rewards > 0.5)).float() * weight
@@ -70,7 +68,7 @@ class ImplicitPRM:
             grad_norms.append(clipped_step(self.model, self.optimizer, self.config.grad_clip))
         self.scheduler.step()
         if dist.is_initialized():
-            dist.all_reduce(sums, group=self.group)
+            dist.all_reduce(sums, group=micro.group)
         sequences = max(float(sums[2]), 1.0)
         return {"prm/loss": float(sums[0]) / sequences,
                 "prm/accuracy": float(sums[1]) / sequences,

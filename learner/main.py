@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from configs.rundir import (
     RESOLVED_RUN,
@@ -35,6 +35,7 @@ from learner.model import learner_device, load_sharded
 from learner.optim import build_optimizer, build_scheduler
 from learner.rollouts import BufferLink
 from learner.tracking import Resumed, Tracker
+from learner.ulysses import Parallelism, check_heads, learner_parallelism
 from learner.update import Learner
 from learner.weights import WeightServer
 from transport.sockets import Pusher
@@ -42,9 +43,18 @@ from transport.sockets import Pusher
 logger = logging.getLogger("relay.learner")
 
 
-def build_learner(ctx: RunContext, device: torch.device) -> Learner:
+def build_learner(ctx: RunContext, device: torch.device,
+                  parallelism: Parallelism | None = None) -> Learner:
+    """Every model, optimizer and schedule the run's learner needs, sharded over the world
+    and, when ``parallelism`` has an SP group, checked against its size."""
     run = ctx.run
     dtype = getattr(torch, run.model.dtype)
+    sp_size = run.actor.ulysses_sequence_parallel_size
+    if sp_size > 1:
+        for path in {run.model.path, run.critic.model.path or run.model.path,
+                     run.reward_model.model.path or run.model.path}:
+            check_heads(AutoConfig.from_pretrained(
+                path, trust_remote_code=run.model.trust_remote_code), sp_size)
     model = load_sharded(run.model.path, compute_dtype=dtype, device=device,
                          trust_remote_code=run.model.trust_remote_code)
     estimator = run.algorithm.adv_estimator
@@ -76,7 +86,7 @@ def build_learner(ctx: RunContext, device: torch.device) -> Learner:
                    temperature=run.rollout.temperature, horizon=run.rollout.response_length,
                    num_prompts=run.data.train_batch_size,
                    critic_warmup=run.trainer.critic_warmup, reference=reference, critic=critic,
-                   prm=prm)
+                   prm=prm, parallelism=parallelism)
 
 
 def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase,
@@ -118,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                                               trust_remote_code=run.model.trust_remote_code)
     # Padding sits under attention_mask = 0 and off the response: any valid id will do.
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    learner = build_learner(ctx, device)
+    parallelism = learner_parallelism(device, run.actor.ulysses_sequence_parallel_size)
+    learner = build_learner(ctx, device, parallelism)
     resumed = None
     if ctx.resume_from is not None:
         resumed = load_checkpoint(learner, ctx.resume_from)

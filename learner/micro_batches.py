@@ -24,6 +24,11 @@ count is the largest any rank needs, and a rank that has no rows left makes a st
 over one real row with ``weight`` 0: every loss and diagnostic of the pass is multiplied by
 the weight, so it changes nothing.
 
+Under Ulysses sequence parallelism (``learner.ulysses``) "rank" above means a data-parallel
+rank (``group``: one rank of each SP group); the ranks of an SP group take the same passes
+and split their tokens (``sp``). FSDP2 averages gradients over every rank, so a pass's loss
+is multiplied by ``grad_scale``, the whole world's size, before its backward.
+
 The actor's update, its up-front log-prob passes, the critic and the implicit PRM all walk
 their batches with ``MicroBatches``.
 """
@@ -38,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from learner.batch import TrainBatch
+from learner.ulysses import SequenceParallel
 
 
 class MicroBatch(msgspec.Struct, frozen=True):
@@ -54,18 +60,23 @@ class MicroBatch(msgspec.Struct, frozen=True):
 
 
 class MicroBatches:
-    """This rank's walk through a batch: ``mini_batches`` then ``passes`` over each."""
+    """This rank's walk through a batch: ``mini_batches`` then ``passes`` over each.
+
+    ``group``: the data-parallel ranks (None: every rank), over which batch-wide results are
+    summed; ``sp``: this rank's sequence-parallel group, None without SP."""
 
     def __init__(self, *, groups_per_mini_batch: int, micro_batch_size: int,
                  max_token_len: int | None = None, share_prompts: bool = False,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None,
+                 sp: SequenceParallel | None = None) -> None:
         self.groups_per_mini_batch = groups_per_mini_batch
         self.micro_batch_size = micro_batch_size
         self.max_token_len = max_token_len
-        self.share_prompts = share_prompts
-        self.group = group
+        self.share_prompts = share_prompts and sp is None
+        self.group, self.sp = group, sp
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.grad_scale = dist.get_world_size() if dist.is_initialized() else 1
 
     def mini_batches(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Row indices of each mini-batch: ``groups_per_mini_batch`` whole groups, in order."""

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from algorithms.logprobs import entropy_from_logits, token_logprobs
 from learner.batch import TrainBatch
 from learner.shared_prompts import pack, rows_attention, unsupported
+from learner.ulysses import SequenceParallel, gather_tokens, packed_forward
 
 
 def learner_device(setting: str, local_rank: int) -> torch.device:
@@ -68,14 +69,18 @@ def shard(model: nn.Module, *, compute_dtype: torch.dtype,
 
 
 def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
-                     with_entropy: bool, share_prompts: bool = False
+                     with_entropy: bool, share_prompts: bool = False,
+                     sp: SequenceParallel | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (B, L-1) of the batch's tokens, and the entropy if asked.
 
-    ``share_prompts``: the rows of a group that share a prompt go through the model as one
-    sequence (``learner.shared_prompts``) when the model's family allows it; the results
-    are the row layout's.
+    ``sp``: the rows go through the model packed and split across the SP group
+    (``learner.ulysses``); otherwise, with ``share_prompts``, the rows of a group that share
+    a prompt go through the model as one sequence (``learner.shared_prompts``) when the
+    model's family allows it. Either way the results are the row layout's.
     """
+    if sp is not None:
+        return _sequence_parallel_logprobs(model, batch, temperature, with_entropy, sp)
     if share_prompts and unsupported(model.config) is None:
         packed = pack(batch)
         with rows_attention(model):
@@ -90,3 +95,17 @@ def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
     entropy = entropy_from_logits(logits, temperature) if with_entropy else None
     return logprobs, entropy
 
+
+
+def _sequence_parallel_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
+                                with_entropy: bool, sp: SequenceParallel
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``forward_logprobs`` under Ulysses: each SP rank computes its slice's log-probs (and
+    entropies) and the group gathers them (``learner.ulysses``)."""
+    packed, out = packed_forward(model, batch, sp, use_cache=False)
+    labels = packed.local(packed.labels, sp)
+    logprobs = packed.to_grid(gather_tokens(token_logprobs(out.logits, labels, temperature), sp))
+    if not with_entropy:
+        return logprobs, None
+    entropy = gather_tokens(entropy_from_logits(out.logits, temperature), sp)
+    return logprobs, packed.to_grid(entropy)

@@ -1,12 +1,14 @@
 """One learner step: log-probs, advantages, the staleness-corrected loss, optimizer steps.
 
-The batch is the whole global batch on every rank (rank 0 broadcast it); each rank trains
-on rows ``rank::world`` of every mini-batch. Losses are sums divided by counts over the
-whole mini-batch (``algorithms.aggregation``), multiplied by the world size because FSDP
-averages gradients across ranks: so the update does not depend on the number of ranks or
-micro-batches. The batch is cut by ``learner.micro_batches`` (as for the critic and the
-PRM): every rank runs the same number of forward/backward passes (FSDP's collectives need
-it), and a rank with fewer rows pads with a zero-weighted stand-in pass.
+The batch is the whole global batch on every rank (rank 0 broadcast it); each
+data-parallel rank trains on rows ``rank::world`` of every mini-batch (under Ulysses
+sequence parallelism the ranks of an SP group split those rows' tokens: ``learner.ulysses``).
+Losses are sums divided by counts over the whole mini-batch (``algorithms.aggregation``),
+multiplied by the world size because FSDP averages gradients across ranks: so the update
+does not depend on the number of ranks, SP groups or micro-batches. The batch is cut by
+``learner.micro_batches`` (as for the critic and the PRM): every rank runs the same number
+of forward/backward passes (FSDP's collectives need it), and a rank with fewer rows pads
+with a zero-weighted stand-in pass.
 
 Per token, the loss is the configured surrogate (``algorithms.policy_loss``, ratio current /
 proximal) under the off-policy correction (``algorithms.off_policy``: truncated importance
@@ -83,6 +85,7 @@ from learner.implicit_prm import ImplicitPRM
 from learner.micro_batches import MicroBatches
 from learner.model import forward_logprobs
 from learner.shared_prompts import unsupported
+from learner.ulysses import Parallelism
 from learner.optim import clipped_step
 
 logger = logging.getLogger("relay.learner")
@@ -151,19 +154,22 @@ class Learner:
                  algorithm: AlgorithmConfig, temperature: float, horizon: int, num_prompts: int,
                  critic_warmup: int = 0, reference: nn.Module | None = None,
                  critic: Critic | None = None, prm: ImplicitPRM | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 parallelism: Parallelism | None = None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.actor, self.algorithm = actor, algorithm
         self.temperature, self.horizon = temperature, horizon
         self.critic_warmup = critic_warmup
-        self.reference, self.critic, self.prm, self.group = reference, critic, prm, group
+        self.reference, self.critic, self.prm = reference, critic, prm
+        parallelism = parallelism or Parallelism()
+        self.group, self.sp = parallelism.data_group, parallelism.sequence
         self.steps_done = 0  # learner steps taken, counting the critic's warm-up
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.micro = MicroBatches(groups_per_mini_batch=actor.ppo_mini_batch_size or num_prompts,
                                   micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
                                   max_token_len=actor.ppo_max_token_len_per_gpu
                                   if actor.use_dynamic_bsz else None,
-                                  share_prompts=actor.share_prompts, group=group)
+                                  share_prompts=actor.share_prompts, group=self.group,
+                                  sp=self.sp)
+        self.world = self.micro.world  # data-parallel ranks
         if algorithm.adv_estimator == "gae" and critic is None:
             raise ValueError("algorithm.adv_estimator = 'gae' needs the critic")
         if algorithm.adv_estimator == "prime" and prm is None:
@@ -178,6 +184,8 @@ class Learner:
         self.skips_zero_advantage = (actor.skip_zero_advantage and mode in ADVANTAGE_PROPORTIONAL
                                      and not actor.use_kl_loss and actor.entropy_coeff == 0)
         why_not = unsupported(model.config) if actor.share_prompts else None
+        if actor.share_prompts and self.sp is not None:
+            why_not = "Ulysses sequence parallelism (it packs rows without sharing)"
         if why_not and self.micro.rank == 0:
             logger.info("actor.share_prompts: not for this model's %s; every sample is its "
                         "own row", why_not)
@@ -305,7 +313,7 @@ class Learner:
         for mini in self.micro.mini_batches(batch):
             for each in self.micro.passes(batch, mini):
                 logprobs, _ = forward_logprobs(model, each.part, self.temperature, False,
-                                               self.actor.share_prompts)
+                                               self.micro.share_prompts, self.sp)
                 if each.owned():
                     out[each.rows, :logprobs.shape[1]] = logprobs
         if dist.is_initialized() and self.world > 1:
@@ -327,7 +335,8 @@ class Learner:
             width = part.response_mask.shape[1]
             logprobs, entropy = forward_logprobs(self.model, part, self.temperature,
                                                  with_entropy=True,
-                                                 share_prompts=actor.share_prompts)
+                                                 share_prompts=self.micro.share_prompts,
+                                                 sp=self.sp)
             prox = self._proximal(logprobs, part, proximal, rows, current_version, version)
             if correction is None:
                 part_correction = off_policy_correction(prox, part.behavior_logprobs,
@@ -355,7 +364,7 @@ class Learner:
                 loss = loss + actor.kl_loss_coef * aggregate_loss(
                     kl * part_correction.mask, mask, actor.loss_agg_mode, **totals)
                 sums.add("actor/kl_sum", (kl.detach() * mask).sum())
-            (loss * self.world).backward()
+            (loss * self.micro.grad_scale).backward()
             with torch.no_grad():
                 self._diagnostics(terms, part_correction, entropy, prox, part, mask, kept, sums)
                 sums.add("loss", loss.detach())

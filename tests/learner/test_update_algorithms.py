@@ -27,6 +27,7 @@ from learner.critic import Critic, load_value_model
 from learner.implicit_prm import ImplicitPRM
 from learner.model import load_sharded
 from learner.optim import build_optimizer, build_scheduler
+from learner.ulysses import Parallelism
 from learner.update import Learner
 from learner.weights import gather_full_weights
 
@@ -37,7 +38,8 @@ from .test_update import LR, PROMPTS, rollouts
 def make_learner(path: Path, actor: ActorConfig | None = None,
                  algorithm: AlgorithmConfig | None = None, critic_warmup: int = 0,
                  reward_model: RewardModelConfig | None = None,
-                 critic_path: Path | None = None, prm_path: Path | None = None) -> Learner:
+                 critic_path: Path | None = None, prm_path: Path | None = None,
+                 parallelism: Parallelism | None = None) -> Learner:
     """A learner wired as ``learner.main.build_learner`` wires it; the critic and the PRM
     start from ``critic_path`` / ``prm_path`` when given, else from the policy's ``path``."""
     actor = actor or ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0))
@@ -69,7 +71,7 @@ def make_learner(path: Path, actor: ActorConfig | None = None,
                                                      optim=actor.optim),
                    actor=actor, algorithm=algorithm, temperature=1.0, horizon=6,
                    num_prompts=len(PROMPTS), critic_warmup=critic_warmup,
-                   reference=reference, critic=critic, prm=prm)
+                   reference=reference, critic=critic, prm=prm, parallelism=parallelism)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
+from transformers import AutoConfig
 
 from algorithms.rewards.registry import UnknownDataSourceError, check_data_sources
 from buffer.dataset import DatasetError, load_prompt_rows
@@ -29,6 +30,7 @@ from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, checkpoint_dir, is_r
 from configs.topology_schema import Topology
 from launcher.plan import ProcessSpec, build_plan, new_run_dir
 from learner.checkpoint import CheckpointError, check_resumable, latest_checkpoint
+from learner.ulysses import KEY, check_heads
 
 
 class ResolvedLaunch(msgspec.Struct, kw_only=True, frozen=True):
@@ -48,6 +50,7 @@ def resolve_launch(topology_file: str, run_file: str, topology_overrides: Sequen
     topology = load_topology(topology_file, topology_overrides)
     run = load_run_config(run_file, run_overrides)
     check_validation_data(run, run_file)
+    check_sequence_parallel(topology, run, run_file)
     run_dir = new_run_dir(run)
     run = resolve_resume_mode(run, run_dir, run_file)
     return ResolvedLaunch(topology_file=topology_file, run_file=run_file, topology=topology,
@@ -69,6 +72,7 @@ def resolve_resume(run_dir: str | Path, topology_overrides: Sequence[str] = (),
     topology = load_topology(topology_file, topology_overrides)
     run = load_run_config(run_file, run_overrides)
     check_validation_data(run, run_file)
+    check_sequence_parallel(topology, run, run_file)
     if not any(o.startswith("trainer.resume_") for o in run_overrides):
         auto = msgspec.structs.replace(run.trainer, resume_mode="auto", resume_from_path="")
         run = msgspec.structs.replace(run, trainer=auto)
@@ -113,6 +117,27 @@ def check_validation_data(run: RunConfig, source: str) -> None:
             check_data_sources({row.data_source for row in rows})
     except (DatasetError, UnknownDataSourceError) as exc:
         raise ConfigError(source, "data.val_files", str(exc)) from exc
+
+
+def check_sequence_parallel(topology: Topology, run: RunConfig, source: str) -> None:
+    """``actor.ulysses_sequence_parallel_size`` divides the learner's ranks, and fits the
+    attention heads of every model the learner runs that is already on disk (a ``builtin:``
+    model is built later: the learner checks it)."""
+    size = run.actor.ulysses_sequence_parallel_size
+    if size == 1:
+        return
+    ranks = len(topology.learner.hosts) * topology.learner.nproc_per_node
+    if ranks % size:
+        raise ConfigError(source, KEY, f"{size} does not divide the learner's {ranks} ranks "
+                                       "(topology learner: len(hosts) x nproc_per_node)")
+    paths = {run.model.path, run.critic.model.path or run.model.path,
+             run.reward_model.model.path or run.model.path}
+    for path in sorted(p for p in paths if (Path(p) / "config.json").is_file()):
+        try:
+            check_heads(AutoConfig.from_pretrained(
+                path, trust_remote_code=run.model.trust_remote_code), size)
+        except ValueError as exc:
+            raise ConfigError(source, KEY, f"{exc} ({path})") from None
 
 
 def dry_run_report(resolved: ResolvedLaunch) -> str:

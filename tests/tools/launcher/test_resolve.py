@@ -27,3 +27,27 @@ def test_without_evaluation_the_held_out_rows_are_not_read(tmp_path: Path) -> No
         f"data.val_files={val}", "trainer.test_freq=-1", "trainer.val_before_train=false",
         f"trainer.run_dir={tmp_path}"])
     assert [p.role for p in resolved.processes] == ["buffer", "learner", "generator"]
+
+
+def test_a_sequence_parallel_size_that_does_not_divide_the_ranks_is_refused(
+        tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as error:
+        resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
+                       topology_overrides=["learner.nproc_per_node=3"],
+                       run_overrides=["actor.ulysses_sequence_parallel_size=2",
+                                      f"trainer.run_dir={tmp_path}"])
+    assert error.value.key == "actor.ulysses_sequence_parallel_size"
+    assert "does not divide the learner's 3 ranks" in str(error.value)
+
+
+def test_a_sequence_parallel_size_the_heads_do_not_fit_is_refused(
+        tmp_path: Path, random_model_dir: Path) -> None:  # 4 attention heads
+    with pytest.raises(ConfigError) as error:
+        resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
+                       topology_overrides=["learner.nproc_per_node=3"],
+                       run_overrides=["actor.ulysses_sequence_parallel_size=3",
+                                      f"model.path={random_model_dir}",
+                                      f"trainer.run_dir={tmp_path}"])
+    assert error.value.key == "actor.ulysses_sequence_parallel_size"
+    assert "must divide the model's 4 attention heads" in str(error.value)
+    assert str(random_model_dir) in str(error.value)

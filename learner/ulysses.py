@@ -1,0 +1,260 @@
+"""Ulysses sequence parallelism for Hugging Face causal LMs, without editing model files.
+
+DeepSpeed-Ulysses (Jacobs et al., 2023, arXiv:2309.14509), the way verl runs it: the
+learner's ``W`` ranks form a ``D x P`` mesh (``data_parallel x sequence_parallel``, rank
+``d * P + p``); the ``P`` ranks of a sequence-parallel (SP) group take the same rows and
+split their tokens.
+
+A pass's rows are packed without padding into one sequence of ``T`` tokens, each row's
+position ids restarting at 0, padded to a multiple of ``P`` (each padding token a sequence
+of its own) and cut into ``P`` slices of ``C = T / P`` tokens: SP rank ``p`` runs the model
+on tokens ``[p C, (p + 1) C)``. Every layer but attention works token by token, and RoPE
+reads the slice's own position ids. Attention (``ulysses_attention``, registered with
+transformers' ``AttentionInterface`` as ``relay_ulysses``) swaps the split:
+
+    (C tokens, H heads) --all-to-all--> (T tokens, H / P heads)
+    attention over the whole packed sequence, each token seeing the earlier tokens of
+    its own row (a block-diagonal causal mask)
+    (T tokens, H / P heads) --all-to-all--> (C tokens, H heads)
+
+Per-token results (log-probs, entropies, values) are computed on the slice and gathered
+(``gather_tokens``) into the row layout ``(B, L - 1)``, so every loss is computed as
+without SP, identically on the ``P`` ranks. The gather's backward hands each rank the
+gradient of its own slice only: summed over the SP group (FSDP's reduce-scatter over
+every rank), the gradient is that of the whole sequence.
+
+Heads: the query heads ``H`` must divide by ``P``. Key/value heads ``H_kv`` (grouped-query
+attention) either divide by ``P``, or divide ``P``, when each is repeated ``P / H_kv``
+times before the all-to-all (as verl does); anything else is refused by
+``check_heads`` naming the key.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import msgspec
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface, PretrainedConfig
+
+from learner.batch import TrainBatch
+
+ATTENTION = "relay_ulysses"  # the attention implementation's registered name
+KEY = "actor.ulysses_sequence_parallel_size"
+
+
+class SequenceParallel:
+    """One SP group: ``size`` ranks that split a pass's tokens; ``rank`` is this one's
+    place in it, ``group`` the process group."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int, rank: int) -> None:
+        self.group, self.size, self.rank = group, size, rank
+
+
+class Parallelism:
+    """How the learner's ranks share the work: ``data_group`` holds the ranks that train
+    on different rows (one per SP group, the same position in each; None: every rank),
+    ``sequence`` this rank's SP group (None without sequence parallelism)."""
+
+    def __init__(self, data_group: dist.ProcessGroup | None = None,
+                 sequence: SequenceParallel | None = None) -> None:
+        self.data_group, self.sequence = data_group, sequence
+
+
+def learner_parallelism(device: torch.device, sp_size: int) -> Parallelism:
+    """The ``D x P`` mesh of the initialised world for ``P = sp_size`` (module docstring);
+    ValueError naming ``KEY`` when ``P`` does not divide the world."""
+    world = dist.get_world_size()
+    if sp_size == 1:
+        return Parallelism()
+    if world % sp_size:
+        raise ValueError(f"{KEY} = {sp_size} does not divide the learner's {world} ranks "
+                         "(topology learner: len(hosts) x nproc_per_node)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world // sp_size, sp_size),
+                            mesh_dim_names=("dp", "sp"))
+    return Parallelism(data_group=mesh.get_group("dp"),
+                       sequence=SequenceParallel(mesh.get_group("sp"), sp_size,
+                                                 mesh.get_local_rank("sp")))
+
+
+def check_heads(config: PretrainedConfig, sp_size: int) -> None:
+    """ValueError naming ``KEY`` and the head counts when ``sp_size`` does not fit the
+    model's attention heads (module docstring)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % sp_size:
+        raise ValueError(f"{KEY} = {sp_size} must divide the model's {heads} attention heads")
+    if kv_heads % sp_size and sp_size % kv_heads:
+        raise ValueError(f"{KEY} = {sp_size} must divide the model's {kv_heads} key/value "
+                         f"heads or be a multiple of them")
+    if getattr(config, "use_sliding_window", False) or any(
+            kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        raise ValueError(f"{KEY} = {sp_size}: sliding-window attention is not supported "
+                         f"under sequence parallelism")
+
+
+class PackedTokens(msgspec.Struct, frozen=True):
+    """A pass's B rows packed into one sequence of T tokens (a multiple of the SP size)."""
+
+    input_ids: torch.Tensor  # (1, T) long
+    position_ids: torch.Tensor  # (1, T) long: restart at 0 with each row (and padding)
+    labels: torch.Tensor  # (1, T) long: the next token of the same row (0 past a row's end)
+    attend: torch.Tensor  # (1, 1, T, T) bool: token i may attend to token j
+    source: torch.Tensor  # (B, L - 1) long: the packed position of each row-grid entry
+    valid: torch.Tensor  # (B, L - 1) bool: grid entries of a row's tokens (not padding)
+
+    def local(self, tensor: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+        """This SP rank's slice of a (1, T, ...) tensor along the tokens."""
+        width = tensor.shape[1] // sp.size
+        return tensor[:, sp.rank * width:(sp.rank + 1) * width]
+
+    def to_grid(self, per_token: torch.Tensor) -> torch.Tensor:
+        """(1, T) per packed position -> (B, L - 1) row grid; 0 off the rows' tokens."""
+        return torch.where(self.valid, per_token[0][self.source], 0.0)
+
+
+def pack_tokens(batch: TrainBatch, multiple: int) -> PackedTokens:
+    """Pack ``batch``'s rows (module docstring); grid entry (b, j) is row b's position j,
+    which predicts its token j + 1."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    total = sum(lengths)
+    padded = math.ceil(total / multiple) * multiple
+    input_ids = torch.zeros(padded, dtype=torch.long)
+    position_ids = torch.zeros(padded, dtype=torch.long)
+    labels = torch.zeros(padded, dtype=torch.long)
+    sequence = torch.arange(padded)  # padding tokens: each a sequence of its own
+    rows, grid = batch.response_mask.shape
+    source = torch.zeros((rows, grid), dtype=torch.long)
+    valid = torch.zeros((rows, grid), dtype=torch.bool)
+    offset = 0
+    for row, length in enumerate(lengths):
+        tokens = batch.input_ids[row, :length]
+        end = offset + length
+        input_ids[offset:end] = tokens
+        position_ids[offset:end] = torch.arange(length)
+        labels[offset:end - 1] = tokens[1:]
+        sequence[offset:end] = offset
+        source[row, :length - 1] = torch.arange(offset, end - 1)
+        valid[row, :length - 1] = True
+        offset = end
+    positions = torch.arange(padded)
+    attend = (sequence[:, None] == sequence[None, :]) & (positions[None, :] <= positions[:, None])
+    return PackedTokens(input_ids=input_ids[None], position_ids=position_ids[None],
+                        labels=labels[None], attend=attend[None, None], source=source,
+                        valid=valid)
+
+
+def _all_to_all(tensor: torch.Tensor, scatter_dim: int, gather_dim: int,
+                sp: SequenceParallel) -> torch.Tensor:
+    """Cut ``tensor`` in ``sp.size`` along ``scatter_dim``, send piece p to SP rank p, and
+    join the pieces received along ``gather_dim`` (in rank order)."""
+    pieces = torch.stack(tensor.tensor_split(sp.size, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(pieces)
+    dist.all_to_all_single(received, pieces, group=sp.group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``_all_to_all`` whose backward is the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scatter_dim: int, gather_dim: int,
+                sp: SequenceParallel) -> torch.Tensor:
+        ctx.dims, ctx.sp = (scatter_dim, gather_dim), sp
+        return _all_to_all(tensor, scatter_dim, gather_dim, sp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad.contiguous(), gather_dim, scatter_dim, ctx.sp), None, None, None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """(1, C, ...) slices of the SP group -> (1, T, ...); the backward keeps this rank's
+    slice of the gradient (every rank computes the same loss from the gathered whole)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+        ctx.sp = sp
+        pieces = [torch.empty_like(local) for _ in range(sp.size)]
+        dist.all_gather(pieces, local.contiguous(), group=sp.group)
+        return torch.cat(pieces, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        sp = ctx.sp
+        return grad.tensor_split(sp.size, dim=1)[sp.rank].contiguous(), None
+
+
+def gather_tokens(local: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """The SP group's per-token results (1, C, ...) joined into (1, T, ...)."""
+    return _GatherTokens.apply(local, sp)
+
+
+class UlyssesAttention(msgspec.Struct, frozen=True):
+    """What ``ulysses_attention`` needs from outside the model: the group and the mask."""
+
+    sp: SequenceParallel
+    attend: torch.Tensor  # (1, 1, T, T) bool
+
+
+def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      scaling: float | None = None, dropout: float = 0.0,
+                      ulysses: UlyssesAttention | None = None,
+                      sliding_window: int | None = None,
+                      **_: object) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over a slice of a packed sequence.
+
+    ``query`` (1, H, C, D), ``key``/``value`` (1, H_kv, C, D) -> (1, C, H, D)."""
+    if ulysses is None:
+        raise RuntimeError(f"the {ATTENTION} attention runs only on packed slices "
+                           "(learner.ulysses.pack_tokens)")
+    if sliding_window is not None:
+        raise RuntimeError(f"{ATTENTION} does not implement sliding-window attention")
+    sp = ulysses.sp
+    kv_heads = key.shape[1]
+    if kv_heads % sp.size:  # fewer key/value heads than ranks: repeat each (check_heads)
+        key = key.repeat_interleave(sp.size // kv_heads, dim=1)
+        value = value.repeat_interleave(sp.size // kv_heads, dim=1)
+    query, key, value = (_AllToAll.apply(t, 1, 2, sp) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=ulysses.attend,
+        dropout_p=dropout if module.training else 0.0, scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1])  # (1, H / P, T, D)
+    return _AllToAll.apply(out, 2, 1, sp).transpose(1, 2), None
+
+
+AttentionInterface.register(ATTENTION, ulysses_attention)
+
+
+@contextmanager
+def sequence_parallel_attention(model: nn.Module) -> Iterator[None]:
+    """Run ``model``'s forwards inside with ``ulysses_attention`` (each attention layer
+    looks its implementation up at every forward; the backward needs no lookup)."""
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def packed_forward(model: nn.Module, batch: TrainBatch, sp: SequenceParallel,
+                   **inputs: object) -> tuple[PackedTokens, object]:
+    """Pack ``batch``, run ``model`` on this rank's slice (its ``input_ids`` and
+    ``position_ids``, and ``inputs``); the packing and the model's output."""
+    packed = pack_tokens(batch, sp.size)
+    with sequence_parallel_attention(model):
+        out = model(input_ids=packed.local(packed.input_ids, sp),
+                    position_ids=packed.local(packed.position_ids, sp),
+                    ulysses=UlyssesAttention(sp=sp, attend=packed.attend), **inputs)
+    return packed, out
