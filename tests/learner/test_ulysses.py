@@ -3,8 +3,8 @@
 - packing: rows packed without padding, labels the next token of the same row, the mask
   block-diagonal and causal, the grid mapping back onto the rows;
 - one rank (an SP group of 1): the packed forward gives the padded forward's log-probs;
-- SP 2 on a Llama model (2 key/value heads, split) and a Qwen2 model (1 key/value head,
-  repeated): the same log-probs, entropies, loss and summed gradients as one process
+- SP 2 on a Llama model (2 key/value heads, split), a Qwen2 model (1 key/value head,
+  repeated) and a Qwen3 model (per-head q/k norms): the same log-probs, entropies, loss and summed gradients as one process
   without SP, on rows of different lengths (real processes, gloo);
 - DP 2 x SP 2 (4 processes, FSDP2 over all of them) trains two steps to the weights of
   DP 1 x SP 1, for GRPO and for PPO with its critic;
@@ -20,7 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from configs.run_schema import ActorConfig, AlgorithmConfig, OptimConfig
 from generators.torch_engine import TorchEngine
@@ -54,9 +60,26 @@ def save_random_qwen2(folder: Path, kv_heads: int = 1) -> Path:
     return folder
 
 
+def save_random_qwen3(folder: Path) -> Path:
+    """A small random Qwen3 (per-head q/k norms before RoPE), 4 heads on 2 key/value heads."""
+    tokenizer = build_tokenizer()
+    torch.manual_seed(2)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=128,
+                         eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_random_qwen2(tmp_path_factory.mktemp("qwen2"))
+def model_dirs(random_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> dict[str, Path]:
+    return {"llama": random_model_dir,
+            "qwen2": save_random_qwen2(tmp_path_factory.mktemp("qwen2")),
+            "qwen3": save_random_qwen3(tmp_path_factory.mktemp("qwen3"))}
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +152,10 @@ def sp_worker(rank: int, world: int, port: int, model_dir: str, batch_file: str,
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_sp2_gives_the_loss_and_gradients_of_one_process(
-        family: str, random_model_dir: Path, qwen2_dir: Path, batch: TrainBatch,
-        tmp_path: Path) -> None:
-    model_dir = random_model_dir if family == "llama" else qwen2_dir
+        family: str, model_dirs: dict[str, Path], batch: TrainBatch, tmp_path: Path) -> None:
+    model_dir = model_dirs[family]
     torch.manual_seed(0)
     weights = torch.randn(2, *batch.response_mask.shape)
     batch_file = tmp_path / "batch.pt"
@@ -178,6 +200,7 @@ def train_worker(rank: int, world: int, port: int, sp_size: int, model_dir: str,
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 4 processes twice: 25 s
 @pytest.mark.parametrize("algorithm", ALGORITHMS.values(), ids=ALGORITHMS.keys())
 def test_dp2_sp2_trains_to_the_weights_of_one_rank(random_model_dir: Path, batch: TrainBatch,
                                                    tmp_path: Path,
