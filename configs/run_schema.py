@@ -63,12 +63,15 @@ class ModelConfig(_Section):
     """The policy: a local Hugging Face checkpoint loaded with the Auto classes.
 
     ``dtype`` is the compute dtype of the learner's forward/backward (parameters and the
-    optimizer stay fp32) and of the generators' engines.
+    optimizer stay fp32) and of the generators' engines. ``enable_gradient_checkpointing``
+    (verl's key) recomputes each transformer block's activations in the backward instead of
+    keeping them (transformers' gradient checkpointing), for every model the learner trains.
     """
 
     path: str
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     trust_remote_code: bool = False
+    enable_gradient_checkpointing: bool = False
 
 
 class ValKwargs(_Section):
@@ -106,6 +109,20 @@ class OptimConfig(_Section):
     lr_warmup_steps_ratio: Fraction = 0.0
     warmup_style: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: Fraction = 0.0
+
+
+class FsdpConfig(_Section):
+    """Where FSDP2 keeps what a learner rank holds (verl's ``actor.fsdp_config``).
+
+    ``param_offload`` keeps the parameters' shards, their gradients and the optimizer step on
+    the CPU (FSDP2's ``CPUOffloadPolicy``), copying each block to the device for its forward
+    and backward; ``optimizer_offload`` keeps the optimizer's state on the CPU between steps
+    and brings it to the device for each step. Both apply to the policy (and the parameter
+    offload to the frozen reference). On a CPU learner everything is on the CPU already.
+    """
+
+    param_offload: bool = False
+    optimizer_offload: bool = False
 
 
 class ActorConfig(_Section):
@@ -161,6 +178,7 @@ class ActorConfig(_Section):
     skip_zero_advantage: bool = True  # Relay: no passes over rows whose advantages are all 0
     share_prompts: bool = True  # Relay: one sequence per prompt group, the prompt computed once
     ulysses_sequence_parallel_size: Positive = 1  # ranks that split each pass's tokens
+    fsdp_config: FsdpConfig = msgspec.field(default_factory=FsdpConfig)
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
 
 

@@ -24,6 +24,7 @@ from algorithms.value_loss import clipped_value_loss
 from configs.run_schema import CriticConfig
 from learner.batch import TrainBatch
 from learner.micro_batches import MicroBatches
+from learner.attention import use_relay_attention
 from learner.model import block_classes, shard
 from learner.ulysses import gather_tokens, packed_forward
 from learner.optim import build_optimizer, build_scheduler, clipped_step
@@ -53,11 +54,15 @@ class ValueModel(nn.Module):
 
 
 def load_value_model(path: str, *, compute_dtype: torch.dtype, device: torch.device,
-                     trust_remote_code: bool = False) -> ValueModel:
+                     trust_remote_code: bool = False,
+                     gradient_checkpointing: bool = False) -> ValueModel:
     """The body of the causal LM at ``path`` plus a zero value head, FSDP2-sharded."""
     body = AutoModel.from_pretrained(path, dtype=torch.float32,
                                      trust_remote_code=trust_remote_code)
     body.config.use_cache = False
+    use_relay_attention(body)
+    if gradient_checkpointing:
+        body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = ValueModel(body, body.config.hidden_size).to(device)
     return shard(model, compute_dtype=compute_dtype, blocks=block_classes(body))
 

@@ -55,15 +55,19 @@ def build_learner(ctx: RunContext, device: torch.device,
                      run.reward_model.model.path or run.model.path}:
             check_heads(AutoConfig.from_pretrained(
                 path, trust_remote_code=run.model.trust_remote_code), sp_size)
+    checkpointing = run.model.enable_gradient_checkpointing
+    offload = run.actor.fsdp_config.param_offload
     model = load_sharded(run.model.path, compute_dtype=dtype, device=device,
-                         trust_remote_code=run.model.trust_remote_code)
+                         trust_remote_code=run.model.trust_remote_code,
+                         gradient_checkpointing=checkpointing, offload=offload)
     estimator = run.algorithm.adv_estimator
     prm_path = run.reward_model.model.path or run.model.path
     prm_shares_reference = estimator == "prime" and prm_path == run.model.path
     reference = None
     if run.actor.use_kl_loss or run.algorithm.use_kl_in_reward or prm_shares_reference:
         reference = load_sharded(run.model.path, compute_dtype=dtype, device=device,
-                                 trust_remote_code=run.model.trust_remote_code, trainable=False)
+                                 trust_remote_code=run.model.trust_remote_code, trainable=False,
+                                 offload=offload)
     optimizer = build_optimizer(model, run.actor.optim)
     scheduler = build_scheduler(optimizer, total_steps=run.trainer.total_training_steps,
                                 optim=run.actor.optim)
@@ -71,11 +75,13 @@ def build_learner(ctx: RunContext, device: torch.device,
     if estimator == "gae":
         value_model = load_value_model(run.critic.model.path or run.model.path,
                                        compute_dtype=dtype, device=device,
-                                       trust_remote_code=run.model.trust_remote_code)
+                                       trust_remote_code=run.model.trust_remote_code,
+                                       gradient_checkpointing=checkpointing)
         critic = Critic(value_model, run.critic, total_steps=run.trainer.total_training_steps)
     if estimator == "prime":
         prm_model = load_sharded(prm_path, compute_dtype=dtype, device=device,
-                                 trust_remote_code=run.model.trust_remote_code)
+                                 trust_remote_code=run.model.trust_remote_code,
+                                 gradient_checkpointing=checkpointing)
         prm_reference = reference if prm_shares_reference else load_sharded(
             prm_path, compute_dtype=dtype, device=device,
             trust_remote_code=run.model.trust_remote_code, trainable=False)
@@ -151,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if rank0 is not None:
             rank0.close(ok)
+        if ok:  # leave together: a gloo rank whose peer tore its group down may abort
+            dist.barrier(group=cpu_group)
         dist.destroy_process_group()
     logger.info("learner finished %d steps at version %d", run.trainer.total_training_steps,
                 loop.version)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
 from algorithms.logprobs import entropy_from_logits, token_logprobs
 from learner.batch import TrainBatch
-from learner.shared_prompts import pack, rows_attention, unsupported
+from learner.attention import use_relay_attention
+from learner.shared_prompts import pack, unsupported
 from learner.ulysses import SequenceParallel, gather_tokens, packed_forward
 
 
@@ -44,27 +45,38 @@ def block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
 
 
 def load_sharded(path: str, *, compute_dtype: torch.dtype, device: torch.device,
-                 trust_remote_code: bool = False, trainable: bool = True) -> nn.Module:
-    """An HF causal LM from ``path``, fp32 master weights, FSDP2-sharded over the world."""
+                 trust_remote_code: bool = False, trainable: bool = True,
+                 gradient_checkpointing: bool = False, offload: bool = False) -> nn.Module:
+    """An HF causal LM from ``path``, fp32 master weights, FSDP2-sharded over the world;
+    ``gradient_checkpointing`` (trainable models only) and ``offload`` (parameters on the
+    CPU: ``shard``) as ``model.enable_gradient_checkpointing`` and
+    ``actor.fsdp_config.param_offload`` say."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  trust_remote_code=trust_remote_code)
     model.to(device)
     model.config.use_cache = False
+    use_relay_attention(model)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
-    return shard(model, compute_dtype=compute_dtype, blocks=block_classes(model))
+    elif gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return shard(model, compute_dtype=compute_dtype, blocks=block_classes(model), offload=offload)
 
 
 def shard(model: nn.Module, *, compute_dtype: torch.dtype,
-          blocks: tuple[type[nn.Module], ...]) -> nn.Module:
-    """``fully_shard`` each ``blocks`` module, then the root (no-op without a process group)."""
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+          blocks: tuple[type[nn.Module], ...], offload: bool = False) -> nn.Module:
+    """``fully_shard`` each ``blocks`` module, then the root (no-op without a process group);
+    ``offload`` keeps the shards on the CPU (FSDP2's ``CPUOffloadPolicy``)."""
+    options: dict[str, object] = {
+        "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)}
+    if offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if dist.is_initialized():
         for module in model.modules():
             if isinstance(module, blocks):
-                fully_shard(module, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+                fully_shard(module, **options)
+        fully_shard(model, **options)
     return model
 
 
@@ -77,15 +89,16 @@ def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
     ``sp``: the rows go through the model packed and split across the SP group
     (``learner.ulysses``); otherwise, with ``share_prompts``, the rows of a group that share
     a prompt go through the model as one sequence (``learner.shared_prompts``) when the
-    model's family allows it. Either way the results are the row layout's.
+    model's family allows it. Either way the results are the row layout's. The model attends
+    with ``learner.attention`` from here on.
     """
+    use_relay_attention(model)
     if sp is not None:
         return _sequence_parallel_logprobs(model, batch, temperature, with_entropy, sp)
     if share_prompts and unsupported(model.config) is None:
         packed = pack(batch)
-        with rows_attention(model):
-            out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                        shared_prompt_rows=packed.rows, use_cache=False)
+        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                    shared_prompt_rows=packed.rows, use_cache=False)
         logits = packed.row_logits(out.logits)[:, :-1]
     else:
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,

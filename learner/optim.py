@@ -38,20 +38,37 @@ def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
     return int(optim.lr_warmup_steps_ratio * total_steps)
 
 
-def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
+                 offload_state: bool = False) -> float:
     """Clip the gradient norm to ``max_norm`` and step, unless the norm is NaN/inf.
 
     Returns the norm before clipping (the full norm across FSDP shards). A non-finite
-    gradient is discarded instead of stepped on.
+    gradient is discarded instead of stepped on. ``offload_state``
+    (``actor.fsdp_config.optimizer_offload``): the optimizer's state comes to its
+    parameters' device for the step and goes back to the CPU after it.
     """
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     norm = float(grad_norm)
     if math.isfinite(norm):
+        if offload_state:
+            move_optimizer_state(optimizer, to_cpu=False)
         optimizer.step()
+        if offload_state:
+            move_optimizer_state(optimizer, to_cpu=True)
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, to_cpu: bool) -> None:
+    """Every state tensor of ``optimizer`` (not Adam's step counts) to the CPU, or to the
+    device of the parameter it belongs to."""
+    for param, state in optimizer.state.items():
+        device = torch.device("cpu") if to_cpu else param.device
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step" and value.device != device:
+                state[key] = value.to(device)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int,

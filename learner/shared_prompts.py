@@ -8,14 +8,14 @@ become one sequence
 
 with position ids ``0..p-1`` for the prompt and ``p..p+l_i-1`` for every response (they
 restart after the prompt). Every layer but attention works token by token, so it runs the
-prompt once. Attention (``shared_prompt_attention``, registered with transformers as
-``relay_shared_prompt``) goes back to rows: row ``i`` holds the keys and values of
-``prompt, response_i`` (gathered from the packed sequence) and the queries of ``response_i``
-(the group's first row also those of the prompt), causal by position. So each token sees
-exactly what it sees in the row layout, at the attention cost of the row layout, and the
-gradient reaching a shared prompt position is the sum over the group's responses, as it is
-across rows: the update is the same (up to float summation order) for ``p (k - 1)`` fewer
-tokens a group through every other layer. This is the shared-prefix forward of Prefix
+prompt once. Attention (``shared_prompt_attention``, which ``learner.attention`` runs when
+a forward is given ``shared_prompt_rows``) goes back to rows: row ``i`` holds the keys and
+values of ``prompt, response_i`` (gathered from the packed sequence) and the queries of
+``response_i`` (the group's first row also those of the prompt), causal by position. So
+each token sees exactly what it sees in the row layout, at the attention cost of the row
+layout, and the gradient reaching a shared prompt position is the sum over the group's
+responses, as it is across rows: the update is the same (up to float summation order) for
+``p (k - 1)`` fewer tokens a group through every other layer. This is the shared-prefix forward of Prefix
 Grouper (Liu et al., 2025, arXiv:2506.05433).
 
 ``pack`` builds the packed inputs of a pass; ``PackedRows.row_logits`` maps the packed
@@ -25,18 +25,14 @@ computed exactly as before. ``unsupported`` says which models cannot be run this
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import msgspec
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface, PretrainedConfig
+from transformers import PretrainedConfig
 
 from learner.batch import TrainBatch
 
-ATTENTION = "relay_shared_prompt"  # the attention implementation's registered name
 # families whose attention is plain causal softmax attention over RoPE'd queries and keys
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -155,10 +151,11 @@ def shared_prompt_attention(module: nn.Module, query: torch.Tensor, key: torch.T
     ``query`` (S, H, Lp, D), ``key``/``value`` (S, Hkv, Lp, D) -> (S, Lp, H, D). Packed
     padding positions get zeros (nothing reads them)."""
     if shared_prompt_rows is None:
-        raise RuntimeError(f"the {ATTENTION} attention runs only on packed prompt groups "
+        raise RuntimeError("shared-prompt attention runs only on packed prompt groups "
                            "(learner.shared_prompts.pack)")
     if sliding_window is not None:
-        raise RuntimeError(f"{ATTENTION} does not implement sliding-window attention")
+        raise RuntimeError("shared-prompt attention does not implement sliding-window "
+                           "attention")
     layout = shared_prompt_rows
     sequences, heads, width, dim = query.shape
 
@@ -177,18 +174,3 @@ def shared_prompt_attention(module: nn.Module, query: torch.Tensor, key: torch.T
         0, layout.query_index[layout.query_valid], picked)
     return packed.view(sequences, width, heads, dim), None
 
-
-AttentionInterface.register(ATTENTION, shared_prompt_attention)
-
-
-@contextmanager
-def rows_attention(model: nn.Module) -> Iterator[None]:
-    """Run ``model``'s forwards inside with ``shared_prompt_attention`` (each attention layer
-    looks its implementation up at every forward; the backward needs no lookup)."""
-    config = model.config
-    before = config._attn_implementation
-    config._attn_implementation = ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = before

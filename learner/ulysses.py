@@ -9,8 +9,8 @@ A pass's rows are packed without padding into one sequence of ``T`` tokens, each
 position ids restarting at 0, padded to a multiple of ``P`` (each padding token a sequence
 of its own) and cut into ``P`` slices of ``C = T / P`` tokens: SP rank ``p`` runs the model
 on tokens ``[p C, (p + 1) C)``. Every layer but attention works token by token, and RoPE
-reads the slice's own position ids. Attention (``ulysses_attention``, registered with
-transformers' ``AttentionInterface`` as ``relay_ulysses``) swaps the split:
+reads the slice's own position ids. Attention (``ulysses_attention``, which
+``learner.attention`` runs when a forward is given ``ulysses``) swaps the split:
 
     (C tokens, H heads) --all-to-all--> (T tokens, H / P heads)
     attention over the whole packed sequence, each token seeing the earlier tokens of
@@ -32,19 +32,15 @@ times before the all-to-all (as verl does); anything else is refused by
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import msgspec
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface, PretrainedConfig
+from transformers import PretrainedConfig
 
 from learner.batch import TrainBatch
 
-ATTENTION = "relay_ulysses"  # the attention implementation's registered name
 KEY = "actor.ulysses_sequence_parallel_size"
 
 
@@ -215,10 +211,10 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
     ``query`` (1, H, C, D), ``key``/``value`` (1, H_kv, C, D) -> (1, C, H, D)."""
     if ulysses is None:
-        raise RuntimeError(f"the {ATTENTION} attention runs only on packed slices "
+        raise RuntimeError("Ulysses attention runs only on packed slices "
                            "(learner.ulysses.pack_tokens)")
     if sliding_window is not None:
-        raise RuntimeError(f"{ATTENTION} does not implement sliding-window attention")
+        raise RuntimeError("Ulysses attention does not implement sliding-window attention")
     sp = ulysses.sp
     kv_heads = key.shape[1]
     if kv_heads % sp.size:  # fewer key/value heads than ranks: repeat each (check_heads)
@@ -232,29 +228,14 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return _AllToAll.apply(out, 2, 1, sp).transpose(1, 2), None
 
 
-AttentionInterface.register(ATTENTION, ulysses_attention)
-
-
-@contextmanager
-def sequence_parallel_attention(model: nn.Module) -> Iterator[None]:
-    """Run ``model``'s forwards inside with ``ulysses_attention`` (each attention layer
-    looks its implementation up at every forward; the backward needs no lookup)."""
-    config = model.config
-    before = config._attn_implementation
-    config._attn_implementation = ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
-
 
 def packed_forward(model: nn.Module, batch: TrainBatch, sp: SequenceParallel,
                    **inputs: object) -> tuple[PackedTokens, object]:
-    """Pack ``batch``, run ``model`` on this rank's slice (its ``input_ids`` and
-    ``position_ids``, and ``inputs``); the packing and the model's output."""
+    """Pack ``batch``, run ``model`` (attending with ``learner.attention``) on this rank's
+    slice (its ``input_ids`` and ``position_ids``, and ``inputs``); the packing and the
+    model's output."""
     packed = pack_tokens(batch, sp.size)
-    with sequence_parallel_attention(model):
-        out = model(input_ids=packed.local(packed.input_ids, sp),
-                    position_ids=packed.local(packed.position_ids, sp),
-                    ulysses=UlyssesAttention(sp=sp, attend=packed.attend), **inputs)
+    out = model(input_ids=packed.local(packed.input_ids, sp),
+                position_ids=packed.local(packed.position_ids, sp),
+                ulysses=UlyssesAttention(sp=sp, attend=packed.attend), **inputs)
     return packed, out

@@ -411,7 +411,8 @@ class Learner:
             sums.max("actor/importance_weight_max", float(on_response.max()))
 
     def _optimizer_step(self, sums: _Sums) -> float:
-        norm = clipped_step(self.model, self.optimizer, self.actor.grad_clip)
+        norm = clipped_step(self.model, self.optimizer, self.actor.grad_clip,
+                            offload_state=self.actor.fsdp_config.optimizer_offload)
         if not math.isfinite(norm):
             sums.add("skipped", 1.0)  # the step was not taken
         return norm

@@ -225,6 +225,7 @@ def save_from_two_ranks(rank: int, port: int, model_dir: str, batch_file: str, f
         exp_avg = [s["exp_avg"].full_tensor() for s in learner.optimizer.state.values()]
         if rank == 0:
             torch.save({"weights": weights, "moments": exp_avg}, out_file)
+        dist.barrier()  # leave together (learner.main does too)
     finally:
         dist.destroy_process_group()
 

@@ -55,6 +55,7 @@ def train_two_steps(rank: int, world: int, port: int, model_dir: str, batch_file
             torch.save({"losses": [m["actor/loss"] for m in metrics],
                         "rejected": [m["actor/rejected_frac"] for m in metrics],
                         "weights": weights}, out_file)
+        dist.barrier()  # leave together (learner.main does too)
     finally:
         dist.destroy_process_group()
 

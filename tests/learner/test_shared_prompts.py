@@ -93,7 +93,25 @@ def test_packed_log_probs_entropy_and_gradients_equal_the_rows(
     torch.testing.assert_close(packed_h, rows_h, atol=1e-5, rtol=1e-5)
     for mine, theirs in zip(rows_g, packed_g, strict=True):
         torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=1e-4)
-    assert model.config._attn_implementation == "sdpa"  # restored after the packed pass
+    assert model.config._attn_implementation == "relay"  # learner.attention picks per pass
+
+
+def test_gradient_checkpointing_recomputes_the_shared_prompt_pass(tmp_path: Path) -> None:
+    """The backward runs each block's forward again: it must take the packed path too."""
+    model = small_model(tmp_path, "llama")
+    batch = random_rollouts(1)
+    results = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        model.zero_grad()
+        logprobs, _ = forward_logprobs(model, batch, 1.0, False, share_prompts=True)
+        (logprobs * batch.response_mask).sum().backward()
+        results.append([p.grad.clone() for p in model.parameters()])
+    for plain, recomputed in zip(*results, strict=True):
+        torch.testing.assert_close(recomputed, plain, atol=1e-5, rtol=1e-4)
 
 
 def small_model(folder: Path, model_type: str) -> torch.nn.Module:

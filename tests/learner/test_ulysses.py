@@ -4,8 +4,9 @@
   block-diagonal and causal, the grid mapping back onto the rows;
 - one rank (an SP group of 1): the packed forward gives the padded forward's log-probs;
 - SP 2 on a Llama model (2 key/value heads, split), a Qwen2 model (1 key/value head,
-  repeated) and a Qwen3 model (per-head q/k norms): the same log-probs, entropies, loss and summed gradients as one process
-  without SP, on rows of different lengths (real processes, gloo);
+  repeated) and a Qwen3 model (per-head q/k norms): the same log-probs, entropies, loss
+  and summed gradients as one process without SP, on rows of different lengths (real
+  processes, gloo), and with gradient checkpointing;
 - DP 2 x SP 2 (4 processes, FSDP2 over all of them) trains two steps to the weights of
   DP 1 x SP 1, for GRPO and for PPO with its critic;
 - head counts that do not fit are refused naming the key.
@@ -136,33 +137,39 @@ def loss_and_grads(model: torch.nn.Module, batch: TrainBatch, weights: torch.Ten
 
 
 def sp_worker(rank: int, world: int, port: int, model_dir: str, batch_file: str,
-              out_file: str) -> None:
+              out_file: str, checkpointing: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         batch, weights = torch.load(batch_file, weights_only=False)
         sp = learner_parallelism(torch.device("cpu"), world).sequence
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if checkpointing:  # the backward runs each block again: all-to-alls included
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
         result = loss_and_grads(model, batch, weights, sp)
         for name, _ in model.named_parameters():  # each rank holds its slice's share
             dist.all_reduce(result[name], group=sp.group)
         if rank == 0:
             torch.save(result, out_file)
+        dist.barrier()  # leave together (learner.main does too)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama checkpointed"])
 def test_sp2_gives_the_loss_and_gradients_of_one_process(
         family: str, model_dirs: dict[str, Path], batch: TrainBatch, tmp_path: Path) -> None:
-    model_dir = model_dirs[family]
+    model_dir = model_dirs[family.split()[0]]
     torch.manual_seed(0)
     weights = torch.randn(2, *batch.response_mask.shape)
     batch_file = tmp_path / "batch.pt"
     torch.save((batch, weights), batch_file)
     out = tmp_path / "sp2.pt"
     mp.start_processes(sp_worker, args=(2, free_port(), str(model_dir), str(batch_file),
-                                        str(out)), nprocs=2, start_method="spawn")
+                                        str(out), family.endswith("checkpointed")),
+                       nprocs=2, start_method="spawn")
     two = torch.load(out, weights_only=False)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     one = loss_and_grads(model, batch, weights, sp=None)
@@ -196,6 +203,7 @@ def train_worker(rank: int, world: int, port: int, sp_size: int, model_dir: str,
             torch.save({"losses": [m["actor/loss"] for m in metrics],
                         "entropy": [m["actor/entropy"] for m in metrics],
                         "weights": weights}, out_file)
+        dist.barrier()  # leave together (learner.main does too)
     finally:
         dist.destroy_process_group()
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from configs.run_schema import ActorConfig, AlgorithmConfig, OptimConfig
+from configs.run_schema import ActorConfig, AlgorithmConfig, FsdpConfig, OptimConfig
 from generators.sampling import SamplingParams
 from generators.torch_engine import TorchEngine
 from learner.batch import TrainBatch, collate
@@ -73,11 +73,14 @@ def reference_grpo_step(model, optimizer, batch: TrainBatch) -> float:
     return float(loss.detach())
 
 
-def build_learner(path: Path, **actor_overrides) -> Learner:
+def build_learner(path: Path, gradient_checkpointing: bool = False,
+                  **actor_overrides) -> Learner:
     optim = OptimConfig(lr=LR, weight_decay=0.0)
     actor = ActorConfig(clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, optim=optim,
                         **actor_overrides)
-    model = load_sharded(str(path), compute_dtype=torch.float32, device=torch.device("cpu"))
+    model = load_sharded(str(path), compute_dtype=torch.float32, device=torch.device("cpu"),
+                         gradient_checkpointing=gradient_checkpointing,
+                         offload=actor.fsdp_config.param_offload)
     optimizer = build_optimizer(model, optim)
     return Learner(model, optimizer, build_scheduler(optimizer, total_steps=10, optim=optim),
                    actor=actor, algorithm=AlgorithmConfig(), temperature=1.0, horizon=6,
@@ -185,3 +188,29 @@ def test_sharing_prompts_does_not_change_the_update(random_model_dir: Path) -> N
         assert metrics["actor/entropy"] == pytest.approx(rows["actor/entropy"], abs=1e-5)
         for mine, theirs in zip(rows_moments, moments, strict=True):
             torch.testing.assert_close(mine, theirs, atol=1e-5 * scale, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_memory_knobs_do_not_change_the_update(random_model_dir: Path) -> None:
+    """model.enable_gradient_checkpointing, actor.fsdp_config.param_offload (FSDP2's
+    CPUOffloadPolicy) and optimizer_offload trade time for memory, never the update."""
+    engine = TorchEngine.from_pretrained(str(random_model_dir), dtype=torch.float32, eos_ids=[2],
+                                         pad_id=0, seed=4)
+    batches = [collate(rollouts(engine, step), pad_id=0) for step in (1, 2)]
+    knobs = {"none": {}, "checkpointing": dict(gradient_checkpointing=True),
+             "param offload": dict(fsdp_config=FsdpConfig(param_offload=True)),
+             "optimizer offload": dict(fsdp_config=FsdpConfig(optimizer_offload=True))}
+    results = {}
+    for name, knob in knobs.items():
+        torch.manual_seed(0)
+        learner = build_learner(random_model_dir, **knob)
+        losses = [learner.step(batch).metrics["actor/loss"] for batch in batches]
+        results[name] = (losses, gather_full_weights(learner.model, torch.float32))
+        if name == "checkpointing":
+            assert learner.model.is_gradient_checkpointing
+    plain_losses, plain_weights = results.pop("none")
+    for name, (losses, weights) in results.items():
+        assert losses == pytest.approx(plain_losses, abs=1e-6), name
+        for key, tensor in plain_weights.items():
+            torch.testing.assert_close(weights[key], tensor, atol=LR / 5, rtol=1e-4,
+                                       msg=f"{name}: {key}")
