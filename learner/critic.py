@@ -25,7 +25,7 @@ from configs.run_schema import CriticConfig
 from learner.batch import TrainBatch
 from learner.micro_batches import MicroBatches
 from learner.attention import use_relay_attention
-from learner.model import block_classes, shard
+from learner.model import block_classes, enable_activation_checkpointing, shard
 from learner.ulysses import gather_tokens, packed_forward
 from learner.optim import build_optimizer, build_scheduler, clipped_step
 
@@ -62,7 +62,7 @@ def load_value_model(path: str, *, compute_dtype: torch.dtype, device: torch.dev
     body.config.use_cache = False
     use_relay_attention(body)
     if gradient_checkpointing:
-        body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(body)
     model = ValueModel(body, body.config.hidden_size).to(device)
     return shard(model, compute_dtype=compute_dtype, blocks=block_classes(body))
 

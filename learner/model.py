@@ -60,8 +60,19 @@ def load_sharded(path: str, *, compute_dtype: torch.dtype, device: torch.device,
         model.requires_grad_(False)
         model.eval()
     elif gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     return shard(model, compute_dtype=compute_dtype, blocks=block_classes(model), offload=offload)
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """transformers' activation (gradient) checkpointing of every block, non-reentrant
+    (``activation_checkpointing_enable``; its older name before transformers 5.x made it an
+    alias)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def shard(model: nn.Module, *, compute_dtype: torch.dtype,

@@ -15,8 +15,8 @@ values of ``prompt, response_i`` (gathered from the packed sequence) and the que
 each token sees exactly what it sees in the row layout, at the attention cost of the row
 layout, and the gradient reaching a shared prompt position is the sum over the group's
 responses, as it is across rows: the update is the same (up to float summation order) for
-``p (k - 1)`` fewer tokens a group through every other layer. This is the shared-prefix forward of Prefix
-Grouper (Liu et al., 2025, arXiv:2506.05433).
+``p (k - 1)`` fewer tokens a group through every other layer. This is the shared-prefix
+forward of Prefix Grouper (Liu et al., 2025, arXiv:2506.05433).
 
 ``pack`` builds the packed inputs of a pass; ``PackedRows.row_logits`` maps the packed
 logits back onto the row layout ``(B, L, V)``, so log-probs, entropies and losses are

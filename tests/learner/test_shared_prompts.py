@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
 
 from learner.batch import TrainBatch, collate
-from learner.model import forward_logprobs
+from learner.model import enable_activation_checkpointing, forward_logprobs
 from learner.shared_prompts import pack, unsupported
 from transport.messages import RolloutGroup, Sample
 
@@ -103,8 +103,7 @@ def test_gradient_checkpointing_recomputes_the_shared_prompt_pass(tmp_path: Path
     results = []
     for checkpointing in (False, True):
         if checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         model.train()
         model.zero_grad()
         logprobs, _ = forward_logprobs(model, batch, 1.0, False, share_prompts=True)

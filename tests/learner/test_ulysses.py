@@ -32,7 +32,7 @@ from transformers import (
 from configs.run_schema import ActorConfig, AlgorithmConfig, OptimConfig
 from generators.torch_engine import TorchEngine
 from learner.batch import TrainBatch, collate
-from learner.model import forward_logprobs
+from learner.model import enable_activation_checkpointing, forward_logprobs
 from learner.tiny_model.tokenizer import build_tokenizer
 from learner.ulysses import (
     SequenceParallel,
@@ -145,8 +145,7 @@ def sp_worker(rank: int, world: int, port: int, model_dir: str, batch_file: str,
         sp = learner_parallelism(torch.device("cpu"), world).sequence
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         if checkpointing:  # the backward runs each block again: all-to-alls included
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
             model.train()
         result = loss_and_grads(model, batch, weights, sp)
         for name, _ in model.named_parameters():  # each rank holds its slice's share

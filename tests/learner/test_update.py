@@ -207,7 +207,8 @@ def test_memory_knobs_do_not_change_the_update(random_model_dir: Path) -> None:
         losses = [learner.step(batch).metrics["actor/loss"] for batch in batches]
         results[name] = (losses, gather_full_weights(learner.model, torch.float32))
         if name == "checkpointing":
-            assert learner.model.is_gradient_checkpointing
+            assert any(getattr(m, "gradient_checkpointing", False)
+                       for m in learner.model.modules())
     plain_losses, plain_weights = results.pop("none")
     for name, (losses, weights) in results.items():
         assert losses == pytest.approx(plain_losses, abs=1e-6), name
