@@ -157,8 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if rank0 is not None:
             rank0.close(ok)
-        if ok:  # leave together: a gloo rank whose peer tore its group down may abort
-            dist.barrier(group=cpu_group)
         dist.destroy_process_group()
     logger.info("learner finished %d steps at version %d", run.trainer.total_training_steps,
                 loop.version)

@@ -35,7 +35,7 @@ from learner.update import Learner
 from learner.weights import gather_full_weights
 from transport.messages import BufferCheckpoint, Prompt, PromptSourceState
 
-from ..conftest import free_port, save_random_model
+from ..conftest import exit_worker, free_port, save_random_model
 from .test_update import rollouts
 from .test_update_algorithms import make_learner
 
@@ -225,9 +225,9 @@ def save_from_two_ranks(rank: int, port: int, model_dir: str, batch_file: str, f
         exp_avg = [s["exp_avg"].full_tensor() for s in learner.optimizer.state.values()]
         if rank == 0:
             torch.save({"weights": weights, "moments": exp_avg}, out_file)
-        dist.barrier()  # leave together (learner.main does too)
     finally:
         dist.destroy_process_group()
+    exit_worker()
 
 
 def test_a_checkpoint_of_two_ranks_loads_at_one(random_model_dir: Path, tmp_path: Path,

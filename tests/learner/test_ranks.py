@@ -26,7 +26,7 @@ from generators.torch_engine import TorchEngine
 from learner.batch import collate
 from learner.weights import gather_full_weights
 
-from ..conftest import free_port
+from ..conftest import exit_worker, free_port
 from .test_update import LR, rollouts
 from .test_update_algorithms import make_learner
 
@@ -55,9 +55,9 @@ def train_two_steps(rank: int, world: int, port: int, model_dir: str, batch_file
             torch.save({"losses": [m["actor/loss"] for m in metrics],
                         "rejected": [m["actor/rejected_frac"] for m in metrics],
                         "weights": weights}, out_file)
-        dist.barrier()  # leave together (learner.main does too)
     finally:
         dist.destroy_process_group()
+    exit_worker()
 
 
 def run_world(world: int, *args: object) -> None:

@@ -42,7 +42,7 @@ from learner.ulysses import (
 )
 from learner.weights import gather_full_weights
 
-from ..conftest import free_port
+from ..conftest import exit_worker, free_port
 from .test_update import LR, rollouts
 from .test_update_algorithms import make_learner
 
@@ -152,9 +152,9 @@ def sp_worker(rank: int, world: int, port: int, model_dir: str, batch_file: str,
             dist.all_reduce(result[name], group=sp.group)
         if rank == 0:
             torch.save(result, out_file)
-        dist.barrier()  # leave together (learner.main does too)
     finally:
         dist.destroy_process_group()
+    exit_worker()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama checkpointed"])
@@ -202,9 +202,9 @@ def train_worker(rank: int, world: int, port: int, sp_size: int, model_dir: str,
             torch.save({"losses": [m["actor/loss"] for m in metrics],
                         "entropy": [m["actor/entropy"] for m in metrics],
                         "weights": weights}, out_file)
-        dist.barrier()  # leave together (learner.main does too)
     finally:
         dist.destroy_process_group()
+    exit_worker()
 
 
 @pytest.mark.slow  # 4 processes twice: 25 s
