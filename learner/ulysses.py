@@ -40,6 +40,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from learner.batch import TrainBatch
+from learner.shared_prompts import unsupported
 
 KEY = "actor.ulysses_sequence_parallel_size"
 
@@ -82,7 +83,9 @@ def learner_parallelism(device: torch.device, sp_size: int) -> Parallelism:
 
 def check_heads(config: PretrainedConfig, sp_size: int) -> None:
     """ValueError naming ``KEY`` and the head counts when ``sp_size`` does not fit the
-    model's attention heads (module docstring)."""
+    model's attention heads (module docstring), or the model's attention is not plain
+    causal softmax attention (``learner.shared_prompts.unsupported``: families other than
+    Llama, Qwen2, Qwen3 and Mistral, sliding windows)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % sp_size:
@@ -90,10 +93,9 @@ def check_heads(config: PretrainedConfig, sp_size: int) -> None:
     if kv_heads % sp_size and sp_size % kv_heads:
         raise ValueError(f"{KEY} = {sp_size} must divide the model's {kv_heads} key/value "
                          f"heads or be a multiple of them")
-    if getattr(config, "use_sliding_window", False) or any(
-            kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
-        raise ValueError(f"{KEY} = {sp_size}: sliding-window attention is not supported "
-                         f"under sequence parallelism")
+    family = unsupported(config)  # the same plain causal attention shared prompts need
+    if family:
+        raise ValueError(f"{KEY} = {sp_size}: not for this model's {family}")
 
 
 class PackedTokens(msgspec.Struct, frozen=True):

@@ -185,10 +185,11 @@ class Learner:
                                      and not actor.use_kl_loss and actor.entropy_coeff == 0)
         why_not = unsupported(model.config) if actor.share_prompts else None
         if actor.share_prompts and self.sp is not None:
-            why_not = "Ulysses sequence parallelism (it packs rows without sharing)"
+            why_not = "not under Ulysses sequence parallelism (it packs rows without sharing)"
+        elif why_not:
+            why_not = f"not for this model's {why_not}"
         if why_not and self.micro.rank == 0:
-            logger.info("actor.share_prompts: not for this model's %s; every sample is its "
-                        "own row", why_not)
+            logger.info("actor.share_prompts: %s; every sample is its own row", why_not)
         self.pg_agg_mode = policy_loss_agg_mode(mode, actor.loss_agg_mode)
         if self.pg_agg_mode != actor.loss_agg_mode and self.micro.rank == 0:
             logger.info("actor.policy_loss.loss_mode = %r: its policy loss is aggregated with "

@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    MistralConfig,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -243,3 +245,14 @@ def test_heads_that_do_not_fit_are_refused_naming_the_key(heads: int, kv_heads: 
         check_heads(config, sp_size)
     assert problem in str(caught.value)
     check_heads(Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=1), 4)
+
+
+@pytest.mark.parametrize(("config", "problem"), [
+    (MistralConfig(num_attention_heads=4, num_key_value_heads=2, sliding_window=4096),
+     "sliding-window attention"),
+    (Gemma2Config(num_attention_heads=4, num_key_value_heads=2), "model_type 'gemma2'"),
+])
+def test_attention_other_than_plain_causal_is_refused(config, problem: str) -> None:
+    with pytest.raises(ValueError, match="actor.ulysses_sequence_parallel_size = 2") as caught:
+        check_heads(config, 2)
+    assert problem in str(caught.value)
