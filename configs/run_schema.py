@@ -94,6 +94,7 @@ class RolloutConfig(_Section):
     response_length: Positive = 512
     prompts_per_lease: Positive = 8  # Relay: prompts a generator leases per request
     max_num_seqs: Positive = 256  # vLLM's name: sequences a generator keeps in flight
+    update_weights_bucket_megabytes: Positive = 128  # weights stream in buckets this large
     val_kwargs: ValKwargs = msgspec.field(default_factory=ValKwargs)
 
 
@@ -173,7 +174,7 @@ class ActorConfig(_Section):
     ppo_mini_batch_size: NonNegative = 0  # 0: the whole train batch (one update per step)
     ppo_micro_batch_size_per_gpu: Positive = 64
     use_dynamic_bsz: bool = False  # cut passes by token budget instead of row count
-    ppo_max_token_len_per_gpu: Positive = 16384  # the budget: rows x longest row per pass
+    ppo_max_token_len_per_gpu: Positive = 16384  # rows x longest row a pass (x P under SP)
     proximal_logprobs: Literal["recompute", "a3po"] = "recompute"  # Relay
     skip_zero_advantage: bool = True  # Relay: no passes over rows whose advantages are all 0
     share_prompts: bool = True  # Relay: one sequence per prompt group, the prompt computed once
@@ -418,3 +419,14 @@ class RunConfig(_Section):
         (``trainer.test_freq`` or ``trainer.val_before_train``)."""
         return bool(self.data.val_files) and (self.trainer.test_freq > 0
                                               or self.trainer.val_before_train)
+
+    @property
+    def learner_model_paths(self) -> set[str]:
+        """The models the learner loads: the policy (and its reference), the critic with
+        ``gae``, the implicit PRM with ``prime`` (each defaulting to ``model.path``)."""
+        paths = {self.model.path}
+        if self.algorithm.adv_estimator == "gae":
+            paths.add(self.critic.model.path or self.model.path)
+        if self.algorithm.adv_estimator == "prime":
+            paths.add(self.reward_model.model.path or self.model.path)
+        return paths

@@ -48,6 +48,11 @@ class RunContext(msgspec.Struct, kw_only=True, frozen=True):
         return tcp_endpoint(learner.hosts[0], learner.weights_port)
 
     @property
+    def weights_stream_endpoint(self) -> str:
+        learner = self.topology.learner
+        return tcp_endpoint(learner.hosts[0], learner.weights_stream_port)
+
+    @property
     def metrics_endpoint(self) -> str:
         launcher = self.topology.launcher
         return tcp_endpoint(launcher.host, launcher.metrics_port)

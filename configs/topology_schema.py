@@ -29,8 +29,10 @@ class BufferPlacement(_Section):
 class LearnerPlacement(_Section):
     """The learner, started with torchrun: ``len(hosts) * nproc_per_node`` ranks.
 
-    Rank 0 runs on ``hosts[0]`` and serves weights on ``weights_port``. With several hosts,
-    ``hosts[0]:master_port`` is torchrun's rendezvous; one host uses ``torchrun --standalone``.
+    Rank 0 runs on ``hosts[0]``: it streams weight versions on ``weights_stream_port`` and
+    answers which version is newest (and evaluation requests) on ``weights_port``. With
+    several hosts, ``hosts[0]:master_port`` is torchrun's rendezvous; one host uses
+    ``torchrun --standalone``.
     """
 
     hosts: Annotated[list[str], msgspec.Meta(min_length=1)] = msgspec.field(
@@ -39,6 +41,7 @@ class LearnerPlacement(_Section):
     nproc_per_node: Annotated[int, msgspec.Meta(ge=1)] = 1
     master_port: Port = 29517
     weights_port: Port = 7451
+    weights_stream_port: Port = 7453
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     threads: Threads = 0
 

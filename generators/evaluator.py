@@ -2,16 +2,18 @@
 
 Held-out evaluation as a job of its own, so that no learner step ever waits for it. The
 launcher starts it when the run has validation data (``RunConfig.evaluates``), where the
-topology's ``evaluator`` section says. The learner's rank 0 offers the weights it had
-newest published version at each evaluation step (step 0 with
-``trainer.val_before_train``, every ``trainer.test_freq`` steps, the last step) on its
-weight server; this process asks for the
-next offer (``EvalRequest``), loads it into its own engine, decodes the validation prompts
-(``generators.evaluate``) and hands the metrics back with its next request. The learner
-logs them against the step whose weights they measured. When evaluation is slower than
-the offers come, they wait in the learner's queue (``learner.eval_queue``), the oldest
-skipped past ``trainer.max_waiting_evals``. The evaluator exits when the learner says the
-run is over.
+topology's ``evaluator`` section says. At each evaluation step (step 0 with
+``trainer.val_before_train``, every ``trainer.test_freq`` steps, the last step) the
+learner's rank 0 offers its newest published version: the version went by on the weight
+stream, which this process subscribes to like a generator, and an ``EvalOffer`` after it
+tells this process to keep it (``generators.weight_receiver.EvalWeights``). This process
+asks for the next offer (``EvalRequest``), loads the kept version into its own engine,
+decodes the validation prompts (``generators.evaluate``) and hands the metrics back with
+its next request. The learner logs them against the step whose weights they measured.
+When evaluation is slower than the offers come, they wait (in the learner's queue,
+``learner.eval_queue``, and as copies here), the oldest skipped past
+``trainer.max_waiting_evals``. Weights that never arrived are reported as not evaluated
+(empty metrics). The evaluator exits when the learner says the run is over.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from generators.build import build_engine
 from generators.engine import Engine
 from generators.evaluate import eval_metrics, evaluate
 from generators.sampling import SamplingParams
-from generators.weight_receiver import IncompleteVersion, receive_version
-from transport.messages import EvalReport, EvalRequest, Shutdown
+from generators.weight_receiver import EvalWeights
+from transport.messages import EvalReport, EvalRequest, Shutdown, WeightManifest
 from transport.security import ClientKeys
 from transport.sockets import Client, PeerTimeout
 
@@ -41,52 +43,68 @@ logger = logging.getLogger("relay.evaluator")
 
 POLL_S = 0.5  # between requests while nothing new is offered
 REQUEST_TIMEOUT_S = 10.0
+ARRIVAL_WAIT_S = 60.0  # for offered weights still on their way (or asked for again)
 
 
 class Evaluator:
     """Asks for weights to evaluate, evaluates them, reports, until the run is over."""
 
-    def __init__(self, *, weights_endpoint: str, engine: Engine, tokenizer,
-                 scorer: RewardScorer, rows: list[PromptRow], params: SamplingParams, n: int,
-                 max_prompt_length: int, keys: ClientKeys | None = None) -> None:
+    def __init__(self, *, weights_endpoint: str, stream_endpoint: str, engine: Engine,
+                 tokenizer, scorer: RewardScorer, rows: list[PromptRow], params: SamplingParams,
+                 n: int, max_prompt_length: int, max_waiting: int,
+                 keys: ClientKeys | None = None) -> None:
         self.engine, self.tokenizer, self.scorer = engine, tokenizer, scorer
         self.rows, self.params, self.n = rows, params, n
         self.max_prompt_length = max_prompt_length
         self._client = Client(weights_endpoint, keys=keys)
+        self.weights = EvalWeights(weights_endpoint, stream_endpoint, max_waiting=max_waiting,
+                                   keys=keys)
         self.evaluated: list[int] = []  # steps, in order
 
     def run(self, stop: threading.Event) -> None:
         after_step, report = -1, None
+        self.weights.start(self.engine.version)
         try:
             while not stop.is_set():
+                self.weights.raise_if_died()
                 try:
-                    replies = self._client.request_stream(
+                    reply = self._client.request(
                         EvalRequest(after_step=after_step, report=report), REQUEST_TIMEOUT_S)
-                    first = next(replies)
-                    if isinstance(first, Shutdown):
-                        logger.info("the learner says: %s", first.reason)
-                        return
-                    manifest, staged = receive_version(first, replies)
                 except PeerTimeout:
                     if stop.is_set():
                         return
                     logger.warning("the learner's weight server did not answer; asking again")
                     continue  # the report goes with the next request
-                except IncompleteVersion as exc:
-                    raise RuntimeError(f"the learner sent unusable weights: {exc}") from exc
+                if isinstance(reply, Shutdown):
+                    logger.info("the learner says: %s", reply.reason)
+                    return
+                if not isinstance(reply, WeightManifest):
+                    raise RuntimeError(f"the learner answered an EvalRequest with "
+                                       f"{type(reply).__name__}")
                 report = None  # delivered
-                if manifest.step <= after_step:
+                if reply.step <= after_step:
                     stop.wait(POLL_S)
                     continue
-                if staged is not None:
-                    self.engine.load_weights(staged.version, staged.tensors)
-                elif self.engine.version != 0:
-                    raise RuntimeError(f"step {manifest.step}: offered the initial checkpoint "
-                                       f"after version {self.engine.version}")
-                report = self.evaluate(manifest.step, manifest.version)
-                after_step = manifest.step
+                report = self._evaluate_offer(reply.step, reply.version)
+                after_step = reply.step
         finally:
+            self.weights.stop()
             self._client.close()
+
+    def _evaluate_offer(self, step: int, version: int) -> EvalReport:
+        if version == 0:
+            if self.engine.version != 0:
+                raise RuntimeError(f"step {step}: offered the initial checkpoint after "
+                                   f"version {self.engine.version}")
+            return self.evaluate(step, version)
+        staged = self.weights.weights_for(step, version, ARRIVAL_WAIT_S)
+        if staged is None:
+            logger.warning("step %d: weights version %d did not arrive within %.0f s; not "
+                           "evaluated", step, version, ARRIVAL_WAIT_S)
+            return EvalReport(step=step, version=version, metrics={})
+        self.engine.load_weights(staged.version, staged.tensors)
+        self.weights.release(step)
+        return self.evaluate(step, version)
 
     def evaluate(self, step: int, version: int) -> EvalReport:
         began = time.monotonic()
@@ -123,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     val = run.rollout.val_kwargs
     params = SamplingParams(max_new_tokens=run.rollout.response_length,
                             temperature=val.temperature, top_p=val.top_p, top_k=val.top_k)
-    evaluator = Evaluator(weights_endpoint=ctx.weights_endpoint, engine=engine,
+    evaluator = Evaluator(weights_endpoint=ctx.weights_endpoint,
+                          stream_endpoint=ctx.weights_stream_endpoint, engine=engine,
                           tokenizer=tokenizer, scorer=scorer, rows=rows, params=params,
                           n=val.n, max_prompt_length=run.data.max_prompt_length,
-                          keys=ctx.client_keys())
+                          max_waiting=run.trainer.max_waiting_evals, keys=ctx.client_keys())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

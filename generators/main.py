@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     scorer = RewardScorer(run.custom_reward_function)
     scorer.check_data_sources({row.data_source for row in load_prompt_rows(run.data.train_files)})
     loop = GeneratorLoop(generator_id=args.name, buffer_endpoint=ctx.buffer_endpoint,
-                         weights_endpoint=ctx.weights_endpoint, engine=engine,
+                         weights_endpoint=ctx.weights_endpoint,
+                         weights_stream_endpoint=ctx.weights_stream_endpoint, engine=engine,
                          tokenizer=tokenizer, scorer=scorer, rollout=run.rollout,
                          max_prompt_length=run.data.max_prompt_length,
                          overlong=run.reward_model.overlong_buffer,

@@ -142,6 +142,7 @@ class GeneratorLoop:
     """
 
     def __init__(self, *, generator_id: str, buffer_endpoint: str, weights_endpoint: str,
+                 weights_stream_endpoint: str,
                  engine: Engine, tokenizer, scorer: RewardScorer, rollout: RolloutConfig,
                  max_prompt_length: int, overlong: OverlongBufferConfig,
                  patience_s: float, weights_timeout_s: float, seed: int = 0,
@@ -158,7 +159,8 @@ class GeneratorLoop:
         self.leases = LeaseBook()
         self.seed = seed  # the generator's own; each lease on an idle engine derives one
         self._buffer = Client(buffer_endpoint, keys=keys)
-        self._weights = WeightReceiver(weights_endpoint, generator_id, keys=keys)
+        self._weights = WeightReceiver(weights_endpoint, weights_stream_endpoint,
+                                       generator_id, keys=keys)
         self._heart = Heartbeater(generator_id, buffer_endpoint, engine, self.counters, keys)
         self.sender = GroupSender(generator_id=generator_id, buffer_endpoint=buffer_endpoint,
                                   scorer=scorer, counters=self.counters,

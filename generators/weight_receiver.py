@@ -1,10 +1,17 @@
-"""Fetching weight versions from the learner in the background, staged for the engine.
+"""Receiving weight versions from the learner's stream in the background, staged for the
+engine.
 
-A daemon thread asks the learner's weight server (``learner.weights``) for anything
-newer than what this generator has, every ``poll_s`` seconds. A version arrives as a
-``WeightManifest`` and its ``WeightBucket``s; it is staged only when every tensor of the
-manifest arrived with the announced dtype and shape, so the engine applies a version whole
-or not at all. The generator's compute loop never touches the socket: it calls ``take``.
+A daemon thread subscribes to the learner's weight stream (``learner.weights``) and builds
+each version from its ``WeightManifest`` and ``WeightBucket``s (``VersionAssembler``); a
+version is staged only when every row of every parameter arrived, in order, with the
+announced dtype and shape, so the engine applies a version whole or not at all. Every
+``poll_s`` seconds the thread also asks the learner's weight server which version is
+newest; when it is behind at two polls in a row with nothing heard on the stream between
+them (it subscribed after the version went by, or lost a piece), it asks for that version
+again (``WeightRequest.resend``), but not in its first ``SUBSCRIBE_SETTLE_S``: a
+subscription takes a moment to reach the learner, and what is streamed before it arrives
+is lost. The generator's compute loop never touches a socket: it
+calls ``take``.
 """
 
 from __future__ import annotations
@@ -12,17 +19,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 
 import msgspec
 import torch
 
-from transport.messages import Message, WeightBucket, WeightManifest, WeightRequest
+from transport.messages import (
+    EvalOffer,
+    Message,
+    WeightBucket,
+    WeightEntry,
+    WeightManifest,
+    WeightRequest,
+)
 from transport.security import ClientKeys
-from transport.sockets import Client, PeerTimeout, RemoteError
+from transport.sockets import Client, PeerTimeout, RemoteError, Subscriber
 from transport.threads import WatchedThread
 
 logger = logging.getLogger(__name__)
+
+SUBSCRIBE_SETTLE_S = 1.0
 
 
 class StagedWeights(msgspec.Struct, frozen=True):
@@ -34,63 +49,123 @@ class IncompleteVersion(ValueError):
     """The buckets of a version do not match its manifest."""
 
 
-def assemble(manifest: WeightManifest, buckets: list[WeightBucket]) -> StagedWeights:
-    """Check buckets against the manifest and return the whole version."""
-    if len(buckets) != manifest.num_buckets:
-        raise IncompleteVersion(f"version {manifest.version}: {len(buckets)} of "
-                                f"{manifest.num_buckets} buckets")
-    tensors: dict[str, torch.Tensor] = {}
-    arrived_in: dict[str, int] = {}
-    for index, bucket in enumerate(buckets):
-        if bucket.version != manifest.version or bucket.index != index:
-            raise IncompleteVersion(f"bucket {bucket.index} of version {bucket.version} where "
-                                    f"bucket {index} of version {manifest.version} was due")
-        if len(bucket.names) != len(bucket.tensors):
-            raise IncompleteVersion(f"bucket {index}: {len(bucket.names)} names, "
-                                    f"{len(bucket.tensors)} tensors")
-        tensors.update(zip(bucket.names, bucket.tensors))
-        arrived_in.update(dict.fromkeys(bucket.names, index))
-    for entry in manifest.entries:
-        tensor = tensors.get(entry.name)
-        if tensor is None:
-            raise IncompleteVersion(f"version {manifest.version}: {entry.name} never arrived")
-        if arrived_in[entry.name] != entry.bucket:
-            raise IncompleteVersion(f"{entry.name} arrived in bucket {arrived_in[entry.name]}, "
-                                    f"the manifest says bucket {entry.bucket}")
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if list(tensor.shape) != entry.shape or dtype != entry.dtype:
-            raise IncompleteVersion(f"{entry.name}: got {tensor.dtype} {list(tensor.shape)}, "
-                                    f"manifest says {entry.dtype} {entry.shape}")
-    if len(tensors) != len(manifest.entries):
-        raise IncompleteVersion(f"version {manifest.version}: {len(tensors)} tensors for "
-                                f"{len(manifest.entries)} manifest entries")
-    return StagedWeights(version=manifest.version, tensors=tensors)
+class VersionAssembler:
+    """Builds one version at a time from the stream's messages (``feed``)."""
+
+    def __init__(self) -> None:
+        self._manifest: WeightManifest | None = None
+        self._entries: dict[str, WeightEntry] = {}
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._rows: dict[str, int] = {}  # rows arrived so far, by parameter
+        self._next_bucket = 0
+
+    @property
+    def version(self) -> int | None:
+        """The version being assembled, if any."""
+        return None if self._manifest is None else self._manifest.version
+
+    def feed(self, msg: WeightManifest | WeightBucket) -> StagedWeights | None:
+        """Take the next message; the whole version once its last bucket arrived.
+        ``IncompleteVersion`` when the message does not continue the version in progress
+        (it is then dropped, and the next manifest starts afresh)."""
+        if isinstance(msg, WeightManifest):
+            self._start(msg)
+            return None
+        manifest = self._manifest
+        if manifest is None or msg.version != manifest.version \
+                or msg.index != self._next_bucket:
+            expected = "no bucket" if manifest is None else \
+                f"bucket {self._next_bucket} of version {manifest.version}"
+            self._manifest = None
+            raise IncompleteVersion(f"bucket {msg.index} of version {msg.version} where "
+                                    f"{expected} was due")
+        try:
+            self._take_bucket(msg)
+        except IncompleteVersion:
+            self._manifest = None
+            raise
+        self._next_bucket += 1
+        if self._next_bucket < manifest.num_buckets:
+            return None
+        self._manifest = None
+        missing = [name for name, entry in self._entries.items()
+                   if self._rows[name] != _rows(entry.shape)]
+        if missing:
+            raise IncompleteVersion(f"version {manifest.version}: {missing[0]} (and "
+                                    f"{len(missing) - 1} more) incomplete after the last bucket")
+        return StagedWeights(version=manifest.version, tensors=self._tensors)
+
+    def _start(self, manifest: WeightManifest) -> None:
+        self._manifest = manifest if manifest.num_buckets > 0 else None
+        self._entries = {entry.name: entry for entry in manifest.entries}
+        if len(self._entries) != len(manifest.entries):
+            self._manifest = None
+            raise IncompleteVersion(f"version {manifest.version}: a parameter is named twice")
+        self._tensors, self._rows = {}, dict.fromkeys(self._entries, 0)
+        self._next_bucket = 0
+
+    def _take_bucket(self, bucket: WeightBucket) -> None:
+        if not len(bucket.names) == len(bucket.starts) == len(bucket.tensors):
+            raise IncompleteVersion(f"bucket {bucket.index}: {len(bucket.names)} names, "
+                                    f"{len(bucket.starts)} starts, {len(bucket.tensors)} tensors")
+        for name, start, piece in zip(bucket.names, bucket.starts, bucket.tensors):
+            entry = self._entries.get(name)
+            if entry is None:
+                raise IncompleteVersion(f"bucket {bucket.index}: {name} is not in the manifest")
+            self._place(entry, start, piece)
+
+    def _place(self, entry: WeightEntry, start: int, piece: torch.Tensor) -> None:
+        """Put rows ``start..`` of ``entry``: a whole parameter as it came (zero-copy), a
+        piece into the parameter's tensor, made when its first rows arrive."""
+        whole = list(piece.shape) == entry.shape
+        rows_of_it = bool(entry.shape) and list(piece.shape[1:]) == entry.shape[1:] \
+            and piece.dim() == len(entry.shape)
+        if str(piece.dtype).removeprefix("torch.") != entry.dtype or not (whole or rows_of_it):
+            raise IncompleteVersion(f"{entry.name}: a piece of {piece.dtype} "
+                                    f"{list(piece.shape)}, the manifest says {entry.dtype} "
+                                    f"{entry.shape}")
+        if start != self._rows[entry.name]:
+            raise IncompleteVersion(f"{entry.name}: rows from {start} where row "
+                                    f"{self._rows[entry.name]} was due")
+        rows = _rows(entry.shape)
+        length = rows if whole else piece.shape[0]
+        if start + length > rows:
+            raise IncompleteVersion(f"{entry.name}: rows {start}..{start + length} of {rows}")
+        if whole:
+            self._tensors[entry.name] = piece
+        else:
+            full = self._tensors.get(entry.name)
+            if full is None:
+                full = self._tensors[entry.name] = torch.empty(entry.shape, dtype=piece.dtype)
+            full[start:start + length].copy_(piece)
+        self._rows[entry.name] = start + length
 
 
-def receive_version(first: Message,
-                    rest: Iterator[Message]) -> tuple[WeightManifest, StagedWeights | None]:
-    """The manifest that opens a weight server's replies and, when buckets follow it, the
-    whole version they make (``IncompleteVersion`` when they do not)."""
-    if not isinstance(first, WeightManifest):
-        raise IncompleteVersion(f"expected a WeightManifest, got {type(first).__name__}")
-    if first.num_buckets == 0:
-        return first, None
-    return first, assemble(first, [b for b in rest if isinstance(b, WeightBucket)])
+def _rows(shape: list[int]) -> int:
+    return shape[0] if shape else 1
 
 
 class WeightReceiver:
-    """Keeps the newest complete version from the learner staged until ``take``n."""
+    """Keeps the newest complete version from the learner's stream staged until ``take``n.
 
-    def __init__(self, endpoint: str, generator_id: str, *, keys: ClientKeys | None = None,
-                 poll_s: float = 0.5, timeout_s: float = 30.0) -> None:
-        self.endpoint, self.generator_id = endpoint, generator_id
+    ``endpoint`` is the learner's weight server, ``stream_endpoint`` its weight stream.
+    Subclasses decide what to keep by overriding ``_arrived`` (a whole version) and
+    ``_offered`` (an ``EvalOffer`` on the stream; ignored here).
+    """
+
+    def __init__(self, endpoint: str, stream_endpoint: str, generator_id: str, *,
+                 keys: ClientKeys | None = None, poll_s: float = 0.5,
+                 timeout_s: float = 30.0) -> None:
+        self.endpoint, self.stream_endpoint = endpoint, stream_endpoint
+        self.generator_id = generator_id
         self._keys, self._poll_s, self._timeout_s = keys, poll_s, timeout_s
         self._lock = threading.Lock()
-        self._arrived = threading.Condition(self._lock)
+        self._arrived_cv = threading.Condition(self._lock)
         self._staged: StagedWeights | None = None
         self._have = 0  # newest version staged or applied
         self._stop = threading.Event()
         self._thread = WatchedThread(self._run, "weight-receiver", on_death=self._wake_waiters)
+        self.resends = 0  # versions asked for again
 
     def start(self, applied_version: int) -> WeightReceiver:
         self._have = applied_version
@@ -98,11 +173,11 @@ class WeightReceiver:
         return self
 
     def stop(self, timeout_s: float | None = None) -> None:
-        """End the polling thread; wait for a poll in progress up to ``timeout_s`` (default:
-        a request's own timeout)."""
+        """End the receiving thread; wait for a request in progress up to ``timeout_s``
+        (default: a request's own timeout)."""
         self._stop.set()
-        with self._arrived:
-            self._arrived.notify_all()
+        with self._arrived_cv:
+            self._arrived_cv.notify_all()
         if self._thread.is_alive():
             self._thread.join(self._timeout_s if timeout_s is None else timeout_s)
 
@@ -120,46 +195,162 @@ class WeightReceiver:
         """Block until a version >= ``version`` is staged (then take it) or the timeout;
         ``ThreadDied`` if the receiving thread dies meanwhile."""
         deadline = time.monotonic() + timeout_s
-        with self._arrived:
+        with self._arrived_cv:
             while (self._staged is None or self._staged.version < version) \
                     and not self._stop.is_set():
                 self.raise_if_died()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                self._arrived.wait(left)
+                self._arrived_cv.wait(left)
             staged, self._staged = self._staged, None
             return staged
 
+    # -- what to keep (the receiving thread, under the lock) -----------------------------
+
+    def _arrived(self, staged: StagedWeights) -> bool:
+        """Keep ``staged`` if newer than what this receiver has; True when kept."""
+        if staged.version <= self._have:
+            return False
+        self._staged, self._have = staged, staged.version
+        return True
+
+    def _offered(self, offer: EvalOffer) -> None:
+        """An evaluation offer went by on the stream: nothing to do for a generator."""
+
+    # -- the receiving thread ------------------------------------------------------------
+
     def _wake_waiters(self) -> None:
-        with self._arrived:
-            self._arrived.notify_all()
+        with self._arrived_cv:
+            self._arrived_cv.notify_all()
 
     def _run(self) -> None:
+        stream = Subscriber(self.stream_endpoint, keys=self._keys)
         client = Client(self.endpoint, keys=self._keys)
+        assembler = VersionAssembler()
+        heard = False  # a stream message since the last poll
+        behind = False  # the last poll found a newer version than ours
+        settled_at = time.monotonic() + SUBSCRIBE_SETTLE_S
+        next_poll = time.monotonic() + self._poll_s
         try:
-            while not self._stop.wait(self._poll_s):
-                self._poll(client)
+            while not self._stop.is_set():
+                msg = stream.receive(timeout_s=max(0.0, min(0.05, next_poll - time.monotonic())))
+                if msg is not None:
+                    heard = True
+                    self._handle(assembler, msg)
+                    continue
+                if time.monotonic() < next_poll:
+                    continue
+                resend = behind and not heard and time.monotonic() >= settled_at
+                newest = self._ask_newest(client, resend=resend)
+                if newest is not None:
+                    behind, heard = newest > self._have, False
+                next_poll = time.monotonic() + self._poll_s
         finally:
+            stream.close()
             client.close()
 
-    def _poll(self, client: Client) -> None:
+    def _handle(self, assembler: VersionAssembler, msg: Message) -> None:
+        if isinstance(msg, EvalOffer):
+            with self._lock:
+                self._offered(msg)
+            return
+        if not isinstance(msg, WeightManifest | WeightBucket):
+            logger.warning("ignored a %s on the weight stream", type(msg).__name__)
+            return
         try:
-            replies = client.request_stream(WeightRequest(generator_id=self.generator_id,
-                                                          have_version=self._have),
-                                            self._timeout_s)
-            manifest, staged = receive_version(next(replies), replies)
+            staged = assembler.feed(msg)
+        except IncompleteVersion as exc:
+            logger.warning("discarded a weight version from %s: %s", self.stream_endpoint, exc)
+            return
+        if staged is None:
+            return
+        with self._arrived_cv:
+            kept = self._arrived(staged)
+            self._arrived_cv.notify_all()
+        if kept:
+            logger.info("staged weights version %d (%d tensors, %.1f MB)", staged.version,
+                        len(staged.tensors),
+                        sum(t.numel() * t.element_size() for t in staged.tensors.values()) / 1e6)
+
+    def _ask_newest(self, client: Client, resend: bool) -> int | None:
+        """The newest version the learner has published (None: no answer); with
+        ``resend``, ask it to stream that version again."""
+        if resend:
+            self.resends += 1
+            logger.info("weight version newer than %d went by unheard: asking for it again",
+                        self._have)
+        try:
+            reply = client.request(WeightRequest(generator_id=self.generator_id,
+                                                 have_version=self._have, resend=resend),
+                                   self._timeout_s, expect=WeightManifest)
         except PeerTimeout:
             logger.debug("weight server %s did not answer; retrying", self.endpoint)
+            return None
+        except RemoteError as exc:
+            logger.warning("the weight server refused a version request: %s", exc)
+            return None
+        return reply.version
+
+
+class EvalWeights(WeightReceiver):
+    """The evaluator's receiver: it keeps the newest version, and each version an
+    ``EvalOffer`` names until it has been evaluated (``release``), at most
+    ``max_waiting + 1`` of them (the oldest goes, with a warning, as the learner's
+    evaluation queue skips it)."""
+
+    def __init__(self, endpoint: str, stream_endpoint: str, *, max_waiting: int,
+                 keys: ClientKeys | None = None, poll_s: float = 0.5) -> None:
+        super().__init__(endpoint, stream_endpoint, "evaluator", keys=keys, poll_s=poll_s)
+        self.max_waiting = max_waiting
+        self._newest: StagedWeights | None = None
+        self._kept: dict[int, StagedWeights] = {}  # by the step offered
+        self._wanted: dict[int, int] = {}  # step -> version the evaluator waits for
+
+    def weights_for(self, step: int, version: int, timeout_s: float) -> StagedWeights | None:
+        """The weights offered as ``version`` after ``step``, waiting up to ``timeout_s``
+        for them to arrive (None if they do not)."""
+        deadline = time.monotonic() + timeout_s
+        with self._arrived_cv:
+            self._wanted[step] = version
+            if self._newest is not None and self._newest.version == version:
+                self._keep(step, self._newest)
+            while step not in self._kept and not self._stop.is_set():
+                self.raise_if_died()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._arrived_cv.wait(left)
+            del self._wanted[step]
+            return self._kept.get(step)
+
+    def release(self, step: int) -> None:
+        """The weights offered after ``step`` are evaluated: drop them."""
+        with self._lock:
+            self._kept.pop(step, None)
+
+    def _arrived(self, staged: StagedWeights) -> bool:
+        for step, version in self._wanted.items():
+            if version == staged.version:
+                self._keep(step, staged)
+        if staged.version <= self._have:
+            return False
+        self._newest, self._have = staged, staged.version
+        return True
+
+    def _offered(self, offer: EvalOffer) -> None:
+        if offer.version == 0:  # the initial checkpoint: the evaluator loaded it itself
             return
-        except (IncompleteVersion, RemoteError) as exc:
-            logger.warning("discarded a weight version from %s: %s", self.endpoint, exc)
+        if self._newest is None or self._newest.version != offer.version:
+            logger.warning("step %d is offered for evaluation as version %d, which did not "
+                           "arrive whole here", offer.step, offer.version)
             return
-        if staged is None:  # up to date
-            return
-        with self._arrived:
-            if staged.version > self._have:
-                self._staged, self._have = staged, staged.version
-                self._arrived.notify_all()
-        logger.info("staged weights version %d (%d tensors, %.1f MB)", staged.version,
-                    len(staged.tensors), manifest.total_bytes / 1e6)
+        self._keep(offer.step, self._newest)
+
+    def _keep(self, step: int, staged: StagedWeights) -> None:
+        self._kept[step] = staged
+        while len(self._kept) > self.max_waiting + 1:
+            oldest = min(self._kept)
+            del self._kept[oldest]
+            logger.warning("dropped the weights offered after step %d: more than %d wait "
+                           "(trainer.max_waiting_evals)", oldest, self.max_waiting)

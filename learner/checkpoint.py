@@ -7,8 +7,9 @@ needs to go on after step N:
   (``torch.distributed.checkpoint``), written by every rank in parallel, loadable at any
   world size: the policy under ``model`` and ``optim``, and, where the algorithm has them,
   the critic (PPO) under ``critic`` and the implicit PRM (PRIME) under ``prm``;
-- ``hf/``: the full policy and its tokenizer in Hugging Face format (rank 0), so the
-  trained model loads with ``AutoModelForCausalLM.from_pretrained`` like any other;
+- ``hf/``: the policy (in float32) and its tokenizer in Hugging Face format, written by
+  rank 0 one shard at a time (``learner.hf_export``), so the trained model loads with
+  ``AutoModelForCausalLM.from_pretrained`` like any other;
 - ``rng/rank-<r>.json``: each rank's random states (torch's CPU generator, the CUDA one on a
   GPU, Python's ``random``);
 - ``buffer.rec``: the buffer's prompt stream after step N, asked of the buffer while the
@@ -56,7 +57,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from buffer.prompt_source import read_buffer_checkpoint, write_buffer_checkpoint
 from configs.run_schema import RunConfig
 from learner.update import Learner
-from learner.weights import gather_full_weights
+from learner.hf_export import save_hf
 from transport.messages import BufferCheckpoint, BufferCheckpointRequest
 from transport.retry import patient_request
 from transport.security import ClientKeys
@@ -139,10 +140,11 @@ def _schedulers(learner: Learner) -> dict[str, torch.optim.lr_scheduler.LRSchedu
 
 def save_checkpoint(learner: Learner, folder: Path, loop: LoopState, *, keep_last: int,
                     tokenizer=None, buffer: BufferCheckpoint | None = None,
-                    mlflow_run_id: str = "") -> Path:
+                    mlflow_run_id: str = "", group: dist.ProcessGroup | None = None) -> Path:
     """Write ``folder/step-<loop.step>`` atomically (a collective: call on every rank) and
     prune old checkpoints. Rank 0 passes the tokenizer, the buffer's state and the MLflow
-    run id; a checkpoint without the buffer's state cannot be resumed by the launcher."""
+    run id; a checkpoint without the buffer's state cannot be resumed by the launcher.
+    ``group``: a CPU (gloo) group of every rank, for the Hugging Face export on GPUs."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = folder / f"step-{loop.step}"
     partial = folder / f"step-{loop.step}{PARTIAL_SUFFIX}"
@@ -153,9 +155,8 @@ def save_checkpoint(learner: Learner, folder: Path, loop: LoopState, *, keep_las
     _barrier()
     dcp.save(checkpoint_state(learner), checkpoint_id=str(partial / "dcp"))
     _write_rng(partial / "rng", rank)
-    full = gather_full_weights(learner.model, torch.float32)
+    save_hf(learner.model, partial / "hf", torch.float32, group=group)
     if rank == 0:
-        learner.model.save_pretrained(str(partial / "hf"), state_dict=full)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(partial / "hf"))
         if buffer is not None:

@@ -22,9 +22,9 @@ from transformers import AutoModel, PretrainedConfig
 from algorithms.aggregation import aggregate_loss, count_sequences
 from algorithms.value_loss import clipped_value_loss
 from configs.run_schema import CriticConfig
+from learner.attention import ATTENTION, check_relay_attention
 from learner.batch import TrainBatch
 from learner.micro_batches import MicroBatches
-from learner.attention import use_relay_attention
 from learner.model import block_classes, enable_activation_checkpointing, shard
 from learner.ulysses import gather_tokens, packed_forward
 from learner.optim import build_optimizer, build_scheduler, clipped_step
@@ -42,7 +42,9 @@ class ValueModel(nn.Module):
 
     @property
     def config(self) -> PretrainedConfig:
-        """The body's config (its attention implementation is looked up there)."""
+        """The body's transformers config (a ``LlamaConfig``, ``Qwen2Config``, ...): the very
+        object its attention layers read ``_attn_implementation`` from, read here by
+        ``learner.attention.check_relay_attention`` before a packed forward."""
         return self.body.config
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -56,11 +58,11 @@ class ValueModel(nn.Module):
 def load_value_model(path: str, *, compute_dtype: torch.dtype, device: torch.device,
                      trust_remote_code: bool = False,
                      gradient_checkpointing: bool = False) -> ValueModel:
-    """The body of the causal LM at ``path`` plus a zero value head, FSDP2-sharded."""
-    body = AutoModel.from_pretrained(path, dtype=torch.float32,
+    """The body of the causal LM at ``path`` (attending with ``learner.attention``) plus a
+    zero value head, FSDP2-sharded."""
+    body = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTENTION,
                                      trust_remote_code=trust_remote_code)
     body.config.use_cache = False
-    use_relay_attention(body)
     if gradient_checkpointing:
         enable_activation_checkpointing(body)
     model = ValueModel(body, body.config.hidden_size).to(device)
@@ -80,6 +82,7 @@ class Critic:
         """Values (B, L-1) of ``part``'s rows on the learner's grid."""
         if micro.sp is None:
             return self.model(part.input_ids, part.attention_mask)[:, :-1]
+        check_relay_attention(self.model)
         packed, values = packed_forward(self.model, part, micro.sp)
         return packed.to_grid(gather_tokens(values, micro.sp))
 

@@ -2,7 +2,8 @@
 
 Held-out evaluation runs in its own process (``generators.evaluator``) so that no learner
 step waits for it. The loop ``offer``s each published version due for evaluation (before
-any, the initial checkpoint: free, the evaluator loads it itself); the weight server's
+any, the initial checkpoint, which the evaluator loads itself); the weights went by on the
+weight stream, where an ``EvalOffer`` tells the evaluator to keep them. The weight server's
 thread answers the evaluator's ``EvalRequest``s from here (``handle``), oldest offer first,
 and queues the reports they carry for the loop (``take_reports``). An offer stays first in
 line until the evaluator asks for something after it, so a reply lost to a timeout is
@@ -11,8 +12,9 @@ reaches the weight server can send a report, so one is kept only when it measure
 that was offered and its metric names are ones MLflow takes (``report_problem``); others
 are dropped with a warning, never handed to the learner's loop.
 
-Each waiting offer holds a CPU copy of the weights, so at most ``max_waiting`` wait: past
-that the oldest waiting one is skipped, with a warning. At the end of the run ``end``
+The evaluator keeps a copy of each version waiting to be evaluated, so at most
+``max_waiting`` wait: past that the oldest waiting one is skipped, with a warning (the
+evaluator drops its copy the same way). At the end of the run ``end``
 waits (bounded) for the last offer's report and for the evaluator to hear that the run is
 over.
 """
@@ -25,14 +27,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-import msgspec
-
-from transport.messages import EvalReport, EvalRequest, Message, Shutdown, WeightManifest
-
-if TYPE_CHECKING:  # learner.weights serves this queue
-    from learner.weights import PublishedVersion
+from transport.messages import (
+    EvalOffer,
+    EvalReport,
+    EvalRequest,
+    Message,
+    Shutdown,
+    WeightManifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,15 +57,6 @@ def report_problem(report: EvalReport, offered_through: int) -> str:
     return ""
 
 
-class EvalOffer(msgspec.Struct, frozen=True):
-    """Weights to evaluate: those after learner ``step``, at ``version``; ``weights`` None
-    means the initial checkpoint (nothing trained yet), which the evaluator already holds."""
-
-    step: int
-    version: int
-    weights: PublishedVersion | None
-
-
 class EvalQueue:
     def __init__(self, max_waiting: int = 2) -> None:
         self.max_waiting = max_waiting
@@ -79,11 +73,11 @@ class EvalQueue:
     # -- the learner's loop --------------------------------------------------------------
 
     def offer(self, offer: EvalOffer) -> None:
-        """Queue ``offer``; the oldest offer holding weights goes when too many wait."""
+        """Queue ``offer``; the oldest offer of trained weights goes when too many wait."""
         with self._lock:
             self._waiting.append(offer)
             self._offered_through = max(self._offered_through, offer.step)
-            holding = [o for o in self._waiting if o.weights is not None]
+            holding = [o for o in self._waiting if o.version > 0]
             for skipped in holding[:max(0, len(holding) - self.max_waiting)]:
                 self._waiting.remove(skipped)
                 logger.warning("the evaluator is behind: step %d will not be evaluated "
@@ -130,7 +124,7 @@ class EvalQueue:
 
     # -- the weight server's thread ------------------------------------------------------
 
-    def handle(self, msg: EvalRequest, current_version: int) -> list[Message]:
+    def handle(self, msg: EvalRequest, current_version: int) -> Message:
         """The reply to an ``EvalRequest`` (see ``transport.messages.EvalRequest``)."""
         now = time.monotonic()
         with self._lock:
@@ -147,10 +141,7 @@ class EvalQueue:
             if not self._waiting:
                 if self._over:
                     self._goodbye_said = True
-                    return [Shutdown(reason="the run is over")]
-                return [WeightManifest(version=current_version, step=msg.after_step)]
+                    return Shutdown(reason="the run is over")
+                return WeightManifest(version=current_version, step=msg.after_step)
             offer, self._handed_at = self._waiting[0], now
-        if offer.weights is None:
-            return [WeightManifest(version=offer.version, step=offer.step)]
-        manifest = msgspec.structs.replace(offer.weights.manifest, step=offer.step)
-        return [manifest, *offer.weights.buckets]
+        return WeightManifest(version=offer.version, step=offer.step)

@@ -40,9 +40,9 @@ from learner.checkpoint import BufferStateLink, LoopState, save_checkpoint
 from learner.rollouts import BufferLink, broadcast_batch
 from learner.tracking import Tracker
 from learner.update import Learner
-from learner.eval_queue import EvalOffer
-from learner.weights import WeightServer, bucketize, gather_full_weights
-from transport.messages import EvalReport, Metrics, SampleBatch
+from learner.weight_buckets import plan_buckets
+from learner.weights import WeightServer, WeightStream, publish_weights
+from transport.messages import EvalOffer, EvalReport, Metrics, SampleBatch
 from transport.sockets import Pusher
 
 logger = logging.getLogger(__name__)
@@ -64,18 +64,20 @@ class Reporter:
 
 
 class RankZero:
-    """What only rank 0 holds: the links to the buffer, the weight server, the reporter,
-    and the tokenizer saved with checkpoints."""
+    """What only rank 0 holds: the links to the buffer, the weight server and stream, the
+    reporter, and the tokenizer saved with checkpoints."""
 
     def __init__(self, *, link: BufferLink, buffer_state: BufferStateLink,
-                 weights: WeightServer, reporter: Reporter,
+                 weights: WeightServer, stream: WeightStream, reporter: Reporter,
                  tokenizer: PreTrainedTokenizerBase) -> None:
-        self.link, self.buffer_state, self.weights = link, buffer_state, weights
+        self.link, self.buffer_state = link, buffer_state
+        self.weights, self.stream = weights, stream
         self.reporter, self.tokenizer = reporter, tokenizer
 
     def close(self, ok: bool) -> None:
         self.reporter.close(ok)
         self.weights.stop()
+        self.stream.close()
         self.link.close()
         self.buffer_state.close()
 
@@ -110,14 +112,17 @@ class TrainLoop:
 
     def __init__(self, trainer: TrainerConfig, learner: Learner, *, batch_size: int,
                  max_staleness: int, send_td_errors: bool, evaluates: bool, keep_last: int,
-                 pad_id: int, publish_dtype: torch.dtype, checkpoint_dir: Path,
-                 rank0: RankZero | None, group: dist.ProcessGroup | None = None) -> None:
+                 pad_id: int, publish_dtype: torch.dtype, bucket_bytes: int,
+                 checkpoint_dir: Path, rank0: RankZero | None,
+                 group: dist.ProcessGroup | None = None) -> None:
         self.trainer, self.learner = trainer, learner
         self.batch_size, self.max_staleness = batch_size, max_staleness
         self.send_td_errors, self.evaluates, self.keep_last = send_td_errors, evaluates, keep_last
         self.pad_id, self.publish_dtype, self.checkpoint_dir = pad_id, publish_dtype, checkpoint_dir
         self.rank0, self.group = rank0, group
+        self.plan = plan_buckets(learner.model, publish_dtype, bucket_bytes)
         self.version = 0
+        self.published_step = 0  # the step after which self.version was taken
         self.unpublished_update = False  # the policy changed since the last publish
         self.priorities: dict[str, float] = {}  # td_error priorities for the next request
         self.offered_step = -1  # the step of the last version offered for evaluation
@@ -150,11 +155,7 @@ class TrainLoop:
     def _step(self, step: int) -> None:
         began = time.monotonic()
         waited = 0.0
-        batch = None
-        if self.rank0 is not None:
-            batch, waited = self.rank0.link.next_batch(self.batch_size, self.priorities,
-                                                       step=step)
-        batch = broadcast_batch(batch, self.group)
+        batch, waited = self._next_batch(step)
         train = collate(batch.groups, self.pad_id, batch.weights)
         rollout = {} if self.rank0 is None else batch_metrics(batch, train, self.version,
                                                                self.max_staleness)
@@ -184,6 +185,31 @@ class TrainLoop:
         for report in self.rank0.weights.evaluation.take_reports():
             self._log_eval_report(report)
 
+    def _next_batch(self, step: int) -> tuple[SampleBatch, float]:
+        """The batch for ``step`` on every rank, and the seconds rank 0 waited for it.
+        While waiting, rank 0 may stop to stream the newest version again for subscribers
+        that missed it (``learner.weights``): then every rank streams, and waits again."""
+        waited = 0.0
+        priorities = self.priorities  # sent with the first request only
+        while True:
+            batch = None
+            if self.rank0 is not None:
+                batch, seconds = self.rank0.link.next_batch(
+                    self.batch_size, priorities, step=step, interrupt=self._resend_due)
+                waited += seconds
+            priorities = {}
+            batch = broadcast_batch(batch, self.group)
+            if batch is not None:
+                return batch, waited
+            self._serve(self.published_step)
+
+    def _resend_due(self) -> bool:
+        """Rank 0: a subscriber asked for the newest version again, and the policy still is
+        that version (else the next publish brings it up to date)."""
+        assert self.rank0 is not None
+        return (self.rank0.weights.resend_wanted() and not self.unpublished_update
+                and self.version > 0)
+
     def _publish(self, step: int) -> None:
         """Publish the policy as the next version."""
         self.version += 1
@@ -200,11 +226,19 @@ class TrainLoop:
             self._serve(step)
 
     def _serve(self, step: int) -> None:
-        """Gather the policy (every rank) and serve it as ``self.version``, taken after
-        ``step``; tell the buffer."""
-        tensors = gather_full_weights(self.learner.model, self.publish_dtype)
+        """Stream the policy as ``self.version``, taken after ``step`` (every rank); tell
+        the buffer."""
+        self.published_step = step
         if self.rank0 is not None:
-            self.rank0.weights.publish(bucketize(self.version, tensors, step=step))
+            self.rank0.weights.take_resend()
+        stats = publish_weights(self.learner.model, self.plan, self.publish_dtype,
+                                version=self.version, step=step,
+                                stream=self.rank0.stream if self.rank0 else None,
+                                group=self.group)
+        if self.rank0 is not None and stats is not None:
+            logger.info("streamed weights version %d (%.1f MB) in %.2f s", stats.version,
+                        stats.total_bytes / 1e6, stats.seconds)
+            self.rank0.weights.published(self.version, step)
             self.rank0.link.published(self.version, step)
 
     def _save(self, step: int) -> None:
@@ -216,21 +250,22 @@ class TrainLoop:
                         keep_last=self.keep_last,
                         tokenizer=rank0.tokenizer if rank0 else None,
                         buffer=rank0.buffer_state.state(step) if rank0 else None,
-                        mlflow_run_id=rank0.reporter.tracker.run_id if rank0 else "")
+                        mlflow_run_id=rank0.reporter.tracker.run_id if rank0 else "",
+                        group=self.group)
 
     def _offer_evaluation(self) -> None:
         """Offer the newest published version (the initial checkpoint before any) for
-        evaluation, once each. Rank 0 only: no collective, no copy."""
+        evaluation, once each: on the weight stream, so that the evaluator keeps the
+        version, then in the queue it asks. Rank 0 only: no collective, no copy."""
         if not self.evaluates or self.rank0 is None:
             return
-        latest = self.rank0.weights.latest
-        step = latest.manifest.step if latest is not None else 0
+        step, version = self.rank0.weights.step, self.rank0.weights.version
         if step == self.offered_step:
             return
         self.offered_step = step
-        version = latest.manifest.version if latest is not None else 0
-        self.rank0.weights.evaluation.offer(EvalOffer(step=step, version=version,
-                                                      weights=latest))
+        offer = EvalOffer(step=step, version=version)
+        self.rank0.stream.offer(offer)
+        self.rank0.weights.evaluation.offer(offer)
 
     def _finish_evaluation(self) -> None:
         assert self.rank0 is not None
@@ -241,6 +276,10 @@ class TrainLoop:
 
     def _log_eval_report(self, report: EvalReport) -> None:
         assert self.rank0 is not None
+        if not report.metrics:
+            logger.warning("step %d (version %d) was not evaluated: the evaluator never got "
+                           "its weights (see its log)", report.step, report.version)
+            return
         logger.info("step %d (version %d): held-out accuracy %.3f", report.step,
                     report.version, report.metrics.get("eval/accuracy", float("nan")))
         self.rank0.reporter.report(report.step, report.metrics)

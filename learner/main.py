@@ -37,7 +37,7 @@ from learner.rollouts import BufferLink
 from learner.tracking import Resumed, Tracker
 from learner.ulysses import Parallelism, check_heads, learner_parallelism
 from learner.update import Learner
-from learner.weights import WeightServer
+from learner.weights import WeightServer, WeightStream
 from transport.sockets import Pusher
 
 logger = logging.getLogger("relay.learner")
@@ -45,14 +45,18 @@ logger = logging.getLogger("relay.learner")
 
 def build_learner(ctx: RunContext, device: torch.device,
                   parallelism: Parallelism | None = None) -> Learner:
-    """Every model, optimizer and schedule the run's learner needs, sharded over the world
-    and, when ``parallelism`` has an SP group, checked against its size."""
+    """Every model, optimizer and schedule the run's learner needs, sharded over the world;
+    under Ulysses (``actor.ulysses_sequence_parallel_size`` > 1) the heads of each model it
+    loads (the policy and its reference, the critic with ``gae``, the PRM with ``prime``)
+    are checked against the SP size first."""
     run = ctx.run
     dtype = getattr(torch, run.model.dtype)
+    estimator = run.algorithm.adv_estimator
+    critic_path = run.critic.model.path or run.model.path
+    prm_path = run.reward_model.model.path or run.model.path
     sp_size = run.actor.ulysses_sequence_parallel_size
     if sp_size > 1:
-        for path in {run.model.path, run.critic.model.path or run.model.path,
-                     run.reward_model.model.path or run.model.path}:
+        for path in sorted(run.learner_model_paths):
             check_heads(AutoConfig.from_pretrained(
                 path, trust_remote_code=run.model.trust_remote_code), sp_size)
     checkpointing = run.model.enable_gradient_checkpointing
@@ -60,8 +64,6 @@ def build_learner(ctx: RunContext, device: torch.device,
     model = load_sharded(run.model.path, compute_dtype=dtype, device=device,
                          trust_remote_code=run.model.trust_remote_code,
                          gradient_checkpointing=checkpointing, offload=offload)
-    estimator = run.algorithm.adv_estimator
-    prm_path = run.reward_model.model.path or run.model.path
     prm_shares_reference = estimator == "prime" and prm_path == run.model.path
     reference = None
     if run.actor.use_kl_loss or run.algorithm.use_kl_in_reward or prm_shares_reference:
@@ -73,8 +75,7 @@ def build_learner(ctx: RunContext, device: torch.device,
                                 optim=run.actor.optim)
     critic = prm = None
     if estimator == "gae":
-        value_model = load_value_model(run.critic.model.path or run.model.path,
-                                       compute_dtype=dtype, device=device,
+        value_model = load_value_model(critic_path, compute_dtype=dtype, device=device,
                                        trust_remote_code=run.model.trust_remote_code,
                                        gradient_checkpointing=checkpointing)
         critic = Critic(value_model, run.critic, total_steps=run.trainer.total_training_steps)
@@ -111,6 +112,7 @@ def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase,
                     weights=WeightServer(ctx.weights_endpoint, keys=ctx.server_keys(),
                                          evaluation=EvalQueue(run.trainer.max_waiting_evals)
                                          ).start(),
+                    stream=WeightStream(ctx.weights_stream_endpoint, keys=ctx.server_keys()),
                     reporter=reporter, tokenizer=tokenizer)
 
 
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                      send_td_errors=run.buffer.replay.priority == "td_error",
                      evaluates=run.evaluates, keep_last=run.checkpoint.keep_last, pad_id=pad,
                      publish_dtype=getattr(torch, run.model.dtype),
+                     bucket_bytes=run.rollout.update_weights_bucket_megabytes << 20,
                      checkpoint_dir=ctx.checkpoint_dir, rank0=rank0, group=cpu_group)
     if resumed is not None:
         loop.resume(resumed.loop)

@@ -26,8 +26,16 @@ the weight, so it changes nothing.
 
 Under Ulysses sequence parallelism (``learner.ulysses``) "rank" above means a data-parallel
 rank (``group``: one rank of each SP group); the ranks of an SP group take the same passes
-and split their tokens (``sp``). FSDP2 averages gradients over every rank, so a pass's loss
-is multiplied by ``grad_scale``, the whole world's size, before its backward.
+and split their tokens (``sp``). ``max_token_len`` stays a budget per GPU, as verl's
+``ppo_max_token_len_per_gpu`` is: each of the P ranks of an SP group runs 1/P of a pass's
+tokens, so the group's pass may hold P times as many,
+
+    rows x longest row <= max_token_len x P
+
+(verl's ``dp_actor``: ``max_token_len = ppo_max_token_len_per_gpu *
+ulysses_sequence_parallel_size``; the critic's passes scale the same way). FSDP2 averages
+gradients over every rank, so a pass's loss is multiplied by ``grad_scale``, the whole
+world's size, before its backward.
 
 The actor's update, its up-front log-prob passes, the critic and the implicit PRM all walk
 their batches with ``MicroBatches``.
@@ -63,7 +71,9 @@ class MicroBatches:
     """This rank's walk through a batch: ``mini_batches`` then ``passes`` over each.
 
     ``group``: the data-parallel ranks (None: every rank), over which batch-wide results are
-    summed; ``sp``: this rank's sequence-parallel group, None without SP."""
+    summed; ``sp``: this rank's sequence-parallel group, None without SP. ``max_token_len``
+    is per GPU: an SP group's passes hold ``sp.size`` times as many tokens (module
+    docstring)."""
 
     def __init__(self, *, groups_per_mini_batch: int, micro_batch_size: int,
                  max_token_len: int | None = None, share_prompts: bool = False,
@@ -71,7 +81,8 @@ class MicroBatches:
                  sp: SequenceParallel | None = None) -> None:
         self.groups_per_mini_batch = groups_per_mini_batch
         self.micro_batch_size = micro_batch_size
-        self.max_token_len = max_token_len
+        scale = sp.size if sp is not None else 1  # an SP group's pass spans its P GPUs
+        self.max_token_len = None if max_token_len is None else max_token_len * scale
         self.share_prompts = share_prompts and sp is None
         self.group, self.sp = group, sp
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0

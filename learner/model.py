@@ -16,8 +16,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from transformers import AutoModelForCausalLM
 
 from algorithms.logprobs import entropy_from_logits, token_logprobs
+from learner.attention import ATTENTION, check_relay_attention
 from learner.batch import TrainBatch
-from learner.attention import use_relay_attention
 from learner.shared_prompts import pack, unsupported
 from learner.ulysses import SequenceParallel, gather_tokens, packed_forward
 
@@ -47,15 +47,15 @@ def block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
 def load_sharded(path: str, *, compute_dtype: torch.dtype, device: torch.device,
                  trust_remote_code: bool = False, trainable: bool = True,
                  gradient_checkpointing: bool = False, offload: bool = False) -> nn.Module:
-    """An HF causal LM from ``path``, fp32 master weights, FSDP2-sharded over the world;
-    ``gradient_checkpointing`` (trainable models only) and ``offload`` (parameters on the
-    CPU: ``shard``) as ``model.enable_gradient_checkpointing`` and
-    ``actor.fsdp_config.param_offload`` say."""
+    """An HF causal LM from ``path``, fp32 master weights, attending with
+    ``learner.attention``, FSDP2-sharded over the world; ``gradient_checkpointing``
+    (trainable models only) and ``offload`` (parameters on the CPU: ``shard``) as
+    ``model.enable_gradient_checkpointing`` and ``actor.fsdp_config.param_offload`` say."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation=ATTENTION,
                                                  trust_remote_code=trust_remote_code)
     model.to(device)
     model.config.use_cache = False
-    use_relay_attention(model)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
@@ -100,13 +100,14 @@ def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
     ``sp``: the rows go through the model packed and split across the SP group
     (``learner.ulysses``); otherwise, with ``share_prompts``, the rows of a group that share
     a prompt go through the model as one sequence (``learner.shared_prompts``) when the
-    model's family allows it. Either way the results are the row layout's. The model attends
-    with ``learner.attention`` from here on.
+    model's family allows it. Either way the results are the row layout's. Both packed
+    forwards need the model loaded to attend with ``learner.attention`` (``load_sharded``).
     """
-    use_relay_attention(model)
     if sp is not None:
+        check_relay_attention(model)
         return _sequence_parallel_logprobs(model, batch, temperature, with_entropy, sp)
     if share_prompts and unsupported(model.config) is None:
+        check_relay_attention(model)
         packed = pack(batch)
         out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
                     shared_prompt_rows=packed.rows, use_cache=False)
@@ -118,7 +119,6 @@ def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
     logprobs = token_logprobs(logits, batch.input_ids[:, 1:], temperature)
     entropy = entropy_from_logits(logits, temperature) if with_entropy else None
     return logprobs, entropy
-
 
 
 def _sequence_parallel_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,

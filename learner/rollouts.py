@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,13 +36,15 @@ class BufferLink:
         self.patience_s = patience_s
 
     def next_batch(self, num_groups: int, priorities: dict[str, float] | None = None, *,
-                   step: int) -> tuple[SampleBatch, float]:
+                   step: int, interrupt: Callable[[], bool] = lambda: False
+                   ) -> tuple[SampleBatch | None, float]:
         """Wait for a batch of ``num_groups`` groups for learner ``step``; return it and the
         seconds waited. A request retried after a lost reply names the same step, so the
         buffer sends the same batch again.
 
         ``priorities`` (replay priorities of the last batch, by rollout id) go with the
-        first request only.
+        first request only. When the buffer has no batch yet and ``interrupt()`` is true,
+        return None instead of waiting on.
         """
         started = last_log = time.monotonic()
         request = SampleRequest(num_groups=num_groups, priorities=priorities or {}, step=step)
@@ -52,6 +55,8 @@ class BufferLink:
             if reply.groups:
                 return reply, time.monotonic() - started
             request = SampleRequest(num_groups=num_groups, step=step)
+            if interrupt():
+                return None, time.monotonic() - started
             now = time.monotonic()
             if now - last_log > WAIT_LOG_EVERY_S:
                 last_log = now
@@ -78,18 +83,20 @@ class BufferLink:
 _DECODER = Decoder(SampleBatch)
 
 
-def broadcast_batch(batch: SampleBatch | None, group: dist.ProcessGroup | None) -> SampleBatch:
-    """Rank 0 passes its batch; every rank returns it."""
+def broadcast_batch(batch: SampleBatch | None,
+                    group: dist.ProcessGroup | None) -> SampleBatch | None:
+    """Rank 0 passes its batch, or None for no batch this time; every rank returns it."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        assert batch is not None
         return batch
     if dist.get_rank() == 0:
-        assert batch is not None
-        record = torch.frombuffer(bytearray(pack(encode(batch))), dtype=torch.uint8)
-        size = torch.tensor([record.numel()], dtype=torch.int64)
+        record = None if batch is None else torch.frombuffer(
+            bytearray(pack(encode(batch))), dtype=torch.uint8)
+        size = torch.tensor([-1 if record is None else record.numel()], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(size, src=0, group=group)
+    if int(size) < 0:
+        return None
     if dist.get_rank() != 0:
         record = torch.empty(int(size), dtype=torch.uint8)
     dist.broadcast(record, src=0, group=group)

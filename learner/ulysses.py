@@ -13,9 +13,14 @@ reads the slice's own position ids. Attention (``ulysses_attention``, which
 ``learner.attention`` runs when a forward is given ``ulysses``) swaps the split:
 
     (C tokens, H heads) --all-to-all--> (T tokens, H / P heads)
-    attention over the whole packed sequence, each token seeing the earlier tokens of
-    its own row (a block-diagonal causal mask)
+    causal attention within each packed row: one SDPA call (``is_causal``) per row's
+    tokens [cu_seqlens[s], cu_seqlens[s + 1]), written into the output
     (T tokens, H / P heads) --all-to-all--> (C tokens, H heads)
+
+The rows' cumulative lengths ``cu_seqlens`` (flash-attention's varlen convention) say where
+each row starts, so no T x T mask is ever built: attention memory grows with the longest
+row, not with the packed length. (Nor does transformers build its own mask for the packed
+forward: ``learner.attention.relay_mask``.)
 
 Per-token results (log-probs, entropies, values) are computed on the slice and gathered
 (``gather_tokens``) into the row layout ``(B, L - 1)``, so every loss is computed as
@@ -31,7 +36,9 @@ times before the all-to-all (as verl does); anything else is refused by
 
 from __future__ import annotations
 
+import itertools
 import math
+
 import msgspec
 import torch
 import torch.distributed as dist
@@ -104,7 +111,7 @@ class PackedTokens(msgspec.Struct, frozen=True):
     input_ids: torch.Tensor  # (1, T) long
     position_ids: torch.Tensor  # (1, T) long: restart at 0 with each row (and padding)
     labels: torch.Tensor  # (1, T) long: the next token of the same row (0 past a row's end)
-    attend: torch.Tensor  # (1, 1, T, T) bool: token i may attend to token j
+    cu_seqlens: tuple[int, ...]  # (S + 1,): sequence s is tokens [cu_seqlens[s], cu_seqlens[s + 1])
     source: torch.Tensor  # (B, L - 1) long: the packed position of each row-grid entry
     valid: torch.Tensor  # (B, L - 1) bool: grid entries of a row's tokens (not padding)
 
@@ -127,7 +134,6 @@ def pack_tokens(batch: TrainBatch, multiple: int) -> PackedTokens:
     input_ids = torch.zeros(padded, dtype=torch.long)
     position_ids = torch.zeros(padded, dtype=torch.long)
     labels = torch.zeros(padded, dtype=torch.long)
-    sequence = torch.arange(padded)  # padding tokens: each a sequence of its own
     rows, grid = batch.response_mask.shape
     source = torch.zeros((rows, grid), dtype=torch.long)
     valid = torch.zeros((rows, grid), dtype=torch.bool)
@@ -138,15 +144,12 @@ def pack_tokens(batch: TrainBatch, multiple: int) -> PackedTokens:
         input_ids[offset:end] = tokens
         position_ids[offset:end] = torch.arange(length)
         labels[offset:end - 1] = tokens[1:]
-        sequence[offset:end] = offset
         source[row, :length - 1] = torch.arange(offset, end - 1)
         valid[row, :length - 1] = True
         offset = end
-    positions = torch.arange(padded)
-    attend = (sequence[:, None] == sequence[None, :]) & (positions[None, :] <= positions[:, None])
+    ends = itertools.accumulate(lengths + [1] * (padded - total))  # padding: one token each
     return PackedTokens(input_ids=input_ids[None], position_ids=position_ids[None],
-                        labels=labels[None], attend=attend[None, None], source=source,
-                        valid=valid)
+                        labels=labels[None], cu_seqlens=(0, *ends), source=source, valid=valid)
 
 
 def _all_to_all(tensor: torch.Tensor, scatter_dim: int, gather_dim: int,
@@ -197,10 +200,11 @@ def gather_tokens(local: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
 
 
 class UlyssesAttention(msgspec.Struct, frozen=True):
-    """What ``ulysses_attention`` needs from outside the model: the group and the mask."""
+    """What ``ulysses_attention`` needs from outside the model: the group and where each
+    packed sequence starts (``PackedTokens.cu_seqlens``)."""
 
     sp: SequenceParallel
-    attend: torch.Tensor  # (1, 1, T, T) bool
+    cu_seqlens: tuple[int, ...]
 
 
 def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -209,7 +213,9 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       ulysses: UlyssesAttention | None = None,
                       sliding_window: int | None = None,
                       **_: object) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface over a slice of a packed sequence.
+    """transformers' attention interface over a slice of a packed sequence: causal
+    attention within each packed sequence, one SDPA call each (module docstring);
+    ``attention_mask`` is not read (transformers builds none: ``learner.attention``).
 
     ``query`` (1, H, C, D), ``key``/``value`` (1, H_kv, C, D) -> (1, C, H, D)."""
     if ulysses is None:
@@ -223,12 +229,13 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         key = key.repeat_interleave(sp.size // kv_heads, dim=1)
         value = value.repeat_interleave(sp.size // kv_heads, dim=1)
     query, key, value = (_AllToAll.apply(t, 1, 2, sp) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=ulysses.attend,
-        dropout_p=dropout if module.training else 0.0, scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1])  # (1, H / P, T, D)
+    out = query.new_empty(query.shape)  # (1, H / P, T, D)
+    for start, end in itertools.pairwise(ulysses.cu_seqlens):
+        out[:, :, start:end] = F.scaled_dot_product_attention(
+            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+            dropout_p=dropout if module.training else 0.0, is_causal=True, scale=scaling,
+            enable_gqa=key.shape[1] != query.shape[1])
     return _AllToAll.apply(out, 2, 1, sp).transpose(1, 2), None
-
 
 
 def packed_forward(model: nn.Module, batch: TrainBatch, sp: SequenceParallel,
@@ -239,5 +246,5 @@ def packed_forward(model: nn.Module, batch: TrainBatch, sp: SequenceParallel,
     packed = pack_tokens(batch, sp.size)
     out = model(input_ids=packed.local(packed.input_ids, sp),
                 position_ids=packed.local(packed.position_ids, sp),
-                ulysses=UlyssesAttention(sp=sp, attend=packed.attend), **inputs)
+                ulysses=UlyssesAttention(sp=sp, cu_seqlens=packed.cu_seqlens), **inputs)
     return packed, out

@@ -1,26 +1,37 @@
-"""Publishing weight versions: gather FSDP2 shards, cut them into buckets, serve them.
+"""Publishing weight versions: streamed once to every subscriber, bucket by bucket.
 
-``gather_full_weights`` is a collective: every rank walks the parameters in the same order
-and all-gathers one parameter at a time (never the whole model in flight); rank 0 keeps the
-full tensors on the CPU in the engines' dtype. ``bucketize`` turns a version into a
-``WeightManifest`` and ``WeightBucket`` messages of about ``bucket_bytes`` each. The
-``WeightServer`` (rank 0, its own thread and socket) answers ``WeightRequest``s with the
-newest version: the manifest then its buckets, or an empty manifest when the generator is
-up to date. Swapping in a new version is one reference assignment, so a request in flight
-streams one consistent version.
+A publish (``publish_weights``, a collective) gathers the policy one bucket at a time
+(``learner.weight_buckets``) while rank 0 streams it on its ``WeightStream`` (ZeroMQ PUB,
+``topology.learner.weights_stream_port``): the version's ``WeightManifest``, then its
+``WeightBucket``s. Each bucket is sent once, every subscriber's queue sharing its bytes, and
+rank 0 waits until ZeroMQ has written it to every subscriber's connection before gathering
+the next, so no rank ever holds the version: rank 0's extra memory is one bucket, however
+many generators listen. Every message is waited for that way, so none waits in a queue
+when the next is sent. A subscriber that stops reading is waited for at most
+``send_wait_s(bucket)`` once per version; ZeroMQ then holds at most ``STREAM_HWM``
+messages for it and drops the rest, and it must ask again.
+
+Generators and the evaluator subscribe (``generators.weight_receiver``). One that subscribed
+after a version went by, or lost part of it, learns from the ``WeightServer`` (ROUTER,
+``weights_port``; ``WeightRequest``) that it is behind and asks again with ``resend``. The
+learner streams its policy again while it waits for a batch (``TrainLoop``) if the policy
+is still the newest version; otherwise the next publish brings everyone up to date.
 
 The same server answers the evaluator's ``EvalRequest``s from the evaluation queue
-(``learner.eval_queue``), which holds the published versions offered for held-out
-evaluation. A request frame over ``MAX_REQUEST_BYTES`` drops its sender's connection
-before it is read. Who may fetch weights is decided by CURVE (``transport.security``): every
-authorized key's holder (learner hosts, generator hosts, the evaluator) needs them, so the
-server takes no roles. When its thread dies, ``publish`` raises ``ThreadDied`` naming it:
-the learner stops rather than train on while no generator can get new weights.
+(``learner.eval_queue``); the offered weights themselves went by on the stream, followed
+by an ``EvalOffer`` naming them. A request frame over ``MAX_REQUEST_BYTES`` drops its
+sender's connection before it is read. Who may fetch weights is decided by CURVE
+(``transport.security``), on both sockets. When the server's thread dies, ``published``
+raises ``ThreadDied`` naming it: the learner stops rather than train on while no
+generator can learn of new weights.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Iterable
 
 import msgspec
 import torch
@@ -28,81 +39,96 @@ import torch.distributed as dist
 from torch import nn
 
 from learner.eval_queue import EvalQueue
+from learner.weight_buckets import BucketPlan, gather_buckets
 from transport.messages import (
     ErrorReply,
+    EvalOffer,
     EvalRequest,
     Message,
     WeightBucket,
-    WeightEntry,
     WeightManifest,
     WeightRequest,
 )
 from transport.security import ServerKeys
-from transport.sockets import Server, ServerThread
+from transport.sockets import Publisher, Server, ServerThread
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_BYTES = 64 << 20
 MAX_REQUEST_BYTES = 1 << 20  # requests are small (a version number, an eval report)
+STREAM_HWM = 4  # messages ZeroMQ queues for one subscriber before dropping its next ones
+MIN_SUBSCRIBER_BYTES_PER_S = 20e6  # a subscriber slower than this is not waited for
 
 
-def gather_full_weights(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every parameter whole, on rank 0 (other ranks get {}); call on every rank."""
-    is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
-            if is_rank0:
-                out[name] = full.to(device="cpu", dtype=dtype).contiguous()
-    return out
+def send_wait_s(nbytes: int) -> float:
+    """How long a bucket of ``nbytes`` is waited for: 10 s, or longer for a bucket that
+    takes longer at ``MIN_SUBSCRIBER_BYTES_PER_S``."""
+    return max(10.0, nbytes / MIN_SUBSCRIBER_BYTES_PER_S)
 
 
-class PublishedVersion(msgspec.Struct, frozen=True):
-    manifest: WeightManifest
-    buckets: list[WeightBucket]
+class StreamStats(msgspec.Struct):
+    """One streamed version: bytes sent, seconds taken, whether a subscriber lagged."""
+
+    version: int
+    total_bytes: int
+    seconds: float
+    lagging: bool
 
 
-def bucketize(version: int, tensors: dict[str, torch.Tensor], step: int = 0,
-              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> PublishedVersion:
-    """Group tensors, in order, into buckets of about ``bucket_bytes``; ``step``: the
-    learner step after which they were taken."""
-    entries: list[WeightEntry] = []
-    buckets: list[WeightBucket] = []
-    names: list[str] = []
-    chunk: list[torch.Tensor] = []
-    size = total = 0
+class WeightStream:
+    """Rank 0's PUB socket for weight versions and evaluation offers."""
 
-    def flush() -> None:
-        nonlocal names, chunk, size
-        if chunk:
-            buckets.append(WeightBucket(version=version, index=len(buckets), names=names,
-                                        tensors=chunk))
-            names, chunk, size = [], [], 0
+    def __init__(self, endpoint: str, keys: ServerKeys | None = None) -> None:
+        self._publisher = Publisher(endpoint, keys=keys, hwm=STREAM_HWM)
+        self.endpoint = self._publisher.endpoint
+        logger.info("streaming weights on %s", self.endpoint)
 
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and size + nbytes > bucket_bytes:
-            flush()
-        entries.append(WeightEntry(name=name, dtype=str(tensor.dtype).removeprefix("torch."),
-                                   shape=list(tensor.shape), bucket=len(buckets)))
-        names.append(name)
-        chunk.append(tensor)
-        size += nbytes
-        total += nbytes
-    flush()
-    manifest = WeightManifest(version=version, entries=entries, num_buckets=len(buckets),
-                              total_bytes=total, step=step)
-    return PublishedVersion(manifest=manifest, buckets=buckets)
+    def send_version(self, manifest: WeightManifest,
+                     buckets: Iterable[WeightBucket | None]) -> StreamStats:
+        """Send ``manifest`` then each bucket ``buckets`` yields, waiting for each (module
+        docstring); the iterator is consumed bucket by bucket, never held whole."""
+        began = time.monotonic()
+        lagging = not self._publisher.send(manifest, send_wait_s(0))
+        for bucket in buckets:
+            assert bucket is not None
+            nbytes = sum(t.numel() * t.element_size() for t in bucket.tensors)
+            lagging |= not self._publisher.send(bucket, None if lagging else send_wait_s(nbytes))
+            del bucket
+        if lagging:
+            logger.warning("a subscriber does not read weight version %d; it will miss it and "
+                           "ask again", manifest.version)
+        return StreamStats(version=manifest.version, total_bytes=manifest.total_bytes,
+                           seconds=time.monotonic() - began, lagging=lagging)
+
+    def offer(self, offer: EvalOffer) -> None:
+        if not self._publisher.send(offer, send_wait_s(0)):
+            logger.warning("a subscriber does not read the weight stream: the evaluator may "
+                           "miss the offer of step %d", offer.step)
+
+    def close(self) -> None:
+        self._publisher.close()
+
+
+def publish_weights(model: nn.Module, plan: BucketPlan, dtype: torch.dtype, *, version: int,
+                    step: int, stream: WeightStream | None,
+                    group: dist.ProcessGroup | None = None) -> StreamStats | None:
+    """Gather ``model`` bucket by bucket and stream it as ``version`` taken after ``step``
+    (a collective: every rank calls it; rank 0 passes its stream, the others None)."""
+    buckets = gather_buckets(model, plan, dtype, version, group)
+    if stream is None:
+        for _ in buckets:
+            pass
+        return None
+    return stream.send_version(plan.manifest(version, step), buckets)
 
 
 class WeightServer:
-    """Serves the newest published version to generators, and the evaluation queue to the
-    evaluator, from its own thread."""
+    """Tells generators the newest version and collects their resend wishes; serves the
+    evaluation queue to the evaluator. Its own thread and socket."""
 
     def __init__(self, endpoint: str, keys: ServerKeys | None = None,
                  evaluation: EvalQueue | None = None) -> None:
-        self._latest: PublishedVersion | None = None
+        self._latest = WeightManifest(version=0)  # no buckets: a name for the version
+        self._resend = threading.Event()
         self.evaluation = evaluation or EvalQueue()
         self._server = Server(endpoint, self._handle, keys=keys,
                               max_message_bytes=MAX_REQUEST_BYTES)
@@ -111,35 +137,45 @@ class WeightServer:
 
     def start(self) -> WeightServer:
         self._thread.start()
-        logger.info("serving weights on %s", self.endpoint)
+        logger.info("serving weight versions on %s", self.endpoint)
         return self
 
-    def publish(self, published: PublishedVersion) -> None:
+    def published(self, version: int, step: int) -> None:
+        """``version`` (taken after ``step``) is the newest, and has been streamed."""
         self._thread.raise_if_died()
-        self._latest = published
-
-    @property
-    def latest(self) -> PublishedVersion | None:
-        return self._latest
+        self._latest = WeightManifest(version=version, step=step)
 
     @property
     def version(self) -> int:
-        return self._latest.manifest.version if self._latest else 0
+        return self._latest.version
 
-    # -- the server thread ---------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self._latest.step
 
-    def _handle(self, msg: Message, _identity: bytes) -> list[Message]:
-        if isinstance(msg, EvalRequest):
-            return self.evaluation.handle(msg, self.version)
-        if not isinstance(msg, WeightRequest):
-            return [ErrorReply(code="unexpected", detail=f"the weight server does not take "
-                                                         f"{type(msg).__name__}")]
-        latest = self._latest
-        if latest is None or latest.manifest.version <= msg.have_version:
-            return [WeightManifest(version=self.version)]
-        logger.debug("version %d to generator %s (it has %d)", latest.manifest.version,
-                     msg.generator_id, msg.have_version)
-        return [latest.manifest, *latest.buckets]
+    def resend_wanted(self) -> bool:
+        """A subscriber asked for the newest version again since ``take_resend``."""
+        return self._resend.is_set()
+
+    def take_resend(self) -> None:
+        """A stream is starting: it answers every wish made so far."""
+        self._resend.clear()
 
     def stop(self) -> None:
         self._thread.stop()
+
+    # -- the server thread ---------------------------------------------------------------
+
+    def _handle(self, msg: Message, _identity: bytes) -> Message:
+        if isinstance(msg, EvalRequest):
+            return self.evaluation.handle(msg, self.version)
+        if not isinstance(msg, WeightRequest):
+            return ErrorReply(code="unexpected", detail=f"the weight server does not take "
+                                                        f"{type(msg).__name__}")
+        latest = self._latest
+        if msg.resend and msg.have_version < latest.version and not self._resend.is_set():
+            logger.info("%s missed weight version %d (it has %d): streaming it again when "
+                        "the learner next waits for a batch", msg.generator_id,
+                        latest.version, msg.have_version)
+            self._resend.set()
+        return latest

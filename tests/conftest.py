@@ -1,19 +1,24 @@
 """Fixtures shared across the test tree: a small random model with the real tokenizer,
-and a one-rank gloo process group for code that needs ``torch.distributed``."""
+a one-rank gloo process group for code that needs ``torch.distributed``, and a (sharded)
+model's weights gathered whole to compare with."""
 
 from __future__ import annotations
 
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from learner.tiny_model.tokenizer import build_tokenizer
+from learner.weight_buckets import plan_buckets
+from learner.weights import StreamStats, WeightServer, WeightStream, publish_weights
 
 
 def save_random_model(folder: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
@@ -65,3 +70,52 @@ def one_rank_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+def gather_full_weights(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every parameter of a (sharded) model whole, on rank 0 (other ranks get {}); call on
+    every rank. The reference the tests compare trained weights with."""
+    is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+            if is_rank0:
+                out[name] = full.to(device="cpu", dtype=dtype).contiguous()
+    return out
+
+
+class LearnerSide:
+    """Rank 0's weight server and stream over loopback, publishing ``model`` in bf16
+    buckets of ``bucket_bytes`` as ``TrainLoop._serve`` does."""
+
+    def __init__(self, model: nn.Module, bucket_bytes: int) -> None:
+        self.model = model
+        self.plan = plan_buckets(model, torch.bfloat16, bucket_bytes)
+        self.server = WeightServer("tcp://127.0.0.1:*").start()
+        self.stream = WeightStream("tcp://127.0.0.1:*")
+
+    def publish(self, version: int, step: int | None = None) -> StreamStats:
+        """Stream ``model`` as ``version`` (taken after ``step``, default ``version``),
+        then name it the newest."""
+        step = version if step is None else step
+        self.server.take_resend()
+        stats = publish_weights(self.model, self.plan, torch.bfloat16, version=version,
+                                step=step, stream=self.stream)
+        self.server.published(version, step)
+        return stats
+
+    def publish_until(self, version: int, arrived, timeout_s: float = 20.0) -> None:
+        """Publish, and again whenever a subscriber asks (as the learner does while it waits
+        for a batch), until ``arrived()``."""
+        self.publish(version)
+        deadline = time.monotonic() + timeout_s
+        while not arrived() and time.monotonic() < deadline:
+            if self.server.resend_wanted():
+                self.publish(version)
+            time.sleep(0.02)
+        assert arrived(), f"version {version} did not arrive within {timeout_s:g} s"
+
+    def close(self) -> None:
+        self.stream.close()
+        self.server.stop()

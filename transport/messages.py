@@ -32,7 +32,7 @@ from typing import Any, Literal, Union
 import msgspec
 import torch
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: weight versions streamed in row pieces (WeightBucket.starts)
 
 WireErrorKind = Literal["envelope", "preamble", "version", "malformed", "schema", "tensor"]
 """Why a receiver rejected a frame set (``transport.codec``)."""
@@ -290,27 +290,34 @@ class BufferCheckpoint(Message):
 
 
 class WeightRequest(Message):
-    """A generator asks for the newest weights if newer than ``have_version``."""
+    """A generator (or the evaluator) asks the weight server which version is newest.
+
+    The reply is a ``WeightManifest`` without buckets naming that version: versions travel
+    on the learner's weight stream (``learner.weights``), not in replies. ``resend``: the
+    sender is behind and heard no stream of the newest version (it subscribed late, or
+    lost a piece), so it asks the learner to stream it again.
+    """
 
     generator_id: str
     have_version: int
+    resend: bool = False
 
 
 class WeightEntry(msgspec.Struct, array_like=True, kw_only=True, gc=False):
-    """Where one parameter of a version travels: which bucket, with what dtype and shape."""
+    """One parameter of a version: its name, dtype and shape as the engine loads it."""
 
     name: str
     dtype: str
     shape: list[int]
-    bucket: int
 
 
 class WeightManifest(Message):
-    """Announces a complete weight version; ``num_buckets`` ``WeightBucket``s follow.
+    """Announces a complete weight version; ``num_buckets`` ``WeightBucket``s follow it on
+    the weight stream.
 
-    A version with ``num_buckets == 0`` means "you are up to date" (or, answering an
-    ``EvalRequest``, "the initial checkpoint": see there). ``step`` is the learner step
-    after which these weights were taken.
+    Without buckets it only names a version: the newest one (answering a
+    ``WeightRequest``), or the one offered for evaluation (answering an ``EvalRequest``).
+    ``step`` is the learner step after which these weights were taken.
     """
 
     version: int
@@ -321,12 +328,28 @@ class WeightManifest(Message):
 
 
 class WeightBucket(Message):
-    """A slice of a version's tensors, in manifest order."""
+    """Bucket ``index`` of a version: pieces of parameters, in manifest order.
+
+    Piece ``i`` holds rows ``starts[i]`` to ``starts[i] + len(tensors[i])`` (along the
+    first dimension) of parameter ``names[i]``; a parameter larger than a bucket arrives as
+    several pieces in consecutive buckets, a small one as one piece starting at row 0.
+    """
 
     version: int
     index: int
     names: list[str]
+    starts: list[int]
     tensors: list[torch.Tensor]
+
+
+class EvalOffer(Message):
+    """On the weight stream, after a version: the learner offers the weights it had after
+    ``step``, published as ``version``, for held-out evaluation. The evaluator keeps that
+    version until it has evaluated it (``generators.evaluator``); version 0 is the initial
+    checkpoint, which it loaded itself."""
+
+    step: int
+    version: int
 
 
 class EvalReport(msgspec.Struct, array_like=True, kw_only=True, gc=False):
@@ -341,9 +364,9 @@ class EvalRequest(Message):
     """The evaluator asks the learner for the next weights to evaluate, taken after a step
     later than ``after_step``, and hands in the report of the last ones it evaluated.
 
-    Replies: a ``WeightManifest`` with its buckets (``step`` > ``after_step``); one with no
-    buckets and ``step`` > ``after_step`` when those weights are the initial checkpoint
-    (nothing trained yet); one with ``step == after_step`` when nothing newer is due yet;
+    Replies: a ``WeightManifest`` without buckets naming the offered ``version`` and its
+    ``step`` (> ``after_step``; the weights came on the weight stream, and version 0 is the
+    initial checkpoint); one with ``step == after_step`` when nothing newer is due yet;
     ``Shutdown`` when the run has ended and nothing is left to evaluate.
     """
 
@@ -402,6 +425,7 @@ AnyMessage = Union[
     WeightRequest,
     WeightManifest,
     WeightBucket,
+    EvalOffer,
     EvalRequest,
     Metrics,
     Shutdown,

@@ -2,16 +2,18 @@
 
 Patterns, one class per role:
 
-- ``Server`` (ROUTER) / ``Client`` (DEALER): requests with replies. A handler may answer
-  with one message or a stream of them (a weight manifest then its buckets).
+- ``Server`` (ROUTER) / ``Client`` (DEALER): requests, each with one reply.
 - ``Pusher`` / ``Puller`` (PUSH/PULL): one-way streams that may lose messages at the
   source, e.g. metrics to the launcher. A full queue drops the message and counts it.
+- ``Publisher`` / ``Subscriber`` (PUB/SUB): one sender, any number of receivers, each
+  message sent once: every subscriber's queue references the same bytes (weight versions
+  to the generators). A subscriber that connects late, or whose queue is full, misses
+  messages; the protocol on top must notice (see ``learner.weights``).
 
 Request-reply envelope: one frame before the codec's frames, 9 bytes = request id (u64,
-big-endian) + flags (u8). Requests carry flags 0; a reply sets ``MORE`` when further
-replies to the same request follow. A client keeps only replies to the request it waits
-for, and after a timeout it also replaces its socket (lazy pirate), so a late reply is never
-taken for the answer to the next request. Replies to frames whose envelope is unreadable
+big-endian) + flags (u8, reserved: 0). A client keeps only the reply to the request it
+waits for, and after a timeout it also replaces its socket (lazy pirate), so a late reply
+is never taken for the answer to the next request. Replies to frames whose envelope is unreadable
 carry request id 0, which no client uses.
 
 Receivers never crash on bad input: each rejected frame set is counted in ``errors`` by
@@ -40,7 +42,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
@@ -63,12 +65,8 @@ from transport.threads import WatchedThread
 logger = logging.getLogger(__name__)
 
 DEFAULT_HWM = 1000  # messages queued per peer before a send waits or drops
-MORE = 0x01  # reply envelope flag: more replies to this request follow
 _ENVELOPE = struct.Struct(">QB")
 MAX_DETAIL_CHARS = 300
-_END = object()  # end of a handler's replies
-
-Reply = Message | Iterable[Message]
 
 
 @dataclass(frozen=True)
@@ -81,8 +79,8 @@ class Peer:
     key: str = ""
 
 
-Handler = Callable[[Message, Peer], Reply]
-"""``handler(message, peer)`` returns the reply, or an iterable of replies."""
+Handler = Callable[[Message, Peer], Message]
+"""``handler(message, peer)`` returns the reply."""
 M = TypeVar("M", bound=Message)
 
 
@@ -186,7 +184,7 @@ def _request_id(frames: Sequence[zmq.Frame]) -> int:
 
 
 class Server:
-    """Binds a ROUTER socket and answers each request with ``handler``'s reply or replies.
+    """Binds a ROUTER socket and answers each request with ``handler``'s reply.
 
     Backpressure: replies wait up to ``send_timeout_s`` when a peer's queue holds ``hwm``
     messages (ROUTER_MANDATORY), then count as ``unroutable``; requests beyond ``hwm``
@@ -258,23 +256,23 @@ class Server:
                 identity,
                 request_id,
                 ErrorReply(code=exc.kind, detail=exc.detail[:MAX_DETAIL_CHARS]),
-                False,
             )
             return
         self.served += 1
         try:
-            for reply, more in _flag_last(self._handler(message, peer)):
-                if not self._send(identity, request_id, reply, more):
-                    return
+            reply = self._handler(message, peer)
+            if not isinstance(reply, Message):
+                raise TypeError(f"handler returned {type(reply).__name__}, not a Message")
         except Exception as exc:  # a handler bug must not take the server down
             self.errors["handler"] += 1
             logger.exception(
                 "handler failed on %s from peer %s", type(message).__name__, identity.hex()
             )
-            self._send(identity, request_id, ErrorReply(code="handler", detail=_detail(exc)), False)
+            reply = ErrorReply(code="handler", detail=_detail(exc))
+        self._send(identity, request_id, reply)
 
-    def _send(self, identity: bytes, request_id: int, reply: Message, more: bool) -> bool:
-        envelope = _ENVELOPE.pack(request_id, MORE if more else 0)
+    def _send(self, identity: bytes, request_id: int, reply: Message) -> bool:
+        envelope = _ENVELOPE.pack(request_id, 0)
         try:
             self._socket.zmq.send_multipart([identity, envelope, *encode(reply)], copy=False)
         except zmq.ZMQError as exc:  # EAGAIN: peer not draining; EHOSTUNREACH: peer gone
@@ -306,20 +304,6 @@ class _DropLog:
     def close(self) -> None:
         self._socket.disable_monitor()
         self._events.close(linger=0)
-
-
-def _flag_last(replies: Reply) -> Iterator[tuple[Message, bool]]:
-    """``(reply, more)`` pairs; ``more`` is False on the last. Raises on a non-message."""
-    iterator = iter((replies,) if isinstance(replies, Message) else replies)
-    current = next(iterator, _END)
-    if current is _END:
-        raise ValueError("handler returned no reply")
-    while current is not _END:
-        if not isinstance(current, Message):
-            raise TypeError(f"handler returned {type(current).__name__}, not a Message")
-        following = next(iterator, _END)
-        yield current, following is not _END
-        current = following
 
 
 class ServerThread:
@@ -354,9 +338,8 @@ class ServerThread:
 class Client:
     """Connects a DEALER socket; one request in flight at a time (not thread-safe).
 
-    ``request`` waits for one reply; ``request_stream`` yields replies until the server
-    marks the last. On ``PeerTimeout`` the socket is replaced, dropping the unanswered
-    request and any reply that might still arrive for it.
+    ``request`` waits for the reply. On ``PeerTimeout`` the socket is replaced, dropping the
+    unanswered request and any reply that might still arrive for it.
     """
 
     def __init__(
@@ -381,13 +364,13 @@ class Client:
     def request(self, msg: Message, timeout_s: float, expect: type[M]) -> M: ...
 
     def request(self, msg: Message, timeout_s: float, expect: type[M] | None = None) -> Message:
-        """Send ``msg`` and return the reply; a stream's later replies are discarded.
+        """Send ``msg`` and return the reply.
 
         With ``expect``, a reply of another type raises ``RemoteError`` (an ``ErrorReply``
         keeps its code). Raises ``PeerTimeout`` when no reply comes within ``timeout_s``.
         """
         request_id = self._send(msg, timeout_s)
-        reply, _more = self._receive(request_id, type(msg).__name__, timeout_s)
+        reply = self._receive(request_id, type(msg).__name__, timeout_s)
         if expect is not None and not isinstance(reply, expect):
             if isinstance(reply, ErrorReply):
                 raise RemoteError(self.endpoint, reply.code, reply.detail)
@@ -398,21 +381,10 @@ class Client:
             )
         return reply
 
-    def request_stream(self, msg: Message, timeout_s: float) -> Iterator[Message]:
-        """Send ``msg`` now; iterate its replies, waiting up to ``timeout_s`` for each."""
-        request_id = self._send(msg, timeout_s)
-        return self._stream(request_id, type(msg).__name__, timeout_s)
-
     def close(self) -> None:
         if self._socket is not None:
             self._socket.close()
             self._socket = None
-
-    def _stream(self, request_id: int, what: str, timeout_s: float) -> Iterator[Message]:
-        more = True
-        while more:
-            reply, more = self._receive(request_id, what, timeout_s)
-            yield reply
 
     def _send(self, msg: Message, timeout_s: float) -> int:
         if self._socket is None:
@@ -428,7 +400,7 @@ class Client:
             raise PeerTimeout(self.endpoint, type(msg).__name__, timeout_s) from None
         return request_id
 
-    def _receive(self, request_id: int, what: str, timeout_s: float) -> tuple[Message, bool]:
+    def _receive(self, request_id: int, what: str, timeout_s: float) -> Message:
         assert self._socket is not None, "_send opens the socket"
         deadline = time.monotonic() + timeout_s
         while self._socket.poll_in(deadline - time.monotonic()):
@@ -437,11 +409,11 @@ class Client:
                 raise WireError(
                     "envelope", f"reply envelope of {len(envelope)} bytes from {self.endpoint}"
                 )
-            reply_id, flags = _ENVELOPE.unpack(envelope.bytes)
+            reply_id, _flags = _ENVELOPE.unpack(envelope.bytes)
             if reply_id != request_id:
                 self.stale_replies += 1
                 continue
-            return self._decoder.decode(frames), bool(flags & MORE)
+            return self._decoder.decode(frames)
         self.close()  # lazy pirate: a late reply dies with the old socket
         raise PeerTimeout(self.endpoint, what, timeout_s)
 
@@ -451,21 +423,12 @@ class Client:
 # ---------------------------------------------------------------------------------------
 
 
-class Puller:
-    """PULL side of a one-way stream; rejected frame sets are counted in ``errors``."""
+class _Receiver:
+    """What PULL and SUB share: take the next valid message, count the rejected ones."""
 
-    def __init__(
-        self,
-        endpoint: str,
-        *,
-        bind: bool = True,
-        keys: Keys | None = None,
-        decoder: Decoder[Any] | None = None,
-        hwm: int = DEFAULT_HWM,
-    ) -> None:
-        self._socket = _Socket(zmq.PULL, endpoint, bind=bind, keys=keys, hwm=hwm)
+    def __init__(self, socket: _Socket, endpoint: str, decoder: Decoder[Any] | None) -> None:
+        self._socket, self.endpoint = socket, endpoint
         self._decoder = decoder or Decoder()
-        self.endpoint = self._socket.endpoint
         self.errors: Counter[str] = Counter()
         self.received = 0
 
@@ -486,6 +449,22 @@ class Puller:
 
     def close(self) -> None:
         self._socket.close()
+
+
+class Puller(_Receiver):
+    """PULL side of a one-way stream; rejected frame sets are counted in ``errors``."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        bind: bool = True,
+        keys: Keys | None = None,
+        decoder: Decoder[Any] | None = None,
+        hwm: int = DEFAULT_HWM,
+    ) -> None:
+        socket = _Socket(zmq.PULL, endpoint, bind=bind, keys=keys, hwm=hwm)
+        super().__init__(socket, socket.endpoint, decoder)
 
 
 class Pusher:
@@ -515,3 +494,54 @@ class Pusher:
     def close(self, linger_s: float = 1.0) -> None:
         """Close, giving queued messages up to ``linger_s`` to leave."""
         self._socket.close(linger_s)
+
+
+class Publisher:
+    """PUB side of a fan-out stream (binds). ``send`` queues a message for every subscriber
+    connected at that moment, zero-copy: the queues share the message's tensor memory.
+
+    ``send(msg, wait_s)`` then waits until ZeroMQ has written the message to every
+    subscriber's connection, or dropped it for a subscriber whose queue (``hwm`` messages)
+    is full, so that the caller's memory is free when it returns: the sender never holds
+    more than the message in hand. It returns False when ``wait_s`` passed first (a
+    subscriber that stopped reading); ZeroMQ then still holds the message until that
+    subscriber reads it or goes away.
+    """
+
+    def __init__(self, endpoint: str, *, keys: ServerKeys | None = None, hwm: int = 8) -> None:
+        self._socket = _Socket(zmq.PUB, endpoint, bind=True, keys=keys, hwm=hwm)
+        self._socket.zmq.copy_threshold = 0  # small frames tracked too: else "sent" = copied
+        self.endpoint = self._socket.endpoint
+        self.sent = 0
+
+    def send(self, msg: Message, wait_s: float | None = None) -> bool:
+        # Let the socket hear what its subscribers read so far: a queue's fill level is
+        # only updated by such commands, and a stale one drops the message as if full.
+        self._socket.zmq.getsockopt(zmq.EVENTS)
+        frames = encode(msg)
+        trackers = [self._socket.zmq.send(frame, zmq.SNDMORE, copy=False, track=True)
+                    for frame in frames[:-1]]
+        trackers.append(self._socket.zmq.send(frames[-1], copy=False, track=True))
+        del frames
+        self.sent += 1
+        if wait_s is None:
+            return True
+        try:
+            zmq.MessageTracker(*(t for t in trackers if t is not None)).wait(wait_s)
+        except zmq.NotDone:
+            return False
+        return True
+
+    def close(self, linger_s: float = 0.0) -> None:
+        self._socket.close(linger_s)
+
+
+class Subscriber(_Receiver):
+    """SUB side of a fan-out stream (connects, takes every message); rejected frame sets
+    are counted in ``errors``."""
+
+    def __init__(self, endpoint: str, *, keys: ClientKeys | None = None,
+                 decoder: Decoder[Any] | None = None, hwm: int = 8) -> None:
+        socket = _Socket(zmq.SUB, endpoint, bind=False, keys=keys, hwm=hwm)
+        socket.zmq.setsockopt(zmq.SUBSCRIBE, b"")
+        super().__init__(socket, endpoint, decoder)

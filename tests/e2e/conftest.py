@@ -24,6 +24,7 @@ def small_run_overrides(model_dir: Path, run_root: Path, steps: int) -> list[str
         "rollout.response_length=8", "rollout.prompts_per_lease=2",
         f"custom_reward_function.path={REWARD_FN}",
         "topology.buffer.port=0", "topology.learner.weights_port=0",
+        "topology.learner.weights_stream_port=0",
         "topology.launcher.metrics_port=0",
     ]
 

@@ -19,6 +19,7 @@ from .conftest import launch, only_run_dir
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 FREE_PORTS = ["topology.buffer.port=0", "topology.learner.weights_port=0",
+              "topology.learner.weights_stream_port=0",
               "topology.launcher.metrics_port=0"]
 
 

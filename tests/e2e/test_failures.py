@@ -34,6 +34,7 @@ TOPOLOGY = """
 port = 0
 [learner]
 weights_port = 0
+weights_stream_port = 0
 [launcher]
 metrics_port = 0
 [[generators]]

@@ -90,9 +90,13 @@ def weights() -> Iterator[str]:
         yield endpoint
 
 
+NOBODY_STREAMS = "tcp://127.0.0.1:9"  # the discard port: no weight stream listens there
+
+
 def loop(buffer_endpoint: str, weights_endpoint: str) -> GeneratorLoop:
     return GeneratorLoop(generator_id="gen0", buffer_endpoint=buffer_endpoint,
-                         weights_endpoint=weights_endpoint, engine=EndlessEngine(),
+                         weights_endpoint=weights_endpoint,
+                         weights_stream_endpoint=NOBODY_STREAMS, engine=EndlessEngine(),
                          tokenizer=FixedTokenizer(), scorer=None,
                          rollout=RolloutConfig(n=2, prompts_per_lease=2, max_num_seqs=8),
                          max_prompt_length=16, overlong=OverlongBufferConfig(), patience_s=5.0,

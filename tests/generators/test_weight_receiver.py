@@ -1,121 +1,164 @@
-"""A weight version travels from the learner's server to a generator whole, or not at all."""
+"""A weight version reaches a generator whole, or not at all; the evaluator's receiver keeps
+the versions offered for evaluation until they are evaluated."""
 
 from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
 
 import msgspec
 import pytest
 import torch
+from torch import nn
 
 from generators.weight_receiver import (
+    EvalWeights,
     IncompleteVersion,
+    VersionAssembler,
     WeightReceiver,
-    assemble,
-    receive_version,
 )
-from learner.weights import MAX_REQUEST_BYTES, WeightServer, bucketize
-from transport.messages import Ack, WeightManifest, WeightRequest
-from transport.sockets import Client, PeerTimeout
+from learner.weight_buckets import gather_buckets, plan_buckets
+from transport.messages import EvalOffer, WeightBucket, WeightManifest
 from transport.threads import ThreadDied
 
+from ..conftest import LearnerSide
 
-def version_tensors(scale: float) -> dict[str, torch.Tensor]:
-    return {f"layer{i}.weight": torch.full((64, 64), scale * i, dtype=torch.bfloat16)
-            for i in range(5)}
-
-
-def test_versions_stream_over_sockets_in_buckets() -> None:
-    server = WeightServer("tcp://127.0.0.1:*").start()
-    receiver = WeightReceiver(server.endpoint, "g0", poll_s=0.05).start(applied_version=0)
-    try:
-        assert receiver.wait_for(1, timeout_s=0.3) is None  # nothing published yet
-        published = bucketize(1, version_tensors(1.0), bucket_bytes=3 * 64 * 64 * 2)
-        assert published.manifest.num_buckets == 2
-        server.publish(published)
-        staged = receiver.wait_for(1, timeout_s=10)
-        assert staged is not None and staged.version == 1
-        for name, tensor in version_tensors(1.0).items():
-            assert torch.equal(staged.tensors[name], tensor)
-        server.publish(bucketize(2, version_tensors(2.0)))
-        staged = receiver.wait_for(2, timeout_s=10)
-        assert staged is not None and float(staged.tensors["layer3.weight"][0, 0]) == 6.0
-        assert receiver.take() is None  # handed over once
-    finally:
-        receiver.stop()
-        server.stop()
+TIMEOUT_S = 20.0
 
 
-def test_an_incomplete_version_is_refused() -> None:
-    published = bucketize(3, version_tensors(1.0), bucket_bytes=64 * 64 * 2)
-    with pytest.raises(IncompleteVersion, match="4 of 5 buckets"):
-        assemble(published.manifest, published.buckets[:4])
-    swapped = [published.buckets[1], published.buckets[0], *published.buckets[2:]]
-    with pytest.raises(IncompleteVersion, match="bucket 1 of version 3"):
-        assemble(published.manifest, swapped)
-    published.buckets[0].tensors[0] = torch.zeros(2, dtype=torch.bfloat16)
-    with pytest.raises(IncompleteVersion, match="layer0.weight: got torch.bfloat16 \\[2\\]"):
-        assemble(published.manifest, published.buckets)
+def model(scale: float) -> nn.Module:
+    layers = nn.Sequential(nn.Linear(16, 12), nn.Linear(12, 8))
+    with torch.no_grad():
+        for i, param in enumerate(layers.parameters()):
+            param.fill_(scale * (i + 1))
+    return layers
 
 
-def test_a_tensor_in_another_bucket_than_its_manifest_entry_is_refused() -> None:
-    published = bucketize(3, version_tensors(1.0), bucket_bytes=2 * 64 * 64 * 2)
-    first, second = published.buckets[0], published.buckets[1]
-    moved = [msgspec.structs.replace(first, names=[first.names[0], second.names[0]],
-                                     tensors=[first.tensors[0], second.tensors[0]]),
-             msgspec.structs.replace(second, names=[first.names[1], *second.names[1:]],
-                                     tensors=[first.tensors[1], *second.tensors[1:]])]
-    with pytest.raises(IncompleteVersion, match="layer1.weight arrived in bucket 1, the "
-                                                "manifest says bucket 0"):
-        assemble(published.manifest, [*moved, *published.buckets[2:]])
+def version(number: int, scale: float = 1.0) -> tuple[WeightManifest, list[WeightBucket]]:
+    """Version ``number`` of ``model(scale)`` in 256-byte buckets (some parameters split)."""
+    layers = model(scale)
+    plan = plan_buckets(layers, torch.bfloat16, 256)
+    buckets = [b for b in gather_buckets(layers, plan, torch.bfloat16, number) if b]
+    return plan.manifest(number, step=number), buckets
 
 
-def test_receive_version_assembles_the_buckets_after_a_manifest() -> None:
-    published = bucketize(4, version_tensors(1.0), bucket_bytes=2 * 64 * 64 * 2)
-    manifest, staged = receive_version(published.manifest, iter(published.buckets))
-    assert manifest == published.manifest
-    assert staged is not None and staged.version == 4
-    assert torch.equal(staged.tensors["layer4.weight"], version_tensors(1.0)["layer4.weight"])
+def assemble(messages: list) -> list:
+    assembler = VersionAssembler()
+    return [assembler.feed(m) for m in messages]
 
 
-def test_receive_version_of_a_manifest_without_buckets_stages_nothing() -> None:
-    up_to_date = WeightManifest(version=4, step=7)
-    assert receive_version(up_to_date, iter([])) == (up_to_date, None)
+def test_a_version_is_staged_after_its_last_bucket_only() -> None:
+    manifest, buckets = version(1)
+    assert len(buckets) > 2
+    *partial, staged = assemble([manifest, *buckets])
+    assert all(s is None for s in partial)
+    assert staged.version == 1
+    for name, param in model(1.0).named_parameters():
+        assert torch.equal(staged.tensors[name], param.detach().to(torch.bfloat16))
 
 
-def test_receive_version_refuses_anything_but_a_manifest_first() -> None:
-    with pytest.raises(IncompleteVersion, match="expected a WeightManifest, got Ack"):
-        receive_version(Ack(), iter([]))
-    published = bucketize(5, version_tensors(1.0), bucket_bytes=64 * 64 * 2)
-    with pytest.raises(IncompleteVersion, match="2 of 5 buckets"):
-        receive_version(published.manifest, iter(published.buckets[:2]))
+@pytest.mark.parametrize("fault, message", [
+    ("skipped", "bucket 2 of version 1 where bucket 1 of version 1 was due"),
+    ("other_version", "bucket 1 of version 9 where bucket 1 of version 1 was due"),
+    ("unknown_name", "intruder is not in the manifest"),
+    ("rows_out_of_order", "rows from 0 where row"),
+    ("wrong_dtype", "a piece of torch.float32"),
+])
+def test_a_bucket_that_does_not_continue_the_version_is_refused(fault: str,
+                                                                message: str) -> None:
+    manifest, buckets = version(1)
+    second = buckets[1]
+    broken = {
+        "skipped": buckets[2],
+        "other_version": msgspec.structs.replace(second, version=9),
+        "unknown_name": msgspec.structs.replace(second, names=["intruder", *second.names[1:]]),
+        "rows_out_of_order": msgspec.structs.replace(second, starts=[0, *second.starts[1:]]),
+        "wrong_dtype": msgspec.structs.replace(
+            second, tensors=[second.tensors[0].float(), *second.tensors[1:]]),
+    }[fault]
+    if fault == "rows_out_of_order":
+        assert second.starts[0] > 0  # the bucket continues a split parameter
+    assembler = VersionAssembler()
+    assembler.feed(manifest)
+    assembler.feed(buckets[0])
+    with pytest.raises(IncompleteVersion, match=message):
+        assembler.feed(broken)
+    assert assembler.version is None  # dropped: the rest of it is refused too
+    with pytest.raises(IncompleteVersion):
+        assembler.feed(buckets[2])
+    *_, staged = [assembler.feed(m) for m in (manifest, *buckets)]  # a new manifest: afresh
+    assert staged is not None and staged.version == 1
 
 
-def test_a_receiver_whose_thread_dies_says_so_instead_of_waiting(monkeypatch) -> None:
+def test_a_version_missing_rows_after_its_last_bucket_is_refused() -> None:
+    manifest, buckets = version(1)
+    short = msgspec.structs.replace(manifest, num_buckets=len(buckets) - 1)
+    with pytest.raises(IncompleteVersion, match="incomplete after the last bucket"):
+        assemble([short, *buckets[:-1]])
+
+
+def rescale(layers: nn.Module, scale: float) -> None:
+    """Give ``layers`` the weights of ``model(scale)``."""
+    with torch.no_grad():
+        for i, param in enumerate(layers.parameters()):
+            param.fill_(scale * (i + 1))
+
+
+@pytest.fixture
+def learner() -> Iterator[LearnerSide]:
+    side = LearnerSide(model(1.0), bucket_bytes=256)
+    yield side
+    side.close()
+
+
+def test_a_receiver_whose_thread_dies_says_so_instead_of_waiting(learner: LearnerSide,
+                                                                  monkeypatch) -> None:
     """An unexpected error in the receiving thread stops the waiting generator loudly."""
-    import generators.weight_receiver as module
-
     def broken(*_args):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(module, "receive_version", broken)
-    server = WeightServer("tcp://127.0.0.1:*").start()
-    receiver = WeightReceiver(server.endpoint, "g0", poll_s=0.05).start(applied_version=0)
+    monkeypatch.setattr(VersionAssembler, "feed", broken)
+    receiver = WeightReceiver(learner.server.endpoint, learner.stream.endpoint, "g0",
+                              poll_s=0.05).start(applied_version=0)
     try:
+        learner.publish(1)
+        deadline = time.monotonic() + TIMEOUT_S
         with pytest.raises(ThreadDied, match="weight-receiver.*a bug"):
-            receiver.wait_for(1, timeout_s=30)
+            while time.monotonic() < deadline:
+                receiver.wait_for(1, timeout_s=0.1)
+                if learner.server.resend_wanted():
+                    learner.publish(1)
     finally:
         receiver.stop()
-        server.stop()
 
 
-def test_the_weight_server_drops_an_oversize_request() -> None:
-    server = WeightServer("tcp://127.0.0.1:*").start()
-    client = Client(server.endpoint)
+def test_the_evaluator_keeps_each_offered_version_until_it_is_evaluated(
+        learner: LearnerSide, caplog: pytest.LogCaptureFixture) -> None:
+    weights = EvalWeights(learner.server.endpoint, learner.stream.endpoint, max_waiting=1,
+                          poll_s=0.05).start(applied_version=0)
     try:
-        huge = WeightRequest(generator_id="x" * MAX_REQUEST_BYTES, have_version=0)
-        with pytest.raises(PeerTimeout):
-            client.request(huge, 1.0)
-        reply = client.request(WeightRequest(generator_id="g0", have_version=0), 5.0)
-        assert isinstance(reply, WeightManifest) and reply.version == 0
+        learner.publish_until(1, lambda: weights._have == 1)
+        learner.stream.offer(EvalOffer(step=10, version=1))
+        rescale(learner.model, 2.0)
+        learner.publish_until(2, lambda: weights._have == 2)  # newer, not offered
+        kept = weights.weights_for(10, 1, timeout_s=TIMEOUT_S)  # still there
+        assert kept is not None and kept.version == 1
+        assert float(kept.tensors["0.bias"][0]) == 2.0  # scale 1, second parameter
+        weights.release(10)
+        # an offer whose version is the newest is kept even if asked for before it came
+        assert weights.weights_for(20, 2, timeout_s=TIMEOUT_S).version == 2
+        weights.release(20)
+        assert weights.weights_for(30, 7, timeout_s=0.2) is None  # never published
+        with caplog.at_level(logging.WARNING, logger="generators.weight_receiver"):
+            for step in (40, 50, 60):
+                learner.publish_until(step, lambda s=step: weights._have == s)
+                learner.stream.offer(EvalOffer(step=step, version=step))
+            deadline = time.monotonic() + TIMEOUT_S
+            while "after step 40" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert "dropped the weights offered after step 40" in caplog.text  # max_waiting 1
+        assert weights.weights_for(60, 60, timeout_s=TIMEOUT_S) is not None
+        assert weights.weights_for(40, 40, timeout_s=0.2) is None
     finally:
-        client.close()
-        server.stop()
+        weights.stop()

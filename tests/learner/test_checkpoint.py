@@ -32,10 +32,9 @@ from learner.checkpoint import (
     save_checkpoint,
 )
 from learner.update import Learner
-from learner.weights import gather_full_weights
 from transport.messages import BufferCheckpoint, Prompt, PromptSourceState
 
-from ..conftest import exit_worker, free_port, save_random_model
+from ..conftest import exit_worker, free_port, gather_full_weights, save_random_model
 from .test_update import rollouts
 from .test_update_algorithms import make_learner
 

@@ -9,26 +9,18 @@ import threading
 import time
 
 import pytest
-import torch
 
-from learner.eval_queue import EvalOffer, EvalQueue
-from learner.weights import PublishedVersion, bucketize
-from transport.messages import EvalReport, EvalRequest, Shutdown, WeightBucket, WeightManifest
+from learner.eval_queue import EvalQueue
+from transport.messages import EvalOffer, EvalReport, EvalRequest, Shutdown, WeightManifest
 
 LONG_WAIT_S = 30.0  # an end() wait that a test must never sit through
-
-
-def published(version: int, step: int) -> PublishedVersion:
-    tensors = {f"w{i}": torch.full((4,), float(version)) for i in range(3)}
-    return bucketize(version, tensors, step=step, bucket_bytes=2 * 4 * 4)  # two buckets
 
 
 def offer(step: int, version: int | None = None) -> EvalOffer:
     """The version published after ``step`` (the initial checkpoint at step 0)."""
     if step == 0:
-        return EvalOffer(step=0, version=0, weights=None)
-    version = step if version is None else version
-    return EvalOffer(step=step, version=version, weights=published(version, step))
+        return EvalOffer(step=0, version=0)
+    return EvalOffer(step=step, version=step if version is None else version)
 
 
 def ask(queue: EvalQueue, after_step: int, report: EvalReport | None = None):
@@ -40,20 +32,18 @@ def report(step: int) -> EvalReport:
 
 
 def test_nothing_waiting_means_nothing_newer() -> None:
-    assert ask(EvalQueue(), -1) == [WeightManifest(version=7, step=-1)]
+    assert ask(EvalQueue(), -1) == WeightManifest(version=7, step=-1)
 
 
-def test_offers_are_handed_out_oldest_first_with_their_buckets() -> None:
+def test_offers_are_handed_out_oldest_first_by_version_and_step() -> None:
     queue = EvalQueue()
     for step in (0, 10, 20):
         queue.offer(offer(step))
-    assert ask(queue, -1) == [WeightManifest(version=0, step=0)]  # no buckets: initial
-    manifest, *buckets = ask(queue, 0, report(0))
-    assert (manifest.step, manifest.version, manifest.num_buckets) == (10, 10, 2)
-    assert [b.index for b in buckets] == [0, 1]
-    assert all(isinstance(b, WeightBucket) for b in buckets)
-    assert ask(queue, 10, report(10))[0].step == 20
-    assert ask(queue, 20, report(20)) == [WeightManifest(version=7, step=20)]
+    assert ask(queue, -1) == WeightManifest(version=0, step=0)  # the initial checkpoint
+    assert ask(queue, 0, report(0)) == WeightManifest(version=10, step=10)  # no buckets:
+    # the weights went by on the stream
+    assert ask(queue, 10, report(10)).step == 20
+    assert ask(queue, 20, report(20)) == WeightManifest(version=7, step=20)
     assert [r.step for r in queue.take_reports()] == [0, 10, 20]
     assert queue.take_reports() == []
 
@@ -61,14 +51,14 @@ def test_offers_are_handed_out_oldest_first_with_their_buckets() -> None:
 def test_a_reply_lost_to_a_timeout_is_handed_out_again_and_a_resent_report_kept_once() -> None:
     queue = EvalQueue()
     queue.offer(offer(10))
-    assert ask(queue, -1)[0].step == 10
-    assert ask(queue, -1)[0].step == 10  # the evaluator never got it: asks again
+    assert ask(queue, -1).step == 10
+    assert ask(queue, -1).step == 10  # the evaluator never got it: asks again
     ask(queue, 10, report(10))
     ask(queue, 10, report(10))  # its reply was lost: the report comes again
     assert queue.take_reports() == [report(10)]
 
 
-def test_past_max_waiting_the_oldest_offer_holding_weights_is_skipped(
+def test_past_max_waiting_the_oldest_offer_of_trained_weights_is_skipped(
         caplog: pytest.LogCaptureFixture) -> None:
     queue = EvalQueue(max_waiting=2)
     with caplog.at_level(logging.WARNING, logger="learner.eval_queue"):
@@ -78,9 +68,9 @@ def test_past_max_waiting_the_oldest_offer_holding_weights_is_skipped(
     handed, after = [], -1
     while True:
         reply = ask(queue, after)
-        if reply[0].step == after:
+        if reply.step == after:
             break
-        after = reply[0].step
+        after = reply.step
         handed.append(after)
     assert handed == [0, 20, 30]  # the free initial checkpoint is never skipped
 
@@ -97,7 +87,7 @@ def test_end_waits_for_the_last_report_and_says_goodbye() -> None:
     waiter.start()
     time.sleep(0.3)
     assert waiter.is_alive()  # step 10 not reported yet
-    assert ask(queue, 10, report(10)) == [Shutdown(reason="the run is over")]
+    assert ask(queue, 10, report(10)) == Shutdown(reason="the run is over")
     waiter.join(LONG_WAIT_S)
     assert not waiter.is_alive() and time.monotonic() - began < LONG_WAIT_S / 2
     assert ended == [[report(10)]] and logged == [report(10)]
@@ -113,7 +103,7 @@ def test_end_returns_at_once_when_the_last_report_was_already_taken() -> None:
     began = time.monotonic()
     waiter.start()
     time.sleep(0.1)
-    assert ask(queue, 0) == [Shutdown(reason="the run is over")]
+    assert ask(queue, 0) == Shutdown(reason="the run is over")
     waiter.join(LONG_WAIT_S)
     assert time.monotonic() - began < LONG_WAIT_S / 2
 
@@ -124,8 +114,8 @@ def test_end_gives_up_after_its_budget_and_says_so(caplog: pytest.LogCaptureFixt
     with caplog.at_level(logging.WARNING, logger="learner.eval_queue"):
         assert queue.end(10, min_wait_s=0.2) == []  # nobody came
     assert "no evaluation of step 10 arrived" in caplog.text
-    assert ask(queue, -1)[0].step == 10  # what was offered is still handed out
-    assert ask(queue, 10) == [Shutdown(reason="the run is over")]
+    assert ask(queue, -1).step == 10  # what was offered is still handed out
+    assert ask(queue, 10) == Shutdown(reason="the run is over")
 
 
 @pytest.mark.parametrize("bad", [
@@ -139,7 +129,7 @@ def test_a_report_of_no_offered_step_or_with_a_name_mlflow_refuses_is_dropped(
     queue = EvalQueue()
     queue.offer(offer(10))
     with caplog.at_level(logging.WARNING, logger="learner.eval_queue"):
-        assert ask(queue, -1, bad)[0].step == 10  # answered as if no report came
+        assert ask(queue, -1, bad).step == 10  # answered as if no report came
     assert queue.take_reports() == []
     assert "dropped an evaluation report" in caplog.text
     ask(queue, 10, report(10))  # the real one is still kept

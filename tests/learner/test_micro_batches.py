@@ -1,12 +1,16 @@
-"""learner.micro_batches: passes hold rows of like length, by row count or by token budget,
-and every row of a mini-batch is in exactly one pass."""
+"""learner.micro_batches: passes hold rows of like length, by row count or by token budget
+(per GPU: an SP group's passes hold its size times as many tokens), and every row of a
+mini-batch is in exactly one pass."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from learner.batch import TrainBatch
 from learner.micro_batches import MicroBatches
+from learner.ulysses import SequenceParallel
 
 LENGTHS = [9, 3, 7, 3, 12, 5, 8, 4, 6, 10]
 
@@ -46,6 +50,22 @@ def test_token_budget_cut_keeps_each_pass_within_budget() -> None:
         assert len(p.rows) * p.part.input_ids.shape[1] <= 24
     # sorted lengths 3 3 4 5 | 6 7 8 | 9 10 | 12 (five 5-token rows would be 25 > 24)
     assert [len(p.rows) for p in passes] == [4, 3, 2, 1]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_under_sequence_parallelism_the_token_budget_is_per_gpu() -> None:
+    """verl's ``ppo_max_token_len_per_gpu * ulysses_sequence_parallel_size``: each of the
+    two ranks of an SP group runs half of a pass's tokens, so a 12-token budget per GPU
+    cuts the passes a 24-token budget cuts without SP."""
+    sp = SequenceParallel(dist.group.WORLD, size=2, rank=0)
+    micro = MicroBatches(groups_per_mini_batch=5, micro_batch_size=1, max_token_len=12, sp=sp)
+    whole = batch()
+    (mini,) = micro.mini_batches(whole)
+    passes = list(micro.passes(whole, mini))
+    assert micro.max_token_len == 24
+    assert [len(p.rows) for p in passes] == [4, 3, 2, 1]  # as with 24 tokens without SP
+    for p in passes:  # each GPU's share of a pass stays within its own budget
+        assert len(p.rows) * p.part.input_ids.shape[1] / sp.size <= 12
 
 
 def test_a_row_longer_than_the_budget_gets_a_pass_of_its_own() -> None:

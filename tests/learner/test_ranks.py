@@ -24,9 +24,8 @@ from algorithms.off_policy import RolloutCorrectionConfig
 from configs.run_schema import AlgorithmConfig
 from generators.torch_engine import TorchEngine
 from learner.batch import collate
-from learner.weights import gather_full_weights
 
-from ..conftest import exit_worker, free_port
+from ..conftest import exit_worker, free_port, gather_full_weights
 from .test_update import LR, rollouts
 from .test_update_algorithms import make_learner
 

@@ -122,7 +122,7 @@ def small_model(folder: Path, model_type: str) -> torch.nn.Module:
               else Qwen2Config(num_key_value_heads=2, **shape))
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                attn_implementation="sdpa")
+                                                attn_implementation="relay")
 
 
 def test_only_plain_causal_attention_shares_prompts() -> None:

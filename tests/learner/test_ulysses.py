@@ -1,15 +1,18 @@
 """Ulysses sequence parallelism (learner.ulysses) against the plain padded forward.
 
-- packing: rows packed without padding, labels the next token of the same row, the mask
-  block-diagonal and causal, the grid mapping back onto the rows;
+- packing: rows packed without padding, labels the next token of the same row, each row
+  (and each padding token) a sequence of its own, the grid mapping back onto the rows;
+- attention runs causally within each packed sequence, equal to a dense block-diagonal
+  mask, and no tensor of the packed length squared is ever built (neither ours nor
+  transformers' mask); a model not loaded with Relay's attention is refused;
 - one rank (an SP group of 1): the packed forward gives the padded forward's log-probs;
 - SP 2 on a Llama model (2 key/value heads, split), a Qwen2 model (1 key/value head,
   repeated) and a Qwen3 model (per-head q/k norms): the same log-probs, entropies, loss
   and summed gradients as one process without SP, on rows of different lengths (real
   processes, gloo), and with gradient checkpointing;
-- DP 2 x SP 2 (4 processes, FSDP2 over all of them) trains two steps to the weights of
-  DP 1 x SP 1, for GRPO and for PPO with its critic;
-- head counts that do not fit are refused naming the key.
+- DP 2 x SP 2 (4 processes, FSDP2 over all of them) trains two steps to the weights and
+  the reported gradient norms of DP 1 x SP 1, for GRPO and for PPO with its critic;
+- head counts that do not fit are refused naming the key, for the models a run loads only.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -31,20 +38,25 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from configs import DEFAULT_RUN, Topology, load_run_config
+from configs.rundir import RunContext
 from configs.run_schema import ActorConfig, AlgorithmConfig, OptimConfig
 from generators.torch_engine import TorchEngine
+from learner.attention import ATTENTION
 from learner.batch import TrainBatch, collate
+from learner.main import build_learner
 from learner.model import enable_activation_checkpointing, forward_logprobs
 from learner.tiny_model.tokenizer import build_tokenizer
 from learner.ulysses import (
     SequenceParallel,
+    UlyssesAttention,
     check_heads,
     learner_parallelism,
     pack_tokens,
+    ulysses_attention,
 )
-from learner.weights import gather_full_weights
 
-from ..conftest import exit_worker, free_port
+from ..conftest import exit_worker, free_port, gather_full_weights
 from .test_update import LR, rollouts
 from .test_update_algorithms import make_learner
 
@@ -77,6 +89,12 @@ def save_random_qwen3(folder: Path) -> Path:
     return folder
 
 
+def relay_model(model_dir: Path) -> nn.Module:
+    """The model at ``model_dir`` attending with ``learner.attention``, as the learner loads it."""
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                attn_implementation=ATTENTION)
+
+
 @pytest.fixture(scope="module")
 def model_dirs(random_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                ) -> dict[str, Path]:
@@ -106,18 +124,68 @@ def test_packing_keeps_each_row_to_itself() -> None:
     assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
     assert packed.labels.tolist() == [[6, 7, 0, 9, 0, 0, 0, 0]]
-    attend = packed.attend[0, 0]
-    assert attend[2].tolist() == [True, True, True, False, False, False, False, False]
-    assert attend[4].tolist() == [False, False, False, True, True, False, False, False]
-    assert attend[6].tolist() == [False] * 6 + [True, False]  # padding sees itself only
+    assert packed.cu_seqlens == (0, 3, 5, 6, 7, 8)  # rows of 3 and 2; padding one by one
     per_token = torch.arange(8.0)[None]
     assert packed.to_grid(per_token).tolist() == [[0.0, 1.0], [3.0, 0.0]]
 
 
 @pytest.mark.usefixtures("one_rank_group")
+def test_attention_is_causal_within_each_packed_sequence_only() -> None:
+    lengths = [5, 1, 7, 3, 1, 1]  # four rows, then two padding tokens
+    cu_seqlens = (0, 5, 6, 13, 16, 17, 18)
+    torch.manual_seed(0)
+    query = torch.randn(1, 4, 18, 8)  # 4 query heads on 2 key/value heads
+    key, value = torch.randn(2, 1, 2, 18, 8).unbind(0)
+    sp = SequenceParallel(dist.group.WORLD, size=1, rank=0)
+    out, _ = ulysses_attention(nn.Module().eval(), query, key, value, None, scaling=0.3,
+                               ulysses=UlyssesAttention(sp=sp, cu_seqlens=cu_seqlens))
+    sequence = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    attend = (sequence[:, None] == sequence[None, :]) & torch.ones(18, 18, dtype=torch.bool).tril()
+    expected = F.scaled_dot_product_attention(query, key.repeat_interleave(2, dim=1),
+                                              value.repeat_interleave(2, dim=1),
+                                              attn_mask=attend, scale=0.3)
+    torch.testing.assert_close(out, expected.transpose(1, 2))
+
+
+class TensorShapes(TorchDispatchMode):
+    """Records the shape of every tensor an operation returns while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_the_packed_forward_builds_no_mask_of_the_packed_length_squared(
+        random_model_dir: Path, batch: TrainBatch) -> None:
+    model = relay_model(random_model_dir)
+    sp = SequenceParallel(dist.group.WORLD, size=1, rank=0)  # a slice is the whole sequence
+    tokens = int(batch.attention_mask.sum())
+    with TensorShapes() as seen:
+        forward_logprobs(model, batch, 1.0, True, sp=sp)
+    assert any(tokens in shape for shape in seen.shapes)  # it saw the packed forward
+    assert not [shape for shape in seen.shapes if shape[-2:] == (tokens, tokens)]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_packed_forward_refuses_a_model_not_loaded_with_relay_attention(
+        random_model_dir: Path, batch: TrainBatch) -> None:
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32)
+    sp = SequenceParallel(dist.group.WORLD, size=1, rank=0)
+    for packed in (dict(sp=sp), dict(share_prompts=True)):
+        with pytest.raises(ValueError, match="attn_implementation='relay'"):
+            forward_logprobs(model, batch, 1.0, False, **packed)
+
+
+@pytest.mark.usefixtures("one_rank_group")
 def test_one_rank_packed_equals_the_padded_forward(random_model_dir: Path,
                                                    batch: TrainBatch) -> None:
-    model = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32)
+    model = relay_model(random_model_dir)
     sp = SequenceParallel(dist.group.WORLD, size=1, rank=0)
     padded, padded_entropy = forward_logprobs(model, batch, 1.0, True)
     packed, packed_entropy = forward_logprobs(model, batch, 1.0, True, sp=sp)
@@ -145,7 +213,7 @@ def sp_worker(rank: int, world: int, port: int, model_dir: str, batch_file: str,
     try:
         batch, weights = torch.load(batch_file, weights_only=False)
         sp = learner_parallelism(torch.device("cpu"), world).sequence
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = relay_model(Path(model_dir))
         if checkpointing:  # the backward runs each block again: all-to-alls included
             enable_activation_checkpointing(model)
             model.train()
@@ -203,6 +271,8 @@ def train_worker(rank: int, world: int, port: int, sp_size: int, model_dir: str,
         if rank == 0:
             torch.save({"losses": [m["actor/loss"] for m in metrics],
                         "entropy": [m["actor/entropy"] for m in metrics],
+                        "grad_norms": {name: [m[name] for m in metrics] for name in metrics[0]
+                                       if name.endswith("grad_norm")},
                         "weights": weights}, out_file)
     finally:
         dist.destroy_process_group()
@@ -227,6 +297,10 @@ def test_dp2_sp2_trains_to_the_weights_of_one_rank(random_model_dir: Path, batch
     one, four = results
     assert four["losses"] == pytest.approx(one["losses"], abs=1e-5)
     assert four["entropy"] == pytest.approx(one["entropy"], abs=1e-5)
+    assert "actor/grad_norm" in one["grad_norms"]  # and critic/grad_norm with the critic
+    assert four["grad_norms"].keys() == one["grad_norms"].keys()
+    for name, norms in one["grad_norms"].items():
+        assert four["grad_norms"][name] == pytest.approx(norms, rel=1e-4), name
     for name, tensor in one["weights"].items():  # as in test_ranks: Adam's ~lr sign flips
         close = torch.isclose(four["weights"][name], tensor, atol=LR / 100, rtol=1e-4)
         assert float(close.float().mean()) > 0.999, name
@@ -256,3 +330,26 @@ def test_attention_other_than_plain_causal_is_refused(config, problem: str) -> N
     with pytest.raises(ValueError, match="actor.ulysses_sequence_parallel_size = 2") as caught:
         check_heads(config, 2)
     assert problem in str(caught.value)
+
+
+@pytest.mark.parametrize(("key", "estimator", "refused"), [
+    ("critic.model.path", "grpo", False),
+    ("critic.model.path", "gae", True),
+    ("reward_model.model.path", "grpo", False),
+    ("reward_model.model.path", "prime", True),
+])
+def test_only_the_models_a_run_loads_are_checked_against_the_sp_size(
+        key: str, estimator: str, refused: bool, random_model_dir: Path,
+        tmp_path: Path) -> None:
+    misfit = tmp_path / "misfit"  # 3 key/value heads: no fit for an SP group of 2
+    Qwen2Config(vocab_size=len(build_tokenizer()), hidden_size=96, num_attention_heads=6,
+                num_key_value_heads=3).save_pretrained(misfit)
+    run = load_run_config(DEFAULT_RUN, [f"model.path={random_model_dir}", f"{key}={misfit}",
+                                        f"algorithm.adv_estimator={estimator}",
+                                        "actor.ulysses_sequence_parallel_size=2"])
+    ctx = RunContext(run_dir=tmp_path, topology=Topology(), run=run)
+    if refused:
+        with pytest.raises(ValueError, match="actor.ulysses_sequence_parallel_size = 2"):
+            build_learner(ctx, torch.device("cpu"))
+    else:  # the misfit is never loaded: nothing to check
+        assert build_learner(ctx, torch.device("cpu")).critic is None

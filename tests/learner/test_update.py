@@ -20,8 +20,9 @@ from learner.batch import TrainBatch, collate
 from learner.model import load_sharded
 from learner.optim import build_optimizer, build_scheduler
 from learner.update import Learner
-from learner.weights import gather_full_weights
 from transport.messages import RolloutGroup, Sample
+
+from ..conftest import gather_full_weights
 
 PROMPTS = [[1, 271, 201, 273, 272, 223, 19, 20, 280, 2, 201, 1, 278, 201],
            [1, 271, 201, 273, 21, 22, 2, 201, 1, 278, 201],

@@ -29,9 +29,8 @@ from learner.model import load_sharded
 from learner.optim import build_optimizer, build_scheduler
 from learner.ulysses import Parallelism
 from learner.update import Learner
-from learner.weights import gather_full_weights
 
-from ..conftest import save_random_model
+from ..conftest import gather_full_weights, save_random_model
 from .test_update import LR, PROMPTS, rollouts
 
 

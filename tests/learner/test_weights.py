@@ -1,7 +1,9 @@
-"""learner.weights.WeightServer's evaluation side, over loopback: an offered version reaches
-the evaluator whole and stamped with its step, and other messages are refused. (The queue's
-logic is in test_eval_queue.py; the generators' side in
-tests/generators/test_weight_receiver.py.)"""
+"""learner.weights over loopback: a version streams once to every subscriber and arrives
+whole; a subscriber that missed it asks again and gets it; one that stops reading neither
+stalls the learner nor starves the others; the weight server names the newest version,
+takes resend wishes only from those behind, serves the evaluation queue and refuses
+everything else. (Buckets: test_weight_buckets.py; the generators' side:
+tests/generators/test_weight_receiver.py; the queue: test_eval_queue.py.)"""
 
 from __future__ import annotations
 
@@ -10,92 +12,170 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from torch import nn
 
-from generators.weight_receiver import receive_version
-from learner.eval_queue import EvalOffer
-from learner.weights import PublishedVersion, WeightServer, bucketize
+import learner.weights as weights_module
+from generators.weight_receiver import StagedWeights, WeightReceiver
+from learner.weights import WeightServer
 from transport.messages import (
     ErrorReply,
-    EvalReport,
+    EvalOffer,
     EvalRequest,
     Heartbeat,
-    Message,
     WeightManifest,
     WeightRequest,
 )
-from transport.sockets import Client
+from transport.sockets import Client, Subscriber
 from transport.threads import ThreadDied
 
-TIMEOUT_S = 10.0
+from ..conftest import LearnerSide
+
+TIMEOUT_S = 20.0
 
 
-def version_tensors(scale: float) -> dict[str, torch.Tensor]:
-    return {f"layer{i}.weight": torch.full((64, 64), scale * i, dtype=torch.bfloat16)
-            for i in range(4)}
-
-
-def published(version: int) -> PublishedVersion:
-    """Version ``version`` in buckets of two tensors (two buckets)."""
-    return bucketize(version, version_tensors(float(version)), bucket_bytes=2 * 64 * 64 * 2)
+def small_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 32))
 
 
 @pytest.fixture
-def server() -> Iterator[WeightServer]:
-    server = WeightServer("tcp://127.0.0.1:*").start()
-    yield server
-    server.stop()
+def learner() -> Iterator[LearnerSide]:
+    side = LearnerSide(small_model(), bucket_bytes=2048)
+    yield side
+    side.close()
 
 
-@pytest.fixture
-def client(server: WeightServer) -> Iterator[Client]:
-    client = Client(server.endpoint)
-    yield client
-    client.close()
+def receiver(learner: LearnerSide, name: str) -> WeightReceiver:
+    return WeightReceiver(learner.server.endpoint, learner.stream.endpoint, name,
+                          poll_s=0.05).start(applied_version=0)
 
 
-def ask(client: Client, after_step: int, report: EvalReport | None = None) -> list[Message]:
-    """Every reply to one ``EvalRequest``."""
-    return list(client.request_stream(EvalRequest(after_step=after_step, report=report),
-                                      TIMEOUT_S))
+def expected(learner: LearnerSide) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to(torch.bfloat16) for n, p in learner.model.named_parameters()}
 
 
-def nothing_newer(replies: list[Message], after_step: int) -> bool:
-    """The reply that means "no weights after ``after_step`` are due yet"."""
-    return (len(replies) == 1 and isinstance(replies[0], WeightManifest)
-            and replies[0].step == after_step and replies[0].num_buckets == 0)
+def deliver(learner: LearnerSide, version: int,
+            receivers: list[WeightReceiver]) -> dict[str, StagedWeights]:
+    """Publish ``version`` (again whenever a subscriber asks) until every receiver has it."""
+    got: dict[str, StagedWeights] = {}
+
+    def everyone_has_it() -> bool:
+        for r in receivers:
+            staged = r.wait_for(version, timeout_s=0.02)
+            if staged is not None:
+                got[r.generator_id] = staged
+        return len(got) == len(receivers)
+
+    learner.publish_until(version, everyone_has_it, timeout_s=TIMEOUT_S)
+    return got
 
 
-def test_with_nothing_offered_the_reply_is_nothing_newer(server: WeightServer,
-                                                         client: Client) -> None:
-    assert nothing_newer(ask(client, -1), -1)
-    server.publish(published(1))  # published for the generators is not offered to evaluate
-    assert nothing_newer(ask(client, -1), -1)
+def test_a_version_reaches_every_subscriber_whole(learner: LearnerSide) -> None:
+    assert len(learner.plan.buckets) > 3  # several buckets, parameters split across them
+    receivers = [receiver(learner, f"g{i}") for i in range(2)]
+    try:
+        got = deliver(learner, 1, receivers)
+        assert sorted(got) == ["g0", "g1"]
+        for staged in got.values():
+            assert staged.version == 1
+            assert staged.tensors.keys() == expected(learner).keys()
+            for name, tensor in expected(learner).items():
+                assert torch.equal(staged.tensors[name], tensor), name
+        with torch.no_grad():
+            learner.model[0].weight.add_(1.0)
+        assert all(s.version == 2 for s in deliver(learner, 2, receivers).values())
+        assert all(r.take() is None for r in receivers)  # each version handed over once
+    finally:
+        for one in receivers:
+            one.stop()
 
 
-def test_an_offered_version_arrives_whole_with_its_step(server: WeightServer,
-                                                        client: Client) -> None:
-    offered = published(2)
-    assert offered.manifest.num_buckets == 2
-    server.evaluation.offer(EvalOffer(step=10, version=2, weights=offered))
-    replies = client.request_stream(EvalRequest(after_step=0), TIMEOUT_S)
-    manifest, staged = receive_version(next(replies), replies)
-    assert (manifest.step, manifest.version, manifest.num_buckets) == (10, 2, 2)
-    assert staged is not None and staged.version == 2
-    assert staged.tensors.keys() == version_tensors(2.0).keys()
-    for name, tensor in version_tensors(2.0).items():
-        assert torch.equal(staged.tensors[name], tensor)
-    assert offered.manifest.step == 0  # stamped on a copy: what generators get is untouched
-    assert nothing_newer(ask(client, 10), 10)
+def test_a_subscriber_that_missed_a_version_asks_again_and_gets_it(learner: LearnerSide) -> None:
+    learner.publish(3)  # nobody listens yet
+    late = receiver(learner, "late")
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not learner.server.resend_wanted() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert late.resends >= 1
+        assert deliver(learner, 3, [late])["late"].version == 3
+    finally:
+        late.stop()
 
 
-def test_other_messages_are_answered_unexpected(server: WeightServer, client: Client) -> None:
-    reply = client.request(Heartbeat(generator_id="g0", version=0), TIMEOUT_S)
-    assert isinstance(reply, ErrorReply) and reply.code == "unexpected"
-    assert "Heartbeat" in reply.detail
-    # and it goes on serving both kinds of request
-    up_to_date = client.request(WeightRequest(generator_id="g0", have_version=0), TIMEOUT_S)
-    assert up_to_date == WeightManifest(version=0)
-    assert nothing_newer(ask(client, -1), -1)
+def test_a_subscriber_that_stops_reading_stalls_no_one(learner: LearnerSide, monkeypatch) -> None:
+    monkeypatch.setattr(weights_module, "send_wait_s", lambda nbytes: 0.5)
+    big = LearnerSide(nn.Sequential(*(nn.Linear(1024, 512) for _ in range(8))),
+                      bucket_bytes=1 << 20)  # 8 MiB of bf16 weights in 1 MiB buckets
+    stuck = Subscriber(big.stream.endpoint)  # connected, never reads
+    healthy = receiver(big, "healthy")
+    try:
+        time.sleep(0.3)  # both subscriptions reach the publisher
+        began = time.monotonic()
+        lagging = []
+        for version in (1, 2, 3):
+            lagging.append(big.publish(version).lagging)
+            staged = healthy.wait_for(version, timeout_s=TIMEOUT_S)
+            assert staged is not None and staged.version == version
+        assert time.monotonic() - began < 10  # waited for the stuck one once, briefly
+        assert any(lagging)
+    finally:
+        healthy.stop()
+        stuck.close()
+        big.close()
+
+
+def test_the_server_names_the_newest_version_and_takes_resends_only_from_those_behind(
+        learner: LearnerSide) -> None:
+    client = Client(learner.server.endpoint)
+    try:
+        def ask(have: int, resend: bool) -> WeightManifest:
+            return client.request(WeightRequest(generator_id="g", have_version=have,
+                                                resend=resend), TIMEOUT_S,
+                                  expect=WeightManifest)
+
+        assert ask(0, resend=True) == WeightManifest(version=0)
+        assert not learner.server.resend_wanted()  # version 0 is model.path: nothing to resend
+        learner.server.published(4, step=8)
+        assert ask(4, resend=True) == WeightManifest(version=4, step=8)
+        assert not learner.server.resend_wanted()  # up to date
+        assert ask(2, resend=False).version == 4
+        assert not learner.server.resend_wanted()  # behind, but did not ask
+        ask(2, resend=True)
+        assert learner.server.resend_wanted()
+        learner.server.take_resend()
+        assert not learner.server.resend_wanted()
+    finally:
+        client.close()
+
+
+def test_the_server_answers_evaluation_requests_and_refuses_other_messages(
+        learner: LearnerSide) -> None:
+    client = Client(learner.server.endpoint)
+    try:
+        learner.server.evaluation.offer(EvalOffer(step=10, version=2))
+        reply = client.request(EvalRequest(after_step=0), TIMEOUT_S)
+        assert reply == WeightManifest(version=2, step=10)
+        reply = client.request(Heartbeat(generator_id="g0", version=0), TIMEOUT_S)
+        assert isinstance(reply, ErrorReply) and reply.code == "unexpected"
+        assert "Heartbeat" in reply.detail
+        reply = client.request(WeightRequest(generator_id="g0", have_version=0), TIMEOUT_S)
+        assert reply == WeightManifest(version=0)  # and it goes on serving
+    finally:
+        client.close()
+
+
+def test_the_server_drops_an_oversize_request(learner: LearnerSide) -> None:
+    client = Client(learner.server.endpoint)
+    try:
+        huge = WeightRequest(generator_id="x" * weights_module.MAX_REQUEST_BYTES,
+                             have_version=0)
+        with pytest.raises(Exception, match="no reply"):
+            client.request(huge, 1.0)
+        reply = client.request(WeightRequest(generator_id="g0", have_version=0), 5.0)
+        assert reply == WeightManifest(version=0)
+    finally:
+        client.close()
 
 
 def test_publishing_after_the_server_thread_died_stops_the_learner(monkeypatch) -> None:
@@ -111,6 +191,6 @@ def test_publishing_after_the_server_thread_died_stops_the_learner(monkeypatch) 
         while server._thread._thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
         with pytest.raises(ThreadDied, match="weight-server.*socket gone"):
-            server.publish(bucketize(1, {"w": torch.zeros(2)}))
+            server.published(1, step=1)
     finally:
         server.stop()

@@ -31,7 +31,9 @@ class Craft:
     ) -> list[bytes]:
         """A ``WeightBucket`` frame set holding the given tensor extensions."""
         names = [f"w{i}" for i in range(len(tensors))]
-        return [cls.preamble, cls.body("weight_bucket", 1, 0, names, list(tensors)), *extra_frames]
+        starts = [0] * len(tensors)
+        return [cls.preamble, cls.body("weight_bucket", 1, 0, names, starts, list(tensors)),
+                *extra_frames]
 
 
 @pytest.fixture

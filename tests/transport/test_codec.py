@@ -23,6 +23,7 @@ from transport.messages import (
     Detach,
     ErrorCode,
     ErrorReply,
+    EvalOffer,
     EvalReport,
     EvalRequest,
     Heartbeat,
@@ -48,6 +49,11 @@ from transport.messages import (
     WeightRequest,
 )
 
+
+
+def one_piece(tensor: torch.Tensor) -> WeightBucket:
+    """A bucket holding one whole tensor."""
+    return WeightBucket(version=1, index=0, names=["w"], starts=[0], tensors=[tensor])
 
 def make_sample(response_len: int, seed: int) -> Sample:
     gen = torch.Generator().manual_seed(seed)
@@ -135,7 +141,7 @@ def example_messages() -> dict[type[Message], Message]:
             version=5,
             entries=[
                 WeightEntry(
-                    name="model.embed_tokens.weight", dtype="bfloat16", shape=[64, 128], bucket=0
+                    name="model.embed_tokens.weight", dtype="bfloat16", shape=[64, 128]
                 )
             ],
             num_buckets=1,
@@ -146,8 +152,10 @@ def example_messages() -> dict[type[Message], Message]:
             version=5,
             index=0,
             names=["model.embed_tokens.weight", "model.norm.weight"],
+            starts=[0, 0],
             tensors=[big, torch.ones(128)],
         ),
+        EvalOffer: EvalOffer(step=40, version=4),
         EvalRequest: EvalRequest(
             after_step=40,
             report=EvalReport(step=40, version=4, metrics={"eval/accuracy": 0.5}),
@@ -245,7 +253,7 @@ def test_weight_manifest_without_step_reads_as_step_zero(craft: Any) -> None:
 @pytest.mark.parametrize("numel", [3, 5000], ids=["inline", "frame"])
 def test_tensor_dtypes_round_trip_with_exact_frame_count(dtype: torch.dtype, numel: int) -> None:
     tensor = (torch.randn(numel) * 100).to(dtype).reshape(-1, 1)
-    frames = encode(WeightBucket(version=1, index=0, names=["w"], tensors=[tensor]))
+    frames = encode(one_piece(tensor))
     nbytes = tensor.numel() * tensor.element_size()
     assert len(frames) == (2 if nbytes < INLINE_THRESHOLD else 3)
     got = Decoder(WeightBucket).decode(over_the_wire(frames)).tensors[0]
@@ -255,7 +263,8 @@ def test_tensor_dtypes_round_trip_with_exact_frame_count(dtype: torch.dtype, num
 def test_frame_count_is_one_per_large_tensor() -> None:
     small, large = torch.ones(10), torch.ones(2000)  # 40 B inline, 8000 B framed
     msg = WeightBucket(
-        version=1, index=0, names=list("abcde"), tensors=[large, small, large, small, large]
+        version=1, index=0, names=list("abcde"), starts=[0] * 5,
+        tensors=[large, small, large, small, large],
     )
     frames = encode(msg)
     assert len(frames) == 2 + 3
@@ -288,7 +297,7 @@ def test_frame_count_is_one_per_large_tensor() -> None:
     ],
 )
 def test_odd_tensors_round_trip(tensor: torch.Tensor) -> None:
-    msg = WeightBucket(version=1, index=0, names=["w"], tensors=[tensor])
+    msg = one_piece(tensor)
     assert_same(Decoder().decode(over_the_wire(encode(msg))).tensors[0], tensor)
 
 
@@ -308,7 +317,7 @@ def test_tensor_inside_an_untyped_field_round_trips() -> None:
 
 def test_large_tensor_is_sent_and_received_without_copies() -> None:
     tensor = torch.randn(256, 256)
-    frames = encode(WeightBucket(version=1, index=0, names=["w"], tensors=[tensor]))
+    frames = encode(one_piece(tensor))
     assert torch.frombuffer(frames[2], dtype=torch.uint8).data_ptr() == tensor.data_ptr()
 
     context = zmq.Context.instance()
@@ -326,7 +335,7 @@ def test_large_tensor_is_sent_and_received_without_copies() -> None:
 
 def test_read_only_frames_decode_to_writable_copies_without_warning() -> None:
     tensor = torch.randn(2000)
-    frames = over_the_wire(encode(WeightBucket(version=1, index=0, names=["w"], tensors=[tensor])))
+    frames = over_the_wire(encode(one_piece(tensor)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = Decoder().decode(frames).tensors[0]
@@ -338,7 +347,8 @@ def test_unsupported_tensor_dtype_is_refused_by_the_encoder() -> None:
     with pytest.raises(TypeError, match="complex64"):
         encode(
             WeightBucket(
-                version=1, index=0, names=["w"], tensors=[torch.zeros(2, dtype=torch.complex64)]
+                version=1, index=0, names=["w"], starts=[0],
+                tensors=[torch.zeros(2, dtype=torch.complex64)],
             )
         )
 
@@ -402,7 +412,7 @@ def test_malformed_frame_sets_are_rejected(frames: list[bytes]) -> None:
 def test_unknown_extension_type_is_malformed(craft: Any) -> None:
     ext = msgspec.msgpack.Ext(42, b"")
     assert (
-        reject([craft.preamble, craft.body("weight_bucket", 1, 0, ["w"], [ext])]).kind
+        reject([craft.preamble, craft.body("weight_bucket", 1, 0, ["w"], [0], [ext])]).kind
         == "malformed"
     )
 
@@ -415,7 +425,8 @@ def test_unknown_extension_type_is_malformed(craft: Any) -> None:
         msgspec.msgpack.encode(["heartbeat"]),
         msgspec.msgpack.encode({"generator_id": "gen-0"}),
         msgspec.msgpack.encode(7),
-        msgspec.msgpack.encode(["weight_bucket", 1, 0, ["w"], [[1.0, 2.0]]]),  # list, not a tensor
+        # a list, not a tensor:
+        msgspec.msgpack.encode(["weight_bucket", 1, 0, ["w"], [0], [[1.0, 2.0]]]),
     ],
     ids=["unknown-tag", "wrong-type", "missing-field", "map", "int", "tensor-as-list"],
 )
@@ -498,7 +509,7 @@ def test_frame_referenced_twice_is_rejected(craft: Any) -> None:
 
 
 def test_unreferenced_extra_frame_is_rejected() -> None:
-    frames = encode(WeightBucket(version=1, index=0, names=["w"], tensors=[torch.ones(2000)]))
+    frames = encode(one_piece(torch.ones(2000)))
     error = reject([*frames, b"extra"])
     assert error.kind == "tensor"
     assert "[3]" in error.detail

@@ -47,7 +47,7 @@ def valid_request(rng: random.Random, i: int) -> tuple[Message, Message]:
         return Heartbeat(generator_id=f"gen-{i}", version=i), Ack(detail=f"gen-{i}@{i}")
     tensor = torch.full((rng.choice([3, 2048]),), float(i % 7))
     total = float(tensor.sum())
-    return WeightBucket(version=1, index=i, names=["w"], tensors=[tensor]), Ack(
+    return WeightBucket(version=1, index=i, names=["w"], starts=[0], tensors=[tensor]), Ack(
         detail=f"{i}:{total}"
     )
 
@@ -70,7 +70,7 @@ class BadFrames:
     def _tensor_bucket(self, *headers: list[Any], frames: tuple[bytes, ...] = ()) -> list[bytes]:
         exts = [msgspec.msgpack.Ext(1, msgspec.msgpack.encode(h)) for h in headers]
         names = [f"w{i}" for i in range(len(exts))]
-        body = msgspec.msgpack.encode(["weight_bucket", 1, 0, names, exts])
+        body = msgspec.msgpack.encode(["weight_bucket", 1, 0, names, [0] * len(exts), exts])
         return [self.preamble, body, *frames]
 
     # -- preamble / version ------------------------------------------------------------
@@ -110,7 +110,7 @@ class BadFrames:
         ext = msgspec.msgpack.Ext(self.rng.randrange(2, 100), self._noise(16))
         return [
             self.preamble,
-            msgspec.msgpack.encode(["weight_bucket", 1, 0, ["w"], [ext]]),
+            msgspec.msgpack.encode(["weight_bucket", 1, 0, ["w"], [0], [ext]]),
         ], "malformed"
 
     # -- schema ------------------------------------------------------------------------
@@ -160,7 +160,8 @@ class BadFrames:
         frames = [
             bytes(f)
             for f in encode(
-                WeightBucket(version=1, index=0, names=["w"], tensors=[torch.ones(2048)])
+                WeightBucket(version=1, index=0, names=["w"], starts=[0],
+                             tensors=[torch.ones(2048)])
             )
         ]
         return frames[:2], "tensor"

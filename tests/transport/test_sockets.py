@@ -13,6 +13,7 @@ import pytest
 import torch
 import zmq
 
+from transport.codec import encode
 from transport.endpoints import ipc_endpoint, is_loopback, tcp_endpoint, tcp_host
 from transport.messages import (
     Ack,
@@ -23,17 +24,17 @@ from transport.messages import (
     Metrics,
     Shutdown,
     WeightBucket,
-    WeightManifest,
-    WeightRequest,
 )
 from transport.sockets import (
     Client,
     PeerTimeout,
+    Publisher,
     Puller,
     Pusher,
     RemoteError,
     Server,
     ServerThread,
+    Subscriber,
 )
 
 LATE_S = 0.6  # how long the handler sits on the request that the client gives up on
@@ -46,25 +47,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def weights(version: int, num_buckets: int) -> Iterator[Message]:
-    yield WeightManifest(version=version, num_buckets=num_buckets)
-    for index in range(num_buckets):
-        yield WeightBucket(
-            version=version, index=index, names=["w"], tensors=[torch.full((3000,), float(index))]
-        )
-
-
 def handler(msg: Message, peer: bytes) -> Any:
     if isinstance(msg, Heartbeat):
         if msg.generator_id == "slow":
             time.sleep(LATE_S)
         return echo(msg.version)
-    if isinstance(msg, WeightRequest):
-        return weights(msg.have_version + 1, num_buckets=3)
     if isinstance(msg, Shutdown):
         raise RuntimeError(f"cannot shut down: {msg.reason}")
     if isinstance(msg, Metrics):
-        return []  # a handler that forgets to reply
+        return None  # a handler that forgets to reply
     return Ack(detail=type(msg).__name__)
 
 
@@ -114,20 +105,29 @@ def test_late_reply_is_not_taken_for_the_next_one(server: Server, client: Client
     assert client.stale_replies == 0  # the late reply went to the discarded socket
 
 
-def test_replies_to_an_abandoned_stream_are_skipped(server: Server, client: Client) -> None:
-    first = client.request(WeightRequest(generator_id="g", have_version=0), 5.0)
-    assert first == WeightManifest(version=1, num_buckets=3)
-    assert client.request(heartbeat(5), 5.0, Ack) == echo(5)
-    assert client.stale_replies == 3
+def test_a_second_reply_to_an_old_request_is_skipped() -> None:
+    """A peer that answers the first request twice: the extra answer is not taken for the
+    reply to the next request."""
+    with zmq.Context.instance().socket(zmq.ROUTER) as twice:
+        twice.linger = 0
+        twice.bind("tcp://127.0.0.1:*")
 
+        def answer() -> None:
+            for version, times in ((1, 2), (2, 1)):
+                identity, envelope, *_ = twice.recv_multipart()
+                for _ in range(times):
+                    twice.send_multipart([identity, envelope, *encode(echo(version))])
 
-def test_stream_yields_manifest_then_every_bucket(server: Server, client: Client) -> None:
-    replies = list(client.request_stream(WeightRequest(generator_id="g", have_version=4), 5.0))
-    assert replies[0] == WeightManifest(version=5, num_buckets=3)
-    assert [(r.version, r.index) for r in replies[1:]] == [(5, 0), (5, 1), (5, 2)]
-    for index, bucket in enumerate(replies[1:]):
-        assert torch.equal(bucket.tensors[0], torch.full((3000,), float(index)))
-    assert client.request(heartbeat(6), 5.0, Ack) == echo(6)
+        answering = threading.Thread(target=answer)
+        answering.start()
+        client = Client(twice.getsockopt_string(zmq.LAST_ENDPOINT))
+        try:
+            assert client.request(heartbeat(1), 5.0, Ack) == echo(1)
+            assert client.request(heartbeat(2), 5.0, Ack) == echo(2)
+            assert client.stale_replies == 1
+        finally:
+            client.close()
+            answering.join(5)
 
 
 def test_handler_failures_are_answered_counted_logged_and_survived(
@@ -137,7 +137,7 @@ def test_handler_failures_are_answered_counted_logged_and_survived(
         client.request(Shutdown(reason="test"), 5.0, Ack)
     assert (info.value.code, "cannot shut down: test" in info.value.detail) == ("handler", True)
     assert client.request(Metrics(source="x", step=1, values={}), 5.0) == ErrorReply(
-        code="handler", detail="ValueError: handler returned no reply"
+        code="handler", detail="TypeError: handler returned NoneType, not a Message"
     )
     assert server.errors["handler"] == 2
     assert "handler failed on Shutdown" in caplog.text
@@ -240,3 +240,50 @@ def test_ipv6_loopback_endpoints_work() -> None:
             assert client.request(heartbeat(9), 5.0, Ack) == echo(9)
         finally:
             client.close()
+
+
+def greeted(publisher: Publisher, subscribers: list[Subscriber]) -> None:
+    """Publish until every subscription has arrived (ZeroMQ drops what is published to a
+    subscriber before then), then drain the greetings."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        publisher.send(Ack(detail="hello"))
+        if all(s.receive(0.05) is not None for s in subscribers):
+            break
+    for s in subscribers:
+        while s.receive(0.1) is not None:
+            pass
+
+
+def test_publish_reaches_every_subscriber_and_returns_once_written() -> None:
+    publisher = Publisher("tcp://127.0.0.1:*")
+    subscribers = [Subscriber(publisher.endpoint) for _ in range(2)]
+    try:
+        greeted(publisher, subscribers)
+        big = torch.arange(100_000, dtype=torch.float32)
+        assert publisher.send(WeightBucket(version=1, index=0, names=["w"], starts=[0],
+                                           tensors=[big]), wait_s=10.0)
+        for s in subscribers:
+            bucket = s.receive(10.0)
+            assert isinstance(bucket, WeightBucket) and torch.equal(bucket.tensors[0], big)
+    finally:
+        for s in subscribers:
+            s.close()
+        publisher.close()
+
+
+def test_a_subscriber_counts_garbage_and_keeps_receiving() -> None:
+    with zmq.Context.instance().socket(zmq.PUB) as vandal:
+        vandal.linger = 0
+        vandal.bind("tcp://127.0.0.1:*")
+        subscriber = Subscriber(vandal.getsockopt_string(zmq.LAST_ENDPOINT))
+        try:
+            deadline = time.monotonic() + 10
+            while subscriber.errors["version"] == 0 and time.monotonic() < deadline:
+                vandal.send_multipart([b"RLY\x09", b"junk"])
+                assert subscriber.receive(0.05) is None  # rejected, counted, not returned
+            vandal.send_multipart(encode(Ack(detail="fine")))
+            assert subscriber.receive(5.0) == Ack(detail="fine")
+        finally:
+            subscriber.close()
+    assert subscriber.errors["version"] >= 1 and subscriber.received == 1

@@ -121,8 +121,8 @@ def check_validation_data(run: RunConfig, source: str) -> None:
 
 def check_sequence_parallel(topology: Topology, run: RunConfig, source: str) -> None:
     """``actor.ulysses_sequence_parallel_size`` divides the learner's ranks, and fits the
-    attention heads of every model the learner runs that is already on disk (a ``builtin:``
-    model is built later: the learner checks it)."""
+    attention heads of every model the learner loads (``RunConfig.learner_model_paths``)
+    that is already on disk (a ``builtin:`` model is built later: the learner checks it)."""
     size = run.actor.ulysses_sequence_parallel_size
     if size == 1:
         return
@@ -130,9 +130,7 @@ def check_sequence_parallel(topology: Topology, run: RunConfig, source: str) -> 
     if ranks % size:
         raise ConfigError(source, KEY, f"{size} does not divide the learner's {ranks} ranks "
                                        "(topology learner: len(hosts) x nproc_per_node)")
-    paths = {run.model.path, run.critic.model.path or run.model.path,
-             run.reward_model.model.path or run.model.path}
-    for path in sorted(p for p in paths if (Path(p) / "config.json").is_file()):
+    for path in sorted(p for p in run.learner_model_paths if (Path(p) / "config.json").is_file()):
         try:
             check_heads(AutoConfig.from_pretrained(
                 path, trust_remote_code=run.model.trust_remote_code), size)

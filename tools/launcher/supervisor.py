@@ -94,6 +94,8 @@ def assign_ports(topology: Topology) -> Topology:
     learner = topology.learner
     if not learner.weights_port:
         learner = replace(learner, weights_port=free_port())
+    if not learner.weights_stream_port:
+        learner = replace(learner, weights_stream_port=free_port())
     if not learner.master_port:
         learner = replace(learner, master_port=free_port())
     launcher = topology.launcher if topology.launcher.metrics_port else replace(
