@@ -55,7 +55,9 @@ def test_a_generator_attaches_mid_run_trains_and_detaches(
         random_model_dir: Path, run_root: Path, tmp_path: Path) -> None:
     topology = tmp_path / "topology.toml"
     topology.write_text(TOPOLOGY)
-    args = [a for a in small_run_overrides(random_model_dir, run_root, steps=300)
+    # long enough to outlast the attach, the name clash and the detach (about 30 s): weights
+    # stream to the generators at once, so this small model makes some 15 steps a second
+    args = [a for a in small_run_overrides(random_model_dir, run_root, steps=1500)
             if not a.startswith("topology.")]
     args += ["rollout.response_length=32", "trainer.val_before_train=false",
              "trainer.test_freq=-1", f"buffer.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]

@@ -285,7 +285,7 @@ def test_a_hostile_peer_without_keys_is_refused_and_the_run_trains_on(
             Client(ctx.buffer_endpoint).request(
                 Heartbeat(generator_id="x" * (2 * MAX_MESSAGE_BYTES), version=0), 3.0)
         garbage_is_answered(ctx.buffer_endpoint, MAX_MESSAGE_BYTES)
-        wait_for(run_dir / "logs" / "learner.log", r"serving weights on", 120)
+        wait_for(run_dir / "logs" / "learner.log", r"serving weight versions on", 120)
         garbage_is_answered(ctx.weights_endpoint, WEIGHT_SERVER_MAX_BYTES)
 
         nan = float("nan")
@@ -461,7 +461,8 @@ def test_an_absurd_evaluation_report_does_not_kill_the_learner(
         random_model_dir: Path, run_root: Path) -> None:
     launcher, run_dir, _ = started_run(random_model_dir, run_root)
     try:
-        wait_for_line(launcher, run_dir / "logs" / "learner.log", r"serving weights on", 120)
+        wait_for_line(launcher, run_dir / "logs" / "learner.log",
+                      r"serving weight versions on", 120)
         weights = Client(load_run_dir(run_dir).weights_endpoint)
         try:
             for report in (EvalReport(step=1, version=0, metrics={"eval/" + "x" * 300: 1.0}),
