@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
 
 from learner.batch import TrainBatch, collate
 from learner.model import enable_activation_checkpointing, forward_logprobs
-from learner.shared_prompts import pack, unsupported
+from learner.shared_prompts import EXPLICIT_ATTENTION_MAX_KEYS, pack, row_attention, unsupported
 from transport.messages import RolloutGroup, Sample
 
 
@@ -55,6 +56,34 @@ def test_attention_rows_hold_each_response_with_its_prompt() -> None:
 def test_rows_of_a_group_with_different_prompts_get_sequences_of_their_own() -> None:
     packed = pack(collate([group("a", [[5, 6], [5, 7]], [[8], [9]])], pad_id=0))
     assert packed.input_ids.tolist() == [[5, 6, 8], [5, 7, 9]]
+
+
+@pytest.mark.parametrize("keys", [7, EXPLICIT_ATTENTION_MAX_KEYS + 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_attention_gives_sdpa_values_and_gradients(keys: int, dtype: torch.dtype) -> None:
+    """Short rows take explicit matmuls, long ones SDPA; both give SDPA's attention (GQA:
+    query head h reads key/value head h // 2) and its gradients, to the dtype's rounding."""
+    generator = torch.Generator().manual_seed(keys)
+    shapes = {"query": (3, 4, keys, 8), "key": (3, 2, keys, 8), "value": (3, 2, keys, 8)}
+    inputs = {name: torch.randn(shape, generator=generator).to(dtype).requires_grad_()
+              for name, shape in shapes.items()}
+    causal = torch.ones(keys, keys, dtype=torch.bool).tril()
+    attend = (causal & (torch.rand(3, 1, keys, keys, generator=generator) > 0.3)) \
+        | torch.eye(keys, dtype=torch.bool)  # every query keeps at least its own key
+    weights = torch.randn(3, 4, keys, 8, generator=generator)
+
+    def values_and_gradients(function) -> list[torch.Tensor]:
+        out = function(**inputs)
+        grads = torch.autograd.grad((out.float() * weights).sum(), list(inputs.values()))
+        return [out.float(), *(g.float() for g in grads)]
+
+    ours = values_and_gradients(lambda **x: row_attention(**x, attend=attend, scale=0.3))
+    sdpa = values_and_gradients(lambda query, key, value: F.scaled_dot_product_attention(
+        query.float(), key.float(), value.float(), attn_mask=attend, scale=0.3,
+        enable_gqa=True))
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for mine, reference in zip(ours, sdpa, strict=True):
+        torch.testing.assert_close(mine, reference, atol=tolerance, rtol=tolerance)
 
 
 def random_rollouts(seed: int) -> TrainBatch:
