@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     scorer.check_data_sources({row.data_source for row in rows})
     val = run.rollout.val_kwargs
     params = SamplingParams(max_new_tokens=run.rollout.response_length,
-                            temperature=val.temperature, top_p=val.top_p, top_k=val.top_k)
+                            temperature=val.sampling_temperature, top_p=val.top_p,
+                            top_k=val.top_k)
     evaluator = Evaluator(weights_endpoint=ctx.weights_endpoint,
                           stream_endpoint=ctx.weights_stream_endpoint, engine=engine,
                           tokenizer=tokenizer, scorer=scorer, rows=rows, params=params,
