@@ -254,8 +254,11 @@ TABLE: tuple[VerlKey, ...] = tuple([
     *_inert(_PROFILER.replace("no effect", "only null"), "trainer.profile_steps", accept=(None,)),
     *_inert("each learner rank's passes are balanced by length (learner.micro_batches); "
             "no effect", "trainer.balance_batch"),
-    VerlKey(key="trainer.total_epochs", group="same",
-            note="trainer.total_training_steps, when set, overrides it, as in verl"),
+    VerlKey(key="trainer.total_epochs", group="differs",
+            note="trainer.total_training_steps, when set, overrides it, as in verl; an epoch "
+                 "is rows // data.train_batch_size steps, rows counted in the files before "
+                 "data.filter_overlong_prompts (verl counts after); unset with both unset: "
+                 "100 steps"),
     VerlKey(key="trainer.total_training_steps", group="same",
             note="unset (verl's null): trainer.total_epochs passes over data.train_files"),
     VerlKey(key="trainer.project_name", group="mapped", to=("tracking.experiment",),
@@ -301,8 +304,10 @@ TABLE: tuple[VerlKey, ...] = tuple([
     *_inert("the tokenizer is model.path's; only null", "data.tokenizer", accept=(None,)),
     *_inert("data files are read from disk; no effect", "data.use_shm"),
     *_same("data.train_files", "data.val_files", "data.prompt_key", "data.max_prompt_length",
-           "data.train_batch_size", "data.shuffle", "data.filter_overlong_prompts",
-           "data.truncation"),
+           "data.train_batch_size", "data.shuffle", "data.filter_overlong_prompts"),
+    VerlKey(key="data.truncation", group="differs",
+            note="error (refused when the data is loaded), left or right; Relay's default is "
+                 "left (verl's error), and verl's middle is not supported"),
     *_inert("rewards are chosen by each row's data_source; only data_source",
             "data.reward_fn_key", accept=("data_source",)),
     VerlKey(key="data.max_response_length", group="mapped", to=("rollout.response_length",),

@@ -11,12 +11,13 @@ weights the learner hands out for evaluation.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Literal
 
 import msgspec
 
 from algorithms.rewards.result import RewardItem, RewardResult
 from algorithms.rewards.scorer import RewardScorer
-from buffer.dataset import PromptRow
+from buffer.dataset import PromptRow, truncate_prompt
 from generators.engine import Engine
 from generators.sampling import SamplingParams
 
@@ -47,8 +48,10 @@ def is_correct(result: RewardResult) -> float:
 
 
 def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardScorer,
-             params: SamplingParams, n: int = 1, max_prompt_length: int = 1 << 30) -> EvalResult:
-    """Generate ``n`` responses per row and score them."""
+             params: SamplingParams, n: int = 1, max_prompt_length: int = 1 << 30,
+             truncation: Literal["left", "right"] = "left") -> EvalResult:
+    """Generate ``n`` responses per row and score them; a prompt longer than
+    ``max_prompt_length`` tokens is cut on its ``truncation`` side (``truncate_prompt``)."""
     correct = rewards = lengths = 0.0
     per_source: dict[str, list[float]] = defaultdict(list)
     for start in range(0, len(rows), EVAL_BATCH):
@@ -58,7 +61,7 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
             messages = [{"role": m.role, "content": m.content} for m in row.prompt]
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                 tokenize=True, return_dict=False)
-            prompts.extend([list(ids)[-max_prompt_length:]] * n)
+            prompts.extend([truncate_prompt(ids, max_prompt_length, truncation)] * n)
         completions = engine.generate(prompts, params)
         items = []
         for index, completion in enumerate(completions):

@@ -121,7 +121,7 @@ def check_validation_data(run: RunConfig, source: str) -> None:
     if not run.evaluates:
         return
     try:
-        rows = load_prompt_rows(run.data.val_files)
+        rows = load_prompt_rows(run.data.val_files, prompt_key=run.data.prompt_key)
         if not run.custom_reward_function.path:
             check_data_sources({row.data_source for row in rows})
     except (DatasetError, UnknownDataSourceError) as exc:
