@@ -70,11 +70,18 @@ def load_run_config(path: str | Path, overrides: Iterable[str] = (),
                     notes: list[str] | None = None) -> RunConfig:
     """Decode and check a run config; relative paths resolve against its folder.
 
+    ``trainer.total_epochs`` on the command line (without ``trainer.total_training_steps``)
+    sets the length even where the file sets ``trainer.total_training_steps``.
     verl's keys are accepted as ``configs.verl_keys`` says; its placement keys
     (``trainer.n_gpus_per_node``...) are appended to ``placement`` for the caller to apply to
     the topology (``verl_keys.apply_placement``), or refused when it is None. ``notes``
     receives one line per verl key translated or without effect."""
     verl = VerlKeys(placement)
+    overrides = list(overrides)
+    keys = {o.partition("=")[0].strip().lstrip("+") for o in overrides}
+    if "trainer.total_epochs" in keys and "trainer.total_training_steps" not in keys:
+        # the command line beats the file: its epochs replace the file's step count
+        overrides.insert(0, "trainer.total_training_steps=null")
     run = load(
         RunConfig,
         path,

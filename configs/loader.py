@@ -242,8 +242,9 @@ def coerce_override(root: type[msgspec.Struct], parts: Sequence[str | int], raw:
         inner = _unwrap(t)
         if isinstance(inner, mi.UnionType) and any(_wants_raw_string(u) for u in inner.types):
             return raw
-        if isinstance(inner, mi.BoolType) and raw.lower() in ("true", "false"):
-            return raw.lower() == "true"
+        bools = inner.types if isinstance(inner, mi.UnionType) else (inner,)
+        if any(isinstance(u, mi.BoolType) for u in bools) and raw.lower() in ("true", "false"):
+            return raw.lower() == "true"  # Python's and Hydra's True / False too
         raise ConfigError(COMMAND_LINE, format_key(parts),
                           f"expected {describe(t)}, got {raw!r}") from None
 
@@ -274,6 +275,8 @@ def loose_value(raw: str) -> Any:
     (``3``, ``true``, ``['console','wandb']``), None for ``null``, else the text."""
     if raw in NULLS:
         return None
+    if raw.lower() in ("true", "false"):  # Python's and Hydra's True / False too
+        return raw.lower() == "true"
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:

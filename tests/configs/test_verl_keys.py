@@ -172,6 +172,10 @@ def test_epochs_set_the_length_unless_steps_are_given(run_dir: Path) -> None:
     both = load_run_config(path, ["trainer.total_epochs=3", "trainer.total_training_steps=5"])
     assert both.trainer.total_training_steps == 5
     assert load_run_config(path).trainer.total_training_steps == 100  # neither: the default
+    in_file = write(run_dir, GOOD_RUN + "[trainer]\ntotal_training_steps = 7\n")
+    assert load_run_config(in_file).trainer.total_training_steps == 7
+    epochs = load_run_config(in_file, ["trainer.total_epochs=3"])  # the command line wins
+    assert epochs.trainer.total_training_steps == 6
     err = error_of(load_run_config, path, ["trainer.total_epochs=1", "data.train_batch_size=32"])
     assert err.key == "trainer.total_epochs"
 
