@@ -125,8 +125,9 @@ _RM_ONLY = ("a learned reward model is not supported yet (reward_model.enable is
 _CRITIC_CUT = ("the critic's passes are cut like the actor's (actor.ppo_micro_batch_size_per_gpu"
                ", actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu) and its mini-batches "
                "follow the actor's; no effect")
-_CKPT = ("a Relay checkpoint always holds the model, the optimizer and the run's state (the "
-         "buffer's prompt stream included), so resuming is exact; no effect")
+_CKPT = ("a Relay checkpoint always holds the model, the optimizer, the run's state (the "
+         "buffer's prompt stream included) and the policy in Hugging Face format (hf/); "
+         "no effect")
 
 TABLE: tuple[VerlKey, ...] = tuple([
     # ---- actor_rollout_ref.actor ------------------------------------------------------
@@ -235,7 +236,7 @@ TABLE: tuple[VerlKey, ...] = tuple([
             "model folder that carries its code); only null", f"{M}.external_lib",
             accept=(None,)),
     *_inert("overriding the model's config is not supported yet: edit config.json in a copy of "
-            "the model folder; only {}", f"{M}.override_config", accept=({},)),
+            "the model folder; only {}", f"{M}.override_config.*", accept=({},)),
     *_inert("activation offload is not supported yet (use "
             "actor_rollout_ref.model.enable_gradient_checkpointing); only false",
             f"{M}.enable_activation_offload", accept=(False,)),
@@ -341,7 +342,7 @@ TABLE: tuple[VerlKey, ...] = tuple([
     *_inert("the critic reads the policy's token ids (its vocabulary must match); no effect",
             "critic.model.tokenizer_path"),
     *_inert("overriding the model's config is not supported yet; only {}",
-            "critic.model.override_config", accept=({},)),
+            "critic.model.override_config.*", accept=({},)),
     *_inert("importing extra model code is not supported yet; only null",
             "critic.model.external_lib", accept=(None,)),
     *_inert("the critic loads with model.trust_remote_code, gradient checkpointing with "
@@ -415,7 +416,15 @@ TABLE: tuple[VerlKey, ...] = tuple([
             "(buffer.pf_ppo.enable); only false", "algorithm.use_pf_ppo", accept=(False,)),
     *_inert("used only with algorithm.use_pf_ppo (see buffer.pf_ppo); no effect",
             "algorithm.pf_ppo.reweight_method", "algorithm.pf_ppo.weight_pow"),
-    # ---- DAPO recipe's data key (not in ppo_trainer.yaml) --------------------------------
+    # ---- keys of verl's DAPO scripts (not in ppo_trainer.yaml) ---------------------------
+    *[VerlKey(key=f"reward_model.reward_kwargs.overlong_buffer_cfg.{name}", group="mapped",
+              to=(f"reward_model.overlong_buffer.{name}",),
+              note="DAPO's overlong penalty, applied by Relay's generators to every reward")
+      for name in ("enable", "len", "penalty_factor")],
+    *_inert("each sample's penalty is always in its reward_info['overlong_reward']; no effect",
+            "reward_model.reward_kwargs.overlong_buffer_cfg.log"),
+    *_inert("the overlong penalty counts from rollout.response_length; no effect",
+            "reward_model.reward_kwargs.max_resp_len"),
     *_inert("the buffer leases prompts as generators ask and regenerates dropped groups "
             "(buffer.filter_groups.max_num_gen_batches caps it); no effect",
             "data.gen_batch_size"),

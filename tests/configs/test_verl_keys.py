@@ -205,3 +205,21 @@ def test_refused_or_unknown_keys_raise_config_errors_not_others(run_dir: Path) -
             placement: list[Placement] = []
             load_run_config(write(run_dir, GOOD_RUN), [bad], placement)
             load_topology(CONFIG_DIR / "topology.toml", placement=placement)
+
+
+def test_dapos_reward_kwargs_set_the_overlong_buffer(run_dir: Path) -> None:
+    run = load_run_config(write(run_dir, GOOD_RUN), [
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.len=256",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+        "data.max_response_length=512", "reward_model.reward_manager=dapo"])
+    overlong = run.reward_model.overlong_buffer
+    assert overlong.enable and overlong.len == 256 and overlong.penalty_factor == 1.0
+
+
+def test_overriding_the_models_config_is_refused_with_the_way_to_do_it(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   ["+actor_rollout_ref.model.override_config.max_position_embeddings=32768"])
+    assert "edit config.json" in err.problem
+    assert load_run_config(write(run_dir, GOOD_RUN + "[model.override_config]\n")).model
