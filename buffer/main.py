@@ -34,8 +34,6 @@ import threading
 import time
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from buffer.dataset import PromptDataset, chat_token_counter, fit_prompts, load_prompt_rows
 from buffer.dynamic_sampling import DynamicSampling
 from buffer.hub import Hub
@@ -103,6 +101,8 @@ def training_prompts(run: RunConfig) -> PromptDataset:
     data = run.data
     rows = load_prompt_rows(data.train_files, prompt_key=data.prompt_key)
     if data.filter_overlong_prompts or data.truncation == "error":
+        from transformers import AutoTokenizer  # only here: the buffer needs no other part
+
         tokenizer = AutoTokenizer.from_pretrained(run.model.path,
                                                   trust_remote_code=run.model.trust_remote_code)
         rows = fit_prompts(rows, chat_token_counter(tokenizer), data.max_prompt_length,

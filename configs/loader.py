@@ -313,7 +313,7 @@ def apply_overrides(root: type[msgspec.Struct], data: dict[str, Any],
                 raise unknown_key_error(root, COMMAND_LINE, parts, exc.args[0],
                                         foreign) from None
             for target, target_value in targets:
-                if target_value is value and isinstance(raw, str):
+                if target_value is value:  # as given: read it as the target's type
                     target_value = coerce_override(root, target, raw.strip())
                 _set_path(data, target, target_value, format_key(target))
                 touched.add(target)

@@ -20,6 +20,7 @@ from algorithms.rewards.scorer import RewardScorer
 from buffer.dataset import PromptRow, truncate_prompt
 from generators.engine import Engine
 from generators.sampling import SamplingParams
+from generators.val_metrics import ScoredResponse, validation_metrics
 
 EVAL_BATCH = 256
 
@@ -30,6 +31,7 @@ class EvalResult(msgspec.Struct, frozen=True):
     response_length_mean: float
     samples: int
     by_source: dict[str, float]  # accuracy per data_source
+    verl: dict[str, float] = {}  # verl's val-core/... and val-aux/... (generators.val_metrics)
 
 
 def eval_metrics(result: EvalResult) -> dict[str, float]:
@@ -38,6 +40,7 @@ def eval_metrics(result: EvalResult) -> dict[str, float]:
                "eval/response_length_mean": result.response_length_mean}
     if len(result.by_source) > 1:
         metrics.update({f"eval/accuracy/{s}": a for s, a in result.by_source.items()})
+    metrics.update(result.verl)
     return metrics
 
 
@@ -54,6 +57,7 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
     ``max_prompt_length`` tokens is cut on its ``truncation`` side (``truncate_prompt``)."""
     correct = rewards = lengths = 0.0
     per_source: dict[str, list[float]] = defaultdict(list)
+    scored: list[ScoredResponse] = []
     for start in range(0, len(rows), EVAL_BATCH):
         chunk = rows[start:start + EVAL_BATCH]
         prompts = []
@@ -70,7 +74,10 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
             items.append(RewardItem(row.data_source, text, row.reward_model.ground_truth,
                                     dict(row.extra_info)))
             lengths += completion.token_ids.numel()
-        for item, result in zip(items, scorer.score(items), strict=True):
+        for index, (item, result) in enumerate(zip(items, scorer.score(items), strict=True)):
+            scored.append(ScoredResponse(data_source=item.data_source, prompt=start + index // n,
+                                         values={"reward": result.score, **result.info},
+                                         pred=result.pred))
             hit = is_correct(result)
             correct += hit
             rewards += result.score
@@ -78,4 +85,5 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
     total = max(len(rows) * n, 1)
     return EvalResult(accuracy=correct / total, reward_mean=rewards / total,
                       response_length_mean=lengths / total, samples=len(rows) * n,
-                      by_source={s: sum(v) / len(v) for s, v in per_source.items()})
+                      by_source={s: sum(v) / len(v) for s, v in per_source.items()},
+                      verl=validation_metrics(scored))

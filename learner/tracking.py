@@ -122,7 +122,10 @@ class Tracker:
             mlflow.log_artifact(str(file), artifact_path="config")
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        mlflow.log_metrics(metrics, step=step)
+        """Log ``metrics`` at ``step``; MLflow refuses "@" in a name, so verl's ``mean@4``
+        is logged as ``mean_at_4`` (as verl's own MLflow logger does)."""
+        mlflow.log_metrics({name.replace("@", "_at_"): value for name, value in metrics.items()},
+                           step=step)
 
     def close(self, ok: bool) -> None:
         mlflow.end_run(status="FINISHED" if ok else "FAILED")

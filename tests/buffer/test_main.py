@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import transformers
 
 import buffer.main
 from buffer.dataset import DatasetError
@@ -34,7 +35,7 @@ def tokenizers(monkeypatch) -> list[str]:
         loaded.append(path)
         return WordTokenizer()
 
-    monkeypatch.setattr(buffer.main.AutoTokenizer, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
     return loaded
 
 
