@@ -8,6 +8,7 @@ file and the key.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -155,6 +156,11 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
     if optim.betas[0] >= 1 or optim.betas[1] >= 1 or min(optim.betas) < 0:
         raise ConfigError(source, "actor.optim.betas", f"each beta must be in [0, 1), "
                                                         f"got {optim.betas}")
+    for name in run.tracking.loggers:
+        if name in ("wandb", "tensorboard") and importlib.util.find_spec(name) is None:
+            raise ConfigError(source, "tracking.loggers",
+                              f"{name!r} needs the {name} package, which is not installed "
+                              f"(pip install {name}), or drop it from the list")
     ref_sp = run.ref.ulysses_sequence_parallel_size
     if ref_sp is not None and ref_sp != run.actor.ulysses_sequence_parallel_size:
         raise ConfigError(source, "ref.ulysses_sequence_parallel_size",

@@ -454,12 +454,27 @@ class TrainerConfig(_Section):
     resume_from_path: str = ""  # the checkpoint folder of resume_mode = "resume_path"
 
 
+TrackerName = Literal["console", "mlflow", "wandb", "tensorboard"]
+
+
 class TrackingConfig(_Section):
-    """MLflow. An empty ``uri`` means a local store under the run directory."""
+    """Where the learner's metrics go (``learner.tracking``).
+
+    MLflow always: resuming and the offline replay find the run in it. An empty ``uri``
+    means a local store under the run directory; ``experiment`` and ``run_name`` (empty:
+    the run directory's name) name the experiment and the run. ``loggers`` (verl's
+    ``trainer.logger``) adds ``wandb`` (project ``experiment``, run ``run_name``; its files
+    under run_dir/wandb; ``wandb_mode = "offline"`` by default, since ``online`` needs the
+    network and a login) and ``tensorboard`` (event files under run_dir/tensorboard);
+    ``console`` and ``mlflow`` are always on (the launcher's status line, and the store
+    above).
+    """
 
     uri: str = ""
     experiment: str = "relay"
     run_name: str = ""
+    loggers: list[TrackerName] = msgspec.field(default_factory=lambda: ["console", "mlflow"])
+    wandb_mode: Literal["offline", "online"] = "offline"
 
 
 class CheckpointConfig(_Section):

@@ -266,10 +266,10 @@ TABLE: tuple[VerlKey, ...] = tuple([
             note="the MLflow experiment"),
     VerlKey(key="trainer.experiment_name", group="mapped", to=("tracking.run_name",),
             note="the MLflow run's name (and the run directory's)"),
-    VerlKey(key="trainer.logger", group="differs",
-            note="Relay always logs to the console and MLflow (tracking.uri); wandb, "
-                 "tensorboard and swanlab are not supported yet and are ignored with a "
-                 "warning"),
+    VerlKey(key="trainer.logger", group="mapped", to=("tracking.loggers",),
+            note="console, mlflow, wandb (offline unless tracking.wandb_mode = online) and "
+                 "tensorboard; console and MLflow are always on (resuming reads the MLflow "
+                 "run); swanlab is not supported yet"),
     *_inert("logging validation generations is not supported yet; only 0",
             "trainer.log_val_generations", accept=(0,)),
     *_inert("every run directory keeps its rollout log in rollouts/ (buffer.rollout_log); "
@@ -490,10 +490,7 @@ class VerlKeys:
             return self._mapped(entry, key, value, source)
         if entry.accept is not None and not any(_equal(value, ok) for ok in entry.accept):
             raise ConfigError(source, key, f"{value!r} is not supported: {entry.note}")
-        if entry.key == "trainer.logger":
-            self._logger(value, source)
-        else:
-            self._note(f"{key} = {value!r}: {entry.note}")
+        self._note(f"{key} = {value!r}: {entry.note}")
         return []
 
     def _mapped(self, entry: VerlKey, key: str, value: Any,
@@ -510,16 +507,6 @@ class VerlKeys:
             return []
         self.notes.append(f"{key} = {value!r} -> {', '.join(entry.to)}")
         return [(parse_key(to), value) for to in entry.to]  # type: ignore[misc]
-
-    def _logger(self, value: Any, source: str) -> None:
-        loggers = [value] if isinstance(value, str) else value
-        if not isinstance(loggers, list) or not all(isinstance(v, str) for v in loggers):
-            raise ConfigError(source, "trainer.logger", f"expected a list of logger names, "
-                                                        f"got {value!r}")
-        ignored = [name for name in loggers if name not in ("console", "mlflow")]
-        if ignored:
-            self._note(f"trainer.logger: {', '.join(ignored)} not supported yet; Relay logs "
-                       "to the console and MLflow (tracking.uri)")
 
     def _note(self, line: str) -> None:
         self.notes.append(line)

@@ -103,6 +103,7 @@ def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase,
     run = ctx.run
     tracker = Tracker(uri=run.tracking.uri, experiment=run.tracking.experiment,
                       run_name=run.tracking.run_name, run_dir=ctx.run_dir,
+                      loggers=run.tracking.loggers, wandb_mode=run.tracking.wandb_mode,
                       resumed=Resumed(step=resumed.loop.step, run_id=resumed.mlflow_run_id)
                       if resumed is not None else None)
     tracker.log_config(run, [ctx.run_dir / RESOLVED_RUN, ctx.run_dir / RESOLVED_TOPOLOGY])

@@ -132,7 +132,7 @@ swap_space = 4
     assert run.rollout.n == 8
     assert any(n.startswith("rollout.gpu_memory_utilization = 0.6") for n in notes)
     assert any("rollout.engine_kwargs.vllm.swap_space" in n for n in notes)
-    assert any("wandb not supported yet" in n for n in notes)
+    assert "trainer.logger = ['console', 'wandb'] -> tracking.loggers" in notes
 
 
 def test_a_value_that_would_make_a_difference_is_refused_with_the_note(run_dir: Path) -> None:
@@ -223,3 +223,13 @@ def test_overriding_the_models_config_is_refused_with_the_way_to_do_it(run_dir: 
                    ["+actor_rollout_ref.model.override_config.max_position_embeddings=32768"])
     assert "edit config.json" in err.problem
     assert load_run_config(write(run_dir, GOOD_RUN + "[model.override_config]\n")).model
+
+
+def test_trainer_logger_chooses_the_trackers(run_dir: Path, monkeypatch) -> None:
+    run = load_run_config(write(run_dir, GOOD_RUN), ["trainer.logger=['console','mlflow']"])
+    assert run.tracking.loggers == ["console", "mlflow"]
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["trainer.logger=['swanlab']"])
+    assert err.key == "tracking.loggers[0]" and "'wandb'" in err.problem
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # not installed
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["trainer.logger=['wandb']"])
+    assert err.key == "tracking.loggers" and "pip install wandb" in err.problem
