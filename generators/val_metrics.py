@@ -14,7 +14,8 @@ score, and each numeric entry of the reward's ``info``, e.g. ``acc``):
 for k = 2, 4, 8, ... below N, and N (N > 1). Each is averaged over the prompts of a data
 source. Names follow verl: ``val-core/<data_source>/<var>/<metric>`` for the core variable
 (``acc`` where the reward reports it, else ``reward``) and the ``mean``, ``maj`` and ``best``
-metrics at the largest N; ``val-aux/...`` for the rest. The bootstrap draws B = 1000 times
+metrics at the largest N; ``val-aux/...`` for the rest (a character a tracker refuses in a
+name, such as ``+``, becomes ``_``). The bootstrap draws B = 1000 times
 from a generator seeded with ``seed`` afresh for every (prompt, variable, k), so the numbers
 do not depend on the order of the data. This module knows numbers; it knows nothing of
 engines or rewards.
@@ -26,12 +27,15 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import re
+
 import msgspec
 import numpy as np
 
 T = TypeVar("T")
 BOOTSTRAP_DRAWS = 1000
 SEED = 42  # verl's
+UNNAMEABLE = re.compile(r"[^\w./\- :]")  # what a tracker's metric name may not hold
 
 
 class ScoredResponse(msgspec.Struct, frozen=True):
@@ -118,6 +122,7 @@ def validation_metrics(responses: Sequence[ScoredResponse], seed: int = SEED,
     for (source, var, name), values in sorted(per_prompt.items()):
         core = (var == core_var and name.startswith(("mean", "maj", "best"))
                 and name.split("/")[0].endswith(f"@{n_max}"))
-        metrics[f"{'val-core' if core else 'val-aux'}/{source}/{var}/{name}"] = float(
-            np.mean(values))
+        prefix = "val-core" if core else "val-aux"
+        metrics[f"{prefix}/{UNNAMEABLE.sub('_', source)}/{UNNAMEABLE.sub('_', var)}/{name}"] = \
+            float(np.mean(values))
     return metrics

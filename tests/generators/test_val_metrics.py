@@ -115,3 +115,8 @@ def test_an_evaluation_reports_verls_metrics_per_data_source() -> None:
     assert metrics["val-core/src1/reward/mean@2"] == 0.5
     assert metrics["val-aux/src1/reward/std@2"] == 0.5
     assert metrics["eval/accuracy"] == 0.75
+
+
+def test_a_data_source_is_made_fit_for_a_metric_name() -> None:
+    metrics = validation_metrics([ScoredResponse("math+code (v2)", 0, {"reward": 1.0})])
+    assert metrics == {"val-core/math_code _v2_/reward/mean@1": 1.0}  # spaces are fine
