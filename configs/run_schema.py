@@ -441,6 +441,7 @@ class TrainerConfig(_Section):
     save_freq: int = -1
     publish_every: Positive = 1  # Relay: publish weights to generators every k steps
     val_before_train: bool = True
+    log_val_generations: NonNegative = 0  # held-out responses logged per evaluation (a table)
     critic_warmup: NonNegative = 0  # steps that train only the critic (adv_estimator = gae)
     # Relay: published versions that may wait for a busy evaluator, each a CPU copy of the
     # weights on learner rank 0; past it the oldest waiting one is not evaluated

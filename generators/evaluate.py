@@ -21,6 +21,7 @@ from buffer.dataset import PromptRow, truncate_prompt
 from generators.engine import Engine
 from generators.sampling import SamplingParams
 from generators.val_metrics import ScoredResponse, validation_metrics
+from transport.messages import ValGeneration
 
 EVAL_BATCH = 256
 
@@ -32,6 +33,7 @@ class EvalResult(msgspec.Struct, frozen=True):
     samples: int
     by_source: dict[str, float]  # accuracy per data_source
     verl: dict[str, float] = {}  # verl's val-core/... and val-aux/... (generators.val_metrics)
+    generations: list[ValGeneration] = []  # the first rows' first responses
 
 
 def eval_metrics(result: EvalResult) -> dict[str, float]:
@@ -52,12 +54,15 @@ def is_correct(result: RewardResult) -> float:
 
 def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardScorer,
              params: SamplingParams, n: int = 1, max_prompt_length: int = 1 << 30,
-             truncation: Literal["left", "right"] = "left") -> EvalResult:
+             truncation: Literal["left", "right"] = "left", keep: int = 0) -> EvalResult:
     """Generate ``n`` responses per row and score them; a prompt longer than
-    ``max_prompt_length`` tokens is cut on its ``truncation`` side (``truncate_prompt``)."""
+    ``max_prompt_length`` tokens is cut on its ``truncation`` side (``truncate_prompt``).
+    The first response of each of the first ``keep`` rows is kept as text
+    (``trainer.log_val_generations``)."""
     correct = rewards = lengths = 0.0
     per_source: dict[str, list[float]] = defaultdict(list)
     scored: list[ScoredResponse] = []
+    generations: list[ValGeneration] = []
     for start in range(0, len(rows), EVAL_BATCH):
         chunk = rows[start:start + EVAL_BATCH]
         prompts = []
@@ -67,17 +72,22 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
                                                 tokenize=True, return_dict=False)
             prompts.extend([truncate_prompt(ids, max_prompt_length, truncation)] * n)
         completions = engine.generate(prompts, params)
-        items = []
+        items, texts = [], []
         for index, completion in enumerate(completions):
             row = chunk[index // n]
             text = tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True)
             items.append(RewardItem(row.data_source, text, row.reward_model.ground_truth,
                                     dict(row.extra_info)))
+            texts.append(text)
             lengths += completion.token_ids.numel()
         for index, (item, result) in enumerate(zip(items, scorer.score(items), strict=True)):
             scored.append(ScoredResponse(data_source=item.data_source, prompt=start + index // n,
                                          values={"reward": result.score, **result.info},
                                          pred=result.pred))
+            if index % n == 0 and start + index // n < keep:
+                generations.append(ValGeneration(
+                    input=tokenizer.decode(prompts[index], skip_special_tokens=True),
+                    output=texts[index], score=result.score))
             hit = is_correct(result)
             correct += hit
             rewards += result.score
@@ -86,4 +96,4 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
     return EvalResult(accuracy=correct / total, reward_mean=rewards / total,
                       response_length_mean=lengths / total, samples=len(rows) * n,
                       by_source={s: sum(v) / len(v) for s, v in per_source.items()},
-                      verl=validation_metrics(scored))
+                      verl=validation_metrics(scored), generations=generations)

@@ -53,11 +53,12 @@ class Evaluator:
     def __init__(self, *, weights_endpoint: str, stream_endpoint: str, engine: Engine,
                  tokenizer, scorer: RewardScorer, rows: list[PromptRow], params: SamplingParams,
                  n: int, max_prompt_length: int, max_waiting: int,
-                 truncation: Literal["left", "right"] = "left",
+                 truncation: Literal["left", "right"] = "left", log_generations: int = 0,
                  keys: ClientKeys | None = None) -> None:
         self.engine, self.tokenizer, self.scorer = engine, tokenizer, scorer
         self.rows, self.params, self.n = rows, params, n
         self.max_prompt_length, self.truncation = max_prompt_length, truncation
+        self.log_generations = log_generations  # trainer.log_val_generations
         self._client = Client(weights_endpoint, keys=keys)
         self.weights = EvalWeights(weights_endpoint, stream_endpoint, max_waiting=max_waiting,
                                    keys=keys)
@@ -112,13 +113,14 @@ class Evaluator:
         began = time.monotonic()
         result = evaluate(self.engine, self.tokenizer, self.rows, self.scorer, self.params,
                           n=self.n, max_prompt_length=self.max_prompt_length,
-                          truncation=self.truncation)
+                          truncation=self.truncation, keep=self.log_generations)
         metrics = eval_metrics(result)
         metrics["perf/eval_seconds"] = time.monotonic() - began
         logger.info("step %d (version %d): held-out accuracy %.3f over %d samples in %.1f s",
                     step, version, result.accuracy, result.samples, metrics["perf/eval_seconds"])
         self.evaluated.append(step)
-        return EvalReport(step=step, version=version, metrics=metrics)
+        return EvalReport(step=step, version=version, metrics=metrics,
+                          generations=result.generations)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                           tokenizer=tokenizer, scorer=scorer, rows=rows, params=params,
                           n=val.n, max_prompt_length=run.data.max_prompt_length,
                           truncation="right" if data.truncation == "right" else "left",
+                          log_generations=run.trainer.log_val_generations,
                           max_waiting=run.trainer.max_waiting_evals, keys=ctx.client_keys())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

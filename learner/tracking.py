@@ -36,6 +36,8 @@ import msgspec
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from transport.messages import ValGeneration
+
 logger = logging.getLogger(__name__)
 
 MAX_PARAM_CHARS = 500
@@ -70,12 +72,22 @@ class Resumed(msgspec.Struct, frozen=True):
     run_id: str
 
 
+GENERATION_COLUMNS = ("step", "input", "output", "score")
+
+
+def generation_rows(step: int, generations: Sequence[ValGeneration]) -> list[list[Any]]:
+    """The rows of a held-out generations table (``GENERATION_COLUMNS``)."""
+    return [[step, g.input, g.output, g.score] for g in generations]
+
+
 class Sink(Protocol):
-    """A tracker besides MLflow: it gets the same params and metrics."""
+    """A tracker besides MLflow: it gets the same params, metrics and tables."""
 
     def log_params(self, params: dict[str, str]) -> None: ...
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_generations(self, step: int, generations: Sequence[ValGeneration]) -> None: ...
 
     def close(self, ok: bool) -> None: ...
 
@@ -102,6 +114,13 @@ class WandbSink:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.run.log({**metrics, self.STEP_METRIC: step})
 
+    def log_generations(self, step: int, generations: Sequence[ValGeneration]) -> None:
+        import wandb
+
+        table = wandb.Table(columns=list(GENERATION_COLUMNS),
+                            data=generation_rows(step, generations))
+        self.run.log({"val/generations": table, self.STEP_METRIC: step})
+
     def close(self, ok: bool) -> None:
         self.run.finish(exit_code=0 if ok else 1)
 
@@ -122,8 +141,18 @@ class TensorBoardSink:
         for name, value in metrics.items():
             self.writer.add_scalar(name, value, global_step=step)
 
+    def log_generations(self, step: int, generations: Sequence[ValGeneration]) -> None:
+        rows = ["| input | output | score |", "| --- | --- | --- |"]
+        rows += [f"| {_cell(g.input)} | {_cell(g.output)} | {g.score:g} |" for g in generations]
+        self.writer.add_text("val/generations", "\n".join(rows), global_step=step)
+
     def close(self, ok: bool) -> None:
         self.writer.close()
+
+
+def _cell(text: str) -> str:
+    """Text for one markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", "<br>")
 
 
 def build_sinks(loggers: Sequence[str], *, project: str, name: str, run_dir: Path,
@@ -209,6 +238,16 @@ class Tracker:
                            step=step)
         for sink in self.sinks:
             sink.log_metrics(metrics, step)
+
+    def log_generations(self, step: int, generations: Sequence[ValGeneration]) -> None:
+        """A table of held-out responses (``trainer.log_val_generations``): MLflow's
+        ``val_generations/step-<N>.json`` artifact, and each other tracker's own table."""
+        rows = generation_rows(step, generations)
+        mlflow.log_table({column: [row[i] for row in rows]
+                          for i, column in enumerate(GENERATION_COLUMNS)},
+                         artifact_file=f"val_generations/step-{step:06d}.json")
+        for sink in self.sinks:
+            sink.log_generations(step, generations)
 
     def close(self, ok: bool) -> None:
         for sink in self.sinks:

@@ -21,6 +21,7 @@ from generators.val_metrics import (
     subset_sizes,
     validation_metrics,
 )
+from transport.messages import ValGeneration
 
 
 class FixedDraws:
@@ -101,7 +102,8 @@ def test_an_evaluation_reports_verls_metrics_per_data_source() -> None:
     rows = [PromptRow(prompt=(ChatMessage("user", f"q{i}"),), data_source=f"src{i}",
                       reward_model=RewardSpec("rule", "x")) for i in range(2)]
     tokenizer = SimpleNamespace(apply_chat_template=lambda messages, **_: [1, 2, 3],
-                                decode=lambda ids, **_: "right" if ids[0] == 7 else "wrong")
+                                decode=lambda ids, **_: {1: "q?", 7: "right"}.get(int(ids[0]),
+                                                                                 "wrong"))
     # row 0's responses: right, right; row 1's: right, wrong
     tokens = iter([7, 7, 7, 8])
     engine = SimpleNamespace(generate=lambda prompts, params: [
@@ -109,7 +111,9 @@ def test_an_evaluation_reports_verls_metrics_per_data_source() -> None:
     scorer = SimpleNamespace(score=lambda items: [
         RewardResult(score=float(item.solution_str == "right"), pred=item.solution_str)
         for item in items])
-    result = evaluate(engine, tokenizer, rows, scorer, SamplingParams(max_new_tokens=2), n=2)
+    result = evaluate(engine, tokenizer, rows, scorer, SamplingParams(max_new_tokens=2), n=2,
+                      keep=1)
+    assert result.generations == [ValGeneration(input="q?", output="right", score=1.0)]
     metrics = eval_metrics(result)
     assert metrics["val-core/src0/reward/mean@2"] == 1.0
     assert metrics["val-core/src1/reward/mean@2"] == 0.5

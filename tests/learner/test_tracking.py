@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
 from configs.run_schema import TrackingConfig
 from learner.tracking import Tracker
+from transport.messages import ValGeneration
 
 
 def test_verls_at_names_are_logged_with_at_spelled_out(tmp_path: Path) -> None:
@@ -32,9 +34,11 @@ def test_wandb_offline_and_tensorboard_write_their_files(tmp_path: Path, monkeyp
         tracker.log_metrics({"val-core/src/acc/mean@4": 0.25}, step=1)
         tracker.log_metrics({"actor/loss": 0.1}, step=3)
         tracker.log_metrics({"val-core/src/acc/mean@4": 0.5}, step=2)  # a late evaluation
+        tracker.log_generations(2, [ValGeneration(input="1+1=", output="2", score=1.0)])
         (wandb_run,) = [sink.run for sink in tracker.sinks if hasattr(sink, "run")]
         assert wandb_run.summary["val-core/src/acc/mean@4"] == 0.5  # not dropped
         assert wandb_run.summary["trainer/step"] == 2
+        wandb_keys = set(wandb_run.summary.keys())
         assert wandb_run.config["run_name"] == "r1"  # the config, flattened
     finally:
         tracker.close(ok=True)
@@ -46,3 +50,18 @@ def test_wandb_offline_and_tensorboard_write_their_files(tmp_path: Path, monkeyp
     events.Reload()
     scalars = events.Scalars("val-core/src/acc/mean@4")
     assert [(s.step, s.value) for s in scalars] == [(1, 0.25), (2, 0.5)]
+    assert "| 1+1= | 2 | 1 |" in events.Tensors("val/generations/text_summary")[0] \
+        .tensor_proto.string_val[0].decode()
+    assert "val/generations" in wandb_keys
+
+
+def test_held_out_generations_are_an_mlflow_table(tmp_path: Path) -> None:
+    tracker = Tracker(uri="", experiment="generations", run_name="", run_dir=tmp_path)
+    try:
+        tracker.log_generations(4, [ValGeneration(input="2+2=", output="it is 4", score=1.0),
+                                    ValGeneration(input="3+3=", output="it is 7", score=0.0)])
+    finally:
+        tracker.close(ok=True)
+    table = mlflow.load_table("val_generations/step-000004.json", run_ids=[tracker.run_id])
+    assert table.to_dict("list") == {"step": [4, 4], "input": ["2+2=", "3+3="],
+                                     "output": ["it is 4", "it is 7"], "score": [1.0, 0.0]}
