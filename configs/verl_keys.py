@@ -217,7 +217,8 @@ TABLE: tuple[VerlKey, ...] = tuple([
             f"{R}.multi_turn.interaction_config_path", f"{R}.multi_turn.completion_callback",
             f"{R}.multi_turn.use_inference_chat_template",
             f"{R}.multi_turn.tokenization_sanity_check_mode", f"{R}.multi_turn.format"),
-    *_inert("each generator process runs its own rollout loop; no effect", f"{R}.agent.num_workers"),
+    *_inert("each generator process runs its own rollout loop; no effect",
+            f"{R}.agent.num_workers"),
     *_inert("agent loops are not supported yet; only null", f"{R}.agent.agent_loop_config_path",
             f"{R}.agent.custom_async_server.path", f"{R}.agent.custom_async_server.name",
             accept=(None,)),
@@ -225,7 +226,8 @@ TABLE: tuple[VerlKey, ...] = tuple([
             accept=(None,)),
     *_inert("rollout tracing is not supported yet; no effect", f"{R}.trace.token2text"),
     *_inert("Relay never colocates generation with training: generators and the learner are "
-            "separate processes with their own devices; no effect", "actor_rollout_ref.hybrid_engine"),
+            "separate processes with their own devices; no effect",
+            "actor_rollout_ref.hybrid_engine"),
     # ---- actor_rollout_ref.model -------------------------------------------------------
     *_same(f"{M}.path", f"{M}.enable_gradient_checkpointing", f"{M}.trust_remote_code"),
     *_inert("a custom chat template is not supported yet: save it as the tokenizer's "

@@ -151,7 +151,8 @@ class Learner:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, *, actor: ActorConfig,
-                 algorithm: AlgorithmConfig, ref: RefConfig | None = None, temperature: float, horizon: int, num_prompts: int,
+                 algorithm: AlgorithmConfig, ref: RefConfig | None = None,
+                 temperature: float, horizon: int, num_prompts: int,
                  critic_warmup: int = 0, reference: nn.Module | None = None,
                  critic: Critic | None = None, prm: ImplicitPRM | None = None,
                  parallelism: Parallelism | None = None) -> None:

@@ -147,7 +147,8 @@ def test_a_refused_key_says_what_to_use_instead(run_dir: Path) -> None:
     err = error_of(load_run_config, write(run_dir, GOOD_RUN),
                    ["actor_rollout_ref.model.lora_rank=32"])
     assert "LoRA is not supported yet" in err.problem
-    err = error_of(load_run_config, write(run_dir, GOOD_RUN + "[critic]\nppo_micro_batch_size = 8\n"))
+    path = write(run_dir, GOOD_RUN + "[critic]\nppo_micro_batch_size = 8\n")
+    err = error_of(load_run_config, path)
     assert "critic.ppo_micro_batch_size_per_gpu" in err.problem
 
 
