@@ -55,6 +55,9 @@ def test_grpo_with_sequence_balancing(home: Path, random_model_dir: Path) -> Non
     assert run["trainer"]["total_training_steps"] == 15 * 2  # 15 epochs of 2 batches
     assert run["tracking"]["experiment"] == "verl_grpo_example_gsm8k"
     assert "--nproc-per-node=8" in out  # trainer.n_gpus_per_node
+    # the dry run names what each verl key became
+    assert "#   data.max_response_length = 1024 -> rollout.response_length" in out
+    assert "#   trainer.n_gpus_per_node = 8 -> topology.learner.nproc_per_node" in out
 
 
 def test_grpo_qwen3(home: Path, random_model_dir: Path) -> None:
