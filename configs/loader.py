@@ -10,8 +10,9 @@ A schema may accept another project's name for a section (an alias, e.g. verl's
 ``algorithm.filter_groups`` for ``buffer.filter_groups``), in the file and on the command
 line, and another project's keys that it lacks (``ForeignKeys``, e.g. ``configs.verl_keys``):
 each such key, in the file or on the command line, is translated into the keys it stands for,
-dropped, or refused by the translator. Hydra's ``+key=value`` and ``++key=value`` read as
-``key=value``. This module knows TOML and the schemas' shapes; it does not know what the keys
+dropped, or refused by the translator; one of its keys that the schema has, given ``null`` on
+the command line, takes the schema's default. Hydra's ``+key=value`` and ``++key=value`` read
+as ``key=value``. This module knows TOML and the schemas' shapes; it does not know what the keys
 mean beyond the few cross-key checks in ``configs.checks``.
 """
 
@@ -230,9 +231,7 @@ def coerce_override(root: type[msgspec.Struct], parts: Sequence[str | int], raw:
     bare word as the string; a key that may be unset takes ``null`` (``NULLS``) as unset.
     """
     t = type_at(root, parts)
-    inner = _unwrap(t)
-    if raw in NULLS and isinstance(inner, mi.UnionType) and any(
-            isinstance(u, mi.NoneType) for u in inner.types):
+    if raw in NULLS and _accepts_none(t):
         return None
     if _wants_raw_string(t):
         return raw
@@ -318,9 +317,26 @@ def apply_overrides(root: type[msgspec.Struct], data: dict[str, Any],
                 _set_path(data, target, target_value, format_key(target))
                 touched.add(target)
             continue
+        if raw.strip() in NULLS and foreign and parts in set(foreign.known()) \
+                and not _accepts_none(type_at(root, parts)):
+            _unset(data, parts)  # another project's "no value": the schema's default
+            continue
         _set_path(data, parts, coerce_override(root, parts, raw.strip()), key)
         touched.add(parts)
     return touched
+
+
+def _accepts_none(t: mi.Type) -> bool:
+    inner = _unwrap(t)
+    return isinstance(inner, mi.UnionType) and any(isinstance(u, mi.NoneType)
+                                                   for u in inner.types)
+
+
+def _unset(data: dict[str, Any], parts: Sequence[str | int]) -> None:
+    """Remove ``parts`` from ``data`` if it is there, so the schema's default applies."""
+    parent = _find(data, parts[:-1])
+    if isinstance(parent, dict):
+        parent.pop(parts[-1], None)
 
 
 # ---------------------------------------------------------------------------------------

@@ -234,3 +234,13 @@ def test_trainer_logger_chooses_the_trackers(run_dir: Path, monkeypatch) -> None
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # not installed
     err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["trainer.logger=['wandb']"])
     assert err.key == "tracking.loggers" and "pip install wandb" in err.problem
+
+
+def test_null_for_a_verl_key_relay_has_means_relays_default(run_dir: Path) -> None:
+    path = write(run_dir, GOOD_RUN + "[custom_reward_function]\nname = 'f'\n")
+    run = load_run_config(path, ["trainer.resume_from_path=null",
+                                 "custom_reward_function.name=null", "data.val_files=null"])
+    assert run.trainer.resume_from_path == "" and run.custom_reward_function.name == \
+        "compute_score" and run.data.val_files == []
+    named = load_run_config(write(run_dir, GOOD_RUN), ["tracking.experiment=null"])
+    assert named.tracking.experiment == "null"  # not a verl key: the text is the name
