@@ -244,3 +244,12 @@ def test_null_for_a_verl_key_relay_has_means_relays_default(run_dir: Path) -> No
         "compute_score" and run.data.val_files == []
     named = load_run_config(write(run_dir, GOOD_RUN), ["tracking.experiment=null"])
     assert named.tracking.experiment == "null"  # not a verl key: the text is the name
+
+
+def test_placement_keys_in_a_file_go_to_the_topology_too(run_dir: Path) -> None:
+    placement: list[Placement] = []
+    load_run_config(write(run_dir, GOOD_RUN + "[trainer]\nn_gpus_per_node = 2\n"), (), placement)
+    assert placement == [Placement(key="trainer.n_gpus_per_node", value=2,
+                                   source=str(run_dir / "run.toml"))]
+    assert load_topology(CONFIG_DIR / "topology.toml",
+                         placement=placement).learner.nproc_per_node == 2
