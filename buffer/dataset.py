@@ -8,20 +8,25 @@ bring their files unchanged:
     reward_model  {"style": "rule" | "model", "ground_truth": str | number | list | dict}
     extra_info    dict (optional; null or missing reads as {})
 
-Other columns (verl's ``ability``, for instance) are accepted and ignored. Every row is
-validated on load; problems are collected across all files and raised together as one
-``DatasetError`` naming file, line (JSONL) or row (parquet), field and what was expected.
-A row is never dropped silently.
+Other columns (verl's ``ability``, for instance) are accepted and ignored; the messages may
+sit in another column (``prompt_key``, verl's ``data.prompt_key``). Every row is validated on
+load; problems are collected across all files and raised together as one ``DatasetError``
+naming file, line (JSONL) or row (parquet), field and what was expected. A row is never
+dropped silently: ``fit_prompts`` drops prompts longer than the limit only when asked
+(``data.filter_overlong_prompts``), and logs how many; ``truncate_prompt`` cuts one
+(``data.truncation``).
 
 ``PromptDataset`` is an index-based, picklable ``torch.utils.data.Dataset`` of typed rows,
 ready for ``torchdata``'s ``StatefulDataLoader`` (use ``collate_fn=list``: rows are not
-tensors). This module knows the file schema; it knows nothing of tokenizers, rewards or
-leasing.
+tensors). This module knows the file schema; of tokenizers it knows only that a prompt's
+length is the length of its chat template's token ids (``chat_token_counter``); it knows
+nothing of rewards or leasing.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -37,6 +42,8 @@ Role = Literal["system", "user", "assistant", "tool"]
 RewardStyle = Literal["rule", "model"]
 GroundTruth = str | int | float | list[Any] | dict[str, Any]
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
+
+logger = logging.getLogger("relay.buffer")
 
 SUFFIXES = (".jsonl", ".parquet")
 MAX_REPORTED_PROBLEMS = 10
@@ -79,8 +86,9 @@ class PromptDataset(torch.utils.data.Dataset):
         self.rows = tuple(rows)
 
     @classmethod
-    def from_files(cls, paths: PathLike | Iterable[PathLike]) -> PromptDataset:
-        return cls(load_prompt_rows(paths))
+    def from_files(cls, paths: PathLike | Iterable[PathLike],
+                   prompt_key: str = "prompt") -> PromptDataset:
+        return cls(load_prompt_rows(paths, prompt_key=prompt_key))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -90,10 +98,12 @@ class PromptDataset(torch.utils.data.Dataset):
 
 
 def load_prompt_rows(
-    paths: PathLike | Iterable[PathLike], convert: Convert | None = None
+    paths: PathLike | Iterable[PathLike], convert: Convert | None = None,
+    prompt_key: str = "prompt",
 ) -> list[PromptRow]:
     """Read and validate every row of one or many ``.jsonl`` / ``.parquet`` files, in order.
 
+    ``prompt_key``: the column holding the chat messages (verl's ``data.prompt_key``).
     ``convert(record, index)`` first maps each raw record (``index`` counts records within
     its file) to a verl row, for files in another schema; a ``ValueError`` it raises is
     reported like a schema problem, with the record's location.
@@ -109,6 +119,8 @@ def load_prompt_rows(
                 problems.append(f"{where}: {record}")
                 continue
             try:
+                if prompt_key != "prompt":
+                    record = _prompt_from(record, prompt_key)
                 rows.append(_to_row(dict(convert(record, index)) if convert else record))
             except msgspec.ValidationError as error:
                 problems.append(f"{where}: {_describe(str(error))}")
@@ -125,6 +137,70 @@ def load_prompt_rows(
     if not rows:
         raise DatasetError(f"no prompt rows in {', '.join(map(str, files))}")
     return rows
+
+
+def _prompt_from(record: dict[str, Any], prompt_key: str) -> dict[str, Any]:
+    """The record with its ``prompt_key`` column as ``prompt``."""
+    if prompt_key not in record:
+        raise ValueError(f"no column {prompt_key!r} (data.prompt_key); the columns are "
+                         f"{', '.join(map(repr, record))}")
+    record = dict(record)
+    record["prompt"] = record.pop(prompt_key)
+    return record
+
+
+class PromptFit(msgspec.Struct, frozen=True):
+    """``fit_prompts``' result: the rows kept and how many were dropped."""
+
+    rows: list[PromptRow]
+    dropped: int
+
+
+def chat_token_counter(tokenizer: Any) -> Callable[[PromptRow], int]:
+    """A row's length in tokens as a generator sees it: its messages through the
+    tokenizer's chat template, with the generation prompt."""
+    def count(row: PromptRow) -> int:
+        messages = [{"role": m.role, "content": m.content} for m in row.prompt]
+        return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False))
+    return count
+
+
+def fit_prompts(rows: Sequence[PromptRow], count_tokens: Callable[[PromptRow], int],
+                max_length: int, *, drop: bool, refuse: bool, what: str) -> PromptFit:
+    """Rows whose prompts are longer than ``max_length`` tokens (``count_tokens``): dropped
+    when ``drop`` (verl's ``data.filter_overlong_prompts``; the count is logged), else
+    refused when ``refuse`` (``data.truncation = "error"``) with a ``DatasetError`` naming
+    them, else kept (the generators cut them, ``truncate_prompt``). ``what`` names the data
+    in messages ("data.train_files")."""
+    lengths = [count_tokens(row) for row in rows]
+    over = [i for i, length in enumerate(lengths) if length > max_length]
+    if not over or not (drop or refuse):
+        return PromptFit(rows=list(rows), dropped=0)
+    if drop:
+        kept = [row for row, length in zip(rows, lengths) if length <= max_length]
+        logger.warning("%s: dropped %d of %d prompts longer than data.max_prompt_length = %d "
+                       "tokens (data.filter_overlong_prompts)", what, len(over), len(rows),
+                       max_length)
+        if not kept:
+            raise DatasetError(f"{what}: every prompt is longer than data.max_prompt_length = "
+                               f"{max_length} tokens, so data.filter_overlong_prompts dropped "
+                               "them all")
+        return PromptFit(rows=kept, dropped=len(over))
+    shown = ", ".join(f"row {i} ({lengths[i]} tokens)" for i in over[:MAX_REPORTED_PROBLEMS])
+    raise DatasetError(f"{what}: {len(over)} prompt(s) longer than data.max_prompt_length = "
+                       f"{max_length} tokens: {shown}; data.truncation = 'error' refuses them "
+                       "('left' or 'right' cuts them; data.filter_overlong_prompts = true "
+                       "drops them)")
+
+
+def truncate_prompt(ids: Sequence[int], max_length: int,
+                    side: Literal["left", "right"]) -> list[int]:
+    """A prompt's token ids cut to ``max_length``: ``left`` keeps the last ones (the end of
+    the conversation and the generation prompt), ``right`` the first ones."""
+    if len(ids) <= max_length:
+        return list(ids)
+    return list(ids[-max_length:] if side == "left" else ids[:max_length])
 
 
 def write_prompt_rows(path: PathLike, rows: Iterable[PromptRow | Mapping[str, Any]]) -> int:

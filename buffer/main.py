@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from buffer.dataset import PromptDataset
+from buffer.dataset import PromptDataset, chat_token_counter, fit_prompts, load_prompt_rows
 from buffer.dynamic_sampling import DynamicSampling
 from buffer.hub import Hub
 from buffer.pf_ppo import PolicyFiltration
@@ -76,7 +76,7 @@ def build_store(run: RunConfig) -> ReplayStore:
 
 def build_hub(ctx: RunContext) -> Hub:
     run = ctx.run
-    dataset = PromptDataset.from_files(run.data.train_files)
+    dataset = training_prompts(run)
     source = PromptSource(dataset, shuffle=run.data.shuffle, seed=run.data.seed)
     log = RolloutLogWriter(ctx.run_dir / "rollouts") if run.buffer.rollout_log else None
     logger.info("%d training prompts; serving %d groups of %d per step, max staleness %d",
@@ -91,6 +91,24 @@ def build_hub(ctx: RunContext) -> Hub:
     if ctx.resume_from is not None:
         resume(hub, ctx.resume_from)
     return hub
+
+
+def training_prompts(run: RunConfig) -> PromptDataset:
+    """The training rows (``data.prompt_key``), without the prompts longer than
+    ``data.max_prompt_length`` when ``data.filter_overlong_prompts`` (counted and logged), or
+    refusing them when ``data.truncation = "error"``; lengths count the chat template's
+    tokens with ``model.path``'s tokenizer, loaded only for these two settings."""
+    data = run.data
+    rows = load_prompt_rows(data.train_files, prompt_key=data.prompt_key)
+    if data.filter_overlong_prompts or data.truncation == "error":
+        from transformers import AutoTokenizer  # only here: the buffer needs no other part
+
+        tokenizer = AutoTokenizer.from_pretrained(run.model.path,
+                                                  trust_remote_code=run.model.trust_remote_code)
+        rows = fit_prompts(rows, chat_token_counter(tokenizer), data.max_prompt_length,
+                           drop=data.filter_overlong_prompts,
+                           refuse=data.truncation == "error", what="data.train_files").rows
+    return PromptDataset(rows)
 
 
 def vocab_size(run: RunConfig) -> int:

@@ -8,26 +8,33 @@ file and the key.
 
 from __future__ import annotations
 
+import importlib.util
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import msgspec
+import pyarrow.parquet as pq
 
 from configs.loader import ConfigError, load
-from configs.run_schema import BUILTIN_MODEL_PREFIX, VERL_ALIASES, RunConfig
+from configs.run_schema import BUILTIN_MODEL_PREFIX, VERL_ALIASES, DataConfig, RunConfig
 from configs.topology_schema import Topology
+from configs.verl_keys import Placement, VerlKeys, apply_placement
 from transport.endpoints import is_loopback
 
 BUILTIN_MODELS = ("tiny-arith",)
+DEFAULT_TRAINING_STEPS = 100  # neither trainer.total_training_steps nor total_epochs set
 # Advantage estimators whose baseline comes from the other samples of the same prompt.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk",
                     "prime")
 
 
-def load_topology(path: str | Path, overrides: Iterable[str] = ()) -> Topology:
-    """Decode and check ``topology.toml`` (overrides given without the ``topology.`` prefix)."""
-    topology = load(Topology, path, overrides, path_keys=[("security", "keys_dir")])
+def load_topology(path: str | Path, overrides: Iterable[str] = (),
+                  placement: Sequence[Placement] = ()) -> Topology:
+    """Decode and check ``topology.toml`` (overrides given without the ``topology.`` prefix),
+    with a run config's verl placement keys applied (``verl_keys.apply_placement``)."""
+    topology = apply_placement(load(Topology, path, overrides,
+                                    path_keys=[("security", "keys_dir")]), placement)
     check_topology(topology, str(path))
     return topology
 
@@ -59,8 +66,23 @@ def check_topology(topology: Topology, source: str) -> None:
                               "and keys_dir (see tools/make-curve-keys.py)")
 
 
-def load_run_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
-    """Decode and check a run config; relative paths resolve against its folder."""
+def load_run_config(path: str | Path, overrides: Iterable[str] = (),
+                    placement: list[Placement] | None = None,
+                    notes: list[str] | None = None) -> RunConfig:
+    """Decode and check a run config; relative paths resolve against its folder.
+
+    ``trainer.total_epochs`` on the command line (without ``trainer.total_training_steps``)
+    sets the length even where the file sets ``trainer.total_training_steps``.
+    verl's keys are accepted as ``configs.verl_keys`` says; its placement keys
+    (``trainer.n_gpus_per_node``...) are appended to ``placement`` for the caller to apply to
+    the topology (``verl_keys.apply_placement``), or refused when it is None. ``notes``
+    receives one line per verl key translated or without effect."""
+    verl = VerlKeys(placement)
+    overrides = list(overrides)
+    keys = {o.partition("=")[0].strip().lstrip("+") for o in overrides}
+    if "trainer.total_epochs" in keys and "trainer.total_training_steps" not in keys:
+        # the command line beats the file: its epochs replace the file's step count
+        overrides.insert(0, "trainer.total_training_steps=null")
     run = load(
         RunConfig,
         path,
@@ -70,7 +92,10 @@ def load_run_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfi
                    ("checkpoint", "dir"), ("trainer", "resume_from_path")],
         file_or_module_keys=[("custom_reward_function", "path")],
         aliases=VERL_ALIASES,
+        foreign=verl,
     )
+    if notes is not None:
+        notes.extend(verl.notes)
     return check_run_config(run, str(path))
 
 
@@ -131,7 +156,48 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
     if optim.betas[0] >= 1 or optim.betas[1] >= 1 or min(optim.betas) < 0:
         raise ConfigError(source, "actor.optim.betas", f"each beta must be in [0, 1), "
                                                         f"got {optim.betas}")
-    return msgspec.structs.replace(run, data=data)
+    for name in run.tracking.loggers:
+        if name in ("wandb", "tensorboard") and importlib.util.find_spec(name) is None:
+            raise ConfigError(source, "tracking.loggers",
+                              f"{name!r} needs the {name} package, which is not installed "
+                              f"(pip install {name}), or drop it from the list")
+    ref_sp = run.ref.ulysses_sequence_parallel_size
+    if ref_sp is not None and ref_sp != run.actor.ulysses_sequence_parallel_size:
+        raise ConfigError(source, "ref.ulysses_sequence_parallel_size",
+                          f"{ref_sp} differs from actor.ulysses_sequence_parallel_size "
+                          f"({run.actor.ulysses_sequence_parallel_size}): every model of the "
+                          "learner runs on one sequence-parallel mesh; set the actor's size "
+                          "(it applies to the reference too) and drop this key")
+    trainer = msgspec.structs.replace(run.trainer,
+                                      total_training_steps=training_steps(run, data, source))
+    return msgspec.structs.replace(run, data=data, trainer=trainer)
+
+
+def training_steps(run: RunConfig, data: DataConfig, source: str) -> int:
+    """The run's length in learner steps (``TrainerConfig``): ``total_training_steps``, else
+    ``total_epochs`` passes over the rows of ``data.train_files``, else the default."""
+    trainer = run.trainer
+    if trainer.total_training_steps is not None:
+        return trainer.total_training_steps
+    if trainer.total_epochs is None:
+        return DEFAULT_TRAINING_STEPS
+    rows = sum(count_rows(Path(file)) for file in data.train_files)
+    per_epoch = rows // data.train_batch_size
+    if per_epoch == 0:
+        raise ConfigError(source, "trainer.total_epochs",
+                          f"an epoch of {rows} training rows makes no step of "
+                          f"data.train_batch_size = {data.train_batch_size} prompts; lower the "
+                          "batch size or set trainer.total_training_steps")
+    return trainer.total_epochs * per_epoch
+
+
+def count_rows(path: Path) -> int:
+    """Rows in a prompt file: a parquet file's row count, a JSONL file's non-blank lines
+    (``buffer.dataset`` validates them when the buffer loads them)."""
+    if path.suffix == ".parquet":
+        return pq.read_metadata(path).num_rows
+    with path.open(encoding="utf-8") as lines:
+        return sum(1 for line in lines if line.strip())
 
 
 def check_timeouts(run: RunConfig, source: str) -> None:

@@ -8,8 +8,12 @@ directory.
 
 A schema may accept another project's name for a section (an alias, e.g. verl's
 ``algorithm.filter_groups`` for ``buffer.filter_groups``), in the file and on the command
-line. This module knows TOML and the schemas' shapes; it does not know what the keys mean
-beyond the few cross-key checks in ``configs.checks``.
+line, and another project's keys that it lacks (``ForeignKeys``, e.g. ``configs.verl_keys``):
+each such key, in the file or on the command line, is translated into the keys it stands for,
+dropped, or refused by the translator; one of its keys that the schema has, given ``null`` on
+the command line, takes the schema's default. Hydra's ``+key=value`` and ``++key=value`` read
+as ``key=value``. This module knows TOML and the schemas' shapes; it does not know what the keys
+mean beyond the few cross-key checks in ``configs.checks``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import difflib
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import tomllib
@@ -28,6 +32,22 @@ T = TypeVar("T", bound=msgspec.Struct)
 KeyPath = tuple[str, ...]
 
 COMMAND_LINE = "command line"
+NULLS = ("null", "None", "~")  # YAML's and Hydra's spellings of no value
+
+
+class ForeignKeys(Protocol):
+    """Another project's keys that a schema lacks, and what each stands for."""
+
+    def known(self) -> Iterable[KeyPath]:
+        """Every key path it recognises (for did-you-mean)."""
+        ...
+
+    def translate(self, parts: KeyPath, value: Any,
+                  source: str) -> list[tuple[KeyPath, Any]] | None:
+        """The schema keys and values ``parts = value`` stands for ([]: none, the key has
+        no effect), or None when ``parts`` is not one of its keys; raises ``ConfigError``
+        for a key or value it refuses."""
+        ...
 
 
 class ConfigError(ValueError):
@@ -97,6 +117,8 @@ def describe(t: mi.Type) -> str:
         return " or ".join(describe(u) for u in t.types)
     if isinstance(t, mi.StructType):
         return "a table"
+    if isinstance(t, mi.NoneType):
+        return "null (unset)"
     return type(t).__name__
 
 
@@ -139,21 +161,32 @@ def _key_paths(t: mi.Type, prefix: tuple[str | int, ...] = ()) -> Iterable[tuple
 
 
 def unknown_key_error(root: type[msgspec.Struct], source: str,
-                      parts: Sequence[str | int], depth: int) -> ConfigError:
-    """An error for ``parts[depth]`` not being a key there, with the closest valid key."""
+                      parts: Sequence[str | int], depth: int,
+                      foreign: ForeignKeys | None = None) -> ConfigError:
+    """An error for ``parts[depth]`` not being a key there, with the closest valid key
+    (among the schema's and ``foreign``'s keys)."""
+    known = set(foreign.known()) if foreign else set()
+    prefixes = {k[:i] for k in known for i in range(1, len(k) + 1)}
+    while depth + 1 < len(parts) and tuple(parts[: depth + 1]) in prefixes:
+        depth += 1  # inside one of foreign's sections: blame the first part it lacks too
     parent = tuple(parts[:depth])
     bad = parts[depth]
-    fields = _struct_fields(type_at(root, parent))
+    children = {k[depth] for k in prefixes if len(k) > depth and k[:depth] == parent}
+    try:
+        fields = _struct_fields(type_at(root, parent))
+    except KeyError:
+        fields = {}
     key = format_key(parts[: depth + 1])
-    if fields is None:
+    if fields is None and not children:
         return ConfigError(source, key, f"{format_key(parent)} has no sub-keys")
-    valid = sorted(fields)
+    valid = sorted(set(fields or {}) | {str(c) for c in children})
     hint = ""
     close = difflib.get_close_matches(str(bad), valid, n=1, cutoff=0.6)
     if close:
         hint = f"; did you mean {format_key(parent + (close[0],))!r}?"
     else:
-        elsewhere = [p for p in _key_paths(mi.type_info(root)) if p and p[-1] == bad]
+        elsewhere = [p for p in [*_key_paths(mi.type_info(root)), *sorted(known)]
+                     if p and p[-1] == bad]
         if elsewhere:
             hint = f"; did you mean {format_key(elsewhere[0])!r}?"
     section = f"[{format_key(parent)}]" if parent else "the top level"
@@ -195,9 +228,11 @@ def coerce_override(root: type[msgspec.Struct], parts: Sequence[str | int], raw:
 
     Strings and string choices take the text as is; everything else is read as a TOML value
     (``3``, ``1e-6``, ``true``, ``["a.jsonl", "b.jsonl"]``); a list-or-string key takes a
-    bare word as the string.
+    bare word as the string; a key that may be unset takes ``null`` (``NULLS``) as unset.
     """
     t = type_at(root, parts)
+    if raw in NULLS and _accepts_none(t):
+        return None
     if _wants_raw_string(t):
         return raw
     try:
@@ -206,8 +241,9 @@ def coerce_override(root: type[msgspec.Struct], parts: Sequence[str | int], raw:
         inner = _unwrap(t)
         if isinstance(inner, mi.UnionType) and any(_wants_raw_string(u) for u in inner.types):
             return raw
-        if isinstance(inner, mi.BoolType) and raw.lower() in ("true", "false"):
-            return raw.lower() == "true"
+        bools = inner.types if isinstance(inner, mi.UnionType) else (inner,)
+        if any(isinstance(u, mi.BoolType) for u in bools) and raw.lower() in ("true", "false"):
+            return raw.lower() == "true"  # Python's and Hydra's True / False too
         raise ConfigError(COMMAND_LINE, format_key(parts),
                           f"expected {describe(t)}, got {raw!r}") from None
 
@@ -233,15 +269,30 @@ def _set_path(data: dict[str, Any], parts: Sequence[str | int], value: Any, key:
         node[last] = value
 
 
+def loose_value(raw: str) -> Any:
+    """The value of a foreign key's text, whose type the schema does not know: a TOML value
+    (``3``, ``true``, ``['console','wandb']``), None for ``null``, else the text."""
+    if raw in NULLS:
+        return None
+    if raw.lower() in ("true", "false"):  # Python's and Hydra's True / False too
+        return raw.lower() == "true"
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
 def apply_overrides(root: type[msgspec.Struct], data: dict[str, Any],
                     overrides: Iterable[str],
-                    aliases: Mapping[KeyPath, KeyPath] | None = None) -> set[tuple[str | int, ...]]:
+                    aliases: Mapping[KeyPath, KeyPath] | None = None,
+                    foreign: ForeignKeys | None = None) -> set[tuple[str | int, ...]]:
     """Apply ``key.sub=value`` strings to ``data`` in place; return the key paths touched.
-    A key under an alias (see ``move_aliases``) is set under the key it stands for."""
+    A key under an alias (see ``move_aliases``) is set under the key it stands for; a key
+    the schema lacks is translated by ``foreign``."""
     touched: set[tuple[str | int, ...]] = set()
     for text in overrides:
         key, sep, raw = text.partition("=")
-        key = key.strip()
+        key = key.strip().lstrip("+")
         if not sep or not key:
             raise ConfigError(COMMAND_LINE, text, "an override must look like section.key=value")
         try:
@@ -255,10 +306,37 @@ def apply_overrides(root: type[msgspec.Struct], data: dict[str, Any],
         try:
             type_at(root, parts)
         except KeyError as exc:
-            raise unknown_key_error(root, COMMAND_LINE, parts, exc.args[0]) from None
+            value = loose_value(raw.strip())
+            targets = foreign.translate(parts, value, COMMAND_LINE) if foreign else None
+            if targets is None:
+                raise unknown_key_error(root, COMMAND_LINE, parts, exc.args[0],
+                                        foreign) from None
+            for target, target_value in targets:
+                if target_value is value:  # as given: read it as the target's type
+                    target_value = coerce_override(root, target, raw.strip())
+                _set_path(data, target, target_value, format_key(target))
+                touched.add(target)
+            continue
+        if raw.strip() in NULLS and foreign and parts in set(foreign.known()) \
+                and not _accepts_none(type_at(root, parts)):
+            _unset(data, parts)  # another project's "no value": the schema's default
+            continue
         _set_path(data, parts, coerce_override(root, parts, raw.strip()), key)
         touched.add(parts)
     return touched
+
+
+def _accepts_none(t: mi.Type) -> bool:
+    inner = _unwrap(t)
+    return isinstance(inner, mi.UnionType) and any(isinstance(u, mi.NoneType)
+                                                   for u in inner.types)
+
+
+def _unset(data: dict[str, Any], parts: Sequence[str | int]) -> None:
+    """Remove ``parts`` from ``data`` if it is there, so the schema's default applies."""
+    parent = _find(data, parts[:-1])
+    if isinstance(parent, dict):
+        parent.pop(parts[-1], None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -296,6 +374,17 @@ def explain_validation_error(root: type[msgspec.Struct], data: dict[str, Any],
     return ConfigError(source_of(parts), format_key(parts), f"expected {expected}, got {got!r}")
 
 
+def to_toml(config: msgspec.Struct) -> bytes:
+    """A config as TOML, which has no null: a key left unset (None) is left out, and reads
+    back as unset."""
+    def drop_none(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: drop_none(v) for k, v in node.items() if v is not None}
+        return [drop_none(v) for v in node] if isinstance(node, list) else node
+
+    return msgspec.toml.encode(drop_none(msgspec.to_builtins(config)))
+
+
 def read_toml(path: Path) -> dict[str, Any]:
     """Parse a TOML file; errors name the file (and TOML's own line and column)."""
     try:
@@ -310,42 +399,107 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(str(path), "", f"not valid TOML: {exc}") from None
 
 
+def _find(data: dict[str, Any], parts: Sequence[str | int]) -> Any:
+    node: Any = data
+    for part in parts:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _merge(into: dict[str, Any], subtree: dict[str, Any], at: KeyPath, alias: KeyPath,
+           source: str) -> None:
+    """Merge ``subtree`` (found under ``alias``) into ``into`` (the table at ``at``); a key
+    set in both is an error."""
+    for name, value in subtree.items():
+        here = into.get(name)
+        if isinstance(here, dict) and isinstance(value, dict):
+            _merge(here, value, at + (name,), alias + (name,), source)
+        elif name in into:
+            raise ConfigError(source, format_key(alias + (name,)),
+                              f"is another name for {format_key(at + (name,))}, which is "
+                              "also set; keep one of them")
+        else:
+            into[name] = value
+
+
 def move_aliases(data: dict[str, Any], aliases: Mapping[KeyPath, KeyPath], source: str) -> None:
     """Move each subtree found under an alias (another project's name for a section, e.g.
-    verl's ``algorithm.filter_groups``) to the key it stands for, in place."""
-    def find(parts: KeyPath) -> Any:
-        node: Any = data
-        for part in parts:
-            node = node.get(part) if isinstance(node, dict) else None
-        return node
-
+    verl's ``algorithm.filter_groups``) to the key it stands for, in place, merging it with
+    what is there already; a table the move leaves empty is removed."""
     for alias, canonical in aliases.items():
-        parent = find(alias[:-1])
+        parent = _find(data, alias[:-1])
         if not isinstance(parent, dict) or alias[-1] not in parent:
             continue
-        if find(canonical) is not None:
+        subtree = parent.pop(alias[-1])
+        there = _find(data, canonical)
+        if isinstance(there, dict) and isinstance(subtree, dict):
+            _merge(there, subtree, canonical, alias, source)
+        elif there is not None:
             raise ConfigError(source, format_key(alias),
                               f"is another name for {format_key(canonical)}, which is also "
                               "set; keep one of them")
-        _set_path(data, canonical, parent.pop(alias[-1]), format_key(canonical))
+        else:
+            _set_path(data, canonical, subtree, format_key(canonical))
+        if not parent and len(alias) > 1:
+            _find(data, alias[:-2]).pop(alias[-2])
+
+
+def _leaves(node: Any, prefix: KeyPath = ()) -> Iterable[tuple[KeyPath, Any]]:
+    """(key path, value) of every value in nested tables that is not a non-empty table."""
+    if isinstance(node, dict) and node:
+        for name, value in node.items():
+            yield from _leaves(value, prefix + (name,))
+    elif prefix:
+        yield prefix, node
+
+
+def translate_foreign(root: type[msgspec.Struct], data: dict[str, Any], source: str,
+                      foreign: ForeignKeys) -> None:
+    """Replace, in place, each key of ``data`` the schema lacks by what ``foreign`` makes of
+    it. A key the file also sets under the schema's name keeps that value (the explicit key
+    wins, as in verl, whose keys these usually interpolate); a key neither knows is an
+    unknown-key error."""
+    for parts, value in list(_leaves(data)):
+        try:
+            type_at(root, parts)
+            continue
+        except KeyError as exc:
+            depth = exc.args[0]
+        targets = foreign.translate(parts, value, source)
+        if targets is None:
+            raise unknown_key_error(root, source, parts, depth, foreign)
+        parent = _find(data, parts[:-1])
+        parent.pop(parts[-1])
+        for i in range(len(parts) - 1, 0, -1):  # drop the tables it leaves empty
+            table = _find(data, parts[:i])
+            if table:
+                break
+            _find(data, parts[:i - 1]).pop(parts[i - 1])
+        for target, target_value in targets:
+            if _find(data, target) is None:
+                _set_path(data, target, target_value, format_key(target))
 
 
 def load(root: type[T], path: str | Path, overrides: Iterable[str] = (),
          path_keys: Iterable[tuple[str, ...]] = (),
          file_or_module_keys: Iterable[tuple[str, ...]] = (),
-         aliases: Mapping[KeyPath, KeyPath] | None = None) -> T:
+         aliases: Mapping[KeyPath, KeyPath] | None = None,
+         foreign: ForeignKeys | None = None) -> T:
     """Read ``path``, check its keys, apply overrides, resolve paths, decode into ``root``.
 
     ``path_keys`` name the string (or list-of-string) keys that hold file paths: relative
     values from the file are resolved against the file's folder, relative values from the
     command line against the working directory. ``file_or_module_keys`` hold either a Python
     module name (left alone) or a file path (``*.py`` or containing ``/``, resolved).
+    ``aliases`` and ``foreign``: another project's names (module docstring).
     """
     path = Path(path)
     data = read_toml(path)
     move_aliases(data, aliases or {}, str(path))
+    if foreign is not None:
+        translate_foreign(root, data, str(path), foreign)
     check_unknown_keys(root, data, str(path))
-    touched = apply_overrides(root, data, overrides, aliases)
+    touched = apply_overrides(root, data, overrides, aliases, foreign)
 
     def source_of(parts: Sequence[str | int]) -> str:
         return COMMAND_LINE if any(tuple(parts[: len(t)]) == t for t in touched) else str(path)

@@ -34,7 +34,12 @@ Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 # verl's names for sections that live elsewhere here, accepted in files and overrides. PF-PPO
 # has none: verl's algorithm.pf_ppo reweights batch-wide, buffer.pf_ppo filters per group.
-VERL_ALIASES = {("algorithm", "filter_groups"): ("buffer", "filter_groups")}
+# verl's other keys, and what Relay does with each: configs.verl_keys.
+VERL_ALIASES = {("algorithm", "filter_groups"): ("buffer", "filter_groups"),
+                ("actor_rollout_ref", "actor"): ("actor",),
+                ("actor_rollout_ref", "rollout"): ("rollout",),
+                ("actor_rollout_ref", "model"): ("model",),
+                ("actor_rollout_ref", "ref"): ("ref",)}
 PfPpoMode = Literal["best", "best_random", "best_worst"]  # buffer.pf_ppo
 ReplayPriority = Literal["fifo", "uniform", "advantage", "pass_rate", "td_error"]  # buffer.*
 BUILTIN_MODEL_PREFIX = "builtin:"  # model.path = "builtin:tiny-arith": built and cached on demand
@@ -48,13 +53,22 @@ class DataConfig(_Section):
     """Prompt datasets in verl's schema (parquet or JSONL) and the batch size.
 
     ``train_batch_size`` counts prompts per learner step; each prompt yields ``rollout.n``
-    samples (verl's meaning).
+    samples (verl's meaning). ``prompt_key`` names the column that holds each row's chat
+    messages (``buffer.dataset``). A prompt longer than ``max_prompt_length`` tokens (after
+    the chat template) is, by ``truncation``: ``error``, refused when the buffer loads the
+    data, naming the row; ``left``, cut to its last ``max_prompt_length`` tokens (Relay's
+    default; verl's is ``error``); ``right``, cut to its first. ``filter_overlong_prompts``
+    drops such rows from the training data when the buffer loads it, and logs how many.
+    ``shuffle``: a new permutation of the rows each epoch, seeded by ``seed``.
     """
 
     train_files: str | list[str]
     val_files: str | list[str] = msgspec.field(default_factory=list)
+    prompt_key: Annotated[str, msgspec.Meta(min_length=1)] = "prompt"
     train_batch_size: Positive = 32
     max_prompt_length: Positive = 512
+    truncation: Literal["error", "left", "right"] = "left"
+    filter_overlong_prompts: bool = False
     shuffle: bool = True
     seed: int = 0
 
@@ -75,12 +89,20 @@ class ModelConfig(_Section):
 
 
 class ValKwargs(_Section):
-    """Sampling for held-out evaluation; temperature 0 is greedy (verl's default)."""
+    """Sampling for held-out evaluation; temperature 0 is greedy (verl's default), and so is
+    ``do_sample = false`` whatever the temperature (verl's key; its default is false, Relay's
+    true, since the temperature already says it)."""
 
     temperature: NonNegativeFloat = 0.0
     top_p: Fraction = 1.0
     top_k: int = -1
     n: Positive = 1
+    do_sample: bool = True
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature decoding uses: 0 (greedy) unless ``do_sample``."""
+        return self.temperature if self.do_sample else 0.0
 
 
 class RolloutConfig(_Section):
@@ -181,6 +203,49 @@ class ActorConfig(_Section):
     ulysses_sequence_parallel_size: Positive = 1  # ranks that split each pass's tokens
     fsdp_config: FsdpConfig = msgspec.field(default_factory=FsdpConfig)
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+
+
+class RefFsdpConfig(_Section):
+    """Where FSDP2 keeps the frozen reference's shards (verl's ``ref.fsdp_config``)."""
+
+    param_offload: bool | None = None  # None: actor.fsdp_config.param_offload
+
+
+class RefConfig(_Section):
+    """The frozen reference model's log-prob passes (verl's ``actor_rollout_ref.ref``).
+
+    The reference is loaded when a KL term needs it (``actor.use_kl_loss``,
+    ``algorithm.use_kl_in_reward``) or PRIME's PRM shares it. Its passes run once per step
+    over the whole batch, without gradients, so they may be cut larger than the actor's:
+    ``log_prob_micro_batch_size_per_gpu`` rows a pass, or with ``log_prob_use_dynamic_bsz``
+    up to ``log_prob_max_token_len_per_gpu`` padded tokens a pass (``learner.micro_batches``).
+    Every key left unset (None) takes the actor's value, as verl's interpolations do
+    (``ppo_micro_batch_size_per_gpu``, ``use_dynamic_bsz``, ``ppo_max_token_len_per_gpu``,
+    ``fsdp_config.param_offload``). ``ulysses_sequence_parallel_size`` must equal the actor's:
+    every model of the learner runs on one sequence-parallel mesh.
+    """
+
+    log_prob_micro_batch_size_per_gpu: Positive | None = None
+    log_prob_use_dynamic_bsz: bool | None = None
+    log_prob_max_token_len_per_gpu: Positive | None = None
+    ulysses_sequence_parallel_size: Positive | None = None
+    fsdp_config: RefFsdpConfig = msgspec.field(default_factory=RefFsdpConfig)
+
+    def resolve(self, actor: ActorConfig) -> RefConfig:
+        """This section with every unset key taken from ``actor`` (class docstring)."""
+        def pick(own, actors):  # noqa: ANN001, ANN202 - one value of either type
+            return actors if own is None else own
+
+        return RefConfig(
+            log_prob_micro_batch_size_per_gpu=pick(self.log_prob_micro_batch_size_per_gpu,
+                                                   actor.ppo_micro_batch_size_per_gpu),
+            log_prob_use_dynamic_bsz=pick(self.log_prob_use_dynamic_bsz, actor.use_dynamic_bsz),
+            log_prob_max_token_len_per_gpu=pick(self.log_prob_max_token_len_per_gpu,
+                                                actor.ppo_max_token_len_per_gpu),
+            ulysses_sequence_parallel_size=pick(self.ulysses_sequence_parallel_size,
+                                                actor.ulysses_sequence_parallel_size),
+            fsdp_config=RefFsdpConfig(param_offload=pick(self.fsdp_config.param_offload,
+                                                         actor.fsdp_config.param_offload)))
 
 
 class AlgorithmConfig(_Section):
@@ -354,6 +419,12 @@ class BufferConfig(_Section):
 class TrainerConfig(_Section):
     """The run's length and cadence. ``test_freq``/``save_freq`` of -1 turn them off.
 
+    Length, as in verl: ``total_training_steps`` learner steps when set, else
+    ``total_epochs`` passes over the training rows (``total_epochs x (rows //
+    data.train_batch_size)`` steps, rows counted in the files before
+    ``data.filter_overlong_prompts``), else 100 steps. ``configs.checks`` resolves it, so a
+    loaded config always has ``total_training_steps``.
+
     ``resume_mode`` (verl's): ``auto`` continues from the newest complete checkpoint in the
     checkpoint dir (``checkpoint.dir``) if there is one and starts afresh otherwise;
     ``disable`` always starts afresh; ``resume_path`` continues from the checkpoint folder
@@ -364,11 +435,13 @@ class TrainerConfig(_Section):
     version (``learner.checkpoint``).
     """
 
-    total_training_steps: Positive = 100
+    total_training_steps: Positive | None = None
+    total_epochs: Positive | None = None
     test_freq: int = 10
     save_freq: int = -1
     publish_every: Positive = 1  # Relay: publish weights to generators every k steps
     val_before_train: bool = True
+    log_val_generations: NonNegative = 0  # held-out responses logged per evaluation (a table)
     critic_warmup: NonNegative = 0  # steps that train only the critic (adv_estimator = gae)
     # Relay: published versions that may wait for a busy evaluator, each a CPU copy of the
     # weights on learner rank 0; past it the oldest waiting one is not evaluated
@@ -382,12 +455,27 @@ class TrainerConfig(_Section):
     resume_from_path: str = ""  # the checkpoint folder of resume_mode = "resume_path"
 
 
+TrackerName = Literal["console", "mlflow", "wandb", "tensorboard"]
+
+
 class TrackingConfig(_Section):
-    """MLflow. An empty ``uri`` means a local store under the run directory."""
+    """Where the learner's metrics go (``learner.tracking``).
+
+    MLflow always: resuming and the offline replay find the run in it. An empty ``uri``
+    means a local store under the run directory; ``experiment`` and ``run_name`` (empty:
+    the run directory's name) name the experiment and the run. ``loggers`` (verl's
+    ``trainer.logger``) adds ``wandb`` (project ``experiment``, run ``run_name``; its files
+    under run_dir/wandb; ``wandb_mode = "offline"`` by default, since ``online`` needs the
+    network and a login) and ``tensorboard`` (event files under run_dir/tensorboard);
+    ``console`` and ``mlflow`` are always on (the launcher's status line, and the store
+    above).
+    """
 
     uri: str = ""
     experiment: str = "relay"
     run_name: str = ""
+    loggers: list[TrackerName] = msgspec.field(default_factory=lambda: ["console", "mlflow"])
+    wandb_mode: Literal["offline", "online"] = "offline"
 
 
 class CheckpointConfig(_Section):
@@ -404,6 +492,7 @@ class RunConfig(_Section):
     model: ModelConfig
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     actor: ActorConfig = msgspec.field(default_factory=ActorConfig)
+    ref: RefConfig = msgspec.field(default_factory=RefConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
     reward_model: RewardModelConfig = msgspec.field(default_factory=RewardModelConfig)

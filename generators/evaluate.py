@@ -11,14 +11,17 @@ weights the learner hands out for evaluation.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Literal
 
 import msgspec
 
 from algorithms.rewards.result import RewardItem, RewardResult
 from algorithms.rewards.scorer import RewardScorer
-from buffer.dataset import PromptRow
+from buffer.dataset import PromptRow, truncate_prompt
 from generators.engine import Engine
 from generators.sampling import SamplingParams
+from generators.val_metrics import ScoredResponse, validation_metrics
+from transport.messages import ValGeneration
 
 EVAL_BATCH = 256
 
@@ -29,6 +32,8 @@ class EvalResult(msgspec.Struct, frozen=True):
     response_length_mean: float
     samples: int
     by_source: dict[str, float]  # accuracy per data_source
+    verl: dict[str, float] = {}  # verl's val-core/... and val-aux/... (generators.val_metrics)
+    generations: list[ValGeneration] = []  # the first rows' first responses
 
 
 def eval_metrics(result: EvalResult) -> dict[str, float]:
@@ -37,6 +42,7 @@ def eval_metrics(result: EvalResult) -> dict[str, float]:
                "eval/response_length_mean": result.response_length_mean}
     if len(result.by_source) > 1:
         metrics.update({f"eval/accuracy/{s}": a for s, a in result.by_source.items()})
+    metrics.update(result.verl)
     return metrics
 
 
@@ -47,10 +53,16 @@ def is_correct(result: RewardResult) -> float:
 
 
 def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardScorer,
-             params: SamplingParams, n: int = 1, max_prompt_length: int = 1 << 30) -> EvalResult:
-    """Generate ``n`` responses per row and score them."""
+             params: SamplingParams, n: int = 1, max_prompt_length: int = 1 << 30,
+             truncation: Literal["left", "right"] = "left", keep: int = 0) -> EvalResult:
+    """Generate ``n`` responses per row and score them; a prompt longer than
+    ``max_prompt_length`` tokens is cut on its ``truncation`` side (``truncate_prompt``).
+    The first response of each of the first ``keep`` rows is kept as text
+    (``trainer.log_val_generations``)."""
     correct = rewards = lengths = 0.0
     per_source: dict[str, list[float]] = defaultdict(list)
+    scored: list[ScoredResponse] = []
+    generations: list[ValGeneration] = []
     for start in range(0, len(rows), EVAL_BATCH):
         chunk = rows[start:start + EVAL_BATCH]
         prompts = []
@@ -58,16 +70,24 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
             messages = [{"role": m.role, "content": m.content} for m in row.prompt]
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                 tokenize=True, return_dict=False)
-            prompts.extend([list(ids)[-max_prompt_length:]] * n)
+            prompts.extend([truncate_prompt(ids, max_prompt_length, truncation)] * n)
         completions = engine.generate(prompts, params)
-        items = []
+        items, texts = [], []
         for index, completion in enumerate(completions):
             row = chunk[index // n]
             text = tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True)
             items.append(RewardItem(row.data_source, text, row.reward_model.ground_truth,
                                     dict(row.extra_info)))
+            texts.append(text)
             lengths += completion.token_ids.numel()
-        for item, result in zip(items, scorer.score(items), strict=True):
+        for index, (item, result) in enumerate(zip(items, scorer.score(items), strict=True)):
+            scored.append(ScoredResponse(data_source=item.data_source, prompt=start + index // n,
+                                         values={"reward": result.score, **result.info},
+                                         pred=result.pred))
+            if index % n == 0 and start + index // n < keep:
+                generations.append(ValGeneration(
+                    input=tokenizer.decode(prompts[index], skip_special_tokens=True),
+                    output=texts[index], score=result.score))
             hit = is_correct(result)
             correct += hit
             rewards += result.score
@@ -75,4 +95,5 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
     total = max(len(rows) * n, 1)
     return EvalResult(accuracy=correct / total, reward_mean=rewards / total,
                       response_length_mean=lengths / total, samples=len(rows) * n,
-                      by_source={s: sum(v) / len(v) for s, v in per_source.items()})
+                      by_source={s: sum(v) / len(v) for s, v in per_source.items()},
+                      verl=validation_metrics(scored), generations=generations)

@@ -24,11 +24,12 @@ import signal
 import sys
 import threading
 import time
+from typing import Literal
 
 import torch
 
 from algorithms.rewards.scorer import RewardScorer
-from buffer.dataset import PromptRow, load_prompt_rows
+from buffer.dataset import PromptRow, chat_token_counter, fit_prompts, load_prompt_rows
 from configs.rundir import configure_logging, load_run_dir
 from generators.build import build_engine
 from generators.engine import Engine
@@ -52,10 +53,12 @@ class Evaluator:
     def __init__(self, *, weights_endpoint: str, stream_endpoint: str, engine: Engine,
                  tokenizer, scorer: RewardScorer, rows: list[PromptRow], params: SamplingParams,
                  n: int, max_prompt_length: int, max_waiting: int,
+                 truncation: Literal["left", "right"] = "left", log_generations: int = 0,
                  keys: ClientKeys | None = None) -> None:
         self.engine, self.tokenizer, self.scorer = engine, tokenizer, scorer
         self.rows, self.params, self.n = rows, params, n
-        self.max_prompt_length = max_prompt_length
+        self.max_prompt_length, self.truncation = max_prompt_length, truncation
+        self.log_generations = log_generations  # trainer.log_val_generations
         self._client = Client(weights_endpoint, keys=keys)
         self.weights = EvalWeights(weights_endpoint, stream_endpoint, max_waiting=max_waiting,
                                    keys=keys)
@@ -109,13 +112,15 @@ class Evaluator:
     def evaluate(self, step: int, version: int) -> EvalReport:
         began = time.monotonic()
         result = evaluate(self.engine, self.tokenizer, self.rows, self.scorer, self.params,
-                          n=self.n, max_prompt_length=self.max_prompt_length)
+                          n=self.n, max_prompt_length=self.max_prompt_length,
+                          truncation=self.truncation, keep=self.log_generations)
         metrics = eval_metrics(result)
         metrics["perf/eval_seconds"] = time.monotonic() - began
         logger.info("step %d (version %d): held-out accuracy %.3f over %d samples in %.1f s",
                     step, version, result.accuracy, result.samples, metrics["perf/eval_seconds"])
         self.evaluated.append(step)
-        return EvalReport(step=step, version=version, metrics=metrics)
+        return EvalReport(step=step, version=version, metrics=metrics,
+                          generations=result.generations)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,16 +140,23 @@ def main(argv: list[str] | None = None) -> int:
                                      max_num_seqs=run.rollout.max_num_seqs,
                                      max_len=run.data.max_prompt_length
                                      + run.rollout.response_length)
-    rows = load_prompt_rows(run.data.val_files)
+    data = run.data
+    rows = fit_prompts(load_prompt_rows(data.val_files, prompt_key=data.prompt_key),
+                       chat_token_counter(tokenizer), data.max_prompt_length,
+                       drop=data.filter_overlong_prompts, refuse=data.truncation == "error",
+                       what="data.val_files").rows
     scorer = RewardScorer(run.custom_reward_function)
     scorer.check_data_sources({row.data_source for row in rows})
     val = run.rollout.val_kwargs
     params = SamplingParams(max_new_tokens=run.rollout.response_length,
-                            temperature=val.temperature, top_p=val.top_p, top_k=val.top_k)
+                            temperature=val.sampling_temperature, top_p=val.top_p,
+                            top_k=val.top_k)
     evaluator = Evaluator(weights_endpoint=ctx.weights_endpoint,
                           stream_endpoint=ctx.weights_stream_endpoint, engine=engine,
                           tokenizer=tokenizer, scorer=scorer, rows=rows, params=params,
                           n=val.n, max_prompt_length=run.data.max_prompt_length,
+                          truncation="right" if data.truncation == "right" else "left",
+                          log_generations=run.trainer.log_val_generations,
                           max_waiting=run.trainer.max_waiting_evals, keys=ctx.client_keys())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

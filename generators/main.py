@@ -101,12 +101,14 @@ def main(argv: list[str] | None = None) -> int:
                                      max_len=run.data.max_prompt_length
                                      + run.rollout.response_length)
     scorer = RewardScorer(run.custom_reward_function)
-    scorer.check_data_sources({row.data_source for row in load_prompt_rows(run.data.train_files)})
+    scorer.check_data_sources({row.data_source for row in load_prompt_rows(
+        run.data.train_files, prompt_key=run.data.prompt_key)})
     loop = GeneratorLoop(generator_id=args.name, buffer_endpoint=ctx.buffer_endpoint,
                          weights_endpoint=ctx.weights_endpoint,
                          weights_stream_endpoint=ctx.weights_stream_endpoint, engine=engine,
                          tokenizer=tokenizer, scorer=scorer, rollout=run.rollout,
                          max_prompt_length=run.data.max_prompt_length,
+                         truncation=run.data.truncation,
                          overlong=run.reward_model.overlong_buffer,
                          patience_s=run.buffer.client_patience_s,
                          weights_timeout_s=run.buffer.weights_timeout_s

@@ -29,9 +29,12 @@ import socket
 import threading
 import time
 
+from typing import Literal
+
 import msgspec
 
 from algorithms.rewards.scorer import RewardScorer
+from buffer.dataset import truncate_prompt
 from configs.run_schema import OverlongBufferConfig, RolloutConfig
 from generators.engine import Engine, FinishedGroup
 from generators.leases import HeldLease, LeaseBook
@@ -145,6 +148,7 @@ class GeneratorLoop:
                  weights_stream_endpoint: str,
                  engine: Engine, tokenizer, scorer: RewardScorer, rollout: RolloutConfig,
                  max_prompt_length: int, overlong: OverlongBufferConfig,
+                 truncation: Literal["error", "left", "right"] = "left",
                  patience_s: float, weights_timeout_s: float, seed: int = 0,
                  keys: ClientKeys | None = None) -> None:
         self.generator_id, self.buffer_endpoint = generator_id, buffer_endpoint
@@ -153,6 +157,10 @@ class GeneratorLoop:
         self.greedy_params = msgspec.structs.replace(self.params, temperature=0.0)
         self.max_num_seqs = rollout.max_num_seqs
         self.max_prompt_length = max_prompt_length
+        # "error": the buffer refused overlong prompts when it loaded them (buffer.main), so
+        # one seen here was measured with another tokenizer: keep its end, as "left" does
+        self.truncation_side: Literal["left", "right"] = \
+            "right" if truncation == "right" else "left"
         self.weights_timeout_s = weights_timeout_s
         self.patience_s = patience_s  # retrying a buffer that does not answer
         self.counters = Counters()
@@ -363,10 +371,10 @@ class GeneratorLoop:
                                                  tokenize=True, return_dict=False)
         limit = self.max_prompt_length
         if len(ids) > limit:
-            logger.warning("prompt %s has %d tokens; keeping the last %d (data.max_prompt_length)",
-                           prompt.prompt_id, len(ids), limit)
-            ids = ids[-limit:]
-        return list(ids)
+            logger.warning("prompt %s has %d tokens; keeping the %s %d (data.max_prompt_length, "
+                           "data.truncation)", prompt.prompt_id, len(ids),
+                           "last" if self.truncation_side == "left" else "first", limit)
+        return truncate_prompt(ids, limit, self.truncation_side)
 
     # -- returning prompts --------------------------------------------------------------
 

@@ -40,8 +40,9 @@ from transport.messages import (
 logger = logging.getLogger(__name__)
 
 GOODBYE_GRACE_S = 3.0  # after the last report: time for the evaluator's next request
-METRIC_NAME = re.compile(r"[\w./\- :]{1,250}")
-"""A metric name MLflow takes: at most 250 letters, digits, ``_ - . / :`` and spaces."""
+METRIC_NAME = re.compile(r"[\w./\- :@]{1,250}")
+"""A metric name MLflow takes: at most 250 letters, digits, ``_ - . / :`` and spaces; and
+``@`` (verl's ``mean@4``), which the tracker spells ``_at_`` for MLflow."""
 
 
 def report_problem(report: EvalReport, offered_through: int) -> str:

@@ -283,3 +283,5 @@ class TrainLoop:
         logger.info("step %d (version %d): held-out accuracy %.3f", report.step,
                     report.version, report.metrics.get("eval/accuracy", float("nan")))
         self.rank0.reporter.report(report.step, report.metrics)
+        if report.generations:
+            self.rank0.reporter.tracker.log_generations(report.step, report.generations)

@@ -69,7 +69,8 @@ def build_learner(ctx: RunContext, device: torch.device,
     if run.actor.use_kl_loss or run.algorithm.use_kl_in_reward or prm_shares_reference:
         reference = load_sharded(run.model.path, compute_dtype=dtype, device=device,
                                  trust_remote_code=run.model.trust_remote_code, trainable=False,
-                                 offload=offload)
+                                 offload=bool(run.ref.resolve(run.actor).fsdp_config
+                                              .param_offload))
     optimizer = build_optimizer(model, run.actor.optim)
     scheduler = build_scheduler(optimizer, total_steps=run.trainer.total_training_steps,
                                 optim=run.actor.optim)
@@ -89,7 +90,8 @@ def build_learner(ctx: RunContext, device: torch.device,
         prm = ImplicitPRM(prm_model, prm_reference, run.reward_model,
                           total_steps=run.trainer.total_training_steps,
                           temperature=run.rollout.temperature)
-    return Learner(model, optimizer, scheduler, actor=run.actor, algorithm=run.algorithm,
+    return Learner(model, optimizer, scheduler, actor=run.actor, ref=run.ref,
+                   algorithm=run.algorithm,
                    temperature=run.rollout.temperature, horizon=run.rollout.response_length,
                    num_prompts=run.data.train_batch_size,
                    critic_warmup=run.trainer.critic_warmup, reference=reference, critic=critic,
@@ -101,6 +103,7 @@ def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase,
     run = ctx.run
     tracker = Tracker(uri=run.tracking.uri, experiment=run.tracking.experiment,
                       run_name=run.tracking.run_name, run_dir=ctx.run_dir,
+                      loggers=run.tracking.loggers, wandb_mode=run.tracking.wandb_mode,
                       resumed=Resumed(step=resumed.loop.step, run_id=resumed.mlflow_run_id)
                       if resumed is not None else None)
     tracker.log_config(run, [ctx.run_dir / RESOLVED_RUN, ctx.run_dir / RESOLVED_TOPOLOGY])

@@ -1,4 +1,5 @@
-"""Experiment tracking with MLflow (rank 0 only).
+"""Experiment tracking with MLflow (rank 0 only), and optionally Weights & Biases and
+TensorBoard (``tracking.loggers``).
 
 The default tracking URI is a SQLite store inside the run directory
 (``sqlite:///RUN_DIR/mlflow.db``); any MLflow URI works (``http://host:5000``, a
@@ -14,18 +15,28 @@ configs go to ``config/resumed-at-step-<N>/`` and the tag ``relay.resumed_at_ste
 where it went on. When that run cannot be continued (not in the store: another tracking
 URI; deleted; in another experiment), a new run named "<name> (resumed at step N)" is
 started instead, with the params as usual.
+
+The other trackers are thin adapters over their libraries' own APIs (``Sink``), each
+receiving the same params and metrics: ``wandb.init(project=experiment, name=run_name,
+dir=run_dir, mode=wandb_mode)`` (offline by default: the files are under run_dir/wandb, for
+``wandb sync``) and TensorBoard's ``SummaryWriter(run_dir/tensorboard)``. A resumed run
+starts a new run in each of them. MLflow refuses "@" in a metric's name, so verl's
+``mean@4`` reaches MLflow as ``mean_at_4`` and the others as it is.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import mlflow
 import msgspec
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+
+from transport.messages import ValGeneration
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +72,107 @@ class Resumed(msgspec.Struct, frozen=True):
     run_id: str
 
 
+GENERATION_COLUMNS = ("step", "input", "output", "score")
+
+
+def generation_rows(step: int, generations: Sequence[ValGeneration]) -> list[list[Any]]:
+    """The rows of a held-out generations table (``GENERATION_COLUMNS``)."""
+    return [[step, g.input, g.output, g.score] for g in generations]
+
+
+class Sink(Protocol):
+    """A tracker besides MLflow: it gets the same params, metrics and tables."""
+
+    def log_params(self, params: dict[str, str]) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_generations(self, step: int, generations: Sequence[ValGeneration]) -> None: ...
+
+    def close(self, ok: bool) -> None: ...
+
+
+class WandbSink:
+    """A Weights & Biases run (``wandb.init``); offline mode writes run_dir/wandb.
+
+    Every metric is plotted against ``STEP_METRIC``, the learner step, rather than wandb's
+    own step: an evaluation's report arrives after later training steps were logged, and
+    wandb drops a row whose own step goes back."""
+
+    STEP_METRIC = "trainer/step"
+
+    def __init__(self, *, project: str, name: str, run_dir: Path, mode: str) -> None:
+        import wandb  # only when asked for: an optional package
+
+        self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode)
+        self.run.define_metric(self.STEP_METRIC)
+        self.run.define_metric("*", step_metric=self.STEP_METRIC)
+
+    def log_params(self, params: dict[str, str]) -> None:
+        self.run.config.update(params, allow_val_change=True)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log({**metrics, self.STEP_METRIC: step})
+
+    def log_generations(self, step: int, generations: Sequence[ValGeneration]) -> None:
+        import wandb
+
+        table = wandb.Table(columns=list(GENERATION_COLUMNS),
+                            data=generation_rows(step, generations))
+        self.run.log({"val/generations": table, self.STEP_METRIC: step})
+
+    def close(self, ok: bool) -> None:
+        self.run.finish(exit_code=0 if ok else 1)
+
+
+class TensorBoardSink:
+    """TensorBoard event files under run_dir/tensorboard (``SummaryWriter``)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log_params(self, params: dict[str, str]) -> None:
+        lines = (f"{key} = {value}" for key, value in sorted(params.items()))
+        self.writer.add_text("config", "\n\n".join(lines))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, global_step=step)
+
+    def log_generations(self, step: int, generations: Sequence[ValGeneration]) -> None:
+        rows = ["| input | output | score |", "| --- | --- | --- |"]
+        rows += [f"| {_cell(g.input)} | {_cell(g.output)} | {g.score:g} |" for g in generations]
+        self.writer.add_text("val/generations", "\n".join(rows), global_step=step)
+
+    def close(self, ok: bool) -> None:
+        self.writer.close()
+
+
+def _cell(text: str) -> str:
+    """Text for one markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", "<br>")
+
+
+def build_sinks(loggers: Sequence[str], *, project: str, name: str, run_dir: Path,
+                wandb_mode: str = "offline") -> list[Sink]:
+    """The trackers ``loggers`` names besides MLflow and the console (``TrackingConfig``)."""
+    sinks: list[Sink] = []
+    if "wandb" in loggers:
+        sinks.append(WandbSink(project=project, name=name, run_dir=run_dir, mode=wandb_mode))
+    if "tensorboard" in loggers:
+        sinks.append(TensorBoardSink(run_dir))
+    return sinks
+
+
 class Tracker:
     """One MLflow run: a new one, or, resuming, the one the checkpoint names (module
-    docstring)."""
+    docstring); and the other trackers ``loggers`` names."""
 
     def __init__(self, *, uri: str, experiment: str, run_name: str, run_dir: Path,
-                 resumed: Resumed | None = None) -> None:
+                 resumed: Resumed | None = None, loggers: Sequence[str] = (),
+                 wandb_mode: str = "offline") -> None:
         self.uri = uri or default_uri(run_dir)
         self.resumed = resumed
         mlflow.set_tracking_uri(self.uri)
@@ -85,6 +191,8 @@ class Tracker:
             mlflow.set_tag("relay.resumed_at_step", str(resumed.step))
         logger.info("tracking to %s (experiment %r, run %s%s)", self.uri, experiment,
                     self.run.info.run_id, " continued" if self.continued else "")
+        self.sinks = build_sinks(loggers, project=experiment, name=name, run_dir=run_dir,
+                                 wandb_mode=wandb_mode)
 
     @property
     def run_id(self) -> str:
@@ -115,6 +223,8 @@ class Tracker:
                                     artifact_path=f"config/resumed-at-step-{self.resumed.step}")
             return
         params = flatten(config)
+        for sink in self.sinks:
+            sink.log_params(params)
         keys = sorted(params)
         for start in range(0, len(keys), 100):  # MLflow takes at most 100 params per call
             mlflow.log_params({k: params[k] for k in keys[start:start + 100]})
@@ -122,7 +232,24 @@ class Tracker:
             mlflow.log_artifact(str(file), artifact_path="config")
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        mlflow.log_metrics(metrics, step=step)
+        """Log ``metrics`` at ``step``; MLflow refuses "@" in a name, so verl's ``mean@4``
+        is logged as ``mean_at_4`` (as verl's own MLflow logger does)."""
+        mlflow.log_metrics({name.replace("@", "_at_"): value for name, value in metrics.items()},
+                           step=step)
+        for sink in self.sinks:
+            sink.log_metrics(metrics, step)
+
+    def log_generations(self, step: int, generations: Sequence[ValGeneration]) -> None:
+        """A table of held-out responses (``trainer.log_val_generations``): MLflow's
+        ``val_generations/step-<N>.json`` artifact, and each other tracker's own table."""
+        rows = generation_rows(step, generations)
+        mlflow.log_table({column: [row[i] for row in rows]
+                          for i, column in enumerate(GENERATION_COLUMNS)},
+                         artifact_file=f"val_generations/step-{step:06d}.json")
+        for sink in self.sinks:
+            sink.log_generations(step, generations)
 
     def close(self, ok: bool) -> None:
+        for sink in self.sinks:
+            sink.close(ok)
         mlflow.end_run(status="FINISHED" if ok else "FAILED")

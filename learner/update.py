@@ -78,7 +78,7 @@ from algorithms.policy_loss import (
     policy_loss_agg_mode,
 )
 from algorithms.prime import implicit_process_rewards, prime_advantages
-from configs.run_schema import ActorConfig, AlgorithmConfig
+from configs.run_schema import ActorConfig, AlgorithmConfig, RefConfig
 from learner.batch import TrainBatch
 from learner.critic import Critic
 from learner.implicit_prm import ImplicitPRM
@@ -151,7 +151,8 @@ class Learner:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, *, actor: ActorConfig,
-                 algorithm: AlgorithmConfig, temperature: float, horizon: int, num_prompts: int,
+                 algorithm: AlgorithmConfig, ref: RefConfig | None = None,
+                 temperature: float, horizon: int, num_prompts: int,
                  critic_warmup: int = 0, reference: nn.Module | None = None,
                  critic: Critic | None = None, prm: ImplicitPRM | None = None,
                  parallelism: Parallelism | None = None) -> None:
@@ -170,6 +171,12 @@ class Learner:
                                   share_prompts=actor.share_prompts, group=self.group,
                                   sp=self.sp)
         self.world = self.micro.world  # data-parallel ranks
+        ref = (ref or RefConfig()).resolve(actor)  # the reference's passes (RefConfig)
+        self.ref_micro = MicroBatches(
+            groups_per_mini_batch=self.micro.groups_per_mini_batch,
+            micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
+            max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz
+            else None, share_prompts=actor.share_prompts, group=self.group, sp=self.sp)
         if algorithm.adv_estimator == "gae" and critic is None:
             raise ValueError("algorithm.adv_estimator = 'gae' needs the critic")
         if algorithm.adv_estimator == "prime" and prm is None:
@@ -205,7 +212,8 @@ class Learner:
         upfront = (updates > 1 and actor.proximal_logprobs == "recompute") \
             or algorithm.use_kl_in_reward or self.correction.rejects
         proximal = self._no_grad_logprobs(self.model, batch) if upfront else None
-        reference = self._no_grad_logprobs(self.reference, batch) if self.reference else None
+        reference = self._no_grad_logprobs(self.reference, batch, self.ref_micro) \
+            if self.reference else None
         correction = None
         if proximal is not None:
             correction = off_policy_correction(proximal, batch.behavior_logprobs,
@@ -307,14 +315,17 @@ class Learner:
         return advantages, metrics
 
     @torch.no_grad()
-    def _no_grad_logprobs(self, model: nn.Module, batch: TrainBatch) -> torch.Tensor:
+    def _no_grad_logprobs(self, model: nn.Module, batch: TrainBatch,
+                          micro: MicroBatches | None = None) -> torch.Tensor:
         """Log-probs of every row of the batch, in its own grid: each rank computes the rows
-        it trains on (a stand-in pass is not kept), and the ranks sum them."""
+        it trains on (a stand-in pass is not kept), and the ranks sum them. ``micro`` cuts
+        the passes (default: the actor's cut; the reference's is ``ref_micro``)."""
+        micro = micro or self.micro
         out = torch.zeros_like(batch.behavior_logprobs)
-        for mini in self.micro.mini_batches(batch):
-            for each in self.micro.passes(batch, mini):
+        for mini in micro.mini_batches(batch):
+            for each in micro.passes(batch, mini):
                 logprobs, _ = forward_logprobs(model, each.part, self.temperature, False,
-                                               self.micro.share_prompts, self.sp)
+                                               micro.share_prompts, self.sp)
                 if each.owned():
                     out[each.rows, :logprobs.shape[1]] = logprobs
         if dist.is_initialized() and self.world > 1:

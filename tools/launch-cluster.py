@@ -6,7 +6,9 @@
 
 With no config, the embedded default (configs/topology.toml, configs/arithmetic-grpo.toml).
 Overrides ``section.key=value`` apply to the run config; ``topology.section.key=value`` to the
-topology. A bad config is refused before anything starts. ``--dry-run`` prints the resolved
+topology. verl's key paths work as written (``actor_rollout_ref.actor.clip_ratio_high=0.28``,
+``trainer.n_gpus_per_node=8``, Hydra's ``+key=value``): configs/verl-keys.md says what each
+becomes. A bad config is refused before anything starts. ``--dry-run`` prints the resolved
 configs and the processes that would start, and exits. ``--resume RUN_DIR`` continues the
 run in RUN_DIR from its newest complete checkpoint, with the configs stored there (and any
 overrides, e.g. more ``trainer.total_training_steps``).

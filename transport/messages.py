@@ -352,12 +352,23 @@ class EvalOffer(Message):
     version: int
 
 
+class ValGeneration(msgspec.Struct, array_like=True, kw_only=True, gc=False):
+    """One held-out response (``trainer.log_val_generations``): the prompt as the model saw
+    it, the response, and its reward."""
+
+    input: str
+    output: str
+    score: float
+
+
 class EvalReport(msgspec.Struct, array_like=True, kw_only=True, gc=False):
-    """Held-out metrics (``eval/...``) of the weights the learner had after ``step``."""
+    """Held-out metrics (``eval/...``) of the weights the learner had after ``step``, and
+    the first ``trainer.log_val_generations`` rows' first responses."""
 
     step: int
     version: int
     metrics: dict[str, float]
+    generations: list[ValGeneration] = []
 
 
 class EvalRequest(Message):

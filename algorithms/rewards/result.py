@@ -19,6 +19,7 @@ import msgspec
 
 ScoreFn = Callable[..., Any]  # (*, data_source, solution_str, ground_truth, extra_info)
 _MAX_ERROR_CHARS = 500
+MAX_PRED_CHARS = 1000  # an extracted answer longer than this is cut (it is only compared)
 
 
 class RewardItem(msgspec.Struct):
@@ -39,12 +40,15 @@ class RewardResult(msgspec.Struct, frozen=True):
 
     ``info`` holds the other finite numeric entries of a dict return (e.g. ``format_ok``);
     ``error`` is empty when the function returned a valid score, else it says why the
-    score is 0.0 (exception, timeout, bad return, dead worker).
+    score is 0.0 (exception, timeout, bad return, dead worker). ``pred``: the answer the
+    function extracted, a dict return's string ``pred`` (verl's key; majority voting,
+    ``maj@N``, counts it), empty when there is none.
     """
 
     score: float
     info: dict[str, float] = {}
     error: str = ""
+    pred: str = ""
 
 
 def failure(reason: str) -> RewardResult:
@@ -76,10 +80,14 @@ def to_result(raw: object) -> RewardResult:
     """Validate a reward function's return: a finite real, or a dict with a finite ``score``.
 
     Other entries of a dict are kept in ``info`` when they are finite reals with string
-    keys, and dropped otherwise (they are diagnostics, not rewards).
+    keys, and dropped otherwise (they are diagnostics, not rewards); a string ``pred`` is
+    kept as the result's ``pred`` (at most ``MAX_PRED_CHARS``).
     """
     info: dict[str, float] = {}
+    pred = ""
     if isinstance(raw, Mapping):
+        if isinstance(raw.get("pred"), str):
+            pred = raw["pred"][:MAX_PRED_CHARS]
         if "score" not in raw:
             keys = ", ".join(map(repr, list(raw)[:10]))
             return failure(f"bad return: dict without 'score' (keys: {keys})")
@@ -97,7 +105,7 @@ def to_result(raw: object) -> RewardResult:
     number = _finite_float(score)
     if number is None:
         return failure(f"bad return: non-finite score {score!r}")
-    return RewardResult(score=number, info=info)
+    return RewardResult(score=number, info=info, pred=pred)
 
 
 def evaluate(fn: ScoreFn, item: RewardItem) -> RewardResult:

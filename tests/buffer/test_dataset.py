@@ -17,7 +17,10 @@ from buffer.dataset import (
     PromptDataset,
     PromptRow,
     RewardSpec,
+    chat_token_counter,
+    fit_prompts,
     load_prompt_rows,
+    truncate_prompt,
     write_prompt_rows,
 )
 
@@ -206,3 +209,55 @@ def test_dataset_is_index_based_picklable_and_resumable(tmp_path):
     resumed.load_state_dict(state)
     assert first == [dataset[0], dataset[1]]
     assert list(resumed) == rest == [[dataset[2], dataset[3]], [dataset[4], dataset[5]]]
+
+
+def test_prompt_key_names_the_messages_column(tmp_path):
+    record = _row(1)
+    record["question"] = record.pop("prompt")
+    path = _jsonl(tmp_path / "q.jsonl", [record])
+    (row,) = load_prompt_rows(path, prompt_key="question")
+    assert row.prompt[1].content == "What is 1 + 1?"
+    with pytest.raises(DatasetError, match=r"q.jsonl:1: no column 'query' \(data.prompt_key\)"):
+        load_prompt_rows(path, prompt_key="query")
+
+
+class WordTokenizer:
+    """One token per word of each message, plus one for the generation prompt."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        assert add_generation_prompt and tokenize and not return_dict
+        return [0] * (sum(len(m["content"].split()) for m in messages) + 1)
+
+
+def _rows_of_words(*counts: int) -> list[PromptRow]:
+    return [PromptRow(prompt=(ChatMessage("user", " ".join(["w"] * c)),), data_source="s",
+                      reward_model=RewardSpec("rule", "1")) for c in counts]
+
+
+def test_filter_overlong_prompts_drops_and_logs_the_count(caplog):
+    rows = _rows_of_words(2, 9, 3, 12)  # 3, 10, 4, 13 tokens
+    count = chat_token_counter(WordTokenizer())
+    with caplog.at_level("WARNING", logger="relay.buffer"):
+        fit = fit_prompts(rows, count, 4, drop=True, refuse=True, what="data.train_files")
+    assert fit.rows == [rows[0], rows[2]] and fit.dropped == 2
+    assert "data.train_files: dropped 2 of 4 prompts longer than data.max_prompt_length = 4" \
+        in caplog.text
+    with pytest.raises(DatasetError, match="dropped them all"):
+        fit_prompts(rows, count, 2, drop=True, refuse=False, what="data.train_files")
+
+
+def test_truncation_error_names_the_overlong_rows_and_the_alternatives():
+    rows = _rows_of_words(2, 9, 3)
+    count = chat_token_counter(WordTokenizer())
+    with pytest.raises(DatasetError, match=r"1 prompt\(s\) longer .* = 4 tokens: row 1 \(10 "
+                                           r"tokens\); data.truncation = 'error'"):
+        fit_prompts(rows, count, 4, drop=False, refuse=True, what="data.val_files")
+    kept = fit_prompts(rows, count, 4, drop=False, refuse=False, what="data.val_files")
+    assert kept.rows == rows and kept.dropped == 0  # left to the generators to cut
+
+
+def test_truncate_prompt_keeps_the_end_or_the_start():
+    ids = [1, 2, 3, 4, 5]
+    assert truncate_prompt(ids, 3, "left") == [3, 4, 5]
+    assert truncate_prompt(ids, 3, "right") == [1, 2, 3]
+    assert truncate_prompt(ids, 5, "left") == ids

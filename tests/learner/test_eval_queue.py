@@ -118,6 +118,14 @@ def test_end_gives_up_after_its_budget_and_says_so(caplog: pytest.LogCaptureFixt
     assert ask(queue, 10) == Shutdown(reason="the run is over")
 
 
+def test_verls_at_names_are_kept() -> None:
+    queue = EvalQueue()
+    queue.offer(offer(10))
+    verl = EvalReport(step=10, version=10, metrics={"val-core/src/acc/mean@4": 0.5})
+    ask(queue, 10, verl)
+    assert queue.take_reports() == [verl]
+
+
 @pytest.mark.parametrize("bad", [
     EvalReport(step=2**63, version=0, metrics={"eval/accuracy": 1.0}),
     EvalReport(step=-5, version=0, metrics={"eval/accuracy": 1.0}),

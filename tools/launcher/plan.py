@@ -16,6 +16,7 @@ from typing import Literal
 
 import msgspec
 
+from configs.loader import to_toml
 from configs.run_schema import RunConfig
 from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY
 from configs.topology_schema import Topology
@@ -100,5 +101,5 @@ def build_plan(topology: Topology, run: RunConfig, run_dir: Path,
 def write_resolved(topology: Topology, run: RunConfig, run_dir: Path) -> None:
     """Write the resolved configs every process of the run reads."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / RESOLVED_TOPOLOGY).write_bytes(msgspec.toml.encode(topology))
-    (run_dir / RESOLVED_RUN).write_bytes(msgspec.toml.encode(run))
+    (run_dir / RESOLVED_TOPOLOGY).write_bytes(to_toml(topology))
+    (run_dir / RESOLVED_RUN).write_bytes(to_toml(run))

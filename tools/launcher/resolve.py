@@ -24,8 +24,9 @@ from algorithms.rewards.registry import UnknownDataSourceError, check_data_sourc
 from buffer.dataset import DatasetError, load_prompt_rows
 from buffer.prompt_source import BufferCheckpointError
 from configs.checks import load_run_config, load_topology
-from configs.loader import COMMAND_LINE, ConfigError
+from configs.loader import COMMAND_LINE, ConfigError, to_toml
 from configs.run_schema import RunConfig
+from configs.verl_keys import Placement
 from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, checkpoint_dir, is_run_dir
 from configs.topology_schema import Topology
 from launcher.plan import ProcessSpec, build_plan, new_run_dir
@@ -42,20 +43,25 @@ class ResolvedLaunch(msgspec.Struct, kw_only=True, frozen=True):
     run: RunConfig
     run_dir: Path
     processes: list[ProcessSpec]
+    verl_notes: list[str] = msgspec.field(default_factory=list)  # verl keys translated
 
 
 def resolve_launch(topology_file: str, run_file: str, topology_overrides: Sequence[str] = (),
                    run_overrides: Sequence[str] = ()) -> ResolvedLaunch:
-    """Load and check both configs with their overrides; plan the processes."""
-    topology = load_topology(topology_file, topology_overrides)
-    run = load_run_config(run_file, run_overrides)
+    """Load and check both configs with their overrides; plan the processes. verl's
+    placement keys in the run config (``trainer.n_gpus_per_node``...) apply to the topology
+    after its own overrides (``configs.verl_keys``)."""
+    placement: list[Placement] = []
+    notes: list[str] = []
+    run = load_run_config(run_file, run_overrides, placement, notes)
+    topology = load_topology(topology_file, topology_overrides, placement)
     check_validation_data(run, run_file)
     check_sequence_parallel(topology, run, run_file)
     run_dir = new_run_dir(run)
     run = resolve_resume_mode(run, run_dir, run_file)
     return ResolvedLaunch(topology_file=topology_file, run_file=run_file, topology=topology,
                           run=run, run_dir=run_dir,
-                          processes=build_plan(topology, run, run_dir))
+                          processes=build_plan(topology, run, run_dir), verl_notes=notes)
 
 
 def resolve_resume(run_dir: str | Path, topology_overrides: Sequence[str] = (),
@@ -69,8 +75,10 @@ def resolve_resume(run_dir: str | Path, topology_overrides: Sequence[str] = (),
                                             f"a launch wrote ({RESOLVED_RUN} and "
                                             f"{RESOLVED_TOPOLOGY} beside logs/)")
     topology_file, run_file = str(run_dir / RESOLVED_TOPOLOGY), str(run_dir / RESOLVED_RUN)
-    topology = load_topology(topology_file, topology_overrides)
-    run = load_run_config(run_file, run_overrides)
+    placement: list[Placement] = []
+    notes: list[str] = []
+    run = load_run_config(run_file, run_overrides, placement, notes)
+    topology = load_topology(topology_file, topology_overrides, placement)
     check_validation_data(run, run_file)
     check_sequence_parallel(topology, run, run_file)
     if not any(o.startswith("trainer.resume_") for o in run_overrides):
@@ -85,7 +93,8 @@ def resolve_resume(run_dir: str | Path, topology_overrides: Sequence[str] = (),
                                             f"{checkpoint_dir(run, run_dir)} to resume from "
                                             "(they are written every trainer.save_freq steps)")
     return ResolvedLaunch(topology_file=topology_file, run_file=run_file, topology=topology,
-                          run=run, run_dir=run_dir, processes=build_plan(topology, run, run_dir))
+                          run=run, run_dir=run_dir, processes=build_plan(topology, run, run_dir),
+                          verl_notes=notes)
 
 
 def resolve_resume_mode(run: RunConfig, run_dir: Path, source: str) -> RunConfig:
@@ -112,7 +121,7 @@ def check_validation_data(run: RunConfig, source: str) -> None:
     if not run.evaluates:
         return
     try:
-        rows = load_prompt_rows(run.data.val_files)
+        rows = load_prompt_rows(run.data.val_files, prompt_key=run.data.prompt_key)
         if not run.custom_reward_function.path:
             check_data_sources({row.data_source for row in rows})
     except (DatasetError, UnknownDataSourceError) as exc:
@@ -140,8 +149,8 @@ def check_sequence_parallel(topology: Topology, run: RunConfig, source: str) -> 
 
 def dry_run_report(resolved: ResolvedLaunch) -> str:
     """The resolved configs as TOML and the processes that would start, for a person."""
-    topology_toml = msgspec.toml.encode(resolved.topology).decode()
-    run_toml = msgspec.toml.encode(resolved.run).decode()
+    topology_toml = to_toml(resolved.topology).decode()
+    run_toml = to_toml(resolved.run).decode()
     ssh = resolved.topology.launcher.ssh
     workdir = resolved.topology.launcher.remote_workdir
     lines = [
@@ -149,6 +158,8 @@ def dry_run_report(resolved: ResolvedLaunch) -> str:
         topology_toml,
         f"# Resolved run config (from {resolved.run_file})",
         run_toml,
+        f"# verl keys ({len(resolved.verl_notes)}; configs/verl_keys.py, configs/verl-keys.md):",
+        *(f"#   {note}" for note in resolved.verl_notes),
         f"# Run directory: {resolved.run_dir}",
         f"# Resuming from: {resolved.run.trainer.resume_from_path or 'nothing (a fresh start)'}",
         f"# Processes ({len(resolved.processes)}):",

@@ -1,0 +1,255 @@
+"""verl's keys in a Relay run config (``configs.verl_keys``): every key of verl's
+``ppo_trainer.yaml`` is in one group, each group does what the table says, in a file and on
+the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs import CONFIG_DIR, ConfigError, load_run_config, load_topology
+from configs.loader import parse_key
+from configs.verl_keys import TABLE, Placement, in_schema, lookup, markdown_table
+
+from .test_loader import GOOD_RUN, error_of, write
+
+KEYS_FILE = Path(__file__).with_name("verl_ppo_trainer_keys.txt")
+VERL_KEYS = [line for line in KEYS_FILE.read_text().splitlines()
+             if line and not line.startswith("#")]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    rows = "".join('{"prompt": [{"role": "user", "content": "1+1"}], "data_source": "arithmetic", '
+                   '"reward_model": {"style": "rule", "ground_truth": "2"}}\n' for _ in range(20))
+    (tmp_path / "train.jsonl").write_text(rows)
+    (tmp_path / "val.jsonl").write_text(rows)
+    return tmp_path
+
+
+def test_every_key_of_verls_ppo_trainer_yaml_is_in_a_group() -> None:
+    assert len(VERL_KEYS) == 306
+    unclassified = [key for key in VERL_KEYS if lookup(parse_key(key)) is None]
+    assert unclassified == []
+
+
+def test_at_least_95_percent_of_verls_keys_are_accepted() -> None:
+    refused = [key for key in VERL_KEYS if lookup(parse_key(key)).group == "refused"]
+    assert 1 - len(refused) / len(VERL_KEYS) >= 0.95, refused
+
+
+def test_the_table_agrees_with_the_schema() -> None:
+    for entry in TABLE:
+        if entry.group == "same":
+            assert in_schema(entry.short), f"{entry.key} is 'same' but Relay lacks it"
+        if entry.group == "mapped":
+            assert entry.to and entry.note, entry.key
+            for to in entry.to:
+                assert to.startswith("topology.") or in_schema(parse_key(to)), entry.key
+        if entry.group in ("refused", "differs"):
+            assert entry.note, f"{entry.key} needs a note saying why"
+        if entry.accept is not None:
+            assert not in_schema(entry.short), f"{entry.key}: the schema checks its values"
+
+
+def test_the_committed_doc_is_the_generated_table() -> None:
+    assert (CONFIG_DIR / "verl-keys.md").read_text(encoding="utf-8") == markdown_table()
+    check = subprocess.run([sys.executable, str(REPO / "tools/gen-verl-keys-doc.py"), "--check"],
+                           capture_output=True, text=True, cwd=REPO)
+    assert check.returncode == 0, check.stderr
+
+
+def test_verls_long_section_names_work_in_a_file_and_on_the_command_line(run_dir: Path) -> None:
+    path = write(run_dir, GOOD_RUN + """
+[actor_rollout_ref.actor]
+clip_ratio_high = 0.28
+[actor_rollout_ref.rollout]
+n = 4
+[actor_rollout_ref.ref]
+log_prob_micro_batch_size_per_gpu = 16
+[actor_rollout_ref.model]
+enable_gradient_checkpointing = true
+""")
+    run = load_run_config(path, ["actor_rollout_ref.actor.optim.lr=3e-6",
+                                 "+actor_rollout_ref.rollout.temperature=0.7"])
+    assert run.actor.clip_ratio_high == 0.28 and run.rollout.n == 4
+    assert run.ref.log_prob_micro_batch_size_per_gpu == 16
+    assert run.model.enable_gradient_checkpointing and run.model.path == "builtin:tiny-arith"
+    assert run.actor.optim.lr == 3e-6 and run.rollout.temperature == 0.7
+
+
+def test_one_key_under_both_names_is_refused(run_dir: Path) -> None:
+    path = write(run_dir, GOOD_RUN + "[actor_rollout_ref.actor.optim]\nlr = 1e-6\n")
+    err = error_of(load_run_config, path)
+    assert err.key == "actor_rollout_ref.actor.optim.lr" and "actor.optim.lr" in err.problem
+
+
+def test_a_typo_in_a_verl_key_suggests_the_verl_key(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   ["actor_rollout_ref.actor.use_torch_compil=false"])
+    assert "did you mean 'actor.use_torch_compile'" in str(err)
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN + "[trainer]\nprojet_name = 'x'\n"))
+    assert err.source.endswith("run.toml") and "did you mean 'trainer.project_name'" in str(err)
+
+
+def test_a_mapped_key_sets_its_relay_key(run_dir: Path) -> None:
+    run = load_run_config(write(run_dir, GOOD_RUN), [
+        "data.max_response_length=48", "actor_rollout_ref.actor.clip_ratio=0.25",
+        "trainer.project_name=gsm8k", "trainer.experiment_name=qwen_grpo",
+        "trainer.default_local_dir=ckpts", "trainer.max_actor_ckpt_to_keep=null"])
+    assert run.rollout.response_length == 48
+    assert run.actor.clip_ratio_low == run.actor.clip_ratio_high == 0.25
+    assert (run.tracking.experiment, run.tracking.run_name) == ("gsm8k", "qwen_grpo")
+    assert run.checkpoint.dir == str(Path.cwd() / "ckpts")  # a path, resolved as one
+    assert run.checkpoint.keep_last == 2  # verl's null: Relay's default
+
+
+def test_in_a_file_the_explicit_relay_key_wins_over_the_mapped_one(run_dir: Path) -> None:
+    run = load_run_config(write(run_dir, GOOD_RUN + """
+[rollout]
+response_length = 64
+[actor]
+clip_ratio = 0.3
+clip_ratio_high = 0.28
+"""), ["data.max_response_length=48"])
+    assert run.actor.clip_ratio_low == 0.3 and run.actor.clip_ratio_high == 0.28
+    assert run.rollout.response_length == 48  # the command line overrides the file
+
+
+def test_a_key_without_effect_is_accepted_and_noted(run_dir: Path) -> None:
+    notes: list[str] = []
+    run = load_run_config(write(run_dir, GOOD_RUN + """
+[actor_rollout_ref.rollout]
+gpu_memory_utilization = 0.6
+[actor_rollout_ref.rollout.engine_kwargs.vllm]
+swap_space = 4
+"""), ["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1", "trainer.logger=['console','wandb']"],
+                          notes=notes)
+    assert run.rollout.n == 8
+    assert any(n.startswith("rollout.gpu_memory_utilization = 0.6") for n in notes)
+    assert any("rollout.engine_kwargs.vllm.swap_space" in n for n in notes)
+    assert "trainer.logger = ['console', 'wandb'] -> tracking.loggers" in notes
+
+
+def test_a_value_that_would_make_a_difference_is_refused_with_the_note(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   ["actor_rollout_ref.rollout.ignore_eos=true"])
+    assert err.key == "rollout.ignore_eos" and "generators stop at EOS" in err.problem
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN + "[reward_model]\nenable = true\n"))
+    assert err.source.endswith("run.toml") and "custom_reward_function" in err.problem
+
+
+def test_a_refused_key_says_what_to_use_instead(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   ["actor_rollout_ref.model.lora_rank=32"])
+    assert "LoRA is not supported yet" in err.problem
+    path = write(run_dir, GOOD_RUN + "[critic]\nppo_micro_batch_size = 8\n")
+    err = error_of(load_run_config, path)
+    assert "critic.ppo_micro_batch_size_per_gpu" in err.problem
+
+
+def test_placement_keys_go_to_the_topology(run_dir: Path) -> None:
+    placement: list[Placement] = []
+    load_run_config(write(run_dir, GOOD_RUN), ["trainer.n_gpus_per_node=4", "trainer.nnodes=1",
+                                               "actor_rollout_ref.rollout.name=hf",
+                                               "trainer.device=cpu"], placement)
+    topology = load_topology(CONFIG_DIR / "topology.toml", placement=placement)
+    assert topology.learner.nproc_per_node == 4
+    assert {g.engine for g in topology.generators} == {"hf"} and topology.evaluator.engine == "hf"
+    two_nodes = [Placement(key="trainer.nnodes", value=2, source="command line")]
+    err = error_of(load_topology, CONFIG_DIR / "topology.toml", placement=two_nodes)
+    assert err.key == "trainer.nnodes" and "learner.hosts" in err.problem
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["trainer.n_gpus_per_node=4"])
+    assert "topology" in err.problem  # no topology to apply it to
+
+
+def test_epochs_set_the_length_unless_steps_are_given(run_dir: Path) -> None:
+    path = write(run_dir, GOOD_RUN)  # 20 rows, batches of 8: 2 steps an epoch
+    assert load_run_config(path, ["trainer.total_epochs=3"]).trainer.total_training_steps == 6
+    both = load_run_config(path, ["trainer.total_epochs=3", "trainer.total_training_steps=5"])
+    assert both.trainer.total_training_steps == 5
+    assert load_run_config(path).trainer.total_training_steps == 100  # neither: the default
+    in_file = write(run_dir, GOOD_RUN + "[trainer]\ntotal_training_steps = 7\n")
+    assert load_run_config(in_file).trainer.total_training_steps == 7
+    epochs = load_run_config(in_file, ["trainer.total_epochs=3"])  # the command line wins
+    assert epochs.trainer.total_training_steps == 6
+    err = error_of(load_run_config, path, ["trainer.total_epochs=1", "data.train_batch_size=32"])
+    assert err.key == "trainer.total_epochs"
+
+
+def test_the_reference_shares_the_actors_sequence_parallel_mesh(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   ["actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"])
+    assert err.key == "ref.ulysses_sequence_parallel_size" and "one sequence-parallel" in str(err)
+    same = load_run_config(write(run_dir, GOOD_RUN), ["actor.ulysses_sequence_parallel_size=2",
+                                                      "ref.ulysses_sequence_parallel_size=2"])
+    assert same.ref.ulysses_sequence_parallel_size == 2
+
+
+def test_greedy_evaluation_when_do_sample_is_false(run_dir: Path) -> None:
+    run = load_run_config(write(run_dir, GOOD_RUN), [
+        "actor_rollout_ref.rollout.val_kwargs.temperature=0.6",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=False"])
+    assert run.rollout.val_kwargs.sampling_temperature == 0.0
+    sampled = load_run_config(write(run_dir, GOOD_RUN),
+                              ["actor_rollout_ref.rollout.val_kwargs.temperature=0.6"])
+    assert sampled.rollout.val_kwargs.sampling_temperature == 0.6
+
+
+def test_refused_or_unknown_keys_raise_config_errors_not_others(run_dir: Path) -> None:
+    for bad in ("trainer.logger=3", "actor_rollout_ref.rollout.name=triton"):
+        with pytest.raises(ConfigError):
+            placement: list[Placement] = []
+            load_run_config(write(run_dir, GOOD_RUN), [bad], placement)
+            load_topology(CONFIG_DIR / "topology.toml", placement=placement)
+
+
+def test_dapos_reward_kwargs_set_the_overlong_buffer(run_dir: Path) -> None:
+    run = load_run_config(write(run_dir, GOOD_RUN), [
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.len=256",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+        "data.max_response_length=512", "reward_model.reward_manager=dapo"])
+    overlong = run.reward_model.overlong_buffer
+    assert overlong.enable and overlong.len == 256 and overlong.penalty_factor == 1.0
+
+
+def test_overriding_the_models_config_is_refused_with_the_way_to_do_it(run_dir: Path) -> None:
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   ["+actor_rollout_ref.model.override_config.max_position_embeddings=32768"])
+    assert "edit config.json" in err.problem
+    assert load_run_config(write(run_dir, GOOD_RUN + "[model.override_config]\n")).model
+
+
+def test_trainer_logger_chooses_the_trackers(run_dir: Path, monkeypatch) -> None:
+    run = load_run_config(write(run_dir, GOOD_RUN), ["trainer.logger=['console','mlflow']"])
+    assert run.tracking.loggers == ["console", "mlflow"]
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["trainer.logger=['swanlab']"])
+    assert err.key == "tracking.loggers[0]" and "'wandb'" in err.problem
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # not installed
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["trainer.logger=['wandb']"])
+    assert err.key == "tracking.loggers" and "pip install wandb" in err.problem
+
+
+def test_null_for_a_verl_key_relay_has_means_relays_default(run_dir: Path) -> None:
+    path = write(run_dir, GOOD_RUN + "[custom_reward_function]\nname = 'f'\n")
+    run = load_run_config(path, ["trainer.resume_from_path=null",
+                                 "custom_reward_function.name=null", "data.val_files=null"])
+    assert run.trainer.resume_from_path == "" and run.custom_reward_function.name == \
+        "compute_score" and run.data.val_files == []
+    named = load_run_config(write(run_dir, GOOD_RUN), ["tracking.experiment=null"])
+    assert named.tracking.experiment == "null"  # not a verl key: the text is the name
+
+
+def test_placement_keys_in_a_file_go_to_the_topology_too(run_dir: Path) -> None:
+    placement: list[Placement] = []
+    load_run_config(write(run_dir, GOOD_RUN + "[trainer]\nn_gpus_per_node = 2\n"), (), placement)
+    assert placement == [Placement(key="trainer.n_gpus_per_node", value=2,
+                                   source=str(run_dir / "run.toml"))]
+    assert load_topology(CONFIG_DIR / "topology.toml",
+                         placement=placement).learner.nproc_per_node == 2

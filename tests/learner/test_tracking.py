@@ -1,0 +1,67 @@
+"""The learner's trackers: MLflow takes verl's metric names, which it refuses as they are;
+wandb (offline) and TensorBoard write their own files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from configs.run_schema import TrackingConfig
+from learner.tracking import Tracker
+from transport.messages import ValGeneration
+
+
+def test_verls_at_names_are_logged_with_at_spelled_out(tmp_path: Path) -> None:
+    tracker = Tracker(uri="", experiment="verl-names", run_name="", run_dir=tmp_path)
+    try:
+        tracker.log_metrics({"val-core/src/acc/mean@4": 0.5, "eval/accuracy": 0.25}, step=3)
+    finally:
+        tracker.close(ok=True)
+    logged = MlflowClient(tracker.uri).get_run(tracker.run_id).data.metrics
+    assert logged == {"val-core/src/acc/mean_at_4": 0.5, "eval/accuracy": 0.25}
+
+
+def test_wandb_offline_and_tensorboard_write_their_files(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("wandb", reason="the trackers extra: pip install -e .[trackers]")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = Tracker(uri="", experiment="verl-names", run_name="r1", run_dir=tmp_path,
+                      loggers=["console", "mlflow", "wandb", "tensorboard"])
+    try:
+        tracker.log_config(TrackingConfig(run_name="r1"), [])
+        tracker.log_metrics({"val-core/src/acc/mean@4": 0.25}, step=1)
+        tracker.log_metrics({"actor/loss": 0.1}, step=3)
+        tracker.log_metrics({"val-core/src/acc/mean@4": 0.5}, step=2)  # a late evaluation
+        tracker.log_generations(2, [ValGeneration(input="1+1=", output="2", score=1.0)])
+        (wandb_run,) = [sink.run for sink in tracker.sinks if hasattr(sink, "run")]
+        assert wandb_run.summary["val-core/src/acc/mean@4"] == 0.5  # not dropped
+        assert wandb_run.summary["trainer/step"] == 2
+        wandb_keys = set(wandb_run.summary.keys())
+        assert wandb_run.config["run_name"] == "r1"  # the config, flattened
+    finally:
+        tracker.close(ok=True)
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")  # for `wandb sync`
+    (records,) = run.glob("run-*.wandb")
+    assert b"val-core/src/acc/mean@4" in records.read_bytes()
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    events = accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("val-core/src/acc/mean@4")
+    assert [(s.step, s.value) for s in scalars] == [(1, 0.25), (2, 0.5)]
+    assert "| 1+1= | 2 | 1 |" in events.Tensors("val/generations/text_summary")[0] \
+        .tensor_proto.string_val[0].decode()
+    assert "val/generations" in wandb_keys
+
+
+def test_held_out_generations_are_an_mlflow_table(tmp_path: Path) -> None:
+    tracker = Tracker(uri="", experiment="generations", run_name="", run_dir=tmp_path)
+    try:
+        tracker.log_generations(4, [ValGeneration(input="2+2=", output="it is 4", score=1.0),
+                                    ValGeneration(input="3+3=", output="it is 7", score=0.0)])
+    finally:
+        tracker.close(ok=True)
+    table = mlflow.load_table("val_generations/step-000004.json", run_ids=[tracker.run_id])
+    assert table.to_dict("list") == {"step": [4, 4], "input": ["2+2=", "3+3="],
+                                     "output": ["it is 4", "it is 7"], "score": [1.0, 0.0]}

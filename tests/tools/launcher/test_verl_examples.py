@@ -1,0 +1,85 @@
+"""Four of verl's own example scripts, with only the entry point swapped for
+``tools/launch-cluster.py`` and the model pointed at a local one (``verl_examples/``), pass
+``--dry-run`` and resolve to the Relay settings their verl keys stand for."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from buffer.dataset import load_prompt_rows, write_prompt_rows
+from configs import CONFIG_DIR
+
+REPO = Path(__file__).resolve().parents[3]
+EXAMPLES = Path(__file__).with_name("verl_examples")
+TRAIN_ROWS = 2048  # two of the scripts' 1024-prompt batches an epoch
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A $HOME whose data/ holds the scripts' parquet files, made of Relay's arithmetic rows."""
+    home = tmp_path_factory.mktemp("home")
+    train = load_prompt_rows(CONFIG_DIR / "data" / "arithmetic-train.jsonl")[:TRAIN_ROWS]
+    test = load_prompt_rows(CONFIG_DIR / "data" / "arithmetic-test.jsonl")[:64]
+    for name in ("gsm8k", "math"):
+        write_prompt_rows(home / "data" / name / "train.parquet", train)
+        write_prompt_rows(home / "data" / name / "test.parquet", test)
+    return home
+
+
+def dry_run(script: str, home: Path, model: Path) -> tuple[dict, str]:
+    """The resolved run config of ``bash verl_examples/<script> --dry-run``, and its output."""
+    env = dict(os.environ, HOME=str(home), MODEL_PATH=str(model),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    done = subprocess.run(["bash", str(EXAMPLES / script), "--dry-run"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_toml = done.stdout.split("# Resolved run config")[1].split("\n", 1)[1]
+    return tomllib.loads(run_toml.split("# verl keys")[0]), done.stdout
+
+
+def test_grpo_with_sequence_balancing(home: Path, random_model_dir: Path) -> None:
+    run, out = dry_run("grpo_qwen2-7b_seq_balance.sh", home, random_model_dir)
+    assert run["algorithm"]["adv_estimator"] == "grpo" and run["rollout"]["n"] == 5
+    assert run["rollout"]["response_length"] == 1024  # data.max_response_length
+    actor = run["actor"]
+    assert actor["use_dynamic_bsz"] and actor["ppo_max_token_len_per_gpu"] == 24000
+    assert actor["use_kl_loss"] and actor["ppo_mini_batch_size"] == 256
+    assert run["ref"]["fsdp_config"]["param_offload"] is True
+    assert run["data"]["filter_overlong_prompts"] and run["data"]["truncation"] == "error"
+    assert run["trainer"]["total_training_steps"] == 15 * 2  # 15 epochs of 2 batches
+    assert run["tracking"]["experiment"] == "verl_grpo_example_gsm8k"
+    assert "--nproc-per-node=8" in out  # trainer.n_gpus_per_node
+    # the dry run names what each verl key became
+    assert "#   data.max_response_length = 1024 -> rollout.response_length" in out
+    assert "#   trainer.n_gpus_per_node = 8 -> topology.learner.nproc_per_node" in out
+
+
+def test_grpo_qwen3(home: Path, random_model_dir: Path) -> None:
+    run, _ = dry_run("grpo_qwen3-8b.sh", home, random_model_dir)
+    assert run["actor"]["ppo_micro_batch_size_per_gpu"] == 32
+    assert run["ref"]["log_prob_micro_batch_size_per_gpu"] == 32
+    assert run["actor"]["kl_loss_type"] == "low_var_kl"
+
+
+def test_ppo_with_a_critic(home: Path, random_model_dir: Path) -> None:
+    run, _ = dry_run("ppo_deepseek7b_llm.sh", home, random_model_dir)
+    assert run["algorithm"]["adv_estimator"] == "gae"
+    assert run["critic"]["optim"]["lr"] == 1e-5
+    assert run["critic"]["model"]["path"] == str(random_model_dir)
+    assert run["model"]["enable_gradient_checkpointing"] is True
+    assert run["trainer"]["test_freq"] == 1
+
+
+def test_gmpo_geo_mean(home: Path, random_model_dir: Path) -> None:
+    run, _ = dry_run("gmpo_qwen2_5-7b_math.sh", home, random_model_dir)
+    assert run["actor"]["policy_loss"]["loss_mode"] == "geo_mean"
+    assert run["actor"]["clip_ratio_low"] == run["actor"]["clip_ratio_high"] == 0.4
+    assert run["data"]["train_files"] == [str(home / "data" / name / "train.parquet")
+                                          for name in ("gsm8k", "math")]
+    assert run["trainer"]["total_training_steps"] == 15 * 4  # two files of 2048 rows
