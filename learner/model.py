@@ -100,25 +100,39 @@ def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
     ``sp``: the rows go through the model packed and split across the SP group
     (``learner.ulysses``); otherwise, with ``share_prompts``, the rows of a group that share
     a prompt go through the model as one sequence (``learner.shared_prompts``) when the
-    model's family allows it. Either way the results are the row layout's. Both packed
-    forwards need the model loaded to attend with ``learner.attention`` (``load_sharded``).
+    model's family allows it, and only the positions that predict a response token get
+    logits (the rest of the grid is 0: every loss and metric reads the grid under the
+    response mask). Either way the response positions hold the row layout's values. Both
+    packed forwards need the model loaded to attend with ``learner.attention``
+    (``load_sharded``).
     """
     if sp is not None:
         check_relay_attention(model)
         return _sequence_parallel_logprobs(model, batch, temperature, with_entropy, sp)
     if share_prompts and unsupported(model.config) is None:
         check_relay_attention(model)
-        packed = pack(batch)
-        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                    shared_prompt_rows=packed.rows, use_cache=False)
-        logits = packed.row_logits(out.logits)[:, :-1]
-    else:
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                    use_cache=False)
-        logits = out.logits[:, :-1]  # (B, L-1, V): position j predicts token j + 1
+        return _shared_prompt_logprobs(model, batch, temperature, with_entropy)
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    logits = out.logits[:, :-1]  # (B, L-1, V): position j predicts token j + 1
     logprobs = token_logprobs(logits, batch.input_ids[:, 1:], temperature)
     entropy = entropy_from_logits(logits, temperature) if with_entropy else None
     return logprobs, entropy
+
+
+def _shared_prompt_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
+                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``forward_logprobs`` with prompts shared: logits only where a response token is
+    predicted (``logits_to_keep``), never over the prompts."""
+    packed = pack(batch)
+    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                shared_prompt_rows=packed.rows, use_cache=False,
+                logits_to_keep=packed.predictors)
+    logits = out.logits[0]  # (N, V)
+    grid = (batch.rows, batch.input_ids.shape[1] - 1)
+    logprobs = packed.to_grid(token_logprobs(logits, packed.labels(batch), temperature), grid)
+    if not with_entropy:
+        return logprobs, None
+    return logprobs, packed.to_grid(entropy_from_logits(logits, temperature), grid)
 
 
 def _sequence_parallel_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,

@@ -18,9 +18,12 @@ responses, as it is across rows: the update is the same (up to float summation o
 ``p (k - 1)`` fewer tokens a group through every other layer. This is the shared-prefix
 forward of Prefix Grouper (Liu et al., 2025, arXiv:2506.05433).
 
-``pack`` builds the packed inputs of a pass; ``PackedRows.row_logits`` maps the packed
-logits back onto the row layout ``(B, L, V)``, so log-probs, entropies and losses are
-computed exactly as before. ``unsupported`` says which models cannot be run this way.
+``pack`` builds the packed inputs of a pass: all its groups in one sequence, and the N
+packed positions whose logits predict a response token (``PackedRows.predictors``: the
+forward computes logits there only, never over the prompts); ``PackedRows.to_grid`` puts
+per-prediction values (log-probs, entropies) back in the row layout ``(B, L - 1)``, so
+losses are computed exactly as before. ``unsupported`` says which models cannot be run
+this way.
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ EXPLICIT_ATTENTION_MAX_KEYS = 256
 
 
 class AttentionRows(msgspec.Struct, frozen=True):
-    """Where row attention reads and writes, for S packed sequences of length Lp flattened
-    to S * Lp positions, and R rows of at most Q queries and K keys."""
+    """Where row attention reads and writes, for packed sequences (S of length Lp, flattened
+    to S * Lp positions; ``pack`` makes one) and R rows of at most Q queries and K keys."""
 
     query_index: torch.Tensor  # (R, Q) long: the packed position of each query (padding: 0)
     query_valid: torch.Tensor  # (R, Q) bool
@@ -52,18 +55,25 @@ class AttentionRows(msgspec.Struct, frozen=True):
 
 
 class PackedRows(msgspec.Struct, frozen=True):
-    """Packed inputs of a pass: S sequences of length Lp, for B rows of length L."""
+    """Packed inputs of a pass: B rows of length L as one sequence of T tokens, and the N
+    positions whose logits predict a response token."""
 
-    input_ids: torch.Tensor  # (S, Lp) long
-    position_ids: torch.Tensor  # (S, Lp) long
+    input_ids: torch.Tensor  # (1, T) long
+    position_ids: torch.Tensor  # (1, T) long
     rows: AttentionRows
-    source: torch.Tensor  # (B, L) long: flat index into (S * Lp) of each row position
+    source: torch.Tensor  # (B, L) long: the packed position of each row position
+    predictors: torch.Tensor  # (N,) long: packed positions whose logits predict a response token
+    grid_rows: torch.Tensor  # (N,) long: where each prediction sits in the (B, L - 1) grid
+    grid_columns: torch.Tensor  # (N,) long
 
-    def row_logits(self, packed_logits: torch.Tensor) -> torch.Tensor:
-        """(S, Lp, V) packed logits -> (B, L, V) in the row layout (padding positions of a
-        row read an arbitrary logit of its sequence; nothing reads them)."""
-        flat = packed_logits.reshape(-1, packed_logits.shape[-1])
-        return flat[self.source]
+    def labels(self, batch: TrainBatch) -> torch.Tensor:
+        """(N,) the response token each of ``predictors`` predicts."""
+        return batch.input_ids[self.grid_rows, self.grid_columns + 1]
+
+    def to_grid(self, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """(N,) values per prediction -> (B, L - 1) in the row layout, zero off the responses
+        (differentiable)."""
+        return values.new_zeros(shape).index_put((self.grid_rows, self.grid_columns), values)
 
 
 def unsupported(config: PretrainedConfig) -> str | None:
@@ -81,8 +91,9 @@ def unsupported(config: PretrainedConfig) -> str | None:
 
 
 def pack(batch: TrainBatch) -> PackedRows:
-    """Pack the rows of ``batch``: rows of one group with identical prompt tokens share a
-    sequence; any other row gets a sequence of its own."""
+    """Pack the rows of ``batch`` into one sequence: rows of one group with identical prompt
+    tokens share a stretch of it (their prompt once, then each response); any other row gets
+    a stretch of its own."""
     total = batch.attention_mask.sum(-1).tolist()
     response = batch.response_lengths.tolist()
     prompts = [t - r for t, r in zip(total, response)]
@@ -90,36 +101,43 @@ def pack(batch: TrainBatch) -> PackedRows:
     for row, (group, p) in enumerate(zip(batch.group_ids.tolist(), prompts)):
         key = (group, tuple(batch.input_ids[row, :p].tolist()))
         sequences.setdefault(key, []).append(row)
-    lengths = [prompts[rows[0]] + sum(response[r] for r in rows) for rows in sequences.values()]
-    count, width = len(sequences), max(lengths)
+    length = sum(prompts[rows[0]] + sum(response[r] for r in rows)
+                 for rows in sequences.values())
     rows, row_width = batch.attention_mask.shape
-    input_ids = torch.zeros((count, width), dtype=torch.long)
-    position_ids = torch.zeros((count, width), dtype=torch.long)
+    input_ids = torch.zeros((1, length), dtype=torch.long)
+    position_ids = torch.zeros((1, length), dtype=torch.long)
     source = torch.zeros((rows, row_width), dtype=torch.long)
     queries: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * rows
     first_position = [0] * rows  # the row position of each row's first query
-    for index, members in enumerate(sequences.values()):
+    base = 0
+    for members in sequences.values():
         p = prompts[members[0]]
-        base = index * width
-        input_ids[index, :p] = batch.input_ids[members[0], :p]
-        position_ids[index, :p] = torch.arange(p)
-        offset = p
+        input_ids[0, base:base + p] = batch.input_ids[members[0], :p]
+        position_ids[0, base:base + p] = torch.arange(p)
+        offset = base + p
         for row in members:
-            length = response[row]
-            end = offset + length
-            input_ids[index, offset:end] = batch.input_ids[row, p:p + length]
-            position_ids[index, offset:end] = torch.arange(p, p + length)
+            end = offset + response[row]
+            input_ids[0, offset:end] = batch.input_ids[row, p:p + response[row]]
+            position_ids[0, offset:end] = torch.arange(p, p + response[row])
             source[row, :p] = base + torch.arange(p)
-            source[row, p:p + length] = base + torch.arange(offset, end)
-            source[row, p + length:] = base
-            queries[row] = source[row, p:p + length]
+            source[row, p:p + response[row]] = torch.arange(offset, end)
+            source[row, p + response[row]:] = base
+            queries[row] = source[row, p:p + response[row]]
             first_position[row] = p
             offset = end
         first = members[0]  # the group's first row also asks the prompt's queries
         queries[first] = source[first, :p + response[first]]
         first_position[first] = 0
+        base = offset
+    # row position p - 1 + i predicts response token i (as in learner.batch.collate)
+    grid_rows = torch.tensor([r for r in range(rows) for _ in range(response[r])],
+                             dtype=torch.long)
+    grid_columns = torch.tensor([prompts[r] - 1 + i for r in range(rows)
+                                 for i in range(response[r])], dtype=torch.long)
     return PackedRows(input_ids=input_ids, position_ids=position_ids, source=source,
-                      rows=_attention_rows(source, total, queries, first_position))
+                      rows=_attention_rows(source, total, queries, first_position),
+                      predictors=source[grid_rows, grid_columns], grid_rows=grid_rows,
+                      grid_columns=grid_columns)
 
 
 def _attention_rows(source: torch.Tensor, total: list[int], queries: list[torch.Tensor],

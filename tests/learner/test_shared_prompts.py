@@ -32,8 +32,8 @@ def small_batch() -> TrainBatch:
 
 def test_a_group_packs_its_prompt_once_with_positions_restarting_after_it() -> None:
     packed = pack(small_batch())
-    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 2, 3], [0, 1, 2, 3, 4]]
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 2, 3, 0, 1, 2, 3, 4]]
     # row 1 (prompt 5 6, response 8 9) reads packed positions 0 1 3 4
     assert packed.source[1].tolist() == [0, 1, 3, 4, 0]
     assert packed.source[2].tolist() == [5, 6, 7, 8, 9]
@@ -55,7 +55,19 @@ def test_attention_rows_hold_each_response_with_its_prompt() -> None:
 
 def test_rows_of_a_group_with_different_prompts_get_sequences_of_their_own() -> None:
     packed = pack(collate([group("a", [[5, 6], [5, 7]], [[8], [9]])], pad_id=0))
-    assert packed.input_ids.tolist() == [[5, 6, 8], [5, 7, 9]]
+    assert packed.input_ids.tolist() == [[5, 6, 8, 5, 7, 9]]
+
+
+def test_logits_are_asked_only_where_a_response_token_is_predicted() -> None:
+    batch = small_batch()
+    packed = pack(batch)
+    # row 0 (prompt 5 6) predicts 7 from packed position 1; row 1 predicts 8 from the same
+    # shared prompt position and 9 from position 3; row 2 predicts 13 14 from 7 and 8
+    assert packed.predictors.tolist() == [1, 1, 3, 7, 8]
+    assert packed.labels(batch).tolist() == [7, 8, 9, 13, 14]
+    grid = packed.to_grid(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), (3, 4))
+    assert grid.tolist() == [[0, 1, 0, 0], [0, 2, 3, 0], [0, 0, 4, 5]]
+    assert bool(((grid != 0) == (batch.response_mask > 0)).all())
 
 
 @pytest.mark.parametrize("keys", [7, EXPLICIT_ATTENTION_MAX_KEYS + 9])
