@@ -157,7 +157,7 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
         raise ConfigError(source, "actor.optim.betas", f"each beta must be in [0, 1), "
                                                         f"got {optim.betas}")
     for name in run.tracking.loggers:
-        if name in ("wandb", "tensorboard") and importlib.util.find_spec(name) is None:
+        if name not in ("console", "mlflow") and importlib.util.find_spec(name) is None:
             raise ConfigError(source, "tracking.loggers",
                               f"{name!r} needs the {name} package, which is not installed "
                               f"(pip install {name}), or drop it from the list")

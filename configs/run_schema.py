@@ -455,7 +455,7 @@ class TrainerConfig(_Section):
     resume_from_path: str = ""  # the checkpoint folder of resume_mode = "resume_path"
 
 
-TrackerName = Literal["console", "mlflow", "wandb", "tensorboard"]
+TrackerName = Literal["console", "mlflow", "wandb", "tensorboard", "swanlab"]
 
 
 class TrackingConfig(_Section):
@@ -466,8 +466,9 @@ class TrackingConfig(_Section):
     the run directory's name) name the experiment and the run. ``loggers`` (verl's
     ``trainer.logger``) adds ``wandb`` (project ``experiment``, run ``run_name``; its files
     under run_dir/wandb; ``wandb_mode = "offline"`` by default, since ``online`` needs the
-    network and a login) and ``tensorboard`` (event files under run_dir/tensorboard);
-    ``console`` and ``mlflow`` are always on (the launcher's status line, and the store
+    network and a login), ``tensorboard`` (event files under run_dir/tensorboard) and
+    ``swanlab`` (project ``experiment``, run ``run_name``; always offline, its files under
+    run_dir/swanlog for ``swanlab sync``); ``console`` and ``mlflow`` are always on (the launcher's status line, and the store
     above).
     """
 

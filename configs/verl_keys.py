@@ -269,9 +269,9 @@ TABLE: tuple[VerlKey, ...] = tuple([
     VerlKey(key="trainer.experiment_name", group="mapped", to=("tracking.run_name",),
             note="the MLflow run's name (and the run directory's)"),
     VerlKey(key="trainer.logger", group="mapped", to=("tracking.loggers",),
-            note="console, mlflow, wandb (offline unless tracking.wandb_mode = online) and "
-                 "tensorboard; console and MLflow are always on (resuming reads the MLflow "
-                 "run); swanlab is not supported yet"),
+            note="console, mlflow, wandb (offline unless tracking.wandb_mode = online), "
+                 "tensorboard and swanlab (always offline: swanlab sync uploads a run); "
+                 "console and MLflow are always on (resuming reads the MLflow run)"),
     VerlKey(key="trainer.log_val_generations", group="differs",
             note="the first N held-out rows (in file order; verl shuffles them) with their "
                  "first response and its reward, a table per evaluation in every tracker"),

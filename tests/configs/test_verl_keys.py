@@ -229,8 +229,8 @@ def test_overriding_the_models_config_is_refused_with_the_way_to_do_it(run_dir: 
 def test_trainer_logger_chooses_the_trackers(run_dir: Path, monkeypatch) -> None:
     run = load_run_config(write(run_dir, GOOD_RUN), ["trainer.logger=['console','mlflow']"])
     assert run.tracking.loggers == ["console", "mlflow"]
-    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["trainer.logger=['swanlab']"])
-    assert err.key == "tracking.loggers[0]" and "'wandb'" in err.problem
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["trainer.logger=['clearml']"])
+    assert err.key == "tracking.loggers[0]" and "'swanlab'" in err.problem
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # not installed
     err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["trainer.logger=['wandb']"])
     assert err.key == "tracking.loggers" and "pip install wandb" in err.problem
