@@ -272,9 +272,9 @@ TABLE: tuple[VerlKey, ...] = tuple([
             note="console, mlflow, wandb (offline unless tracking.wandb_mode = online), "
                  "tensorboard and swanlab (always offline: swanlab sync uploads a run); "
                  "console and MLflow are always on (resuming reads the MLflow run)"),
-    VerlKey(key="trainer.log_val_generations", group="differs",
-            note="the first N held-out rows (in file order; verl shuffles them) with their "
-                 "first response and its reward, a table per evaluation in every tracker"),
+    VerlKey(key="trainer.log_val_generations", group="same",
+            note="verl's seeded sample of N held-out responses (sorted by prompt, shuffled "
+                 "with seed 42) with their rewards, a table per evaluation in every tracker"),
     *_inert("every run directory keeps its rollout log in rollouts/ (buffer.rollout_log); "
             "a path given here is not used", "trainer.rollout_data_dir"),
     *_inert("dumping validation generations is not supported yet; only null",

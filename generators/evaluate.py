@@ -6,14 +6,20 @@ weights the learner hands out for evaluation.
 
     accuracy = mean over samples of info["acc"] when the reward function reports one
                (verl's math rewards do), else of [score >= 1]
+
+The responses kept as text for ``trainer.log_val_generations`` are verl's sample of them
+(``sample_generations``): the same positions at every evaluation, so a table follows the
+same prompts through training.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
+import numpy as np
 
 from algorithms.rewards.result import RewardItem, RewardResult
 from algorithms.rewards.scorer import RewardScorer
@@ -24,6 +30,7 @@ from generators.val_metrics import ScoredResponse, validation_metrics
 from transport.messages import ValGeneration
 
 EVAL_BATCH = 256
+GENERATIONS_SEED = 42  # verl's, for the sample of logged held-out responses
 
 
 class EvalResult(msgspec.Struct, frozen=True):
@@ -33,7 +40,7 @@ class EvalResult(msgspec.Struct, frozen=True):
     samples: int
     by_source: dict[str, float]  # accuracy per data_source
     verl: dict[str, float] = {}  # verl's val-core/... and val-aux/... (generators.val_metrics)
-    generations: list[ValGeneration] = []  # the first rows' first responses
+    generations: list[ValGeneration] = []  # sample_generations' pick of the responses
 
 
 def eval_metrics(result: EvalResult) -> dict[str, float]:
@@ -44,6 +51,20 @@ def eval_metrics(result: EvalResult) -> dict[str, float]:
         metrics.update({f"eval/accuracy/{s}": a for s, a in result.by_source.items()})
     metrics.update(result.verl)
     return metrics
+
+
+def sample_generations(generations: Sequence[ValGeneration],
+                       count: int) -> list[ValGeneration]:
+    """verl's sample of held-out responses to log (``trainer.log_val_generations``): every
+    response, sorted by its prompt's text (a stable sort: a prompt's responses keep their
+    order), shuffled by ``numpy.random.RandomState(GENERATIONS_SEED)``, the first ``count``.
+    The permutation depends only on how many there are, so every evaluation of the same
+    data logs the same positions (``RayPPOTrainer._maybe_log_val_generations``)."""
+    if count <= 0:
+        return []
+    ordered = sorted(generations, key=lambda g: g.input)
+    np.random.RandomState(GENERATIONS_SEED).shuffle(ordered)
+    return ordered[:count]
 
 
 def is_correct(result: RewardResult) -> float:
@@ -57,8 +78,8 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
              truncation: Literal["left", "right"] = "left", keep: int = 0) -> EvalResult:
     """Generate ``n`` responses per row and score them; a prompt longer than
     ``max_prompt_length`` tokens is cut on its ``truncation`` side (``truncate_prompt``).
-    The first response of each of the first ``keep`` rows is kept as text
-    (``trainer.log_val_generations``)."""
+    ``keep`` responses, verl's sample of all of them (``sample_generations``), are kept as
+    text (``trainer.log_val_generations``)."""
     correct = rewards = lengths = 0.0
     per_source: dict[str, list[float]] = defaultdict(list)
     scored: list[ScoredResponse] = []
@@ -84,10 +105,11 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
             scored.append(ScoredResponse(data_source=item.data_source, prompt=start + index // n,
                                          values={"reward": result.score, **result.info},
                                          pred=result.pred))
-            if index % n == 0 and start + index // n < keep:
-                generations.append(ValGeneration(
-                    input=tokenizer.decode(prompts[index], skip_special_tokens=True),
-                    output=texts[index], score=result.score))
+            if keep:
+                if index % n == 0:  # a row's n responses share its prompt
+                    prompt_text = tokenizer.decode(prompts[index], skip_special_tokens=True)
+                generations.append(ValGeneration(input=prompt_text, output=texts[index],
+                                                 score=result.score))
             hit = is_correct(result)
             correct += hit
             rewards += result.score
@@ -96,4 +118,5 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
     return EvalResult(accuracy=correct / total, reward_mean=rewards / total,
                       response_length_mean=lengths / total, samples=len(rows) * n,
                       by_source={s: sum(v) / len(v) for s, v in per_source.items()},
-                      verl=validation_metrics(scored), generations=generations)
+                      verl=validation_metrics(scored),
+                      generations=sample_generations(generations, keep))
