@@ -468,8 +468,8 @@ class TrackingConfig(_Section):
     under run_dir/wandb; ``wandb_mode = "offline"`` by default, since ``online`` needs the
     network and a login), ``tensorboard`` (event files under run_dir/tensorboard) and
     ``swanlab`` (project ``experiment``, run ``run_name``; always offline, its files under
-    run_dir/swanlog for ``swanlab sync``); ``console`` and ``mlflow`` are always on (the launcher's status line, and the store
-    above).
+    run_dir/swanlog for ``swanlab sync``); ``console`` and ``mlflow`` are always on (the
+    launcher's status line, and the store above).
     """
 
     uri: str = ""

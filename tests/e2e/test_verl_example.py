@@ -40,7 +40,8 @@ def test_a_verl_example_trains_and_logs_to_every_tracker(random_model_dir: Path,
         "actor_rollout_ref.rollout.val_kwargs.n=2",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
         "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "trainer.log_val_generations=2",
-        "trainer.logger=['console','mlflow','wandb','tensorboard','swanlab']", f"tracking.uri={uri}"]
+        "trainer.logger=['console','mlflow','wandb','tensorboard','swanlab']",
+        f"tracking.uri={uri}"]
     small.remove("rollout.response_length=8")  # data.max_response_length says it, verl's way
     env = dict(os.environ, HOME=str(home), MODEL_PATH=str(random_model_dir),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
