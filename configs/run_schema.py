@@ -421,9 +421,9 @@ class TrainerConfig(_Section):
 
     Length, as in verl: ``total_training_steps`` learner steps when set, else
     ``total_epochs`` passes over the training rows (``total_epochs x (rows //
-    data.train_batch_size)`` steps, rows counted in the files before
-    ``data.filter_overlong_prompts``), else 100 steps. ``configs.checks`` resolves it, so a
-    loaded config always has ``total_training_steps``.
+    data.train_batch_size)`` steps, the rows ``data.filter_overlong_prompts`` keeps, as verl
+    counts them), else 100 steps. ``configs.checks`` resolves it, so a loaded config always
+    has ``total_training_steps``.
 
     ``resume_mode`` (verl's): ``auto`` continues from the newest complete checkpoint in the
     checkpoint dir (``checkpoint.dir``) if there is one and starts afresh otherwise;

@@ -259,9 +259,9 @@ TABLE: tuple[VerlKey, ...] = tuple([
             "no effect", "trainer.balance_batch"),
     VerlKey(key="trainer.total_epochs", group="differs",
             note="trainer.total_training_steps, when set, overrides it, as in verl; an epoch "
-                 "is rows // data.train_batch_size steps, rows counted in the files before "
-                 "data.filter_overlong_prompts (verl counts after); unset with both unset: "
-                 "100 steps"),
+                 "is rows // data.train_batch_size steps, rows counted after "
+                 "data.filter_overlong_prompts as in verl; unset with both unset: 100 steps "
+                 "(verl's default is 30 epochs)"),
     VerlKey(key="trainer.total_training_steps", group="same",
             note="unset (verl's null): trainer.total_epochs passes over data.train_files"),
     VerlKey(key="trainer.project_name", group="mapped", to=("tracking.experiment",),
