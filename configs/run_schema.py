@@ -57,7 +57,8 @@ class DataConfig(_Section):
     messages (``buffer.dataset``). A prompt longer than ``max_prompt_length`` tokens (after
     the chat template) is, by ``truncation``: ``error``, refused when the buffer loads the
     data, naming the row; ``left``, cut to its last ``max_prompt_length`` tokens (Relay's
-    default; verl's is ``error``); ``right``, cut to its first. ``filter_overlong_prompts``
+    default; verl's is ``error``); ``right``, cut to its first; ``middle``, to its first and
+    last halves (``buffer.dataset.truncate_prompt``). ``filter_overlong_prompts``
     drops such rows from the training data when the buffer loads it, and logs how many.
     ``shuffle``: a new permutation of the rows each epoch, seeded by ``seed``.
     """
@@ -67,7 +68,7 @@ class DataConfig(_Section):
     prompt_key: Annotated[str, msgspec.Meta(min_length=1)] = "prompt"
     train_batch_size: Positive = 32
     max_prompt_length: Positive = 512
-    truncation: Literal["error", "left", "right"] = "left"
+    truncation: Literal["error", "left", "right", "middle"] = "left"
     filter_overlong_prompts: bool = False
     shuffle: bool = True
     seed: int = 0

@@ -310,8 +310,8 @@ TABLE: tuple[VerlKey, ...] = tuple([
     *_same("data.train_files", "data.val_files", "data.prompt_key", "data.max_prompt_length",
            "data.train_batch_size", "data.shuffle", "data.filter_overlong_prompts"),
     VerlKey(key="data.truncation", group="differs",
-            note="error (refused when the data is loaded), left or right; Relay's default is "
-                 "left (verl's error), and verl's middle is not supported"),
+            note="error (refused when the data is loaded), left, right or middle; Relay's "
+                 "default is left (verl's error)"),
     *_inert("rewards are chosen by each row's data_source; only data_source",
             "data.reward_fn_key", accept=("data_source",)),
     VerlKey(key="data.max_response_length", group="mapped", to=("rollout.response_length",),

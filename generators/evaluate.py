@@ -16,14 +16,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Literal
 
 import msgspec
 import numpy as np
 
 from algorithms.rewards.result import RewardItem, RewardResult
 from algorithms.rewards.scorer import RewardScorer
-from buffer.dataset import PromptRow, truncate_prompt
+from buffer.dataset import CutSide, PromptRow, truncate_prompt
 from generators.engine import Engine
 from generators.sampling import SamplingParams
 from generators.val_metrics import ScoredResponse, validation_metrics
@@ -75,7 +74,7 @@ def is_correct(result: RewardResult) -> float:
 
 def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardScorer,
              params: SamplingParams, n: int = 1, max_prompt_length: int = 1 << 30,
-             truncation: Literal["left", "right"] = "left", keep: int = 0) -> EvalResult:
+             truncation: CutSide = "left", keep: int = 0) -> EvalResult:
     """Generate ``n`` responses per row and score them; a prompt longer than
     ``max_prompt_length`` tokens is cut on its ``truncation`` side (``truncate_prompt``).
     ``keep`` responses, verl's sample of all of them (``sample_generations``), are kept as

@@ -24,12 +24,17 @@ import signal
 import sys
 import threading
 import time
-from typing import Literal
 
 import torch
 
 from algorithms.rewards.scorer import RewardScorer
-from buffer.dataset import PromptRow, chat_token_counter, fit_prompts, load_prompt_rows
+from buffer.dataset import (
+    CutSide,
+    PromptRow,
+    chat_token_counter,
+    fit_prompts,
+    load_prompt_rows,
+)
 from configs.rundir import configure_logging, load_run_dir
 from generators.build import build_engine
 from generators.engine import Engine
@@ -53,7 +58,7 @@ class Evaluator:
     def __init__(self, *, weights_endpoint: str, stream_endpoint: str, engine: Engine,
                  tokenizer, scorer: RewardScorer, rows: list[PromptRow], params: SamplingParams,
                  n: int, max_prompt_length: int, max_waiting: int,
-                 truncation: Literal["left", "right"] = "left", log_generations: int = 0,
+                 truncation: CutSide = "left", log_generations: int = 0,
                  keys: ClientKeys | None = None) -> None:
         self.engine, self.tokenizer, self.scorer = engine, tokenizer, scorer
         self.rows, self.params, self.n = rows, params, n
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                           stream_endpoint=ctx.weights_stream_endpoint, engine=engine,
                           tokenizer=tokenizer, scorer=scorer, rows=rows, params=params,
                           n=val.n, max_prompt_length=run.data.max_prompt_length,
-                          truncation="right" if data.truncation == "right" else "left",
+                          truncation="left" if data.truncation == "error" else data.truncation,
                           log_generations=run.trainer.log_val_generations,
                           max_waiting=run.trainer.max_waiting_evals, keys=ctx.client_keys())
     stop = threading.Event()
