@@ -443,6 +443,9 @@ class TrainerConfig(_Section):
     publish_every: Positive = 1  # Relay: publish weights to generators every k steps
     val_before_train: bool = True
     log_val_generations: NonNegative = 0  # held-out responses logged per evaluation (a table)
+    # every held-out response of an evaluation as <dir>/<step>.jsonl, written on the
+    # evaluator's host (verl's dump; generators.evaluate.write_generations); "": none
+    validation_data_dir: str = ""
     critic_warmup: NonNegative = 0  # steps that train only the critic (adv_estimator = gae)
     # Relay: published versions that may wait for a busy evaluator, each a CPU copy of the
     # weights on learner rank 0; past it the oldest waiting one is not evaluated

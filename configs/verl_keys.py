@@ -277,8 +277,10 @@ TABLE: tuple[VerlKey, ...] = tuple([
                  "with seed 42) with their rewards, a table per evaluation in every tracker"),
     *_inert("every run directory keeps its rollout log in rollouts/ (buffer.rollout_log); "
             "a path given here is not used", "trainer.rollout_data_dir"),
-    *_inert("dumping validation generations is not supported yet; only null",
-            "trainer.validation_data_dir", accept=(None,)),
+    VerlKey(key="trainer.validation_data_dir", group="same",
+            note="each evaluation's responses as DIR/STEP.jsonl (input, output, gts, "
+                 "score, step and the reward's extra values), written on the evaluator's "
+                 "host; null: none"),
     VerlKey(key="trainer.nnodes", group="mapped", to=("topology.learner.hosts",),
             note="must equal the number of learner hosts listed in the topology (Relay starts "
                  "one torchrun per host in learner.hosts)"),

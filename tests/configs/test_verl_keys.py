@@ -208,6 +208,13 @@ def test_an_epoch_is_the_rows_filter_overlong_prompts_keeps(run_dir: Path) -> No
     assert err.key == "trainer.total_epochs" and "7 training rows left by" in err.problem
 
 
+def test_validation_data_dir_is_a_path_and_null_is_none(run_dir: Path) -> None:
+    in_file = write(run_dir, GOOD_RUN + "[trainer]\nvalidation_data_dir = 'val_dump'\n")
+    assert load_run_config(in_file).trainer.validation_data_dir == str(run_dir / "val_dump")
+    unset = load_run_config(in_file, ["trainer.validation_data_dir=null"])
+    assert unset.trainer.validation_data_dir == ""
+
+
 def test_the_reference_shares_the_actors_sequence_parallel_mesh(run_dir: Path) -> None:
     err = error_of(load_run_config, write(run_dir, GOOD_RUN),
                    ["actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"])

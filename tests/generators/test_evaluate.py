@@ -1,11 +1,20 @@
 """Held-out evaluation (``generators.evaluate``): which responses ``trainer.log_val_generations``
-logs, picked as verl picks them."""
+logs, picked as verl picks them, and the dump of every response
+(``trainer.validation_data_dir``)."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
+from types import SimpleNamespace
 
-from generators.evaluate import sample_generations
+import torch
+
+from algorithms.rewards.result import RewardResult
+from buffer.dataset import ChatMessage, PromptRow, RewardSpec
+from generators.evaluate import evaluate, sample_generations, write_generations
+from generators.sampling import SamplingParams
 from transport.messages import ValGeneration
 
 
@@ -39,3 +48,30 @@ def test_nothing_is_kept_for_zero_and_everything_when_asking_for_more() -> None:
     generations = _generations(["x", "y"])
     assert sample_generations(generations, 0) == []
     assert sorted(g.input for g in sample_generations(generations, 5)) == ["x", "y"]
+
+
+def test_every_response_is_dumped_as_verl_writes_validation_data(tmp_path: Path) -> None:
+    rows = [PromptRow(prompt=(ChatMessage("user", "q"),), data_source="src",
+                      reward_model=RewardSpec("rule", ["4", "four"]))]
+    tokenizer = SimpleNamespace(apply_chat_template=lambda messages, **_: [1],
+                                decode=lambda ids, **_: {1: "2+2?", 7: "4"}.get(int(ids[0]),
+                                                                               "5"))
+    # the row's two responses: "4", then "5"
+    engine = SimpleNamespace(generate=lambda prompts, params: [
+        SimpleNamespace(token_ids=torch.tensor([token])) for token in (7, 8)])
+    scorer = SimpleNamespace(score=lambda items: [
+        RewardResult(score=float(item.solution_str == "4"), info={"acc": 1.0}, pred="4")
+        if item.solution_str == "4" else RewardResult(score=0.0) for item in items])
+    result = evaluate(engine, tokenizer, rows, scorer, SamplingParams(max_new_tokens=1), n=2,
+                      record=True)
+    assert result.generations == []  # nothing asked for the trackers' table
+    path = write_generations(tmp_path / "val", 6, result.records)
+    assert path == tmp_path / "val" / "6.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == [
+        {"input": "2+2?", "output": "4", "gts": ["4", "four"], "score": 1.0, "acc": 1.0,
+         "pred": "4", "step": 6},
+        {"input": "2+2?", "output": "5", "gts": ["4", "four"], "score": 0.0, "step": 6}]
+    assert not list((tmp_path / "val").glob("*.partial"))
+    assert evaluate(engine, tokenizer, rows, scorer, SamplingParams(max_new_tokens=1), n=2,
+                    keep=1).records == []  # without record: none kept
