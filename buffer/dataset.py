@@ -40,6 +40,7 @@ import torch.utils.data
 
 Role = Literal["system", "user", "assistant", "tool"]
 RewardStyle = Literal["rule", "model"]
+CutSide = Literal["left", "right", "middle"]  # data.truncation's cuts (truncate_prompt)
 GroundTruth = str | int | float | list[Any] | dict[str, Any]
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 
@@ -194,12 +195,15 @@ def fit_prompts(rows: Sequence[PromptRow], count_tokens: Callable[[PromptRow], i
                        "drops them)")
 
 
-def truncate_prompt(ids: Sequence[int], max_length: int,
-                    side: Literal["left", "right"]) -> list[int]:
+def truncate_prompt(ids: Sequence[int], max_length: int, side: CutSide) -> list[int]:
     """A prompt's token ids cut to ``max_length``: ``left`` keeps the last ones (the end of
-    the conversation and the generation prompt), ``right`` the first ones."""
+    the conversation and the generation prompt), ``right`` the first ones, ``middle`` the
+    first ``max_length // 2`` and the last ``max_length - max_length // 2`` (verl's)."""
     if len(ids) <= max_length:
         return list(ids)
+    if side == "middle":
+        head = max_length // 2
+        return list(ids[:head]) + list(ids[len(ids) - (max_length - head):])
     return list(ids[-max_length:] if side == "left" else ids[:max_length])
 
 

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from buffer.dataset import PromptDataset, chat_token_counter, fit_prompts, load_prompt_rows
 from buffer.dynamic_sampling import DynamicSampling
@@ -47,6 +48,9 @@ from configs.run_schema import RunConfig
 from configs.rundir import RunContext, configure_logging, load_run_dir
 from transport.messages import Metrics
 from transport.sockets import Pusher, Server
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("relay.buffer")
 
@@ -93,18 +97,21 @@ def build_hub(ctx: RunContext) -> Hub:
     return hub
 
 
-def training_prompts(run: RunConfig) -> PromptDataset:
+def training_prompts(run: RunConfig,
+                     tokenizer: PreTrainedTokenizerBase | None = None) -> PromptDataset:
     """The training rows (``data.prompt_key``), without the prompts longer than
     ``data.max_prompt_length`` when ``data.filter_overlong_prompts`` (counted and logged), or
     refusing them when ``data.truncation = "error"``; lengths count the chat template's
-    tokens with ``model.path``'s tokenizer, loaded only for these two settings."""
+    tokens with ``tokenizer``, by default ``model.path``'s, loaded only for these two
+    settings. The launcher counts an epoch with it too (``launcher.resolve.epoch_rows``)."""
     data = run.data
     rows = load_prompt_rows(data.train_files, prompt_key=data.prompt_key)
     if data.filter_overlong_prompts or data.truncation == "error":
-        from transformers import AutoTokenizer  # only here: the buffer needs no other part
+        if tokenizer is None:
+            from transformers import AutoTokenizer  # only here: the buffer needs no other part
 
-        tokenizer = AutoTokenizer.from_pretrained(run.model.path,
-                                                  trust_remote_code=run.model.trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(
+                run.model.path, trust_remote_code=run.model.trust_remote_code)
         rows = fit_prompts(rows, chat_token_counter(tokenizer), data.max_prompt_length,
                            drop=data.filter_overlong_prompts,
                            refuse=data.truncation == "error", what="data.train_files").rows

@@ -10,20 +10,26 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import msgspec
 import pyarrow.parquet as pq
 
 from configs.loader import ConfigError, load
-from configs.run_schema import BUILTIN_MODEL_PREFIX, VERL_ALIASES, DataConfig, RunConfig
+from configs.run_schema import BUILTIN_MODEL_PREFIX, VERL_ALIASES, RunConfig
 from configs.topology_schema import Topology
 from configs.verl_keys import Placement, VerlKeys, apply_placement
 from transport.endpoints import is_loopback
 
 BUILTIN_MODELS = ("tiny-arith",)
 DEFAULT_TRAINING_STEPS = 100  # neither trainer.total_training_steps nor total_epochs set
+EpochRows = Callable[[RunConfig], int]
+"""The training rows an epoch passes over once ``data.filter_overlong_prompts`` dropped the
+long ones: their count needs the model's tokenizer, which this package does not load (the
+launcher's ``launcher.resolve.epoch_rows`` does). A ``ValueError`` it raises (rows that do
+not load, or that ``data.truncation = "error"`` refuses) is reported against
+``data.train_files``."""
 # Advantage estimators whose baseline comes from the other samples of the same prompt.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk",
                     "prime")
@@ -68,7 +74,8 @@ def check_topology(topology: Topology, source: str) -> None:
 
 def load_run_config(path: str | Path, overrides: Iterable[str] = (),
                     placement: list[Placement] | None = None,
-                    notes: list[str] | None = None) -> RunConfig:
+                    notes: list[str] | None = None,
+                    epoch_rows: EpochRows | None = None) -> RunConfig:
     """Decode and check a run config; relative paths resolve against its folder.
 
     ``trainer.total_epochs`` on the command line (without ``trainer.total_training_steps``)
@@ -76,7 +83,8 @@ def load_run_config(path: str | Path, overrides: Iterable[str] = (),
     verl's keys are accepted as ``configs.verl_keys`` says; its placement keys
     (``trainer.n_gpus_per_node``...) are appended to ``placement`` for the caller to apply to
     the topology (``verl_keys.apply_placement``), or refused when it is None. ``notes``
-    receives one line per verl key translated or without effect."""
+    receives one line per verl key translated or without effect. ``epoch_rows`` counts an
+    epoch's rows after ``data.filter_overlong_prompts`` (``training_steps``)."""
     verl = VerlKeys(placement)
     overrides = list(overrides)
     keys = {o.partition("=")[0].strip().lstrip("+") for o in overrides}
@@ -89,22 +97,25 @@ def load_run_config(path: str | Path, overrides: Iterable[str] = (),
         overrides,
         path_keys=[("data", "train_files"), ("data", "val_files"), ("model", "path"),
                    ("critic", "model", "path"), ("reward_model", "model", "path"),
-                   ("checkpoint", "dir"), ("trainer", "resume_from_path")],
+                   ("checkpoint", "dir"), ("trainer", "resume_from_path"),
+                   ("trainer", "validation_data_dir")],
         file_or_module_keys=[("custom_reward_function", "path")],
         aliases=VERL_ALIASES,
         foreign=verl,
     )
     if notes is not None:
         notes.extend(verl.notes)
-    return check_run_config(run, str(path))
+    return check_run_config(run, str(path), epoch_rows)
 
 
 def _as_list(files: str | list[str]) -> list[str]:
     return [files] if isinstance(files, str) else list(files)
 
 
-def check_run_config(run: RunConfig, source: str) -> RunConfig:
-    """Cross-key and on-disk checks; returns the config with file lists normalized."""
+def check_run_config(run: RunConfig, source: str,
+                     epoch_rows: EpochRows | None = None) -> RunConfig:
+    """Cross-key and on-disk checks; returns the config with file lists normalized and the
+    run's length in steps resolved (``training_steps``)."""
     data = msgspec.structs.replace(run.data, train_files=_as_list(run.data.train_files),
                                    val_files=_as_list(run.data.val_files))
     if not data.train_files:
@@ -157,7 +168,7 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
         raise ConfigError(source, "actor.optim.betas", f"each beta must be in [0, 1), "
                                                         f"got {optim.betas}")
     for name in run.tracking.loggers:
-        if name in ("wandb", "tensorboard") and importlib.util.find_spec(name) is None:
+        if name not in ("console", "mlflow") and importlib.util.find_spec(name) is None:
             raise ConfigError(source, "tracking.loggers",
                               f"{name!r} needs the {name} package, which is not installed "
                               f"(pip install {name}), or drop it from the list")
@@ -168,24 +179,38 @@ def check_run_config(run: RunConfig, source: str) -> RunConfig:
                           f"({run.actor.ulysses_sequence_parallel_size}): every model of the "
                           "learner runs on one sequence-parallel mesh; set the actor's size "
                           "(it applies to the reference too) and drop this key")
-    trainer = msgspec.structs.replace(run.trainer,
-                                      total_training_steps=training_steps(run, data, source))
+    steps = training_steps(msgspec.structs.replace(run, data=data), source, epoch_rows)
+    trainer = msgspec.structs.replace(run.trainer, total_training_steps=steps)
     return msgspec.structs.replace(run, data=data, trainer=trainer)
 
 
-def training_steps(run: RunConfig, data: DataConfig, source: str) -> int:
+def training_steps(run: RunConfig, source: str, epoch_rows: EpochRows | None = None) -> int:
     """The run's length in learner steps (``TrainerConfig``): ``total_training_steps``, else
-    ``total_epochs`` passes over the rows of ``data.train_files``, else the default."""
-    trainer = run.trainer
+    ``total_epochs`` passes over the rows of ``data.train_files``, else the default. As in
+    verl, an epoch is the rows ``data.filter_overlong_prompts`` keeps, counted by
+    ``epoch_rows``; without it such a length is refused rather than counted wrong."""
+    trainer, data = run.trainer, run.data
     if trainer.total_training_steps is not None:
         return trainer.total_training_steps
     if trainer.total_epochs is None:
         return DEFAULT_TRAINING_STEPS
-    rows = sum(count_rows(Path(file)) for file in data.train_files)
+    if not data.filter_overlong_prompts:
+        rows, what = sum(count_rows(Path(file)) for file in data.train_files), "training rows"
+    elif epoch_rows is not None:
+        try:
+            rows = epoch_rows(run)
+        except ValueError as exc:
+            raise ConfigError(source, "data.train_files", str(exc)) from exc
+        what = "training rows left by data.filter_overlong_prompts"
+    else:
+        raise ConfigError(source, "trainer.total_epochs",
+                          "an epoch is the rows data.filter_overlong_prompts keeps, which only "
+                          "the model's tokenizer can count, and this loader has none: launch "
+                          "with tools/launch-cluster.py, or set trainer.total_training_steps")
     per_epoch = rows // data.train_batch_size
     if per_epoch == 0:
         raise ConfigError(source, "trainer.total_epochs",
-                          f"an epoch of {rows} training rows makes no step of "
+                          f"an epoch of {rows} {what} makes no step of "
                           f"data.train_batch_size = {data.train_batch_size} prompts; lower the "
                           "batch size or set trainer.total_training_steps")
     return trainer.total_epochs * per_epoch

@@ -57,7 +57,8 @@ class DataConfig(_Section):
     messages (``buffer.dataset``). A prompt longer than ``max_prompt_length`` tokens (after
     the chat template) is, by ``truncation``: ``error``, refused when the buffer loads the
     data, naming the row; ``left``, cut to its last ``max_prompt_length`` tokens (Relay's
-    default; verl's is ``error``); ``right``, cut to its first. ``filter_overlong_prompts``
+    default; verl's is ``error``); ``right``, cut to its first; ``middle``, to its first and
+    last halves (``buffer.dataset.truncate_prompt``). ``filter_overlong_prompts``
     drops such rows from the training data when the buffer loads it, and logs how many.
     ``shuffle``: a new permutation of the rows each epoch, seeded by ``seed``.
     """
@@ -67,7 +68,7 @@ class DataConfig(_Section):
     prompt_key: Annotated[str, msgspec.Meta(min_length=1)] = "prompt"
     train_batch_size: Positive = 32
     max_prompt_length: Positive = 512
-    truncation: Literal["error", "left", "right"] = "left"
+    truncation: Literal["error", "left", "right", "middle"] = "left"
     filter_overlong_prompts: bool = False
     shuffle: bool = True
     seed: int = 0
@@ -421,9 +422,9 @@ class TrainerConfig(_Section):
 
     Length, as in verl: ``total_training_steps`` learner steps when set, else
     ``total_epochs`` passes over the training rows (``total_epochs x (rows //
-    data.train_batch_size)`` steps, rows counted in the files before
-    ``data.filter_overlong_prompts``), else 100 steps. ``configs.checks`` resolves it, so a
-    loaded config always has ``total_training_steps``.
+    data.train_batch_size)`` steps, the rows ``data.filter_overlong_prompts`` keeps, as verl
+    counts them), else 100 steps. ``configs.checks`` resolves it, so a loaded config always
+    has ``total_training_steps``.
 
     ``resume_mode`` (verl's): ``auto`` continues from the newest complete checkpoint in the
     checkpoint dir (``checkpoint.dir``) if there is one and starts afresh otherwise;
@@ -442,6 +443,9 @@ class TrainerConfig(_Section):
     publish_every: Positive = 1  # Relay: publish weights to generators every k steps
     val_before_train: bool = True
     log_val_generations: NonNegative = 0  # held-out responses logged per evaluation (a table)
+    # every held-out response of an evaluation as <dir>/<step>.jsonl, written on the
+    # evaluator's host (verl's dump; generators.evaluate.write_generations); "": none
+    validation_data_dir: str = ""
     critic_warmup: NonNegative = 0  # steps that train only the critic (adv_estimator = gae)
     # Relay: published versions that may wait for a busy evaluator, each a CPU copy of the
     # weights on learner rank 0; past it the oldest waiting one is not evaluated
@@ -455,7 +459,7 @@ class TrainerConfig(_Section):
     resume_from_path: str = ""  # the checkpoint folder of resume_mode = "resume_path"
 
 
-TrackerName = Literal["console", "mlflow", "wandb", "tensorboard"]
+TrackerName = Literal["console", "mlflow", "wandb", "tensorboard", "swanlab"]
 
 
 class TrackingConfig(_Section):
@@ -466,9 +470,10 @@ class TrackingConfig(_Section):
     the run directory's name) name the experiment and the run. ``loggers`` (verl's
     ``trainer.logger``) adds ``wandb`` (project ``experiment``, run ``run_name``; its files
     under run_dir/wandb; ``wandb_mode = "offline"`` by default, since ``online`` needs the
-    network and a login) and ``tensorboard`` (event files under run_dir/tensorboard);
-    ``console`` and ``mlflow`` are always on (the launcher's status line, and the store
-    above).
+    network and a login), ``tensorboard`` (event files under run_dir/tensorboard) and
+    ``swanlab`` (project ``experiment``, run ``run_name``; always offline, its files under
+    run_dir/swanlog for ``swanlab sync``); ``console`` and ``mlflow`` are always on (the
+    launcher's status line, and the store above).
     """
 
     uri: str = ""

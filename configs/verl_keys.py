@@ -259,9 +259,9 @@ TABLE: tuple[VerlKey, ...] = tuple([
             "no effect", "trainer.balance_batch"),
     VerlKey(key="trainer.total_epochs", group="differs",
             note="trainer.total_training_steps, when set, overrides it, as in verl; an epoch "
-                 "is rows // data.train_batch_size steps, rows counted in the files before "
-                 "data.filter_overlong_prompts (verl counts after); unset with both unset: "
-                 "100 steps"),
+                 "is rows // data.train_batch_size steps, rows counted after "
+                 "data.filter_overlong_prompts as in verl; unset with both unset: 100 steps "
+                 "(verl's default is 30 epochs)"),
     VerlKey(key="trainer.total_training_steps", group="same",
             note="unset (verl's null): trainer.total_epochs passes over data.train_files"),
     VerlKey(key="trainer.project_name", group="mapped", to=("tracking.experiment",),
@@ -269,16 +269,18 @@ TABLE: tuple[VerlKey, ...] = tuple([
     VerlKey(key="trainer.experiment_name", group="mapped", to=("tracking.run_name",),
             note="the MLflow run's name (and the run directory's)"),
     VerlKey(key="trainer.logger", group="mapped", to=("tracking.loggers",),
-            note="console, mlflow, wandb (offline unless tracking.wandb_mode = online) and "
-                 "tensorboard; console and MLflow are always on (resuming reads the MLflow "
-                 "run); swanlab is not supported yet"),
-    VerlKey(key="trainer.log_val_generations", group="differs",
-            note="the first N held-out rows (in file order; verl shuffles them) with their "
-                 "first response and its reward, a table per evaluation in every tracker"),
+            note="console, mlflow, wandb (offline unless tracking.wandb_mode = online), "
+                 "tensorboard and swanlab (always offline: swanlab sync uploads a run); "
+                 "console and MLflow are always on (resuming reads the MLflow run)"),
+    VerlKey(key="trainer.log_val_generations", group="same",
+            note="verl's seeded sample of N held-out responses (sorted by prompt, shuffled "
+                 "with seed 42) with their rewards, a table per evaluation in every tracker"),
     *_inert("every run directory keeps its rollout log in rollouts/ (buffer.rollout_log); "
             "a path given here is not used", "trainer.rollout_data_dir"),
-    *_inert("dumping validation generations is not supported yet; only null",
-            "trainer.validation_data_dir", accept=(None,)),
+    VerlKey(key="trainer.validation_data_dir", group="same",
+            note="each evaluation's responses as DIR/STEP.jsonl (input, output, gts, "
+                 "score, step and the reward's extra values), written on the evaluator's "
+                 "host; null: none"),
     VerlKey(key="trainer.nnodes", group="mapped", to=("topology.learner.hosts",),
             note="must equal the number of learner hosts listed in the topology (Relay starts "
                  "one torchrun per host in learner.hosts)"),
@@ -310,8 +312,8 @@ TABLE: tuple[VerlKey, ...] = tuple([
     *_same("data.train_files", "data.val_files", "data.prompt_key", "data.max_prompt_length",
            "data.train_batch_size", "data.shuffle", "data.filter_overlong_prompts"),
     VerlKey(key="data.truncation", group="differs",
-            note="error (refused when the data is loaded), left or right; Relay's default is "
-                 "left (verl's error), and verl's middle is not supported"),
+            note="error (refused when the data is loaded), left, right or middle; Relay's "
+                 "default is left (verl's error)"),
     *_inert("rewards are chosen by each row's data_source; only data_source",
             "data.reward_fn_key", accept=("data_source",)),
     VerlKey(key="data.max_response_length", group="mapped", to=("rollout.response_length",),

@@ -6,24 +6,34 @@ weights the learner hands out for evaluation.
 
     accuracy = mean over samples of info["acc"] when the reward function reports one
                (verl's math rewards do), else of [score >= 1]
+
+The responses kept as text for ``trainer.log_val_generations`` are verl's sample of them
+(``sample_generations``): the same positions at every evaluation, so a table follows the
+same prompts through training. With ``record`` every response is kept as verl's
+``trainer.validation_data_dir`` dump holds it (``write_generations``).
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
-from typing import Literal
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import msgspec
+import numpy as np
 
 from algorithms.rewards.result import RewardItem, RewardResult
 from algorithms.rewards.scorer import RewardScorer
-from buffer.dataset import PromptRow, truncate_prompt
+from buffer.dataset import CutSide, PromptRow, truncate_prompt
 from generators.engine import Engine
 from generators.sampling import SamplingParams
 from generators.val_metrics import ScoredResponse, validation_metrics
 from transport.messages import ValGeneration
 
 EVAL_BATCH = 256
+GENERATIONS_SEED = 42  # verl's, for the sample of logged held-out responses
 
 
 class EvalResult(msgspec.Struct, frozen=True):
@@ -33,7 +43,8 @@ class EvalResult(msgspec.Struct, frozen=True):
     samples: int
     by_source: dict[str, float]  # accuracy per data_source
     verl: dict[str, float] = {}  # verl's val-core/... and val-aux/... (generators.val_metrics)
-    generations: list[ValGeneration] = []  # the first rows' first responses
+    generations: list[ValGeneration] = []  # sample_generations' pick of the responses
+    records: list[dict[str, Any]] = []  # with record: every response (write_generations)
 
 
 def eval_metrics(result: EvalResult) -> dict[str, float]:
@@ -46,6 +57,35 @@ def eval_metrics(result: EvalResult) -> dict[str, float]:
     return metrics
 
 
+def sample_generations(generations: Sequence[ValGeneration],
+                       count: int) -> list[ValGeneration]:
+    """verl's sample of held-out responses to log (``trainer.log_val_generations``): every
+    response, sorted by its prompt's text (a stable sort: a prompt's responses keep their
+    order), shuffled by ``numpy.random.RandomState(GENERATIONS_SEED)``, the first ``count``.
+    The permutation depends only on how many there are, so every evaluation of the same
+    data logs the same positions (``RayPPOTrainer._maybe_log_val_generations``)."""
+    if count <= 0:
+        return []
+    ordered = sorted(generations, key=lambda g: g.input)
+    np.random.RandomState(GENERATIONS_SEED).shuffle(ordered)
+    return ordered[:count]
+
+
+def write_generations(directory: Path, step: int, records: Sequence[dict[str, Any]]) -> Path:
+    """Every held-out response of the evaluation of ``step`` as ``<directory>/<step>.jsonl``,
+    one JSON object a line, as verl's ``trainer.validation_data_dir`` dump writes them: the
+    prompt as the model saw it (``input``), the response (``output``), the ground truth
+    (``gts``), the reward (``score``), ``step``, and the reward function's extra values. The
+    file is written beside its name and renamed into place: a reader never sees half of it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{step}.jsonl"
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(json.dumps({**record, "step": step}, ensure_ascii=False) + "\n"
+                               for record in records), encoding="utf-8")
+    partial.replace(path)
+    return path
+
+
 def is_correct(result: RewardResult) -> float:
     if "acc" in result.info:
         return float(result.info["acc"] > 0)
@@ -54,15 +94,17 @@ def is_correct(result: RewardResult) -> float:
 
 def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardScorer,
              params: SamplingParams, n: int = 1, max_prompt_length: int = 1 << 30,
-             truncation: Literal["left", "right"] = "left", keep: int = 0) -> EvalResult:
+             truncation: CutSide = "left", keep: int = 0, record: bool = False) -> EvalResult:
     """Generate ``n`` responses per row and score them; a prompt longer than
     ``max_prompt_length`` tokens is cut on its ``truncation`` side (``truncate_prompt``).
-    The first response of each of the first ``keep`` rows is kept as text
-    (``trainer.log_val_generations``)."""
+    ``keep`` responses, verl's sample of all of them (``sample_generations``), are kept as
+    text (``trainer.log_val_generations``); with ``record``, every response with its ground
+    truth and the reward's extra values (``EvalResult.records``, ``write_generations``)."""
     correct = rewards = lengths = 0.0
     per_source: dict[str, list[float]] = defaultdict(list)
     scored: list[ScoredResponse] = []
     generations: list[ValGeneration] = []
+    records: list[dict[str, Any]] = []
     for start in range(0, len(rows), EVAL_BATCH):
         chunk = rows[start:start + EVAL_BATCH]
         prompts = []
@@ -84,10 +126,16 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
             scored.append(ScoredResponse(data_source=item.data_source, prompt=start + index // n,
                                          values={"reward": result.score, **result.info},
                                          pred=result.pred))
-            if index % n == 0 and start + index // n < keep:
-                generations.append(ValGeneration(
-                    input=tokenizer.decode(prompts[index], skip_special_tokens=True),
-                    output=texts[index], score=result.score))
+            if keep or record:
+                if index % n == 0:  # a row's n responses share its prompt
+                    prompt_text = tokenizer.decode(prompts[index], skip_special_tokens=True)
+                generations.append(ValGeneration(input=prompt_text, output=texts[index],
+                                                 score=result.score))
+            if record:
+                pred = {"pred": result.pred} if result.pred else {}
+                records.append({"input": prompt_text, "output": texts[index],
+                                "gts": item.ground_truth, "score": result.score,
+                                **result.info, **pred})
             hit = is_correct(result)
             correct += hit
             rewards += result.score
@@ -96,4 +144,5 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
     return EvalResult(accuracy=correct / total, reward_mean=rewards / total,
                       response_length_mean=lengths / total, samples=len(rows) * n,
                       by_source={s: sum(v) / len(v) for s, v in per_source.items()},
-                      verl=validation_metrics(scored), generations=generations)
+                      verl=validation_metrics(scored),
+                      generations=sample_generations(generations, keep), records=records)

@@ -24,16 +24,22 @@ import signal
 import sys
 import threading
 import time
-from typing import Literal
+from pathlib import Path
 
 import torch
 
 from algorithms.rewards.scorer import RewardScorer
-from buffer.dataset import PromptRow, chat_token_counter, fit_prompts, load_prompt_rows
+from buffer.dataset import (
+    CutSide,
+    PromptRow,
+    chat_token_counter,
+    fit_prompts,
+    load_prompt_rows,
+)
 from configs.rundir import configure_logging, load_run_dir
 from generators.build import build_engine
 from generators.engine import Engine
-from generators.evaluate import eval_metrics, evaluate
+from generators.evaluate import eval_metrics, evaluate, write_generations
 from generators.sampling import SamplingParams
 from generators.weight_receiver import EvalWeights
 from transport.messages import EvalReport, EvalRequest, Shutdown, WeightManifest
@@ -53,12 +59,13 @@ class Evaluator:
     def __init__(self, *, weights_endpoint: str, stream_endpoint: str, engine: Engine,
                  tokenizer, scorer: RewardScorer, rows: list[PromptRow], params: SamplingParams,
                  n: int, max_prompt_length: int, max_waiting: int,
-                 truncation: Literal["left", "right"] = "left", log_generations: int = 0,
-                 keys: ClientKeys | None = None) -> None:
+                 truncation: CutSide = "left", log_generations: int = 0,
+                 dump_dir: Path | None = None, keys: ClientKeys | None = None) -> None:
         self.engine, self.tokenizer, self.scorer = engine, tokenizer, scorer
         self.rows, self.params, self.n = rows, params, n
         self.max_prompt_length, self.truncation = max_prompt_length, truncation
         self.log_generations = log_generations  # trainer.log_val_generations
+        self.dump_dir = dump_dir  # trainer.validation_data_dir
         self._client = Client(weights_endpoint, keys=keys)
         self.weights = EvalWeights(weights_endpoint, stream_endpoint, max_waiting=max_waiting,
                                    keys=keys)
@@ -113,7 +120,12 @@ class Evaluator:
         began = time.monotonic()
         result = evaluate(self.engine, self.tokenizer, self.rows, self.scorer, self.params,
                           n=self.n, max_prompt_length=self.max_prompt_length,
-                          truncation=self.truncation, keep=self.log_generations)
+                          truncation=self.truncation, keep=self.log_generations,
+                          record=self.dump_dir is not None)
+        if self.dump_dir is not None:
+            path = write_generations(self.dump_dir, step, result.records)
+            logger.info("step %d: %d held-out responses written to %s", step,
+                        len(result.records), path)
         metrics = eval_metrics(result)
         metrics["perf/eval_seconds"] = time.monotonic() - began
         logger.info("step %d (version %d): held-out accuracy %.3f over %d samples in %.1f s",
@@ -155,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                           stream_endpoint=ctx.weights_stream_endpoint, engine=engine,
                           tokenizer=tokenizer, scorer=scorer, rows=rows, params=params,
                           n=val.n, max_prompt_length=run.data.max_prompt_length,
-                          truncation="right" if data.truncation == "right" else "left",
+                          truncation="left" if data.truncation == "error" else data.truncation,
                           log_generations=run.trainer.log_val_generations,
+                          dump_dir=Path(run.trainer.validation_data_dir)
+                          if run.trainer.validation_data_dir else None,
                           max_waiting=run.trainer.max_waiting_evals, keys=ctx.client_keys())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -34,7 +34,7 @@ from typing import Literal
 import msgspec
 
 from algorithms.rewards.scorer import RewardScorer
-from buffer.dataset import truncate_prompt
+from buffer.dataset import CutSide, truncate_prompt
 from configs.run_schema import OverlongBufferConfig, RolloutConfig
 from generators.engine import Engine, FinishedGroup
 from generators.leases import HeldLease, LeaseBook
@@ -68,6 +68,7 @@ REQUEST_TIMEOUT_S = 30.0
 RUN_OVER_WAIT_S = 2.0
 HEARTBEAT_EVERY_S = 1.0
 REPORT_EVERY_S = 30.0  # how often the loop logs its throughput and batch occupancy
+_KEPT: dict[CutSide, str] = {"left": "last", "right": "first", "middle": "first and last"}
 
 
 class NameInUse(RuntimeError):
@@ -148,7 +149,7 @@ class GeneratorLoop:
                  weights_stream_endpoint: str,
                  engine: Engine, tokenizer, scorer: RewardScorer, rollout: RolloutConfig,
                  max_prompt_length: int, overlong: OverlongBufferConfig,
-                 truncation: Literal["error", "left", "right"] = "left",
+                 truncation: Literal["error", "left", "right", "middle"] = "left",
                  patience_s: float, weights_timeout_s: float, seed: int = 0,
                  keys: ClientKeys | None = None) -> None:
         self.generator_id, self.buffer_endpoint = generator_id, buffer_endpoint
@@ -159,8 +160,7 @@ class GeneratorLoop:
         self.max_prompt_length = max_prompt_length
         # "error": the buffer refused overlong prompts when it loaded them (buffer.main), so
         # one seen here was measured with another tokenizer: keep its end, as "left" does
-        self.truncation_side: Literal["left", "right"] = \
-            "right" if truncation == "right" else "left"
+        self.truncation_side: CutSide = "left" if truncation == "error" else truncation
         self.weights_timeout_s = weights_timeout_s
         self.patience_s = patience_s  # retrying a buffer that does not answer
         self.counters = Counters()
@@ -373,7 +373,7 @@ class GeneratorLoop:
         if len(ids) > limit:
             logger.warning("prompt %s has %d tokens; keeping the %s %d (data.max_prompt_length, "
                            "data.truncation)", prompt.prompt_id, len(ids),
-                           "last" if self.truncation_side == "left" else "first", limit)
+                           _KEPT[self.truncation_side], limit)
         return truncate_prompt(ids, limit, self.truncation_side)
 
     # -- returning prompts --------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Experiment tracking with MLflow (rank 0 only), and optionally Weights & Biases and
-TensorBoard (``tracking.loggers``).
+"""Experiment tracking with MLflow (rank 0 only), and optionally Weights & Biases,
+TensorBoard and SwanLab (``tracking.loggers``).
 
 The default tracking URI is a SQLite store inside the run directory
 (``sqlite:///RUN_DIR/mlflow.db``); any MLflow URI works (``http://host:5000``, a
@@ -19,8 +19,10 @@ started instead, with the params as usual.
 The other trackers are thin adapters over their libraries' own APIs (``Sink``), each
 receiving the same params and metrics: ``wandb.init(project=experiment, name=run_name,
 dir=run_dir, mode=wandb_mode)`` (offline by default: the files are under run_dir/wandb, for
-``wandb sync``) and TensorBoard's ``SummaryWriter(run_dir/tensorboard)``. A resumed run
-starts a new run in each of them. MLflow refuses "@" in a metric's name, so verl's
+``wandb sync``), TensorBoard's ``SummaryWriter(run_dir/tensorboard)`` and
+``swanlab.init(project=experiment, name=run_name, log_dir=run_dir/swanlog, mode="offline")``
+(always offline: ``swanlab sync run_dir/swanlog/run-*`` uploads a run). A resumed run starts a
+new run in each of them. MLflow refuses "@" in a metric's name, so verl's
 ``mean@4`` reaches MLflow as ``mean_at_4`` and the others as it is.
 """
 
@@ -150,6 +152,34 @@ class TensorBoardSink:
         self.writer.close()
 
 
+class SwanlabSink:
+    """A SwanLab run (``swanlab.init``), offline: its files under run_dir/swanlog, for
+    ``swanlab sync``; the held-out generations as an ECharts table, as verl logs them."""
+
+    def __init__(self, *, project: str, name: str, run_dir: Path) -> None:
+        import swanlab  # only when asked for: an optional package
+
+        self.run = swanlab.init(project=project, name=name, log_dir=str(run_dir / "swanlog"),
+                                mode="offline")
+
+    def log_params(self, params: dict[str, str]) -> None:
+        self.run.config.update(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def log_generations(self, step: int, generations: Sequence[ValGeneration]) -> None:
+        import swanlab
+
+        table = swanlab.echarts.Table()
+        table.add(headers=list(GENERATION_COLUMNS), rows=generation_rows(step, generations))
+        self.run.log({"val/generations": table}, step=step)
+
+    def close(self, ok: bool) -> None:
+        self.run.finish(state="success" if ok else "crashed",
+                        error=None if ok else "the learner failed")
+
+
 def _cell(text: str) -> str:
     """Text for one markdown table cell."""
     return text.replace("|", "\\|").replace("\n", "<br>")
@@ -163,6 +193,8 @@ def build_sinks(loggers: Sequence[str], *, project: str, name: str, run_dir: Pat
         sinks.append(WandbSink(project=project, name=name, run_dir=run_dir, mode=wandb_mode))
     if "tensorboard" in loggers:
         sinks.append(TensorBoardSink(run_dir))
+    if "swanlab" in loggers:
+        sinks.append(SwanlabSink(project=project, name=name, run_dir=run_dir))
     return sinks
 
 

@@ -363,7 +363,7 @@ class ValGeneration(msgspec.Struct, array_like=True, kw_only=True, gc=False):
 
 class EvalReport(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     """Held-out metrics (``eval/...``) of the weights the learner had after ``step``, and
-    the first ``trainer.log_val_generations`` rows' first responses."""
+    ``trainer.log_val_generations`` responses (verl's seeded sample of them)."""
 
     step: int
     version: int

@@ -256,8 +256,13 @@ def test_truncation_error_names_the_overlong_rows_and_the_alternatives():
     assert kept.rows == rows and kept.dropped == 0  # left to the generators to cut
 
 
-def test_truncate_prompt_keeps_the_end_or_the_start():
+def test_truncate_prompt_keeps_the_end_the_start_or_both_halves():
     ids = [1, 2, 3, 4, 5]
     assert truncate_prompt(ids, 3, "left") == [3, 4, 5]
     assert truncate_prompt(ids, 3, "right") == [1, 2, 3]
     assert truncate_prompt(ids, 5, "left") == ids
+    # verl's middle: the first max // 2 and the last max - max // 2
+    assert truncate_prompt(ids, 3, "middle") == [1, 4, 5]
+    assert truncate_prompt(ids, 4, "middle") == [1, 2, 4, 5]
+    assert truncate_prompt(ids, 1, "middle") == [5]
+    assert truncate_prompt(ids, 6, "middle") == ids

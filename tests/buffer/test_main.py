@@ -51,6 +51,6 @@ def test_truncation_error_refuses_the_data_at_load(tmp_path, tokenizers) -> None
 
 
 def test_cutting_sides_keep_every_row_without_a_tokenizer(tmp_path, tokenizers) -> None:
-    for side in ("left", "right"):
+    for side in ("left", "right", "middle"):
         assert len(buffer.main.training_prompts(_run(tmp_path, truncation=side))) == 3
     assert tokenizers == []

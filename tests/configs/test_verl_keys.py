@@ -181,6 +181,40 @@ def test_epochs_set_the_length_unless_steps_are_given(run_dir: Path) -> None:
     assert err.key == "trainer.total_epochs"
 
 
+def test_an_epoch_is_the_rows_filter_overlong_prompts_keeps(run_dir: Path) -> None:
+    path = write(run_dir, GOOD_RUN)  # 20 rows in the files, batches of 8
+    filtered = ["trainer.total_epochs=3", "data.filter_overlong_prompts=true"]
+    seen = []
+
+    def kept(run) -> int:  # stands in for the launcher's count with the model's tokenizer
+        seen.append(run.data.train_files)
+        return 9
+
+    # verl's count: 9 rows kept make 1 step an epoch, where the 20 in the files make 2
+    assert load_run_config(path, filtered, epoch_rows=lambda run: 9) \
+        .trainer.total_training_steps == 3
+    assert load_run_config(path, filtered[:1]).trainer.total_training_steps == 6  # no filter
+    load_run_config(path, filtered, epoch_rows=kept)
+    assert seen == [[str(run_dir / "train.jsonl")]]  # the file list, resolved and normalized
+    err = error_of(load_run_config, path, filtered)  # no tokenizer: refused, not miscounted
+    assert err.key == "trainer.total_epochs" and "tools/launch-cluster.py" in err.problem
+
+    def refused(run) -> int:
+        raise ValueError("data.train_files: every prompt is longer than 8 tokens")
+
+    err = error_of(load_run_config, path, filtered, epoch_rows=refused)
+    assert err.key == "data.train_files" and "every prompt" in err.problem
+    err = error_of(load_run_config, path, filtered, epoch_rows=lambda run: 7)
+    assert err.key == "trainer.total_epochs" and "7 training rows left by" in err.problem
+
+
+def test_validation_data_dir_is_a_path_and_null_is_none(run_dir: Path) -> None:
+    in_file = write(run_dir, GOOD_RUN + "[trainer]\nvalidation_data_dir = 'val_dump'\n")
+    assert load_run_config(in_file).trainer.validation_data_dir == str(run_dir / "val_dump")
+    unset = load_run_config(in_file, ["trainer.validation_data_dir=null"])
+    assert unset.trainer.validation_data_dir == ""
+
+
 def test_the_reference_shares_the_actors_sequence_parallel_mesh(run_dir: Path) -> None:
     err = error_of(load_run_config, write(run_dir, GOOD_RUN),
                    ["actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"])
@@ -229,8 +263,8 @@ def test_overriding_the_models_config_is_refused_with_the_way_to_do_it(run_dir: 
 def test_trainer_logger_chooses_the_trackers(run_dir: Path, monkeypatch) -> None:
     run = load_run_config(write(run_dir, GOOD_RUN), ["trainer.logger=['console','mlflow']"])
     assert run.tracking.loggers == ["console", "mlflow"]
-    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["trainer.logger=['swanlab']"])
-    assert err.key == "tracking.loggers[0]" and "'wandb'" in err.problem
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["trainer.logger=['clearml']"])
+    assert err.key == "tracking.loggers[0]" and "'swanlab'" in err.problem
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # not installed
     err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["trainer.logger=['wandb']"])
     assert err.key == "tracking.loggers" and "pip install wandb" in err.problem

@@ -1,10 +1,12 @@
 """A verl example script (``tests/tools/launcher/verl_examples/grpo_qwen3-8b.sh``), entry point
 swapped, trains a few steps: its own overrides, then small ones appended as a verl user
 appends them to ``$@``; the run logs verl's validation metrics, the held-out generations
-table, and wandb (offline) and TensorBoard files."""
+table, and wandb (offline), TensorBoard and SwanLab (offline) files, and dumps every held-out
+response (``trainer.validation_data_dir``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,6 +29,7 @@ def test_a_verl_example_trains_and_logs_to_every_tracker(random_model_dir: Path,
                                                          tmp_path: Path) -> None:
     pytest.importorskip("wandb", reason="the trackers extra: pip install -e .[trackers]")
     pytest.importorskip("tensorboard", reason="the trackers extra")
+    pytest.importorskip("swanlab", reason="the trackers extra")
     home = tmp_path / "home"
     for name, source, count in (("train", "arithmetic-train.jsonl", 64),
                                 ("test", "arithmetic-test.jsonl", 4)):
@@ -39,7 +42,8 @@ def test_a_verl_example_trains_and_logs_to_every_tracker(random_model_dir: Path,
         "actor_rollout_ref.rollout.val_kwargs.n=2",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
         "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "trainer.log_val_generations=2",
-        "trainer.logger=['console','mlflow','wandb','tensorboard']", f"tracking.uri={uri}"]
+        "trainer.logger=['console','mlflow','wandb','tensorboard','swanlab']",
+        f"tracking.uri={uri}", f"trainer.validation_data_dir={tmp_path / 'val_dump'}"]
     small.remove("rollout.response_length=8")  # data.max_response_length says it, verl's way
     env = dict(os.environ, HOME=str(home), MODEL_PATH=str(random_model_dir),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -64,3 +68,9 @@ def test_a_verl_example_trains_and_logs_to_every_tracker(random_model_dir: Path,
     (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
     assert list(wandb_run.glob("run-*.wandb"))
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    (swanlab_run,) = (run_dir / "swanlog").glob("run-*")
+    (records,) = swanlab_run.glob("run-*.swanlab")
+    assert b"val-core/relay/arithmetic/reward/mean@2" in records.read_bytes()
+    dumped = [json.loads(line) for line in (tmp_path / "val_dump" / "2.jsonl").open()]
+    assert len(dumped) == 4 * 2  # 4 held-out rows, val_kwargs.n = 2
+    assert {d["step"] for d in dumped} == {2} and all("gts" in d for d in dumped)

@@ -112,8 +112,11 @@ def test_an_evaluation_reports_verls_metrics_per_data_source() -> None:
         RewardResult(score=float(item.solution_str == "right"), pred=item.solution_str)
         for item in items])
     result = evaluate(engine, tokenizer, rows, scorer, SamplingParams(max_new_tokens=2), n=2,
-                      keep=1)
-    assert result.generations == [ValGeneration(input="q?", output="right", score=1.0)]
+                      keep=2)
+    # verl's pick from all four responses (sample_generations: 1, 3, 0, 2 of the four), the
+    # second one row 1's second response
+    assert result.generations == [ValGeneration(input="q?", output="right", score=1.0),
+                                  ValGeneration(input="q?", output="wrong", score=0.0)]
     metrics = eval_metrics(result)
     assert metrics["val-core/src0/reward/mean@2"] == 1.0
     assert metrics["val-core/src1/reward/mean@2"] == 0.5

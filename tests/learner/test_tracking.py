@@ -1,5 +1,5 @@
 """The learner's trackers: MLflow takes verl's metric names, which it refuses as they are;
-wandb (offline) and TensorBoard write their own files."""
+wandb (offline), TensorBoard and SwanLab (offline) write their own files."""
 
 from __future__ import annotations
 
@@ -53,6 +53,27 @@ def test_wandb_offline_and_tensorboard_write_their_files(tmp_path: Path, monkeyp
     assert "| 1+1= | 2 | 1 |" in events.Tensors("val/generations/text_summary")[0] \
         .tensor_proto.string_val[0].decode()
     assert "val/generations" in wandb_keys
+
+
+def test_swanlab_offline_writes_its_run_under_the_run_dir(tmp_path: Path) -> None:
+    pytest.importorskip("swanlab", reason="the trackers extra: pip install -e .[trackers]")
+    tracker = Tracker(uri="", experiment="verl-project", run_name="verl-experiment",
+                      run_dir=tmp_path, loggers=["console", "mlflow", "swanlab"])
+    try:
+        tracker.log_config(TrackingConfig(run_name="verl-experiment"), [])
+        tracker.log_metrics({"val-core/src/acc/mean@4": 0.25}, step=1)
+        tracker.log_generations(1, [ValGeneration(input="1+1=", output="2", score=1.0)])
+    finally:
+        tracker.close(ok=True)
+    (run,) = (tmp_path / "swanlog").glob("run-*")  # for `swanlab sync`
+    (records,) = run.glob("run-*.swanlab")
+    logged = records.read_bytes()
+    # the project and experiment names, and verl's metric name with its "@"
+    assert b"verl-project" in logged and b"verl-experiment" in logged
+    assert b"val-core/src/acc/mean@4" in logged
+    assert "run_name" in (run / "files" / "config.yaml").read_text()  # the config, flattened
+    (table,) = (run / "media" / "echarts").glob("*.json")
+    assert "1+1=" in table.read_text()
 
 
 def test_held_out_generations_are_an_mlflow_table(tmp_path: Path) -> None:

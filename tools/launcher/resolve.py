@@ -22,10 +22,11 @@ from transformers import AutoConfig
 
 from algorithms.rewards.registry import UnknownDataSourceError, check_data_sources
 from buffer.dataset import DatasetError, load_prompt_rows
+from buffer.main import training_prompts
 from buffer.prompt_source import BufferCheckpointError
 from configs.checks import load_run_config, load_topology
 from configs.loader import COMMAND_LINE, ConfigError, to_toml
-from configs.run_schema import RunConfig
+from configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
 from configs.verl_keys import Placement
 from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, checkpoint_dir, is_run_dir
 from configs.topology_schema import Topology
@@ -53,7 +54,7 @@ def resolve_launch(topology_file: str, run_file: str, topology_overrides: Sequen
     after its own overrides (``configs.verl_keys``)."""
     placement: list[Placement] = []
     notes: list[str] = []
-    run = load_run_config(run_file, run_overrides, placement, notes)
+    run = load_run_config(run_file, run_overrides, placement, notes, epoch_rows)
     topology = load_topology(topology_file, topology_overrides, placement)
     check_validation_data(run, run_file)
     check_sequence_parallel(topology, run, run_file)
@@ -77,7 +78,7 @@ def resolve_resume(run_dir: str | Path, topology_overrides: Sequence[str] = (),
     topology_file, run_file = str(run_dir / RESOLVED_TOPOLOGY), str(run_dir / RESOLVED_RUN)
     placement: list[Placement] = []
     notes: list[str] = []
-    run = load_run_config(run_file, run_overrides, placement, notes)
+    run = load_run_config(run_file, run_overrides, placement, notes, epoch_rows)
     topology = load_topology(topology_file, topology_overrides, placement)
     check_validation_data(run, run_file)
     check_sequence_parallel(topology, run, run_file)
@@ -113,6 +114,20 @@ def resolve_resume_mode(run: RunConfig, run_dir: Path, source: str) -> RunConfig
         raise ConfigError(source, "trainer.resume_from_path", str(exc)) from exc
     return msgspec.structs.replace(run, trainer=msgspec.structs.replace(
         trainer, resume_mode="resume_path", resume_from_path=str(checkpoint)))
+
+
+def epoch_rows(run: RunConfig) -> int:
+    """The training rows an epoch passes over, counted as verl counts them: those
+    ``data.filter_overlong_prompts`` keeps (``configs.checks.training_steps``). The launcher
+    tokenizes the training prompts for it, as the buffer does again when it loads them
+    (``buffer.main.training_prompts``); a ``builtin:`` model's tokenizer is built here, the
+    same on every build, since the model itself is built only at launch."""
+    tokenizer = None
+    if run.model.path.startswith(BUILTIN_MODEL_PREFIX):
+        from learner.tiny_model.tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer()
+    return len(training_prompts(run, tokenizer))
 
 
 def check_validation_data(run: RunConfig, source: str) -> None:

@@ -1,5 +1,7 @@
-"""launcher.resolve: held-out data the evaluator could not use is refused before launch."""
+"""launcher.resolve: held-out data the evaluator could not use is refused before launch; an
+epoch is counted after data.filter_overlong_prompts."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -51,3 +53,20 @@ def test_a_sequence_parallel_size_the_heads_do_not_fit_is_refused(
     assert error.value.key == "actor.ulysses_sequence_parallel_size"
     assert "must divide the model's 4 attention heads" in str(error.value)
     assert str(random_model_dir) in str(error.value)
+
+
+def test_an_epoch_counts_the_rows_filter_overlong_prompts_keeps(tmp_path: Path) -> None:
+    train = tmp_path / "train.jsonl"
+    rows = [json.dumps({"prompt": [{"role": "user", "content": "1 + 1 = ?" * repeat}],
+                        "data_source": "relay/arithmetic",
+                        "reward_model": {"style": "rule", "ground_truth": "2"}})
+            for repeat in (1, 1, 1, 1, 40, 40)]  # 40 repeats: far over 64 tokens
+    train.write_text("\n".join(rows) + "\n")
+    overrides = [f"data.train_files={train}", "data.train_batch_size=2",
+                 "data.max_prompt_length=64", "trainer.total_epochs=5",
+                 f"trainer.run_dir={tmp_path}"]
+    kept = resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN), run_overrides=[
+        *overrides, "data.filter_overlong_prompts=true"])  # the built-in model's tokenizer
+    assert kept.run.trainer.total_training_steps == 5 * (4 // 2)  # verl's count
+    every = resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN), run_overrides=overrides)
+    assert every.run.trainer.total_training_steps == 5 * (6 // 2)
