@@ -25,6 +25,7 @@ Order of events:
 from __future__ import annotations
 
 import os
+import random
 import re
 import shlex
 import signal
@@ -80,8 +81,31 @@ def builtin_model(run: RunConfig) -> RunConfig:
     return msgspec.structs.replace(run, model=msgspec.structs.replace(run.model, path=str(path)))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PICKED_PORT = 20000
+
+
+def free_port(rng: random.Random | None = None) -> int:
+    """A loopback port nothing listens on now, below the kernel's ephemeral range.
+
+    A port the kernel handed out for ``bind(0)`` is free only until it hands it out again,
+    to any process's next outgoing connection or ``bind(0)``, before our process binds it
+    (the trackers' background services open sockets while a run starts). A port below the
+    ephemeral range is never handed out that way; it is taken only by an explicit bind."""
+    rng = rng or random.Random()
+    try:
+        ephemeral_low = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default range starts here
+    for _ in range(100):
+        port = rng.randrange(LOWEST_PICKED_PORT, max(ephemeral_low, LOWEST_PICKED_PORT + 1))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # every try was taken: let the kernel pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

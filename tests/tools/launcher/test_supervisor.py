@@ -113,3 +113,19 @@ def test_a_second_ctrl_c_while_stopping_skips_the_grace(tmp_path: Path) -> None:
     assert time.monotonic() - began < supervisor.STOP_GRACE_S / 2
     assert stubborn.popen.returncode == -signal.SIGKILL and buffer.popen.poll() is not None
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+
+
+def test_free_ports_come_from_below_the_kernels_ephemeral_range() -> None:
+    """A port below the ephemeral range is not handed to another process's bind(0) or
+    outgoing connection between our pick and our bind; a taken pick is skipped."""
+    import random
+    import socket
+
+    low = int(supervisor.EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    first = random.Random(7).randrange(supervisor.LOWEST_PICKED_PORT, low)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", first))  # the first pick of that seed is taken
+        port = supervisor.free_port(random.Random(7))
+    assert port != first and supervisor.LOWEST_PICKED_PORT <= port < low
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))  # and it is free
