@@ -23,16 +23,13 @@ engines or rewards.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import TypeVar
-
-import re
 
 import msgspec
 import numpy as np
 
-T = TypeVar("T")
 BOOTSTRAP_DRAWS = 1000
 SEED = 42  # verl's
 UNNAMEABLE = re.compile(r"[^\w./\- :]")  # what a tracker's metric name may not hold
@@ -48,27 +45,29 @@ class ScoredResponse(msgspec.Struct, frozen=True):
     pred: str = ""
 
 
-def bootstrap(data: Sequence[T], size: int, reducers: Sequence[Callable[[list[T]], float]],
-              rng: np.random.Generator, draws: int = BOOTSTRAP_DRAWS) -> list[tuple[float, float]]:
-    """(mean, std) over ``draws`` subsets of ``size`` items of ``data`` drawn with
-    replacement, of each reducer's value on a subset."""
-    results: list[list[float]] = [[] for _ in reducers]
-    for _ in range(draws):
-        subset = [data[i] for i in rng.integers(0, len(data), size=size)]
-        for out, reduce in zip(results, reducers, strict=True):
-            out.append(reduce(subset))
-    return [(float(np.mean(out)), float(np.std(out))) for out in results]
+Reducer = Callable[[np.ndarray], np.ndarray]  # picks (draws, k) -> a value per draw (draws,)
 
 
-def majority_value(votes: Sequence[tuple[str, float]]) -> float:
-    """The value of the first (answer, value) whose answer is the most common one (ties go
-    to the answer seen first)."""
-    counts: dict[str, int] = {}
-    first: dict[str, float] = {}
-    for pred, value in votes:
-        counts[pred] = counts.get(pred, 0) + 1
-        first.setdefault(pred, value)
-    return first[max(counts, key=counts.__getitem__)]  # max keeps the first of equal counts
+def bootstrap(size: int, count: int, reducers: Sequence[Reducer], rng: np.random.Generator,
+              draws: int = BOOTSTRAP_DRAWS) -> list[tuple[float, float]]:
+    """(mean, std) over ``draws`` subsets of ``count`` of ``size`` items drawn with
+    replacement, of each reducer's value on a subset. The subsets are drawn at once, as a
+    (draws, count) matrix of item indices, and every reducer maps it to a value per draw."""
+    picks = rng.integers(0, size, size=(draws, count))
+    return [(float(np.mean(reduced)), float(np.std(reduced)))
+            for reduced in (reduce(picks) for reduce in reducers)]
+
+
+def majority_values(answers: Sequence[str], values: np.ndarray,
+                    picks: np.ndarray) -> np.ndarray:
+    """For each subset (a row of item indices ``picks``, (draws, k)): the value of the first
+    pick whose answer is the subset's most common one (ties go to the answer seen first)."""
+    codes = np.unique(np.asarray(answers), return_inverse=True)[1].reshape(-1)[picks]
+    k, rows = picks.shape[1], np.arange(len(picks))
+    same = codes[:, :, None] == codes[:, None, :]  # pick j holds pick i's answer
+    counts, first = same.sum(2), same.argmax(2)  # per pick i: its answer's count and first pick
+    winner = first[rows, (counts * (k + 1) - first).argmax(1)]  # most common, then earliest
+    return values[picks[rows, winner]]
 
 
 def subset_sizes(n: int) -> list[int]:
@@ -89,14 +88,17 @@ def prompt_metrics(values: Sequence[float], preds: Sequence[str] | None,
     if n == 1:
         return metrics
     metrics[f"std@{n}"] = float(np.std(values))
+    array = np.asarray(values, dtype=np.float64)
     for k in subset_sizes(n):
         (best, best_std), (worst, worst_std) = bootstrap(
-            list(values), k, [max, min], np.random.default_rng(seed), draws)
+            n, k, [lambda picks: array[picks].max(1), lambda picks: array[picks].min(1)],
+            np.random.default_rng(seed), draws)
         metrics.update({f"best@{k}/mean": best, f"best@{k}/std": best_std,
                         f"worst@{k}/mean": worst, f"worst@{k}/std": worst_std})
         if preds is not None:
-            [(maj, maj_std)] = bootstrap(list(zip(preds, values, strict=True)), k,
-                                         [majority_value], np.random.default_rng(seed), draws)
+            [(maj, maj_std)] = bootstrap(
+                n, k, [lambda picks: majority_values(preds, array, picks)],
+                np.random.default_rng(seed), draws)
             metrics.update({f"maj@{k}/mean": maj, f"maj@{k}/std": maj_std})
     return metrics
 

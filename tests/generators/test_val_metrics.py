@@ -16,7 +16,7 @@ from generators.sampling import SamplingParams
 from generators.val_metrics import (
     ScoredResponse,
     bootstrap,
-    majority_value,
+    majority_values,
     prompt_metrics,
     subset_sizes,
     validation_metrics,
@@ -25,27 +25,43 @@ from transport.messages import ValGeneration
 
 
 class FixedDraws:
-    """A stand-in random generator whose draws are given."""
+    """A stand-in random generator whose draws (one subset of indices each) are given."""
 
     def __init__(self, *draws: list[int]) -> None:
         self.draws = list(draws)
 
-    def integers(self, low: int, high: int, size: int) -> np.ndarray:
-        drawn = self.draws.pop(0)
-        assert len(drawn) == size and all(low <= i < high for i in drawn)
-        return np.array(drawn)
+    def integers(self, low: int, high: int, size: tuple[int, int]) -> np.ndarray:
+        assert size == (len(self.draws), len(self.draws[0]))
+        assert all(low <= i < high for drawn in self.draws for i in drawn)
+        return np.array(self.draws)
 
 
 def test_bootstrap_mean_and_std_of_each_reducer() -> None:
     # subsets [3, 1] and [1, 1]: max 3 and 1 (mean 2, std 1), min 1 and 1 (mean 1, std 0)
-    (best, best_std), (worst, worst_std) = bootstrap([3.0, 1.0, 2.0], 2, [max, min],
-                                                     FixedDraws([0, 1], [1, 1]), draws=2)
+    data = np.array([3.0, 1.0, 2.0])
+    (best, best_std), (worst, worst_std) = bootstrap(
+        3, 2, [lambda picks: data[picks].max(1), lambda picks: data[picks].min(1)],
+        FixedDraws([0, 1], [1, 1]), draws=2)
     assert (best, best_std, worst, worst_std) == (2.0, 1.0, 1.0, 0.0)
+
+
+def majority_value(votes: list[tuple[str, float]]) -> float:
+    """``majority_values`` of one subset holding every vote once, in order."""
+    answers, values = zip(*votes, strict=True)
+    return float(majority_values(answers, np.array(values), np.arange(len(votes))[None])[0])
 
 
 def test_majority_takes_the_most_common_answer_and_its_first_value() -> None:
     assert majority_value([("A", 0.9), ("B", 0.8), ("A", 0.7)]) == 0.9
     assert majority_value([("B", 1.0), ("A", 0.0), ("A", 0.5), ("B", 0.2)]) == 1.0  # tie: B
+
+
+def test_majority_of_drawn_subsets_counts_repeated_picks() -> None:
+    answers, values = ["B", "A", "A"], np.array([1.0, 0.0, 0.5])
+    # picks 0 1 2: B A A -> A, first picked as item 1; 0 2 0: B A B -> B (item 0, twice);
+    # 2 0 1: A B A -> A, first picked as item 2
+    picks = np.array([[0, 1, 2], [0, 2, 0], [2, 0, 1]])
+    assert majority_values(answers, values, picks).tolist() == [0.0, 1.0, 0.5]
 
 
 def test_subset_sizes_are_powers_of_two_then_n() -> None:
