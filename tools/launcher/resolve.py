@@ -27,9 +27,9 @@ from buffer.prompt_source import BufferCheckpointError
 from configs.checks import load_run_config, load_topology
 from configs.loader import COMMAND_LINE, ConfigError, to_toml
 from configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
-from configs.verl_keys import Placement
 from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, checkpoint_dir, is_run_dir
 from configs.topology_schema import Topology
+from configs.verl_keys import Placement
 from launcher.plan import ProcessSpec, build_plan, new_run_dir
 from learner.checkpoint import CheckpointError, check_resumable, latest_checkpoint
 from learner.ulysses import KEY, check_heads
@@ -52,12 +52,8 @@ def resolve_launch(topology_file: str, run_file: str, topology_overrides: Sequen
     """Load and check both configs with their overrides; plan the processes. verl's
     placement keys in the run config (``trainer.n_gpus_per_node``...) apply to the topology
     after its own overrides (``configs.verl_keys``)."""
-    placement: list[Placement] = []
-    notes: list[str] = []
-    run = load_run_config(run_file, run_overrides, placement, notes, epoch_rows)
-    topology = load_topology(topology_file, topology_overrides, placement)
-    check_validation_data(run, run_file)
-    check_sequence_parallel(topology, run, run_file)
+    topology, run, notes = load_checked(topology_file, run_file, topology_overrides,
+                                        run_overrides)
     run_dir = new_run_dir(run)
     run = resolve_resume_mode(run, run_dir, run_file)
     return ResolvedLaunch(topology_file=topology_file, run_file=run_file, topology=topology,
@@ -76,12 +72,8 @@ def resolve_resume(run_dir: str | Path, topology_overrides: Sequence[str] = (),
                                             f"a launch wrote ({RESOLVED_RUN} and "
                                             f"{RESOLVED_TOPOLOGY} beside logs/)")
     topology_file, run_file = str(run_dir / RESOLVED_TOPOLOGY), str(run_dir / RESOLVED_RUN)
-    placement: list[Placement] = []
-    notes: list[str] = []
-    run = load_run_config(run_file, run_overrides, placement, notes, epoch_rows)
-    topology = load_topology(topology_file, topology_overrides, placement)
-    check_validation_data(run, run_file)
-    check_sequence_parallel(topology, run, run_file)
+    topology, run, notes = load_checked(topology_file, run_file, topology_overrides,
+                                        run_overrides)
     if not any(o.startswith("trainer.resume_") for o in run_overrides):
         auto = msgspec.structs.replace(run.trainer, resume_mode="auto", resume_from_path="")
         run = msgspec.structs.replace(run, trainer=auto)
@@ -96,6 +88,19 @@ def resolve_resume(run_dir: str | Path, topology_overrides: Sequence[str] = (),
     return ResolvedLaunch(topology_file=topology_file, run_file=run_file, topology=topology,
                           run=run, run_dir=run_dir, processes=build_plan(topology, run, run_dir),
                           verl_notes=notes)
+
+
+def load_checked(topology_file: str, run_file: str, topology_overrides: Sequence[str],
+                 run_overrides: Sequence[str]) -> tuple[Topology, RunConfig, list[str]]:
+    """Both configs loaded and checked, with the run config's verl placement keys applied to
+    the topology; and a line per verl key translated (``ResolvedLaunch.verl_notes``)."""
+    placement: list[Placement] = []
+    notes: list[str] = []
+    run = load_run_config(run_file, run_overrides, placement, notes, epoch_rows)
+    topology = load_topology(topology_file, topology_overrides, placement)
+    check_validation_data(run, run_file)
+    check_sequence_parallel(topology, run, run_file)
+    return topology, run, notes
 
 
 def resolve_resume_mode(run: RunConfig, run_dir: Path, source: str) -> RunConfig:
