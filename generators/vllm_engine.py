@@ -38,7 +38,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from configs.topology_schema import VLLMOptions
 from generators.engine import (
@@ -52,7 +52,6 @@ from generators.engine import (
 )
 from generators.sampling import SamplingParams
 
-CPU_HEAD_DIMS = "32, 64, 80, 96, 112, 128, 160, 192, 224 or 256"
 
 
 class VLLMUnavailable(RuntimeError):
@@ -145,14 +144,30 @@ def checkpoint_tensors(tensors: Mapping[str, torch.Tensor],
         yield "lm_head.weight", tensors["model.embed_tokens.weight"]
 
 
-def parameter_shapes(path: str, trust_remote_code: bool) -> tuple[dict[str, torch.Size], bool]:
-    """The Hugging Face parameter names and shapes of the model at ``path`` (built on the
+def parameter_shapes(config: PretrainedConfig,
+                     trust_remote_code: bool) -> tuple[dict[str, torch.Size], bool]:
+    """The Hugging Face parameter names and shapes of a model of ``config`` (built on the
     meta device: no memory, no weights read), and whether it ties its embeddings."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
     return {name: p.shape for name, p in model.named_parameters()}, tied
+
+
+def check_cpu_head_dim(path: str, config: PretrainedConfig) -> None:
+    """``VLLMUnavailable`` naming head_dim when vLLM's CPU attention cannot run the model
+    (its kernels would refuse it only at the first forward)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise VLLMUnavailable(
+            f"{path}: head_dim {head_dim}, which vLLM's CPU attention does not run (it runs "
+            f"head_dim {', '.join(map(str, supported))}); use engine \"lean\" or \"torch\" "
+            "for this model, or a model with such heads (Relay's built-in tiny model has "
+            "head_dim 32)")
 
 
 class VLLMEngine(Engine):
@@ -184,7 +199,10 @@ class VLLMEngine(Engine):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         vllm = import_vllm()
-        shapes, tied = parameter_shapes(path, trust_remote_code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if device == "cpu":
+            check_cpu_head_dim(path, config)
+        shapes, tied = parameter_shapes(config, trust_remote_code)
         arguments = engine_arguments(path, dtype=str(dtype).removeprefix("torch."),
                                      device=device, seed=seed, max_num_seqs=max_num_seqs,
                                      max_len=max_len, trust_remote_code=trust_remote_code,
@@ -192,14 +210,6 @@ class VLLMEngine(Engine):
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
         try:
             llm = vllm.LLM(**arguments)
-        except Exception as error:
-            if "head_dim" in str(error):
-                raise VLLMUnavailable(
-                    f"{path}: vLLM's CPU attention refuses this model ({error}); it runs "
-                    f"head_dim {CPU_HEAD_DIMS}. Use engine \"lean\" or \"torch\" for it, or a "
-                    "model with such heads (Relay's built-in tiny model has head_dim 32)"
-                ) from error
-            raise
         finally:
             torch.set_num_threads = set_num_threads
         return cls(llm, shapes=shapes, tied_embeddings=tied, eos_ids=eos_ids, seed=seed)
