@@ -26,7 +26,7 @@ from generators.vllm_engine import (
     import_vllm,
     token_versions,
 )
-from tests.conftest import save_random_model
+from ..conftest import save_random_model
 
 PROMPTS = [[1, 271, 201, 273, 272, 223, 19, 20, 2, 201, 1, 278, 201], [1, 271, 201, 24, 2, 201]]
 EOS = 2
