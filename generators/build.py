@@ -8,6 +8,8 @@ its KV cache up front: ``max_num_seqs`` sequences of ``max_len`` positions.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -18,10 +20,26 @@ from generators.hf_engine import HFEngine
 from generators.lean_engine import LeanEngine
 from generators.lean_model import UnsupportedModel
 from generators.torch_engine import TorchEngine
+from generators.vllm_engine import INSTALL_HINT as VLLM_INSTALL_HINT
 from generators.vllm_engine import VLLMEngine
 
 ENGINES: dict[str, type[Engine]] = {"lean": LeanEngine, "torch": TorchEngine, "hf": HFEngine}
 """Relay's own engines; ``vllm`` and ``sglang`` (``build_engine``) take engine options."""
+
+
+ENGINE_PACKAGES: dict[str, tuple[str, str]] = {"vllm": ("vllm", VLLM_INSTALL_HINT)}
+"""The engines that need a package of their own: its module, and how to install it."""
+
+
+def missing_engine(engine: str) -> str | None:
+    """Why ``engine`` cannot start in this Python environment (its package is not
+    installed), or None. Looks the package up without importing it."""
+    if engine not in ENGINE_PACKAGES:
+        return None
+    module, hint = ENGINE_PACKAGES[engine]
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return f"engine {engine!r} needs the {module} package, which is not installed here. {hint}"
 
 
 def eos_and_pad(model_path: str, tokenizer) -> tuple[list[int], int]:

