@@ -142,6 +142,7 @@ class Hub:
         self.clock = clock
         self.leases = LeaseBook(config.lease_timeout_s)
         self.registry = Registry(config.heartbeat_timeout_s)
+        self._leasing = False  # set once buffer.min_generators attached (_enough_generators)
         self.learner_version = 0
         self.learner_step = 0  # the step after which learner_version was published
         self.accepted = 0  # groups admitted to the store and not dropped
@@ -223,6 +224,9 @@ class Hub:
             return self._goodbye(msg.generator_id)
         if not self.registry.touch(msg.generator_id, self.clock()):
             return ErrorReply(code="not_attached", detail=f"{msg.generator_id} must attach first")
+        if not self._enough_generators():
+            self.counts["leases/gated"] += 1
+            return PromptLease(lease_id="", retry_after_s=RETRY_AFTER_S)
         max_staleness = self.config.max_staleness
         capacity = lease_capacity(version=self.learner_version, max_staleness=max_staleness,
                                   batch_size=self.batch_size, accepted=self.accepted,
@@ -243,6 +247,17 @@ class Hub:
                            n=self.limits.n, min_version=min_version,
                            expires_in_s=self.config.lease_timeout_s,
                            greedy_baseline=self.limits.greedy_baseline)
+
+    def _enough_generators(self) -> bool:
+        """Whether leasing has begun: once ``buffer.min_generators`` were attached together
+        (``BufferConfig``), for the rest of the run."""
+        if not self._leasing:
+            attached = len(self.registry.generators)
+            self._leasing = attached >= self.config.min_generators
+            if self._leasing and self.config.min_generators > 1:
+                logger.info("%d generators attached (buffer.min_generators = %d): leasing "
+                            "begins", attached, self.config.min_generators)
+        return self._leasing
 
     def _lease_return(self, msg: LeaseReturn) -> Message:
         prompts = self.leases.give_back(msg.lease_id, msg.prompt_ids, msg.generator_id)

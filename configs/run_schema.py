@@ -398,6 +398,11 @@ class BufferConfig(_Section):
     ``client_patience_s`` (Relay): how long the generators and the learner keep asking a
     buffer that does not answer (a stall) before they give up (``transport.retry``).
 
+    ``min_generators`` (Relay): no prompt is leased before this many generators have
+    attached at once; after that the run goes on with whoever is attached. It keeps a fast
+    engine from running the first steps alone while a slower one starts (vLLM takes ~15 s
+    on a CPU); 0 or 1: the first generator starts the run.
+
     ``weights_timeout_s`` (Relay): how long a generator holds a lease whose weights
     (``min_version``) have not arrived before it returns the prompts; 0: ``lease_timeout_s``.
     It may not exceed ``lease_timeout_s``: an idle generator's lease is renewed only while
@@ -412,6 +417,7 @@ class BufferConfig(_Section):
     max_message_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 64 << 20  # Relay
     client_patience_s: PositiveFloat = 300.0  # Relay: retrying a silent buffer, at most
     weights_timeout_s: NonNegativeFloat = 0.0  # Relay: a lease's wait for weights; 0: lease's
+    min_generators: NonNegative = 0  # Relay: generators attached before the first lease
     filter_groups: FilterGroupsConfig = msgspec.field(default_factory=FilterGroupsConfig)
     pf_ppo: PfPpoConfig = msgspec.field(default_factory=PfPpoConfig)
     replay: ReplayConfig = msgspec.field(default_factory=ReplayConfig)

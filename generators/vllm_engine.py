@@ -179,9 +179,10 @@ class VLLMEngine(Engine):
     name = "vllm"
 
     def __init__(self, llm: Any, *, shapes: Mapping[str, torch.Size], tied_embeddings: bool,
-                 eos_ids: Sequence[int], seed: int = 0) -> None:
+                 eos_ids: Sequence[int], seed: int = 0, device: str = "cpu") -> None:
         super().__init__()
         self.llm = llm
+        self.device = device
         self.eos_ids = sorted(eos_ids)
         self._shapes = dict(shapes)
         self._tied = tied_embeddings
@@ -215,7 +216,8 @@ class VLLMEngine(Engine):
             llm = vllm.LLM(**arguments)
         finally:
             torch.set_num_threads = set_num_threads
-        return cls(llm, shapes=shapes, tied_embeddings=tied, eos_ids=eos_ids, seed=seed)
+        return cls(llm, shapes=shapes, tied_embeddings=tied, eos_ids=eos_ids, seed=seed,
+                   device=device)
 
     def reseed(self, seed: int) -> None:
         """Requests after this draw from ``seed``: the k-th request's sample i from the

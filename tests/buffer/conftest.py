@@ -62,8 +62,9 @@ def make_hub(clock: FakeClock):
     def build(*, batch_size: int = 4, n: int = 2, max_staleness: int = 0, per_lease: int = 2,
               lease_timeout_s: float = 60.0, rows: int = 100,
               store: ReplayStore | None = None, log: RolloutLogWriter | None = None,
-              greedy_baseline: bool = False) -> Hub:
-        config = BufferConfig(max_staleness=max_staleness, lease_timeout_s=lease_timeout_s)
+              greedy_baseline: bool = False, min_generators: int = 0) -> Hub:
+        config = BufferConfig(max_staleness=max_staleness, lease_timeout_s=lease_timeout_s,
+                              min_generators=min_generators)
         store = FifoStore() if store is None else store
         limits = GroupLimits(n=n, vocab_size=VOCAB_SIZE, response_length=RESPONSE_LENGTH,
                              greedy_baseline=greedy_baseline)

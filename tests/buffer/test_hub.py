@@ -57,6 +57,15 @@ def test_eta_zero_admits_exactly_one_batch_per_version(make_hub) -> None:
     assert len(third.prompts) == 3 and third.min_version == 1
 
 
+def test_no_lease_before_min_generators_attached_then_the_run_goes_on(make_hub) -> None:
+    hub = make_hub(min_generators=2)  # g0 attached
+    assert lease(hub).prompts == [] and hub.counts["leases/gated"] == 1
+    hub.handle(Attach(generator_id="g1", engine="vllm", device="cpu"))
+    assert len(lease(hub, "g1").prompts) == 2
+    hub.handle(Detach(generator_id="g1"))
+    assert len(lease(hub).prompts) == 2  # leasing, once begun, never waits again
+
+
 def test_eta_bounds_leases_ahead_of_the_learner(make_hub) -> None:
     hub = make_hub(batch_size=2, per_lease=10, max_staleness=2)
     assert len(lease(hub).prompts) == 6  # (2 + 0 + 1) * 2
