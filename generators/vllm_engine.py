@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from configs.topology_schema import VLLMOptions
+from generators.checkpoint import checkpoint_tensors, parameter_shapes
 from generators.engine import (
     Completion,
     Engine,
@@ -133,26 +133,6 @@ def completion_of(output: Any, greedy: bool, fallback_version: int) -> Completio
                       versions=token_versions(output.weight_versions, len(token_ids),
                                               fallback_version),
                       finish_reason="stop" if output.finish_reason == "stop" else "length")
-
-
-def checkpoint_tensors(tensors: Mapping[str, torch.Tensor],
-                       tied_embeddings: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """The named tensors vLLM's ``load_weights`` reads: Relay's set (the model's parameter
-    names) and, for tied embeddings, ``lm_head.weight`` too, which vLLM keeps as a tensor
-    of its own that would otherwise stay at the old version."""
-    yield from tensors.items()
-    if tied_embeddings and "lm_head.weight" not in tensors:
-        yield "lm_head.weight", tensors["model.embed_tokens.weight"]
-
-
-def parameter_shapes(path: str, trust_remote_code: bool) -> tuple[dict[str, torch.Size], bool]:
-    """The Hugging Face parameter names and shapes of the model at ``path`` (built on the
-    meta device: no memory, no weights read), and whether it ties its embeddings."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
-    return {name: p.shape for name, p in model.named_parameters()}, tied
 
 
 class VLLMEngine(Engine):
