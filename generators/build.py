@@ -17,6 +17,7 @@ from generators.engine import Engine
 from generators.hf_engine import HFEngine
 from generators.lean_engine import LeanEngine
 from generators.lean_model import UnsupportedModel
+from generators.sglang_engine import SGLangEngine
 from generators.torch_engine import TorchEngine
 from generators.vllm_engine import VLLMEngine
 
@@ -43,8 +44,8 @@ def build_engine(model: ModelConfig, placement: GeneratorPlacement | EvaluatorPl
                  seed: int, *, max_num_seqs: int, max_len: int) -> tuple[Engine, object]:
     """The engine ``placement`` names (``placement.engine`` on ``placement.device``)
     holding ``model``, and its tokenizer. Raises ``ValueError`` naming the setting when the
-    engine cannot run the model, ``VLLMUnavailable`` saying how to install
-    vLLM when it is missing."""
+    engine cannot run the model, ``VLLMUnavailable`` / ``SGLangUnavailable`` saying how to
+    install vLLM / SGLang when it is missing."""
     tokenizer = AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
     eos, pad = eos_and_pad(model.path, tokenizer)
     common = dict(dtype=getattr(torch, model.dtype), device=placement.device, eos_ids=eos,
@@ -54,6 +55,10 @@ def build_engine(model: ModelConfig, placement: GeneratorPlacement | EvaluatorPl
         return VLLMEngine.from_pretrained(model.path, max_num_seqs=max_num_seqs,
                                           max_len=max_len, options=placement.vllm,
                                           **common), tokenizer
+    if engine == "sglang":
+        return SGLangEngine.from_pretrained(model.path, max_num_seqs=max_num_seqs,
+                                            max_len=max_len, options=placement.sglang,
+                                            **common), tokenizer
     if engine != "lean":
         return ENGINES[engine].from_pretrained(model.path, **common), tokenizer
     try:
