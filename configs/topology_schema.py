@@ -71,9 +71,33 @@ class VLLMOptions(_Section):
     engine_kwargs: dict[str, object] = msgspec.field(default_factory=dict)
 
 
+class SGLangOptions(_Section):
+    """Engine options of a generator whose engine is ``sglang`` (``generators.sglang_engine``),
+    under verl's names (``actor_rollout_ref.rollout.*``), each turned into SGLang's server
+    argument: ``gpu_memory_utilization`` is ``mem_fraction_static``,
+    ``tensor_model_parallel_size`` is ``tp_size``, ``enforce_eager`` is
+    ``disable_cuda_graph``, ``max_model_len`` is ``context_length``, and
+    ``max_num_batched_tokens`` is ``chunked_prefill_size`` (-1, SGLang's off, when
+    ``enable_chunked_prefill`` is false). The batch (``max_running_requests``) is the run's
+    ``rollout.max_num_seqs``; the context length defaults to the run's
+    ``data.max_prompt_length + rollout.response_length``.
+
+    ``engine_kwargs`` go to ``sglang.Engine`` as they are, last (verl's
+    ``rollout.engine_kwargs.sglang``): any server argument not named here.
+    """
+
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    tensor_model_parallel_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    enforce_eager: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
+    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: prompt + response length
+    engine_kwargs: dict[str, object] = msgspec.field(default_factory=dict)
+
+
 class GeneratorPlacement(_Section):
-    """One generator process: an inference engine on a device; ``vllm`` holds that
-    engine's options."""
+    """One generator process: an inference engine on a device; ``vllm`` and ``sglang`` hold
+    those engines' options."""
 
     name: str
     host: str = "127.0.0.1"
@@ -81,6 +105,7 @@ class GeneratorPlacement(_Section):
     device: str = "cpu"
     threads: Threads = 0
     vllm: VLLMOptions = msgspec.field(default_factory=VLLMOptions)
+    sglang: SGLangOptions = msgspec.field(default_factory=SGLangOptions)
 
 
 class EvaluatorPlacement(_Section):
@@ -93,6 +118,7 @@ class EvaluatorPlacement(_Section):
     device: str = "cpu"
     threads: Threads = 0
     vllm: VLLMOptions = msgspec.field(default_factory=VLLMOptions)
+    sglang: SGLangOptions = msgspec.field(default_factory=SGLangOptions)
 
 
 class Security(_Section):

@@ -19,6 +19,8 @@ from generators.engine import Engine
 from generators.hf_engine import HFEngine
 from generators.lean_engine import LeanEngine
 from generators.lean_model import UnsupportedModel
+from generators.sglang_engine import INSTALL_HINT as SGLANG_INSTALL_HINT
+from generators.sglang_engine import SGLangEngine
 from generators.torch_engine import TorchEngine
 from generators.vllm_engine import INSTALL_HINT as VLLM_INSTALL_HINT
 from generators.vllm_engine import VLLMEngine
@@ -27,7 +29,8 @@ ENGINES: dict[str, type[Engine]] = {"lean": LeanEngine, "torch": TorchEngine, "h
 """Relay's own engines; ``vllm`` and ``sglang`` (``build_engine``) take engine options."""
 
 
-ENGINE_PACKAGES: dict[str, tuple[str, str]] = {"vllm": ("vllm", VLLM_INSTALL_HINT)}
+ENGINE_PACKAGES: dict[str, tuple[str, str]] = {"vllm": ("vllm", VLLM_INSTALL_HINT),
+                                               "sglang": ("sglang", SGLANG_INSTALL_HINT)}
 """The engines that need a package of their own: its module, and how to install it."""
 
 
@@ -61,8 +64,8 @@ def build_engine(model: ModelConfig, placement: GeneratorPlacement | EvaluatorPl
                  seed: int, *, max_num_seqs: int, max_len: int) -> tuple[Engine, object]:
     """The engine ``placement`` names (``placement.engine`` on ``placement.device``)
     holding ``model``, and its tokenizer. Raises ``ValueError`` naming the setting when the
-    engine cannot run the model, ``VLLMUnavailable`` saying how to install
-    vLLM when it is missing."""
+    engine cannot run the model, ``VLLMUnavailable`` / ``SGLangUnavailable`` saying how to
+    install vLLM / SGLang when it is missing."""
     tokenizer = AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
     eos, pad = eos_and_pad(model.path, tokenizer)
     common = dict(dtype=getattr(torch, model.dtype), device=placement.device, eos_ids=eos,
@@ -72,6 +75,10 @@ def build_engine(model: ModelConfig, placement: GeneratorPlacement | EvaluatorPl
         return VLLMEngine.from_pretrained(model.path, max_num_seqs=max_num_seqs,
                                           max_len=max_len, options=placement.vllm,
                                           **common), tokenizer
+    if engine == "sglang":
+        return SGLangEngine.from_pretrained(model.path, max_num_seqs=max_num_seqs,
+                                            max_len=max_len, options=placement.sglang,
+                                            **common), tokenizer
     if engine != "lean":
         return ENGINES[engine].from_pretrained(model.path, **common), tokenizer
     try:

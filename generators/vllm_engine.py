@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from configs.topology_schema import VLLMOptions
+from generators.checkpoint import checkpoint_tensors, parameter_shapes
 from generators.engine import (
     Completion,
     Engine,
@@ -137,26 +138,6 @@ def completion_of(output: Any, greedy: bool, fallback_version: int) -> Completio
                       finish_reason="stop" if output.finish_reason == "stop" else "length")
 
 
-def checkpoint_tensors(tensors: Mapping[str, torch.Tensor],
-                       tied_embeddings: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """The named tensors vLLM's ``load_weights`` reads: Relay's set (the model's parameter
-    names) and, for tied embeddings, ``lm_head.weight`` too, which vLLM keeps as a tensor
-    of its own that would otherwise stay at the old version."""
-    yield from tensors.items()
-    if tied_embeddings and "lm_head.weight" not in tensors:
-        yield "lm_head.weight", tensors["model.embed_tokens.weight"]
-
-
-def parameter_shapes(config: PretrainedConfig,
-                     trust_remote_code: bool) -> tuple[dict[str, torch.Size], bool]:
-    """The Hugging Face parameter names and shapes of a model of ``config`` (built on the
-    meta device: no memory, no weights read), and whether it ties its embeddings."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
-    return {name: p.shape for name, p in model.named_parameters()}, tied
-
-
 def check_cpu_head_dim(path: str, config: PretrainedConfig) -> None:
     """``VLLMUnavailable`` naming head_dim when vLLM's CPU attention cannot run the model
     (its kernels would refuse it only at the first forward)."""
@@ -206,7 +187,7 @@ class VLLMEngine(Engine):
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         if device == "cpu":
             check_cpu_head_dim(path, config)
-        shapes, tied = parameter_shapes(config, trust_remote_code)
+        shapes, tied = parameter_shapes(path, trust_remote_code)
         arguments = engine_arguments(path, dtype=str(dtype).removeprefix("torch."),
                                      device=device, seed=seed, max_num_seqs=max_num_seqs,
                                      max_len=max_len, trust_remote_code=trust_remote_code,

@@ -347,7 +347,8 @@ def test_topology_unknown_key_in_list_item(tmp_path: Path) -> None:
 
 def test_topology_bad_engine_lists_engines(tmp_path: Path) -> None:
     err = error_of(load_topology, write(tmp_path, TOPOLOGY, "t.toml"), ["generators[0].engine=x"])
-    assert err.key == "generators[0].engine" and "'hf', 'lean', 'sglang', 'torch', 'vllm'" in str(err)
+    assert err.key == "generators[0].engine"
+    assert "'hf', 'lean', 'sglang', 'torch', 'vllm'" in str(err)
 
 
 def test_topology_index_out_of_range(tmp_path: Path) -> None:

@@ -15,12 +15,12 @@ from transformers import AutoModelForCausalLM
 
 from algorithms.logprobs import token_logprobs
 from configs.topology_schema import VLLMOptions
+from generators.checkpoint import checkpoint_tensors
 from generators.engine import GroupRequest, WeightMismatch
 from generators.sampling import SamplingParams, processed_logprobs
 from generators.vllm_engine import (
     VLLMEngine,
     VLLMUnavailable,
-    checkpoint_tensors,
     completion_of,
     engine_arguments,
     import_vllm,

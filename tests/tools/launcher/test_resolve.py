@@ -90,3 +90,12 @@ def test_a_local_engine_whose_package_is_missing_is_refused_before_launch(
     remote = Topology(generators=[GeneratorPlacement(name="far", host="10.0.0.7",
                                                      engine="vllm")])
     check_local_engines(remote, load_run_config(str(DEFAULT_RUN)), "t.toml")  # not checked here
+
+
+def test_sglang_on_this_machine_is_refused_at_launch(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as error:  # SGLang cannot be installed on a CPU machine
+        resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
+                       topology_overrides=["evaluator.engine=sglang"],
+                       run_overrides=[f"trainer.run_dir={tmp_path}"])
+    assert error.value.key == "evaluator.engine"
+    assert "CUDA GPUs only" in str(error.value) and "\"vllm\"" in str(error.value)

@@ -1,0 +1,199 @@
+"""SGLang behind Relay's ``Engine`` interface: SGLang's offline engine (``sglang.Engine``).
+
+``sglang.Engine`` runs SGLang's scheduler in its own processes; its ``generate`` is a
+blocking batch call. The adapter hands it one batch per ``generate`` (SGLang batches the
+sequences continuously inside the call) and keeps the base class's ``submit`` / ``step``,
+which run on top of ``generate``: a group submitted during a call waits for the next one.
+
+What Relay needs from each completion, and where it comes from:
+
+- **token ids**: prompts go in as ids (``skip_tokenizer_init``: SGLang loads no tokenizer)
+  and eos is given as ``stop_token_ids``; ``no_stop_trim`` keeps the eos token in the
+  output, as in Relay's engines. The ids are read from the per-token log-prob entries,
+  which list every sampled token whether or not SGLang trimmed the stop token from
+  ``output_ids``;
+- **behavior log-probs**: ``meta_info["output_token_logprobs"]`` holds each sampled token's
+  log-prob under the temperature-scaled distribution, without top-k / top-p. That is
+  Relay's convention (``generators.sampling``) only while those filters are off, so the
+  adapter refuses top_p < 1 and top_k > 0 (``request_params``) rather than record wrong
+  behavior log-probs. Greedy tokens get 0, as in Relay's engines;
+- **per-token weight versions**: weights change only between calls (the caller applies
+  staged weights before each ``step``), so every token of a call carries the version the
+  engine held when the call began, as in ``generators.hf_engine``.
+
+Each sampled sequence is its own SGLang request (a group's prompt is repeated ``n`` times)
+with its own ``sampling_seed``: SGLang honours that seed only when started with
+``enable_deterministic_inference`` (pass it in ``engine_kwargs``); otherwise draws come from
+SGLang's own stream, seeded once by ``random_seed`` at start, and ``reseed`` cannot restart it.
+
+Weights are swapped with ``update_weights_from_tensor`` (Hugging Face names; SGLang's
+``load_weights`` fuses q/k/v and gate/up itself), which also flushes SGLang's prefix cache,
+so no cached prompt outlives the weights that computed it while the ``n`` copies of a prompt
+in one call still share one prefill.
+
+SGLang's packaged builds need CUDA GPUs (the sglang 0.5.23 wheel pins torch 2.14.1 and the
+CUDA libraries); its CPU backend is a source build for Intel AMX CPUs. Relay does not
+install it: ``import_sglang`` says how.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from configs.topology_schema import SGLangOptions
+from generators.checkpoint import checkpoint_tensors, parameter_shapes
+from generators.engine import Completion, Engine, StepHook, check_weights
+from generators.sampling import SamplingParams
+
+SEED_RANGE = 2**31
+"""Some SGLang versions hold ``sampling_seed`` as int32."""
+
+
+class SGLangUnavailable(RuntimeError):
+    """SGLang is not installed here."""
+
+
+INSTALL_HINT = ("SGLang's packaged builds run on CUDA GPUs only: on a GPU machine `pip install "
+                "sglang` into Relay's environment (it pins its own CUDA torch); its CPU backend "
+                "is a source build for Intel AMX CPUs. On a CPU machine use engine \"lean\", "
+                "\"torch\", \"hf\" or \"vllm\" for this process in the topology.")
+
+
+def import_sglang() -> Any:
+    """The ``sglang`` module; ``SGLangUnavailable`` saying where it can be installed."""
+    try:
+        import sglang
+    except ImportError as error:
+        raise SGLangUnavailable(f"engine \"sglang\" needs SGLang, which is not importable "
+                                f"here ({error}). {INSTALL_HINT}") from None
+    return sglang
+
+
+def engine_arguments(path: str, *, dtype: str, device: str, seed: int, max_num_seqs: int,
+                     max_len: int, trust_remote_code: bool, options: SGLangOptions) -> dict:
+    """The keyword arguments of ``sglang.Engine`` (SGLang's ``ServerArgs``) for a Relay
+    generator: the model, Relay's settings (dtype, seed, batch, context length) and the
+    topology's engine options, with verl's names turned into SGLang's
+    (``configs.topology_schema.SGLangOptions``); a device ``cuda:<i>`` becomes device
+    ``cuda`` and ``base_gpu_id`` i. ``options.engine_kwargs`` are passed through last."""
+    kind, _, index = device.partition(":")
+    args: dict[str, Any] = dict(
+        model_path=path, skip_tokenizer_init=True, dtype=dtype, random_seed=seed,
+        trust_remote_code=trust_remote_code, device=kind,
+        max_running_requests=max_num_seqs, context_length=options.max_model_len or max_len,
+        mem_fraction_static=options.gpu_memory_utilization,
+        tp_size=options.tensor_model_parallel_size,
+        disable_cuda_graph=options.enforce_eager,
+        chunked_prefill_size=(options.max_num_batched_tokens
+                              if options.enable_chunked_prefill else -1),
+    )
+    if index:
+        args["base_gpu_id"] = int(index)
+    return args | dict(options.engine_kwargs)
+
+
+def request_params(params: SamplingParams, seed: int, eos_ids: Sequence[int]) -> dict:
+    """SGLang's sampling parameters (a dict) for one sequence under Relay's ``params``:
+    stop at any eos id and keep it, draw from ``sampling_seed`` ``seed``. Raises
+    ``ValueError`` naming the setting for top-p or top-k sampling, whose behavior log-probs
+    SGLang does not report (module docstring)."""
+    filters = [f"{name} = {getattr(params, name)}" for name, on in
+               (("top_p", params.top_p < 1.0), ("top_k", params.top_k > 0)) if on]
+    if filters and not params.greedy:
+        raise ValueError(
+            f"engine \"sglang\" cannot sample with {' and '.join(filters)}: SGLang reports "
+            "log-probs under the temperature-scaled distribution, not the filtered one tokens "
+            "are drawn from, so the behavior log-probs would be wrong. Set top_p = 1.0 and "
+            "top_k = -1 in the run config's rollout (or val_kwargs), or use engine \"vllm\"")
+    return dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+                stop_token_ids=list(eos_ids), no_stop_trim=True,
+                sampling_seed=seed % SEED_RANGE)
+
+
+def completion_of(output: Mapping[str, Any], greedy: bool, version: int) -> Completion:
+    """Relay's ``Completion`` from one of SGLang's outputs (generated with
+    ``return_logprob``: ``meta_info["output_token_logprobs"]`` holds one
+    ``(logprob, token_id, text)`` per sampled token, the stop token included). Raises
+    ``RuntimeError`` for an aborted request or outputs that disagree."""
+    meta = output["meta_info"]
+    entries = meta["output_token_logprobs"]
+    token_ids = [int(entry[1]) for entry in entries]
+    if list(output["output_ids"]) not in (token_ids, token_ids[:-1]):
+        raise RuntimeError(f"SGLang's output ids {list(output['output_ids'])[:8]}... are not "
+                           f"the sampled tokens of its log-probs {token_ids[:8]}...")
+    reason = (meta.get("finish_reason") or {}).get("type")
+    if reason not in ("stop", "length"):
+        raise RuntimeError(f"SGLang ended a request with finish reason {meta.get('finish_reason')}")
+    if greedy:
+        logprobs = torch.zeros(len(token_ids), dtype=torch.float32)
+    else:
+        logprobs = torch.tensor([float(entry[0]) for entry in entries], dtype=torch.float32)
+    return Completion(token_ids=torch.tensor(token_ids, dtype=torch.int32), logprobs=logprobs,
+                      versions=torch.full((len(token_ids),), version, dtype=torch.int32),
+                      finish_reason=reason)
+
+
+class SGLangEngine(Engine):
+    """Relay's engine interface over an ``sglang.Engine`` started by this process."""
+
+    name = "sglang"
+
+    def __init__(self, engine: Any, *, shapes: Mapping[str, torch.Size], tied_embeddings: bool,
+                 eos_ids: Sequence[int], seed: int = 0) -> None:
+        super().__init__()
+        self.engine = engine
+        self.eos_ids = sorted(eos_ids)
+        self._shapes = dict(shapes)
+        self._tied = tied_embeddings
+        self.reseed(seed)
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype, device: str = "cuda",
+                        eos_ids: Sequence[int], pad_id: int, seed: int = 0,
+                        trust_remote_code: bool = False, max_num_seqs: int, max_len: int,
+                        options: SGLangOptions | None = None) -> SGLangEngine:
+        """Start SGLang on the model directory ``path``; ``SGLangUnavailable`` when SGLang is
+        not installed."""
+        del pad_id  # SGLang pads internally
+        sglang = import_sglang()
+        shapes, tied = parameter_shapes(path, trust_remote_code)
+        engine = sglang.Engine(**engine_arguments(
+            path, dtype=str(dtype).removeprefix("torch."), device=device, seed=seed,
+            max_num_seqs=max_num_seqs, max_len=max_len, trust_remote_code=trust_remote_code,
+            options=options or SGLangOptions()))
+        return cls(engine, shapes=shapes, tied_embeddings=tied, eos_ids=eos_ids, seed=seed)
+
+    def reseed(self, seed: int) -> None:
+        """Sequences after this draw from ``sampling_seed`` seed, seed + 1, ... in order
+        (honoured only under SGLang's ``enable_deterministic_inference``)."""
+        self._seeds = itertools.count(seed)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 between_steps: StepHook | None = None) -> list[Completion]:
+        """One completion per prompt, from one blocking SGLang call; ``between_steps`` is
+        not called (weights change only between calls)."""
+        del between_steps
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if not prompts:
+            return []
+        sampling = [request_params(params, next(self._seeds), self.eos_ids) for _ in prompts]
+        version = self.version
+        outputs = self.engine.generate(input_ids=[list(p) for p in prompts],
+                                       sampling_params=sampling, return_logprob=True)
+        return [completion_of(output, params.greedy, version) for output in outputs]
+
+    def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Load every weight through SGLang's ``update_weights_from_tensor`` (flushing its
+        prefix cache) and take ``version``; ``RuntimeError`` with SGLang's message when it
+        fails."""
+        check_weights(self._shapes, tensors)
+        success, message = self.engine.update_weights_from_tensor(
+            named_tensors=list(checkpoint_tensors(tensors, self._tied)), flush_cache=True)
+        if not success:
+            raise RuntimeError(f"SGLang did not load weight version {version}: {message}")
+        self.version = version
