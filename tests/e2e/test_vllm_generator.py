@@ -43,7 +43,7 @@ threads = 1
 [generators.vllm]
 kv_cache_gib = 0.25
 """
-STEPS = 8
+STEPS = 16
 
 
 def test_a_vllm_generator_trains_beside_relays_own(run_root: Path, tmp_path: Path) -> None:
@@ -52,7 +52,7 @@ def test_a_vllm_generator_trains_beside_relays_own(run_root: Path, tmp_path: Pat
     topology.write_text(TOPOLOGY)
     args = [a for a in small_run_overrides(model, run_root, steps=STEPS)
             if not a.startswith("topology.")]
-    args += ["rollout.response_length=24", "buffer.max_staleness=2", "buffer.min_generators=2"]
+    args += ["rollout.response_length=24", "buffer.max_staleness=4", "buffer.min_generators=2"]
     result = launch([str(topology), str(ROOT / "configs" / "arithmetic-grpo.toml"), *args],
                     timeout_s=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
