@@ -6,7 +6,8 @@ times (a GRPO group's samples: 1 gives all-distinct prompts), exactly ``new_toke
 tokens each (nothing stops early), sampled at temperature 1, on one model in this process.
 The contenders: the lean engine (``generators.lean_engine``: lean forward, static cache,
 one prefill per distinct prompt), the torch engine (transformers' forward in Relay's decode
-loop), and transformers' ``generate``. The floor is transformers' bare decode loop: one
+loop), transformers' ``generate``, and, when given one, any other engine (vLLM's CPU build:
+``generators.vllm_engine``, which holds its own copy of the model). The floor is transformers' bare decode loop: one
 prefill and ``new_tokens - 1`` single-token forward passes with a KV cache, greedy, with no
 sampling, no log-probs and no bookkeeping. Each is timed ``repeats`` times after one warm-up
 run; the median is reported as generated tokens per second.
@@ -48,6 +49,11 @@ class EngineComparison(msgspec.Struct, frozen=True):
     hf_generate: float
     floor: float
     compute_ceiling: float
+    other: float | None = None  # the extra engine's, when one was given
+
+    @property
+    def other_over_lean(self) -> float | None:
+        return None if self.other is None else self.other / self.lean
 
     @property
     def lean_over_hf(self) -> float:
@@ -88,9 +94,10 @@ def forward_flops_per_token(model: PreTrainedModel, context: float) -> float:
 
 
 def compare_engines(model: PreTrainedModel, *, batch: int, prompt_len: int, new_tokens: int,
-                    samples_per_prompt: int = 1, repeats: int = 5,
-                    seed: int = 0) -> EngineComparison:
-    """The lean and torch engines, transformers' ``generate`` and the bare decode floor."""
+                    samples_per_prompt: int = 1, repeats: int = 5, seed: int = 0,
+                    other: Engine | None = None) -> EngineComparison:
+    """The lean and torch engines, transformers' ``generate``, the bare decode floor and
+    ``other`` (an engine holding the same weights) when given."""
     if batch % samples_per_prompt:
         raise ValueError(f"batch {batch} is not a multiple of {samples_per_prompt} samples")
     model = model.eval()
@@ -137,4 +144,6 @@ def compare_engines(model: PreTrainedModel, *, batch: int, prompt_len: int, new_
                             torch=_median_tokens_per_s(engine_run(plain), repeats),
                             hf_generate=_median_tokens_per_s(hf_generate, repeats),
                             floor=_median_tokens_per_s(floor, repeats),
-                            compute_ceiling=ceiling)
+                            compute_ceiling=ceiling,
+                            other=None if other is None else _median_tokens_per_s(
+                                engine_run(other), repeats))

@@ -3,13 +3,15 @@
 
     tools/with-venv python tools/bench-engine.py [--model PATH] [--batch 64 ...]
         [--prompt-len 32] [--new-tokens 16] [--samples-per-prompt 1] [--repeats 5]
-        [--threads 2] [--dtype float32]
+        [--threads 2] [--dtype float32] [--vllm]
 
 With no ``--model``, the embedded default model (built and cached on first use, as the
 launcher does). Prints generated tokens/s (medians) per batch size: the lean engine, the
 torch engine, transformers' generate, transformers' bare decode-forward floor and the
 compute ceiling, with the ratios lean/generate and floor/lean. ``--samples-per-prompt 8``
 makes the batch GRPO-like (each prompt sampled 8 times: the lean engine prefills it once).
+``--vllm`` adds vLLM (its CPU build, the `vllm` extra) on the same model folder, with the
+ratio vllm/lean; vLLM's CPU attention needs head_dim 32 or more.
 The measurements live in ``generators.bench``.
 """
 
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--vllm", action="store_true", help="add vLLM's CPU build")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -52,15 +55,28 @@ def main() -> None:
           f"{args.dtype}), {torch.get_num_threads()} threads; prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens; {args.samples_per_prompt} samples per prompt; "
           f"tokens/s, median of {args.repeats}")
+    vllm = start_vllm(path, args.dtype, max(args.batch), args.prompt_len + args.new_tokens) \
+        if args.vllm else None
     for batch in args.batch:
         c = compare_engines(model, batch=batch, prompt_len=args.prompt_len,
                             new_tokens=args.new_tokens,
-                            samples_per_prompt=args.samples_per_prompt, repeats=args.repeats)
+                            samples_per_prompt=args.samples_per_prompt, repeats=args.repeats,
+                            other=vllm)
+        extra = "" if c.other is None else (f"  vllm {c.other:>9,.0f}  "
+                                            f"vllm/lean {c.other_over_lean:5.2f}")
         print(f"batch {batch:>4}: lean {c.lean:>9,.0f}  torch {c.torch:>9,.0f}  "
-              f"generate {c.hf_generate:>9,.0f}  floor {c.floor:>9,.0f}  "
+              f"generate {c.hf_generate:>9,.0f}{extra}  floor {c.floor:>9,.0f}  "
               f"compute ceiling {c.compute_ceiling:>11,.0f}  "
               f"lean/generate {c.lean_over_hf:5.2f}  floor/lean {c.floor_over_lean:5.2f}",
               flush=True)
+
+
+def start_vllm(path: str, dtype: str, max_num_seqs: int, max_len: int):
+    """vLLM's engine on ``path``; nothing stops early (no eos ids), as for the others."""
+    from generators.vllm_engine import VLLMEngine
+
+    return VLLMEngine.from_pretrained(path, dtype=getattr(torch, dtype), eos_ids=[], pad_id=0,
+                                      max_num_seqs=max_num_seqs, max_len=max_len)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM
 
 from generators.bench import compare_engines, forward_flops_per_token
+from generators.torch_engine import TorchEngine
 
 
 def test_forward_flops_per_token_counts_weights_and_attention(random_model_dir: Path) -> None:
@@ -26,3 +27,13 @@ def test_every_contender_is_measured_on_the_same_shape(random_model_dir: Path) -
     rates = [result.lean, result.torch, result.hf_generate, result.floor,
              result.compute_ceiling]
     assert all(math.isfinite(r) and r > 0 for r in rates)
+    assert result.other is None and result.other_over_lean is None
+
+
+def test_another_engine_is_measured_beside_the_others(random_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir)
+    other = TorchEngine(model, eos_ids=[], pad_id=0)  # vLLM in tools/bench-engine.py --vllm
+    result = compare_engines(model, batch=4, prompt_len=5, new_tokens=4, repeats=1,
+                             other=other)
+    assert result.other is not None and result.other > 0
+    assert result.other_over_lean == result.other / result.lean
