@@ -89,6 +89,7 @@ def shorten(parts: KeyPath) -> KeyPath:
 
 A, R, M, F = ("actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.model",
               "actor_rollout_ref.ref")
+ROLLOUT_NAME = f"{R}.name"  # the engine of every generator and of the evaluator
 
 
 def _same(*keys: str) -> list[VerlKey]:
@@ -188,7 +189,7 @@ TABLE: tuple[VerlKey, ...] = tuple([
             f"{F}.fsdp_config.wrap_policy.min_num_params"),
     *_inert(_ENTROPY_MEM, f"{F}.entropy_from_logits_with_chunking", f"{F}.entropy_checkpointing"),
     # ---- actor_rollout_ref.rollout -----------------------------------------------------
-    VerlKey(key=f"{R}.name", group="mapped", to=("topology.generators[*].engine",
+    VerlKey(key=ROLLOUT_NAME, group="mapped", to=("topology.generators[*].engine",
                                                  "topology.evaluator.engine"),
             note="the engine of every generator and of the evaluator: vllm, sglang, or Relay's "
                  "own lean, torch and hf; Relay places them one per device in "
@@ -570,7 +571,7 @@ def apply_placement(topology: Topology, placement: Sequence[Placement]) -> Topol
                                                          f"learner's device), got {item.value!r}")
             topology = msgspec.structs.replace(topology, learner=msgspec.structs.replace(
                 learner, device=item.value))
-        elif item.key == f"{R}.name":
+        elif item.key == ROLLOUT_NAME:
             topology = _engine(topology, item)
         elif item.key.startswith(f"{R}.engine_kwargs."):
             topology = _engine_kwargs(topology, item)
