@@ -7,7 +7,8 @@ response (``trainer.validation_data_dir``).
 The script's ``rollout.name=vllm`` runs vLLM where it is installed (a random model with heads
 of 32, which vLLM's CPU attention needs; vLLM takes ~15 s to start in each of the generator
 and the evaluator): a CPU user appends one generator's worth of tensor parallelism, the
-model's context length (the script's prompts may be longer) and small KV caches. Without vLLM the user appends ``rollout.name=lean``, Relay's own engine."""
+model's context length (the script's prompts may be longer) and small KV caches. Without
+vLLM the user appends ``rollout.name=lean``, Relay's own engine."""
 
 from __future__ import annotations
 
