@@ -576,9 +576,7 @@ def apply_placement(topology: Topology, placement: Sequence[Placement]) -> Topol
         elif item.key.startswith(f"{R}.engine_kwargs."):
             topology = _engine_kwargs(topology, item)
         elif item.key.removeprefix(f"{R}.") in ENGINE_KNOBS:
-            name = item.key.removeprefix(f"{R}.")
-            topology = _sections(topology, ("vllm", "sglang"),
-                                 lambda options: _option(options, name, item.value, item))
+            topology = _engine_knob(topology, item)
         else:
             raise AssertionError(f"no placement rule for {item.key}")
     return topology
@@ -619,18 +617,25 @@ def _option(options: EngineOptions, name: str, value: Any, item: Placement) -> E
     return msgspec.structs.replace(options, **{name: getattr(checked, name)})
 
 
+def _engine_knob(topology: Topology, item: Placement) -> Topology:
+    """One of ``ENGINE_KNOBS`` set in the vllm and sglang sections."""
+    name = item.key.removeprefix(f"{R}.")
+    return _sections(topology, ("vllm", "sglang"),
+                     lambda options: _option(options, name, item.value, item))
+
+
 def _engine_kwargs(topology: Topology, item: Placement) -> Topology:
     """``engine_kwargs.<engine>.<name> = value`` added to that engine's ``engine_kwargs``
     (a path below the name sets a nested table; the whole ``engine_kwargs.<engine>`` table
     adds each of its arguments)."""
-    engine = parse_key(item.key)[-2]
+    engine = item.key.removesuffix(".*").rpartition(".")[2]
     value = item.value
     for name in reversed(item.below):
         value = {name: value}
 
     def edit(options: EngineOptions) -> EngineOptions:
         return _option(options, "engine_kwargs", _merged(options.engine_kwargs, value), item)
-    return _sections(topology, (str(engine),), edit)
+    return _sections(topology, (engine,), edit)
 
 
 def _merged(base: dict[str, Any], extra: Any) -> Any:
