@@ -26,14 +26,15 @@ verl v0.5.0's ``verl/trainer/config/_generated_ppo_trainer.yaml``, flattened.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import msgspec
 
 from configs.loader import ConfigError, KeyPath, format_key, parse_key, type_at
 from configs.run_schema import VERL_ALIASES, RunConfig
-from configs.topology_schema import EngineName, Topology
+from configs.topology_schema import (EngineName, EvaluatorPlacement, GeneratorPlacement,
+                                     SGLangOptions, Topology, VLLMOptions)
 
 logger = logging.getLogger("relay.configs")
 
@@ -88,6 +89,7 @@ def shorten(parts: KeyPath) -> KeyPath:
 
 A, R, M, F = ("actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.model",
               "actor_rollout_ref.ref")
+ROLLOUT_NAME = f"{R}.name"  # the engine of every generator and of the evaluator
 
 
 def _same(*keys: str) -> list[VerlKey]:
@@ -109,8 +111,18 @@ _ENTROPY_MEM = ("a verl memory saving for the entropy; Relay computes the entrop
 _WRAP = ("FSDP2 shards each transformer block as one unit (learner.model); verl's wrap "
          "policy, prefetch and resharding knobs have no effect")
 _PROFILER = "Relay has no built-in profiler (use torch.profiler around a process); no effect"
-_VLLM = ("a vLLM/SGLang engine knob; Relay's engines (topology generators[i].engine: lean, "
-         "torch, hf) size their caches from rollout.max_num_seqs; no effect")
+ENGINE_KNOBS = ("gpu_memory_utilization", "tensor_model_parallel_size", "enforce_eager",
+                "enable_chunked_prefill", "max_num_batched_tokens", "max_model_len")
+"""verl's vLLM/SGLang engine knobs (``rollout.X``) that set both engines' topology sections."""
+_ENGINE_KNOB = ("set in the vllm and sglang sections of every generator and of the evaluator "
+                "(configs/topology_schema.py: VLLMOptions, SGLangOptions); a section matters "
+                "only where its engine runs; null keeps Relay's default")
+_ENGINE_KWARGS = ("the engine's extra arguments, by name (engine_kwargs.vllm.swap_space=4 is "
+                  "swap_space), in that engine's section of every generator and of the "
+                  "evaluator; null drops the argument, as in verl")
+_COLOCATED = ("verl's colocated mode (generation sharing the learner's GPUs: cache freeing, "
+              "wake-up, dummy weight loading, layered summoning); Relay's generators are "
+              "separate processes that load model.path and keep their engine; no effect")
 _LOGPROB = ("generators return the behavior log-prob of every token they sample; the "
             "learner recomputes proximal log-probs with the actor's passes; no effect")
 _MULTI_TURN = ("multi-turn and tool-calling rollouts are not supported yet (multi_turn.enable "
@@ -177,12 +189,11 @@ TABLE: tuple[VerlKey, ...] = tuple([
             f"{F}.fsdp_config.wrap_policy.min_num_params"),
     *_inert(_ENTROPY_MEM, f"{F}.entropy_from_logits_with_chunking", f"{F}.entropy_checkpointing"),
     # ---- actor_rollout_ref.rollout -----------------------------------------------------
-    VerlKey(key=f"{R}.name", group="mapped", to=("topology.generators[*].engine",
+    VerlKey(key=ROLLOUT_NAME, group="mapped", to=("topology.generators[*].engine",
                                                  "topology.evaluator.engine"),
-            note="the engine of every generator and of the evaluator; Relay's engines are "
-                 "lean, torch and hf, placed one per device in topology.generators (not "
-                 "colocated with the learner); vllm and sglang are not in this version, so "
-                 "with them the topology's engines run (a warning says so)"),
+            note="the engine of every generator and of the evaluator: vllm, sglang, or Relay's "
+                 "own lean, torch and hf; Relay places them one per device in "
+                 "topology.generators (not colocated with the learner)"),
     *_inert("Relay's generators always run apart from the learner, asynchronously; no effect",
             f"{R}.mode", accept=("sync", "async")),
     *_same(f"{R}.temperature", f"{R}.top_k", f"{R}.top_p", f"{R}.response_length",
@@ -195,13 +206,16 @@ TABLE: tuple[VerlKey, ...] = tuple([
     VerlKey(key=f"{R}.prompt_length", group="mapped", to=("data.max_prompt_length",),
             note="verl interpolates it from data.max_prompt_length; one key in Relay"),
     *_inert("generators decode in model.dtype; no effect", f"{R}.dtype"),
-    *_inert(_VLLM, f"{R}.gpu_memory_utilization", f"{R}.enforce_eager", f"{R}.free_cache_engine",
-            f"{R}.max_num_batched_tokens", f"{R}.max_model_len", f"{R}.disable_log_stats",
-            f"{R}.multi_stage_wake_up", f"{R}.engine_kwargs.*", f"{R}.enable_chunked_prefill",
+    *[VerlKey(key=f"{R}.{name}", group="mapped", note=_ENGINE_KNOB, to=tuple(
+        f"topology.{at}.{engine}.{name}" for at in ("generators[*]", "evaluator")
+        for engine in ("vllm", "sglang"))) for name in ENGINE_KNOBS],
+    *[VerlKey(key=f"{R}.engine_kwargs.{engine}.*", group="mapped", note=_ENGINE_KWARGS,
+              to=tuple(f"topology.{at}.{engine}.engine_kwargs"
+                       for at in ("generators[*]", "evaluator"))) for engine in ("vllm", "sglang")],
+    *_inert(_COLOCATED, f"{R}.free_cache_engine", f"{R}.multi_stage_wake_up",
             f"{R}.load_format", f"{R}.layered_summon"),
-    *_inert("each Relay generator holds the whole model on its device: list one generator per "
-            "device in topology.generators instead of tensor parallelism; no effect",
-            f"{R}.tensor_model_parallel_size"),
+    *_inert("Relay's vLLM engine leaves it to vllm.LLM; engine_kwargs.vllm.disable_log_stats "
+            "sets it; no effect", f"{R}.disable_log_stats"),
     *_inert("generators stop at EOS; only false", f"{R}.ignore_eos", accept=(False,)),
     *_inert(_LOGPROB, f"{R}.log_prob_micro_batch_size", f"{R}.log_prob_micro_batch_size_per_gpu",
             f"{R}.log_prob_use_dynamic_bsz", f"{R}.log_prob_max_token_len_per_gpu",
@@ -462,11 +476,19 @@ def lookup(parts: Sequence[str | int]) -> VerlKey | None:
 
 
 class Placement(msgspec.Struct, frozen=True):
-    """A placement key given in a run config, for the topology (``apply_placement``)."""
+    """A placement key given in a run config, for the topology (``apply_placement``):
+    ``key`` is its ``TABLE`` entry's; ``below``, for a subtree entry (``.*``), the path
+    below it that was given (``("swap_space",)`` for ``engine_kwargs.vllm.swap_space``)."""
 
     key: str
     value: Any
     source: str
+    below: KeyPath = ()
+
+    @property
+    def given(self) -> str:
+        """The key as verl spells it, below a subtree entry included."""
+        return format_key(parse_key(self.key.removesuffix(".*")) + self.below)
 
 
 class VerlKeys:
@@ -492,25 +514,28 @@ class VerlKeys:
         if entry.group == "refused":
             raise ConfigError(source, key, f"verl's {entry.key} is refused: {entry.note}")
         if entry.group == "mapped":
-            return self._mapped(entry, key, value, source)
+            return self._mapped(entry, parts, value, source)
         if entry.accept is not None and not any(_equal(value, ok) for ok in entry.accept):
             raise ConfigError(source, key, f"{value!r} is not supported: {entry.note}")
         self._note(f"{key} = {value!r}: {entry.note}")
         return []
 
-    def _mapped(self, entry: VerlKey, key: str, value: Any,
+    def _mapped(self, entry: VerlKey, parts: KeyPath, value: Any,
                 source: str) -> list[tuple[KeyPath, Any]]:
-        if any(to.startswith(TOPOLOGY) for to in entry.to):
-            if self.placement is None:
-                raise ConfigError(source, key, f"a placement, which Relay keeps in the topology "
-                                               f"({', '.join(entry.to)}): {entry.note}")
-            self.placement.append(Placement(key=entry.key, value=value, source=source))
-            self.notes.append(f"{key} = {value!r} -> {', '.join(entry.to)}")
-            return []
+        key, targets = format_key(parts), ", ".join(entry.to)
+        places = any(to.startswith(TOPOLOGY) for to in entry.to)
+        if places and self.placement is None:
+            raise ConfigError(source, key, f"a placement, which Relay keeps in the topology "
+                                           f"({targets}): {entry.note}")
         if value is None:  # verl's null: Relay's default
-            self._note(f"{key} = null: Relay's default for {', '.join(entry.to)}")
+            self._note(f"{key} = null: Relay's default for {targets}")
             return []
-        self.notes.append(f"{key} = {value!r} -> {', '.join(entry.to)}")
+        self.notes.append(f"{key} = {value!r} -> {targets}")
+        if places and self.placement is not None:
+            below = shorten(parts)[len(entry.short):] if entry.subtree else ()
+            self.placement.append(Placement(key=entry.key, value=value, source=source,
+                                            below=below))
+            return []
         return [(parse_key(to), value) for to in entry.to]  # type: ignore[misc]
 
     def _note(self, line: str) -> None:
@@ -546,8 +571,12 @@ def apply_placement(topology: Topology, placement: Sequence[Placement]) -> Topol
                                                          f"learner's device), got {item.value!r}")
             topology = msgspec.structs.replace(topology, learner=msgspec.structs.replace(
                 learner, device=item.value))
-        elif item.key.endswith("rollout.name"):
+        elif item.key == ROLLOUT_NAME:
             topology = _engine(topology, item)
+        elif item.key.startswith(f"{R}.engine_kwargs."):
+            topology = _engine_kwargs(topology, item)
+        elif item.key.removeprefix(f"{R}.") in ENGINE_KNOBS:
+            topology = _engine_knob(topology, item)
         else:
             raise AssertionError(f"no placement rule for {item.key}")
     return topology
@@ -555,17 +584,66 @@ def apply_placement(topology: Topology, placement: Sequence[Placement]) -> Topol
 
 def _engine(topology: Topology, item: Placement) -> Topology:
     engines = EngineName.__args__  # type: ignore[attr-defined]
-    if item.value in ("vllm", "sglang"):
-        logger.warning("%s = %s: not in this version of Relay; the generators run the "
-                       "topology's engines (%s)", item.key, item.value,
-                       ", ".join(sorted({g.engine for g in topology.generators})))
-        return topology
     if item.value not in engines:
         raise ConfigError(item.source, item.key, f"unknown engine {item.value!r}; Relay's "
                                                  f"engines are {', '.join(engines)}")
     generators = [msgspec.structs.replace(g, engine=item.value) for g in topology.generators]
     evaluator = msgspec.structs.replace(topology.evaluator, engine=item.value)
     return msgspec.structs.replace(topology, generators=generators, evaluator=evaluator)
+
+
+EngineOptions = VLLMOptions | SGLangOptions
+
+
+def _sections(topology: Topology, engines: Sequence[str],
+              edit: Callable[[EngineOptions], EngineOptions]) -> Topology:
+    """The topology with ``edit`` applied to the ``engines`` sections (``vllm``, ``sglang``)
+    of every generator and of the evaluator."""
+    def placed(at: GeneratorPlacement | EvaluatorPlacement) -> Any:
+        return msgspec.structs.replace(at, **{e: edit(getattr(at, e)) for e in engines})
+    return msgspec.structs.replace(topology, evaluator=placed(topology.evaluator),
+                                   generators=[placed(g) for g in topology.generators])
+
+
+def _option(options: EngineOptions, name: str, value: Any, item: Placement) -> EngineOptions:
+    """``options`` with ``name`` set to ``value``, checked by the topology schema."""
+    try:
+        checked = msgspec.convert({name: value}, type(options))
+    except msgspec.ValidationError as exc:
+        problem = str(exc).split(" - at ")[0]
+        raise ConfigError(item.source, item.given,
+                          f"{value!r} is not a valid {type(options).__name__}.{name} "
+                          f"(configs/topology_schema.py): {problem}") from None
+    return msgspec.structs.replace(options, **{name: getattr(checked, name)})
+
+
+def _engine_knob(topology: Topology, item: Placement) -> Topology:
+    """One of ``ENGINE_KNOBS`` set in the vllm and sglang sections."""
+    name = item.key.removeprefix(f"{R}.")
+    return _sections(topology, ("vllm", "sglang"),
+                     lambda options: _option(options, name, item.value, item))
+
+
+def _engine_kwargs(topology: Topology, item: Placement) -> Topology:
+    """``engine_kwargs.<engine>.<name> = value`` added to that engine's ``engine_kwargs``
+    (a path below the name sets a nested table; the whole ``engine_kwargs.<engine>`` table
+    adds each of its arguments)."""
+    engine = item.key.removesuffix(".*").rpartition(".")[2]
+    value = item.value
+    for name in reversed(item.below):
+        value = {name: value}
+
+    def edit(options: EngineOptions) -> EngineOptions:
+        return _option(options, "engine_kwargs", _merged(options.engine_kwargs, value), item)
+    return _sections(topology, (engine,), edit)
+
+
+def _merged(base: dict[str, Any], extra: Any) -> Any:
+    """``extra`` merged into the table ``base``, nested tables merged too."""
+    if not isinstance(extra, dict):
+        return extra
+    return {**base, **{k: _merged(base[k], v) if isinstance(base.get(k), dict) else v
+                       for k, v in extra.items()}}
 
 
 def markdown_table() -> str:

@@ -124,14 +124,12 @@ def test_a_key_without_effect_is_accepted_and_noted(run_dir: Path) -> None:
     notes: list[str] = []
     run = load_run_config(write(run_dir, GOOD_RUN + """
 [actor_rollout_ref.rollout]
-gpu_memory_utilization = 0.6
-[actor_rollout_ref.rollout.engine_kwargs.vllm]
-swap_space = 4
+free_cache_engine = true
 """), ["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1", "trainer.logger=['console','wandb']"],
                           notes=notes)
     assert run.rollout.n == 8
-    assert any(n.startswith("rollout.gpu_memory_utilization = 0.6") for n in notes)
-    assert any("rollout.engine_kwargs.vllm.swap_space" in n for n in notes)
+    assert any(n.startswith("rollout.free_cache_engine = True: verl's colocated mode")
+               for n in notes)
     assert "trainer.logger = ['console', 'wandb'] -> tracking.loggers" in notes
 
 
@@ -165,6 +163,56 @@ def test_placement_keys_go_to_the_topology(run_dir: Path) -> None:
     assert err.key == "trainer.nnodes" and "learner.hosts" in err.problem
     err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["trainer.n_gpus_per_node=4"])
     assert "topology" in err.problem  # no topology to apply it to
+
+
+def test_rollout_name_vllm_or_sglang_sets_every_engine(run_dir: Path) -> None:
+    for engine in ("vllm", "sglang"):
+        placement: list[Placement] = []
+        load_run_config(write(run_dir, GOOD_RUN), [f"actor_rollout_ref.rollout.name={engine}"],
+                        placement)
+        topology = load_topology(CONFIG_DIR / "topology.toml", placement=placement)
+        assert [g.engine for g in topology.generators] == [engine] * len(topology.generators)
+        assert topology.evaluator.engine == engine
+
+
+def test_verls_engine_knobs_set_both_engines_sections(run_dir: Path) -> None:
+    placement: list[Placement] = []
+    load_run_config(write(run_dir, GOOD_RUN + """
+[actor_rollout_ref.rollout]
+gpu_memory_utilization = 0.7
+[actor_rollout_ref.rollout.engine_kwargs.vllm]
+swap_space = 4
+disable_mm_preprocessor_cache = false
+[actor_rollout_ref.rollout.engine_kwargs.sglang]
+attention_backend = "triton"
+"""), ["actor_rollout_ref.rollout.enforce_eager=False", "rollout.max_num_batched_tokens=4096",
+       "actor_rollout_ref.rollout.max_model_len=null", "rollout.enable_chunked_prefill=false",
+       "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+       "actor_rollout_ref.rollout.engine_kwargs.vllm.seed=null"], placement)
+    topology = load_topology(CONFIG_DIR / "topology.toml", placement=placement)
+    for at in (*topology.generators, topology.evaluator):
+        for options in (at.vllm, at.sglang):
+            assert options.gpu_memory_utilization == 0.7 and options.enforce_eager is False
+            assert options.max_num_batched_tokens == 4096 and not options.enable_chunked_prefill
+            assert options.tensor_model_parallel_size == 2
+            assert options.max_model_len == 0  # verl's null: Relay's default
+        # seed=null is dropped, as verl drops an engine argument given null
+        assert at.vllm.engine_kwargs == {"swap_space": 4, "disable_mm_preprocessor_cache": False}
+        assert at.sglang.engine_kwargs == {"attention_backend": "triton"}
+
+
+def test_a_bad_engine_knob_is_an_error_naming_the_verl_key(run_dir: Path) -> None:
+    for bad, key, problem in [
+            ("actor_rollout_ref.rollout.gpu_memory_utilization=2",
+             "actor_rollout_ref.rollout.gpu_memory_utilization", "<= 1.0"),
+            ("rollout.enforce_eager=sometimes", "actor_rollout_ref.rollout.enforce_eager",
+             "Expected `bool`"),
+            ("actor_rollout_ref.rollout.engine_kwargs.vllm=3",
+             "actor_rollout_ref.rollout.engine_kwargs.vllm", "Expected `object`")]:
+        placement: list[Placement] = []
+        load_run_config(write(run_dir, GOOD_RUN), [bad], placement)
+        err = error_of(load_topology, CONFIG_DIR / "topology.toml", placement=placement)
+        assert err.source == "command line" and err.key == key and problem in err.problem
 
 
 def test_epochs_set_the_length_unless_steps_are_given(run_dir: Path) -> None:

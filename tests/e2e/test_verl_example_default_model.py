@@ -4,8 +4,10 @@ on the bundled arithmetic data for a few steps (slow: about 1-2 minutes once the
 cached; the launcher builds it first when the cache lacks it, a few minutes more).
 
 The script's own overrides stay as verl wrote them (GRPO with verl's dynamic batch sizes,
-``data.filter_overlong_prompts``, ``data.truncation='error'``, a vllm/sglang rollout Relay
-replaces with the topology's engine); the small ones a user appends to ``$@`` follow them.
+``data.filter_overlong_prompts``, ``data.truncation='error'``); the small ones a user appends
+to ``$@`` follow them. One of those is ``actor_rollout_ref.rollout.name=lean``: the script's
+SGLang is refused on a CPU machine, and vLLM's CPU attention needs heads of 32 and up where
+the embedded default's are 16, so the user picks Relay's own engine (the last value wins).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def test_a_verl_example_trains_the_embedded_default(run_root: Path, tmp_path: Pa
              "data.train_batch_size=16", "data.max_response_length=16",
              "actor_rollout_ref.actor.ppo_mini_batch_size=16",
              "actor_rollout_ref.actor.optim.lr=2e-4", "actor_rollout_ref.rollout.n=4",
+             "actor_rollout_ref.rollout.name=lean",
              "trainer.n_gpus_per_node=1", "topology.buffer.port=0",
              "topology.learner.weights_port=0", "topology.learner.weights_stream_port=0",
              "topology.launcher.metrics_port=0"]

@@ -29,7 +29,7 @@ from configs.loader import COMMAND_LINE, ConfigError, to_toml
 from configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
 from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, checkpoint_dir, is_run_dir
 from configs.topology_schema import Topology
-from configs.verl_keys import Placement
+from configs.verl_keys import ROLLOUT_NAME, Placement
 from generators.build import missing_engine
 from launcher.plan import ProcessSpec, build_plan, new_run_dir
 from learner.checkpoint import CheckpointError, check_resumable, latest_checkpoint
@@ -102,7 +102,7 @@ def load_checked(topology_file: str, run_file: str, topology_overrides: Sequence
     topology = load_topology(topology_file, topology_overrides, placement)
     check_validation_data(run, run_file)
     check_sequence_parallel(topology, run, run_file)
-    check_local_engines(topology, run, topology_file)
+    check_local_engines(topology, run, topology_file, placement)
     return topology, run, notes
 
 
@@ -170,17 +170,25 @@ def check_sequence_parallel(topology: Topology, run: RunConfig, source: str) -> 
             raise ConfigError(source, KEY, f"{exc} ({path})") from None
 
 
-def check_local_engines(topology: Topology, run: RunConfig, source: str) -> None:
+def check_local_engines(topology: Topology, run: RunConfig, source: str,
+                        placement: Sequence[Placement] = ()) -> None:
     """Every engine of a process placed on this machine (a loopback host) can start here:
     an engine whose package is missing (vllm, sglang) is refused before anything starts,
     not found by a generator that dies after the launch. Remote hosts have environments of
-    their own: their generators report it themselves."""
+    their own: their generators report it themselves. An engine that verl's
+    ``rollout.name`` in ``placement`` chose is refused naming that key, where it is fixed."""
     placed = [(f"generators[{i}].engine", g.engine, g.host)
               for i, g in enumerate(topology.generators)]
     if run.evaluates:
         placed.append(("evaluator.engine", topology.evaluator.engine, topology.evaluator.host))
+    chosen = [item for item in placement if item.key == ROLLOUT_NAME][-1:]
     for key, engine, host in placed:
         problem = missing_engine(engine) if is_loopback(host) else None
+        if problem and chosen and chosen[0].value == engine:
+            raise ConfigError(chosen[0].source, chosen[0].key,
+                              f"{problem} Here the run config's {ROLLOUT_NAME} chose it for "
+                              f"every generator and the evaluator: give another engine there "
+                              f"(e.g. {ROLLOUT_NAME}=lean, Relay's own).")
         if problem:
             raise ConfigError(source, key, problem)
 

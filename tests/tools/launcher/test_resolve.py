@@ -99,3 +99,12 @@ def test_sglang_on_this_machine_is_refused_at_launch(tmp_path: Path) -> None:
                        run_overrides=[f"trainer.run_dir={tmp_path}"])
     assert error.value.key == "evaluator.engine"
     assert "CUDA GPUs only" in str(error.value) and "\"vllm\"" in str(error.value)
+
+
+def test_an_engine_verls_rollout_name_chose_is_refused_naming_that_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as error:  # a topology edit would not help: the key wins
+        resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
+                       run_overrides=[f"trainer.run_dir={tmp_path}",
+                                      "actor_rollout_ref.rollout.name=sglang"])
+    assert error.value.key == "actor_rollout_ref.rollout.name"
+    assert error.value.source == "command line" and "=lean" in error.value.problem
