@@ -15,9 +15,10 @@ run; the median is reported as generated tokens per second.
 ``compute_ceiling`` is what the arithmetic alone would allow: this machine's measured
 matmul rate in the model's dtype divided by the forward FLOPs of one decoded token,
 
-    2 * parameters + 4 * layers * hidden * (prompt_len + new_tokens / 2)
+    2 * parameters + 4 * layers * heads * head_dim * (prompt_len + new_tokens / 2)
 
-(the weights' multiply-adds, and attention over the mean context). The gap between the
+(the weights' multiply-adds, and attention over the mean context; heads * head_dim is the
+hidden size unless the config sets a wider or narrower head_dim). The gap between the
 floor and this ceiling is the framework's per-call overhead.
 """
 
@@ -87,10 +88,12 @@ def matmul_flops_per_s(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -
 
 
 def forward_flops_per_token(model: PreTrainedModel, context: float) -> float:
-    """2 * parameters + 4 * layers * hidden * context (see the module docstring)."""
+    """2 * parameters + 4 * layers * heads * head_dim * context (see the module docstring)."""
     config = model.config
     parameters = sum(p.numel() for p in model.parameters())
-    return 2 * parameters + 4 * config.num_hidden_layers * config.hidden_size * context
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * parameters + 4 * config.num_hidden_layers * heads * head_dim * context
 
 
 def compare_engines(model: PreTrainedModel, *, batch: int, prompt_len: int, new_tokens: int,

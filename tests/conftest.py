@@ -21,13 +21,15 @@ from learner.weight_buckets import plan_buckets
 from learner.weights import StreamStats, WeightServer, WeightStream, publish_weights
 
 
-def save_random_model(folder: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
-    """A randomly initialized small Llama with Relay's tiny tokenizer, saved like any HF model."""
+def save_random_model(folder: Path, seed: int = 0, hidden: int = 64, layers: int = 2,
+                      head_dim: int | None = None) -> Path:
+    """A randomly initialized small Llama with Relay's tiny tokenizer, saved like any HF model;
+    4 heads on 2 key/value heads of ``head_dim`` (default ``hidden // 4``)."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden,
                          intermediate_size=hidden * 2, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                          max_position_embeddings=128, tie_word_embeddings=True,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = LlamaForCausalLM(config)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Build Relay's tiny default model (a Llama warm-started on the arithmetic task).
 
-    python tools/make-tiny-model.py                      # ~/.cache/relay/models/tiny-arith
+    python tools/make-tiny-model.py                      # ~/.cache/relay/models/tiny-arith-r3
     python tools/make-tiny-model.py --out /tmp/tiny --seed 1 --force
 
 Prints the build time, parameter count and held-out accuracy (greedy, and sampled pass@1 /

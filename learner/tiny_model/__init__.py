@@ -4,8 +4,9 @@
 measures held-out accuracy of any saved model directory, and ``build`` ties them together
 (``tools/make-tiny-model.py`` is the command line). What a user of the built directory sees:
 
-- a ``LlamaForCausalLM`` (2 layers, hidden 128, 8 heads, tied embeddings, ~0.56M
-  parameters, vocabulary of 283 byte-level BPE tokens with single-token digits);
+- a ``LlamaForCausalLM`` (2 layers, hidden 128, 8 heads of head_dim 32 so that vLLM's CPU
+  attention runs it: q/k/v project 128 -> 256; tied embeddings, ~0.69M parameters,
+  vocabulary of 283 byte-level BPE tokens with single-token digits);
 - the ChatML template without a default system message: a user turn renders as
   ``<|im_start|>user\\nWhat is 4821 - 379?<|im_end|>\\n<|im_start|>assistant\\n``
   (21 tokens; 16 to 22 across the task's problems), and the answer

@@ -1,5 +1,5 @@
 """generators.bench: the engine benchmark's contenders all decode the full length, and its
-compute ceiling uses the stated FLOP count."""
+compute ceiling uses the stated FLOP count (attention over heads * head_dim channels)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,22 @@ from transformers import AutoModelForCausalLM
 from generators.bench import compare_engines, forward_flops_per_token
 from generators.torch_engine import TorchEngine
 
+from ..conftest import save_random_model
+
 
 def test_forward_flops_per_token_counts_weights_and_attention(random_model_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(random_model_dir)
     parameters = sum(p.numel() for p in model.parameters())
-    # the conftest model: 2 layers of hidden 64
+    # the conftest model: 2 layers of hidden 64 (4 heads of 16)
     assert forward_flops_per_token(model, context=10) == 2 * parameters + 4 * 2 * 64 * 10
+
+
+def test_forward_flops_per_token_attends_over_heads_times_head_dim(tmp_path: Path) -> None:
+    """An explicit head_dim (32 on hidden 64 and 4 heads, as the tiny model's 32 on 128 and 8):
+    attention runs on 4 * 32 = 128 channels, not the hidden size's 64."""
+    model = AutoModelForCausalLM.from_pretrained(save_random_model(tmp_path, head_dim=32))
+    parameters = sum(p.numel() for p in model.parameters())
+    assert forward_flops_per_token(model, context=10) == 2 * parameters + 4 * 2 * 128 * 10
 
 
 def test_every_contender_is_measured_on_the_same_shape(random_model_dir: Path) -> None:

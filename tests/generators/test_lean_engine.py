@@ -1,5 +1,6 @@
 """generators.lean_engine: continuous batching admits groups as slots free, keeps the batch
-full, shares a prompt's prefill among its samples and returns every group whole."""
+full, shares a prompt's prefill among its samples and returns every group whole; a model
+whose head_dim is not hidden / heads (Relay's tiny model) samples transformers' log-probs."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from generators.engine import GroupRequest
 from generators.lean_engine import LeanEngine
 from generators.sampling import SamplingParams
 from generators.torch_engine import TorchEngine
+from ..conftest import save_random_model
 
 
 def lean(path: Path, slots: int, eos: list[int]) -> LeanEngine:
@@ -83,3 +86,27 @@ def test_requests_that_cannot_fit_are_refused_by_name(random_model_dir: Path) ->
     with pytest.raises(ValueError, match="exceed the engine's 48 positions"):
         engine.submit(GroupRequest("long", list(range(40)), 1, params))
     assert engine.in_flight == 0
+
+
+def test_an_explicit_head_dim_samples_the_transformers_log_probs(tmp_path: Path) -> None:
+    """head_dim 32 on hidden 64 and 4 heads (q/k/v project 64 -> 128, 64, 64), as the tiny
+    model's head_dim 32 on hidden 128 and 8 heads: every sampled token's log-prob is the one
+    transformers' forward gives it."""
+    folder = save_random_model(tmp_path, head_dim=32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert model.config.head_dim * model.config.num_attention_heads != model.config.hidden_size
+    engine = lean(folder, slots=4, eos=[-1])
+    batch = prompts(3, seed=2)
+    for index, prompt in enumerate(batch):
+        engine.submit(GroupRequest(index, prompt, 2, SamplingParams(max_new_tokens=10)))
+    finished = {}
+    while engine.in_flight:
+        for group in engine.step():
+            finished[group.key] = group.completions
+    with torch.no_grad():
+        for index, prompt in enumerate(batch):
+            for sample in finished[index]:
+                ids = torch.tensor(prompt + sample.token_ids.tolist())
+                logits = model(ids[None]).logits[0, len(prompt) - 1:-1]  # (R, V)
+                expected = logits.log_softmax(-1).gather(-1, ids[len(prompt):, None])[:, 0]
+                torch.testing.assert_close(sample.logprobs, expected, atol=1e-4, rtol=1e-4)

@@ -1,6 +1,7 @@
 """generators.lean_model: the lean forward gives transformers' logits for Llama (GQA, tied
-and untied), Qwen2 (QKV biases) and Qwen3 (per-head q/k norms), through the prefill and
-through decode steps over the cache; unsupported settings are named."""
+and untied, an explicit head_dim that is not hidden / heads), Qwen2 (QKV biases) and Qwen3
+(per-head q/k norms), through the prefill and through decode steps over the cache;
+unsupported settings are named."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ CONFIGS = {
     "llama-gqa-tied": LlamaConfig(**COMMON, tie_word_embeddings=True),
     "llama-untied-bias": LlamaConfig(**COMMON, tie_word_embeddings=False, attention_bias=True,
                                      mlp_bias=True),
+    "llama-head-dim-32": LlamaConfig(**COMMON, head_dim=32, tie_word_embeddings=True),
     "qwen2": Qwen2Config(**COMMON, tie_word_embeddings=False),
     "qwen3": Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
 }

@@ -116,7 +116,7 @@ def random_rollouts(seed: int) -> TrainBatch:
     return collate(groups, pad_id=0)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "llama-head-dim-16", "qwen2"])
 def test_packed_log_probs_entropy_and_gradients_equal_the_rows(
         tmp_path: Path, model_type: str) -> None:
     model = small_model(tmp_path, model_type)
@@ -155,12 +155,17 @@ def test_gradient_checkpointing_recomputes_the_shared_prompt_pass(tmp_path: Path
 
 
 def small_model(folder: Path, model_type: str) -> torch.nn.Module:
-    """A random Llama (MHA) or Qwen2 (GQA, q/k/v biases) over the tiny vocabulary."""
+    """A random Llama (MHA; with ``llama-head-dim-16`` heads of 16, not hidden 32 / 4 heads,
+    as the tiny model's explicit head_dim) or Qwen2 (GQA, q/k/v biases) over the tiny
+    vocabulary."""
     shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=4, max_position_embeddings=64)
     torch.manual_seed(0)
-    config = (LlamaConfig(num_key_value_heads=4, **shape) if model_type == "llama"
-              else Qwen2Config(num_key_value_heads=2, **shape))
+    if model_type == "qwen2":
+        config = Qwen2Config(num_key_value_heads=2, **shape)
+    else:
+        head_dim = 16 if model_type == "llama-head-dim-16" else None
+        config = LlamaConfig(num_key_value_heads=4, head_dim=head_dim, **shape)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                 attn_implementation="relay")

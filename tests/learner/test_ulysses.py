@@ -7,9 +7,9 @@
   transformers' mask); a model not loaded with Relay's attention is refused;
 - one rank (an SP group of 1): the packed forward gives the padded forward's log-probs;
 - SP 2 on a Llama model (2 key/value heads, split), a Qwen2 model (1 key/value head,
-  repeated) and a Qwen3 model (per-head q/k norms): the same log-probs, entropies, loss
-  and summed gradients as one process without SP, on rows of different lengths (real
-  processes, gloo), and with gradient checkpointing;
+  repeated) and a Qwen3 model (per-head q/k norms, head_dim not hidden / heads): the same
+  log-probs, entropies, loss and summed gradients as one process without SP, on rows of
+  different lengths (real processes, gloo), and with gradient checkpointing;
 - DP 2 x SP 2 (4 processes, FSDP2 over all of them) trains two steps to the weights and
   the reported gradient norms of DP 1 x SP 1, for GRPO and for PPO with its critic;
 - head counts that do not fit are refused naming the key, for the models a run loads only.
@@ -76,12 +76,13 @@ def save_random_qwen2(folder: Path, kv_heads: int = 1) -> Path:
 
 
 def save_random_qwen3(folder: Path) -> Path:
-    """A small random Qwen3 (per-head q/k norms before RoPE), 4 heads on 2 key/value heads."""
+    """A small random Qwen3 (per-head q/k norms before RoPE), 4 heads on 2 key/value heads,
+    of head_dim 32, not hidden / heads (16)."""
     tokenizer = build_tokenizer()
     torch.manual_seed(2)
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, max_position_embeddings=128,
+                         head_dim=32, max_position_embeddings=128,
                          eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     Qwen3ForCausalLM(config).save_pretrained(folder)

@@ -39,6 +39,9 @@ def test_directory_loads_with_auto_classes(built):
     assert isinstance(model, LlamaForCausalLM)
     assert model.config.vocab_size == len(tokenizer)
     assert model.config.tie_word_embeddings
+    # vLLM's CPU attention runs head_dim 32 and up; hidden 128 / 8 heads alone would give 16
+    assert (model.config.head_dim, model.config.num_attention_heads) == (32, 8)
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (256, 128)
     assert built.params == sum(p.numel() for p in model.parameters()) < 2_000_000
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (
         tokenizer.eos_token_id,
