@@ -143,9 +143,10 @@ class SGLangEngine(Engine):
     name = "sglang"
 
     def __init__(self, engine: Any, *, shapes: Mapping[str, torch.Size], tied_embeddings: bool,
-                 eos_ids: Sequence[int], seed: int = 0) -> None:
+                 eos_ids: Sequence[int], seed: int = 0, device: str = "cuda") -> None:
         super().__init__()
         self.engine = engine
+        self.device = device
         self.eos_ids = sorted(eos_ids)
         self._shapes = dict(shapes)
         self._tied = tied_embeddings
@@ -165,7 +166,8 @@ class SGLangEngine(Engine):
             path, dtype=str(dtype).removeprefix("torch."), device=device, seed=seed,
             max_num_seqs=max_num_seqs, max_len=max_len, trust_remote_code=trust_remote_code,
             options=options or SGLangOptions()))
-        return cls(engine, shapes=shapes, tied_embeddings=tied, eos_ids=eos_ids, seed=seed)
+        return cls(engine, shapes=shapes, tied_embeddings=tied, eos_ids=eos_ids, seed=seed,
+                   device=device)
 
     def reseed(self, seed: int) -> None:
         """Sequences after this draw from ``sampling_seed`` seed, seed + 1, ... in order
