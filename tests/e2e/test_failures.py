@@ -90,6 +90,7 @@ def test_training_survives_a_dead_generator(random_model_dir: Path, run_root: Pa
     args += ["rollout.response_length=32", "trainer.val_before_train=false",
              "trainer.test_freq=-1", "buffer.lease_timeout_s=4",
              "buffer.heartbeat_timeout_s=600", "buffer.max_staleness=2",
+             "buffer.min_generators=2",  # gen0 must get a lease before gen1 runs alone
              f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
     launcher = start_launcher([str(topology), str(run_config), *args])
     try:

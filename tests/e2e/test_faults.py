@@ -365,7 +365,8 @@ def test_a_generator_killed_mid_lease_leaves_every_prompt_accounted_for(
             if not a.startswith("topology.")]
     args += ["rollout.response_length=32", "trainer.val_before_train=false",
              "trainer.test_freq=-1", "buffer.lease_timeout_s=4",
-             "buffer.heartbeat_timeout_s=600", "buffer.max_staleness=2"]
+             "buffer.heartbeat_timeout_s=600", "buffer.max_staleness=2",
+             "buffer.min_generators=2"]  # gen0 must get a lease before gen1 runs alone
     launcher = start_launcher([str(topology), str(ROOT / "configs" / "arithmetic-grpo.toml"),
                                *args])
     try:

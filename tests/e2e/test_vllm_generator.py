@@ -1,5 +1,6 @@
 """A vLLM generator beside Relay's own, in a real launch: both lease and generate, and
 vLLM receives weights mid-generation (per-token versions change inside its responses).
+Slow tier (about 80 s, most of it vLLM's start), to keep the default suite near 15 minutes.
 
 The model is a random Llama with heads of 32 (vLLM's CPU attention runs head_dim 32 and
 up); learning on the built-in model is the slow tier's (``test_vllm_default_run``).
@@ -17,7 +18,7 @@ from buffer.rollout_log import read_rollout_log
 from ..conftest import save_random_model
 from .conftest import ROOT, launch, only_run_dir, small_run_overrides
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
     reason="vLLM is not installed (the `vllm` extra; tools/with-venv installs it by default)")]
 
