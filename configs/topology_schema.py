@@ -51,7 +51,20 @@ EngineName = Literal["lean", "torch", "hf", "vllm", "sglang"]
 SGLang."""
 
 
-class VLLMOptions(_Section):
+class EngineOptions(_Section):
+    """The options vLLM and SGLang share, under verl's names (``actor_rollout_ref.rollout.*``);
+    ``VLLMOptions`` and ``SGLangOptions`` say what each engine makes of them."""
+
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5  # GPU only
+    tensor_model_parallel_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    enforce_eager: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
+    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: prompt + response length
+    engine_kwargs: dict[str, object] = msgspec.field(default_factory=dict)
+
+
+class VLLMOptions(EngineOptions):
     """Engine options of a generator whose engine is ``vllm`` (``generators.vllm_engine``),
     under verl's names (``actor_rollout_ref.rollout.*``). The batch (``max_num_seqs``) is
     the run's ``rollout.max_num_seqs``; the context length defaults to the run's
@@ -61,17 +74,10 @@ class VLLMOptions(_Section):
     ``rollout.engine_kwargs.vllm``): any engine argument not named here.
     """
 
-    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5  # GPU only
     kv_cache_gib: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # CPU only: the KV cache's size
-    tensor_model_parallel_size: Annotated[int, msgspec.Meta(ge=1)] = 1
-    enforce_eager: bool = True
-    enable_chunked_prefill: bool = True
-    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
-    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: prompt + response length
-    engine_kwargs: dict[str, object] = msgspec.field(default_factory=dict)
 
 
-class SGLangOptions(_Section):
+class SGLangOptions(EngineOptions):
     """Engine options of a generator whose engine is ``sglang`` (``generators.sglang_engine``),
     under verl's names (``actor_rollout_ref.rollout.*``), each turned into SGLang's server
     argument: ``gpu_memory_utilization`` is ``mem_fraction_static``,
@@ -85,14 +91,6 @@ class SGLangOptions(_Section):
     ``engine_kwargs`` go to ``sglang.Engine`` as they are, last (verl's
     ``rollout.engine_kwargs.sglang``): any server argument not named here.
     """
-
-    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
-    tensor_model_parallel_size: Annotated[int, msgspec.Meta(ge=1)] = 1
-    enforce_eager: bool = True
-    enable_chunked_prefill: bool = True
-    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
-    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: prompt + response length
-    engine_kwargs: dict[str, object] = msgspec.field(default_factory=dict)
 
 
 class GeneratorPlacement(_Section):

@@ -13,6 +13,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "tools" / "launch-cluster.py"
 REWARD_FN = Path(__file__).with_name("reward_fn.py")
+VLLM_GENERATOR = """
+[[generators]]
+name = "vllm"
+engine = "vllm"
+threads = 1
+[generators.vllm]
+kv_cache_gib = 0.25
+"""
+"""A topology's vLLM generator on this CPU: one thread, a small KV cache."""
 
 
 def small_run_overrides(model_dir: Path, run_root: Path, steps: int) -> list[str]:

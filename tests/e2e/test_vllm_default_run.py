@@ -14,20 +14,12 @@ from mlflow.tracking import MlflowClient
 from buffer.rollout_log import read_rollout_log
 from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY
 
-from .conftest import launch, only_run_dir
+from .conftest import VLLM_GENERATOR, launch, only_run_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
     reason="vLLM is not installed (the `vllm` extra; tools/with-venv installs it by default)")]
 
-VLLM_GENERATOR = """
-[[generators]]
-name = "vllm"
-engine = "vllm"
-threads = 1
-[generators.vllm]
-kv_cache_gib = 0.25
-"""
 FREE_PORTS = ["topology.buffer.port=0", "topology.learner.weights_port=0",
               "topology.learner.weights_stream_port=0", "topology.launcher.metrics_port=0"]
 

@@ -16,7 +16,7 @@ import pytest
 from buffer.rollout_log import read_rollout_log
 
 from ..conftest import save_random_model
-from .conftest import ROOT, launch, only_run_dir, small_run_overrides
+from .conftest import ROOT, VLLM_GENERATOR, launch, only_run_dir, small_run_overrides
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -37,13 +37,7 @@ threads = 1
 name = "relay"
 engine = "lean"
 threads = 1
-[[generators]]
-name = "vllm"
-engine = "vllm"
-threads = 1
-[generators.vllm]
-kv_cache_gib = 0.25
-"""
+""" + VLLM_GENERATOR
 STEPS = 16
 
 
