@@ -12,6 +12,12 @@ prefill and ``new_tokens - 1`` single-token forward passes with a KV cache, gree
 sampling, no log-probs and no bookkeeping. Each is timed ``repeats`` times after one warm-up
 run; the median is reported as generated tokens per second.
 
+``continuous_batching`` shows the lean engine keeping its batch full: a stream of groups
+whose responses end at different lengths (as eos tokens end them in training), many more
+than fit at once, goes through ``max_num_seqs`` slots; it reports the mean number of
+sequences in flight over the decode steps taken while groups waited, against what static
+batches (each decoding until its longest sequence ends) would keep in flight.
+
 ``compute_ceiling`` is what the arithmetic alone would allow: this machine's measured
 matmul rate in the model's dtype divided by the forward FLOPs of one decoded token,
 
@@ -32,7 +38,7 @@ import msgspec
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from generators.engine import Engine
+from generators.engine import Engine, GroupRequest
 from generators.lean_engine import LeanEngine
 from generators.sampling import SamplingParams
 from generators.torch_engine import TorchEngine
@@ -63,6 +69,55 @@ class EngineComparison(msgspec.Struct, frozen=True):
     @property
     def floor_over_lean(self) -> float:
         return self.floor / self.lean
+
+
+class Occupancy(msgspec.Struct, frozen=True):
+    """Sequences in flight per decode step of one stream of groups (``continuous_batching``)."""
+
+    max_num_seqs: int
+    groups: int
+    samples_per_prompt: int
+    continuous: float  # the lean engine's mean in flight while groups waited
+    static: float  # static batches of max_num_seqs sequences: sum(lengths) / sum(batch x longest)
+    tokens_per_s: float
+
+    @property
+    def continuous_fraction(self) -> float:
+        return self.continuous / self.max_num_seqs
+
+    @property
+    def static_fraction(self) -> float:
+        return self.static / self.max_num_seqs
+
+
+def continuous_batching(model: PreTrainedModel, *, max_num_seqs: int, prompt_len: int,
+                        new_tokens: int, samples_per_prompt: int, groups: int,
+                        seed: int = 0) -> Occupancy:
+    """Run ``groups`` groups of ``samples_per_prompt`` samples through the lean engine's
+    ``max_num_seqs`` slots, each group's samples ending after a length drawn uniformly from
+    1..``new_tokens`` (as if an eos token ended them), and measure the batch's occupancy."""
+    if groups * samples_per_prompt < 2 * max_num_seqs:
+        raise ValueError(f"{groups} groups of {samples_per_prompt} do not fill "
+                         f"{max_num_seqs} slots twice: nothing would wait for a slot")
+    rng = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, model.config.vocab_size, (groups, prompt_len), generator=rng)
+    lengths = torch.randint(1, new_tokens + 1, (groups,), generator=rng).tolist()
+    engine = LeanEngine.from_model(model.eval(), eos_ids=[], pad_id=0, seed=seed,
+                                   max_num_seqs=max_num_seqs, max_len=prompt_len + new_tokens)
+    began = time.perf_counter()
+    for index, (prompt, length) in enumerate(zip(prompts.tolist(), lengths, strict=True)):
+        params = SamplingParams(max_new_tokens=length, temperature=1.0)
+        engine.submit(GroupRequest(index, prompt, samples_per_prompt, params))
+    tokens = 0
+    while engine.in_flight:
+        tokens += sum(c.token_ids.numel() for g in engine.step() for c in g.completions)
+    seconds = time.perf_counter() - began
+    sequences = [length for length in lengths for _ in range(samples_per_prompt)]
+    batches = [sequences[i:i + max_num_seqs] for i in range(0, len(sequences), max_num_seqs)]
+    static = sum(sequences) / sum(max_num_seqs * max(b) for b in batches) * max_num_seqs
+    return Occupancy(max_num_seqs=max_num_seqs, groups=groups,
+                     samples_per_prompt=samples_per_prompt, continuous=engine.occupancy.mean,
+                     static=static, tokens_per_s=tokens / seconds)
 
 
 def _median_tokens_per_s(run: Callable[[], int], repeats: int) -> float:

@@ -12,6 +12,9 @@ compute ceiling, with the ratios lean/generate and floor/lean. ``--samples-per-p
 makes the batch GRPO-like (each prompt sampled 8 times: the lean engine prefills it once).
 ``--vllm`` adds vLLM (its CPU build, the `vllm` extra) on the same model folder, with the
 ratio vllm/lean; vLLM's CPU attention needs head_dim 32 or more.
+Last, continuous batching: ``--groups`` groups whose responses end at random lengths go
+through the lean engine's slots (the largest ``--batch``), and it prints the mean number
+of sequences in flight while groups waited, against static batches.
 The measurements live in ``generators.bench``.
 """
 
@@ -22,7 +25,7 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM
 
-from generators.bench import compare_engines
+from generators.bench import compare_engines, continuous_batching
 
 
 def default_model() -> str:
@@ -46,6 +49,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--vllm", action="store_true", help="add vLLM's CPU build")
+    parser.add_argument("--groups", type=int, default=64,
+                        help="groups in the continuous-batching stream")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,6 +74,14 @@ def main() -> None:
               f"compute ceiling {c.compute_ceiling:>11,.0f}  "
               f"lean/generate {c.lean_over_hf:5.2f}  floor/lean {c.floor_over_lean:5.2f}",
               flush=True)
+    slots, group = max(args.batch), max(args.samples_per_prompt, 8)
+    o = continuous_batching(model, max_num_seqs=slots, prompt_len=args.prompt_len,
+                            new_tokens=args.new_tokens, samples_per_prompt=group,
+                            groups=max(args.groups, -(-2 * slots // group)))
+    print(f"continuous batching, {slots} slots, {o.groups} groups of {group} samples ending "
+          f"after 1-{args.new_tokens} tokens: {o.continuous:.1f} sequences in flight per "
+          f"decode step while groups waited ({o.continuous_fraction:.0%} of the slots; static "
+          f"batches: {o.static_fraction:.0%}), {o.tokens_per_s:,.0f} tokens/s", flush=True)
 
 
 def start_vllm(path: str, dtype: str, max_num_seqs: int, max_len: int):

@@ -1,14 +1,17 @@
-"""generators.bench: the engine benchmark's contenders all decode the full length, and its
-compute ceiling uses the stated FLOP count (attention over heads * head_dim channels)."""
+"""generators.bench: the engine benchmark's contenders all decode the full length, its
+compute ceiling uses the stated FLOP count (attention over heads * head_dim channels), and
+its continuous-batching stream keeps the slots fuller than static batches would."""
 
 from __future__ import annotations
 
 import math
+
+import pytest
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM
 
-from generators.bench import compare_engines, forward_flops_per_token
+from generators.bench import compare_engines, continuous_batching, forward_flops_per_token
 from generators.torch_engine import TorchEngine
 
 from ..conftest import save_random_model
@@ -47,3 +50,19 @@ def test_another_engine_is_measured_beside_the_others(random_model_dir: Path) ->
                              other=other)
     assert result.other is not None and result.other > 0
     assert result.other_over_lean == result.other / result.lean
+
+
+def test_continuous_batching_keeps_the_slots_full(random_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir)
+    result = continuous_batching(model, max_num_seqs=16, prompt_len=5, new_tokens=12,
+                                 samples_per_prompt=4, groups=24)
+    assert result.continuous_fraction >= 0.9
+    assert result.static_fraction < result.continuous_fraction
+    assert result.tokens_per_s > 0
+
+
+def test_a_stream_too_short_to_queue_is_refused(random_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir)
+    with pytest.raises(ValueError, match="do not fill 16 slots twice"):
+        continuous_batching(model, max_num_seqs=16, prompt_len=5, new_tokens=12,
+                            samples_per_prompt=4, groups=6)

@@ -35,8 +35,10 @@ GSM8K_TRAIN = Path(__file__).resolve().parents[3].parent / "shared/data/gsm8k/tr
         ("42", "42", 0.0, 0.0),  # no tags
         ("<answer>42", "42", 0.0, 0.0),  # never closed
         ("42</answer>", "42", 0.0, 0.0),  # never opened
-        ("<answer>41</answer> no, <answer>42</answer>", "42", 0.0, 1.0),  # first span counts
-        ("<answer>42</answer> no, <answer>41</answer>", "42", 1.0, 1.0),
+        ("<answer>41</answer> no, <answer>42</answer>", "42", 0.0, 0.0),  # the answer ends it
+        ("<answer>42</answer> no, <answer>41</answer>", "42", 0.0, 0.0),
+        ("<answer>42</answer></answer></answer>", "42", 0.0, 0.0),  # padding after the answer
+        ("<answer>42</answer>\n ", "42", 1.0, 1.0),  # whitespace after it is fine
         ("<answer>1 <answer>42</answer>", "42", 0.0, 0.0),  # span runs from the first tag
         ("<answer></answer>", "42", 0.0, 0.0),
         ("<answer>42abc</answer>", "42", 0.0, 0.0),
