@@ -3,8 +3,8 @@
 The engine owns ``max_num_seqs`` sequence slots. Each ``step``:
 
 1. **Admit** queued groups while free slots remain: the group's prompt is prefilled once,
-   into one slot, and its cache copied to the other ``n - 1`` slots (the samples of a
-   prompt share one prefill); each sample's first token is drawn from the prefill's logits.
+   its keys and values written to the slots of all ``n`` samples (the samples of a prompt
+   share one prefill); each sample's first token is drawn from the prefill's logits.
 2. **Decode** one token for every sequence in flight, in one batched forward. Between
    steps the caller's hook may load new weights; the tokens after it carry the new version
    (in-flight weight swaps, as ``TorchEngine``).
@@ -200,23 +200,13 @@ class LeanEngine(Engine):
         padded = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             padded[row, :len(prompt)] = torch.tensor(prompt)
-        first_slots, slot = [], self._active
-        for g in admitted:
-            first_slots.append(slot)
-            slot += g.request.n
-        logits = self.decoder.prefill(padded.to(self.device), lengths,
-                                      torch.tensor(first_slots, device=self.device))
-        sources, targets = [], []
-        for first, g in zip(first_slots, admitted, strict=True):
-            for sample in range(g.request.n):
-                self._owner[first + sample] = (g, sample)
-                if sample:
-                    sources.append(first)
-                    targets.append(first + sample)
-        if targets:
-            self.decoder.copy_slots(torch.tensor(sources, device=self.device),
-                                    torch.tensor(targets, device=self.device), width)
         repeats = torch.tensor([g.request.n for g in admitted], device=self.device)
+        logits = self.decoder.prefill(padded.to(self.device), lengths, self._active, repeats)
+        slot = self._active
+        for g in admitted:
+            for sample in range(g.request.n):
+                self._owner[slot] = (g, sample)
+                slot += 1
         start, self._active = self._active, used
         rows = torch.arange(start, used, device=self.device)
         self._positions[rows] = lengths.repeat_interleave(repeats)

@@ -128,31 +128,34 @@ class LeanDecoder:
 
     def copy_slots(self, source: torch.Tensor, target: torch.Tensor, length: int) -> None:
         """Copy the first ``length`` cached positions of slots ``source`` into ``target``
-        (a shared prompt prefill fanned out to its samples, or a slot moved)."""
+        (a sequence moved to another slot)."""
         self.k_cache[:, target, :, :length] = self.k_cache[:, source, :, :length]
         self.v_cache[:, target, :, :length] = self.v_cache[:, source, :, :length]
 
     # -- forward ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor,
-                slots: torch.Tensor) -> torch.Tensor:
-        """Run prompts (P, W) right-padded to W, lengths (P,), into cache ``slots`` (P,)
-        at positions 0..W-1; the logits (P, V) after each prompt's last real token.
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, first_slot: int,
+                samples: torch.Tensor) -> torch.Tensor:
+        """Run prompts (P, W) right-padded to W, lengths (P,), into the cache at positions
+        0..W-1 of the contiguous slots from ``first_slot`` on: ``samples[i]`` (P,) slots for
+        prompt i, each holding its keys and values (the samples of a prompt share one
+        prefill); the logits (P, V) after each prompt's last real token.
 
         Padding sits after the real tokens, so the causal mask already hides it from them;
         its cache entries are overwritten by the first decoded tokens.
         """
         batch, width = tokens.shape
+        filled = slice(first_slot, first_slot + int(samples.sum()))
         positions = torch.arange(width, device=self.device)
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (W, 1, D)
         for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(x, block, cos, sin)  # (P, W, H|Hkv, D)
-            self.k_cache[layer, slots, :, :width] = k.transpose(1, 2)
-            self.v_cache[layer, slots, :, :width] = v.transpose(1, 2)
-            attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                      v.transpose(1, 2), is_causal=True,
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # (P, Hkv, W, D)
+            self.k_cache[layer, filled, :, :width] = k.repeat_interleave(samples, dim=0)
+            self.v_cache[layer, filled, :, :width] = v.repeat_interleave(samples, dim=0)
+            attended = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
                                                       enable_gqa=True)
             x = self._finish_layer(x, attended.transpose(1, 2).reshape(batch, width, -1), block)
         last = x[torch.arange(batch, device=self.device), lengths - 1]

@@ -93,70 +93,69 @@ def unsupported(config: PretrainedConfig) -> str | None:
 def pack(batch: TrainBatch) -> PackedRows:
     """Pack the rows of ``batch`` into one sequence: rows of one group with identical prompt
     tokens share a stretch of it (their prompt once, then each response); any other row gets
-    a stretch of its own."""
-    total = batch.attention_mask.sum(-1).tolist()
-    response = batch.response_lengths.tolist()
-    prompts = [t - r for t, r in zip(total, response)]
+    a stretch of its own.
+
+    Only the grouping is a Python loop over rows; every position is placed by tensor ops:
+    row r's position j sits at packed position ``base[r] + j`` in its prompt and
+    ``start[r] + j - p[r]`` in its response (``source``), and the group's first row also
+    asks the prompt's queries."""
+    total = batch.attention_mask.sum(-1)
+    response = batch.response_lengths
+    prompt = total - response
     sequences: dict[tuple, list[int]] = {}
-    for row, (group, p) in enumerate(zip(batch.group_ids.tolist(), prompts)):
+    for row, (group, p) in enumerate(zip(batch.group_ids.tolist(), prompt.tolist())):
         key = (group, tuple(batch.input_ids[row, :p].tolist()))
         sequences.setdefault(key, []).append(row)
-    length = sum(prompts[rows[0]] + sum(response[r] for r in rows)
-                 for rows in sequences.values())
     rows, row_width = batch.attention_mask.shape
-    input_ids = torch.zeros((1, length), dtype=torch.long)
-    position_ids = torch.zeros((1, length), dtype=torch.long)
-    source = torch.zeros((rows, row_width), dtype=torch.long)
-    queries: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * rows
-    first_position = [0] * rows  # the row position of each row's first query
-    base = 0
+    base, start, first_rows = [0] * rows, [0] * rows, []  # packed starts of prompt, response
+    lengths, offset = response.tolist(), 0
     for members in sequences.values():
-        p = prompts[members[0]]
-        input_ids[0, base:base + p] = batch.input_ids[members[0], :p]
-        position_ids[0, base:base + p] = torch.arange(p)
-        offset = base + p
+        first_rows.append(members[0])
+        sequence_base, offset = offset, offset + int(prompt[members[0]])
         for row in members:
-            end = offset + response[row]
-            input_ids[0, offset:end] = batch.input_ids[row, p:p + response[row]]
-            position_ids[0, offset:end] = torch.arange(p, p + response[row])
-            source[row, :p] = base + torch.arange(p)
-            source[row, p:p + response[row]] = torch.arange(offset, end)
-            source[row, p + response[row]:] = base
-            queries[row] = source[row, p:p + response[row]]
-            first_position[row] = p
-            offset = end
-        first = members[0]  # the group's first row also asks the prompt's queries
-        queries[first] = source[first, :p + response[first]]
-        first_position[first] = 0
-        base = offset
+            base[row] = sequence_base
+            start[row], offset = offset, offset + lengths[row]
+    base_t, start_t = torch.tensor(base), torch.tensor(start)
+    column = torch.arange(row_width)[None]  # (1, L)
+    in_prompt = column < prompt[:, None]
+    in_row = column < total[:, None]
+    source = torch.where(in_prompt, base_t[:, None] + column,
+                         torch.where(in_row, start_t[:, None] + column - prompt[:, None],
+                                     base_t[:, None]))
+    input_ids = torch.zeros((1, offset), dtype=torch.long)
+    position_ids = torch.zeros((1, offset), dtype=torch.long)
+    input_ids[0, source[in_row]] = batch.input_ids[in_row]  # a shared prompt: same values
+    position_ids[0, source[in_row]] = column.expand(rows, -1)[in_row]
+    first = torch.zeros(rows, dtype=torch.bool)
+    first[first_rows] = True
+    first_position = torch.where(first, 0, prompt)  # the row position of each row's first query
     # row position p - 1 + i predicts response token i (as in learner.batch.collate)
-    grid_rows = torch.tensor([r for r in range(rows) for _ in range(response[r])],
-                             dtype=torch.long)
-    grid_columns = torch.tensor([prompts[r] - 1 + i for r in range(rows)
-                                 for i in range(response[r])], dtype=torch.long)
+    grid_rows = torch.repeat_interleave(torch.arange(rows), response)
+    ends = response.cumsum(0)
+    within = torch.arange(int(ends[-1]) if rows else 0) - (ends - response)[grid_rows]
+    grid_columns = prompt[grid_rows] - 1 + within
     return PackedRows(input_ids=input_ids, position_ids=position_ids, source=source,
-                      rows=_attention_rows(source, total, queries, first_position),
+                      rows=_attention_rows(source, total, first_position),
                       predictors=source[grid_rows, grid_columns], grid_rows=grid_rows,
                       grid_columns=grid_columns)
 
 
-def _attention_rows(source: torch.Tensor, total: list[int], queries: list[torch.Tensor],
-                    first_position: list[int]) -> AttentionRows:
+def _attention_rows(source: torch.Tensor, total: torch.Tensor,
+                    first_position: torch.Tensor) -> AttentionRows:
     """Row r's keys are its own row positions ``0..total[r]-1`` (``source`` maps them to
-    packed positions); its queries sit at row positions ``first_position[r]`` onward."""
-    rows = len(total)
-    most_queries = max(max(len(q) for q in queries), 1)
-    most_keys = max(total)
-    query_index = torch.zeros((rows, most_queries), dtype=torch.long)
-    query_valid = torch.zeros((rows, most_queries), dtype=torch.bool)
-    query_position = torch.zeros((rows, most_queries), dtype=torch.long)
-    for row, indices in enumerate(queries):
-        query_index[row, :len(indices)] = indices
-        query_valid[row, :len(indices)] = True
-        query_position[row, :len(indices)] = torch.arange(
-            first_position[row], first_position[row] + len(indices))
+    packed positions); its queries are row positions ``first_position[r]..total[r]-1``."""
+    row_width = source.shape[1]
+    asked = total - first_position
+    most_queries = max(int(asked.max()), 1)
+    most_keys = int(total.max())
+    index = torch.arange(most_queries)[None]
+    query_valid = index < asked[:, None]
+    query_position = first_position[:, None] + index
+    query_index = torch.where(query_valid,
+                              source.gather(1, query_position.clamp(max=row_width - 1)), 0)
+    query_position = torch.where(query_valid, query_position, 0)
     key_position = torch.arange(most_keys)
-    key_valid = key_position[None, :] < torch.tensor(total)[:, None]
+    key_valid = key_position[None, :] < total[:, None]
     attend = key_valid[:, None, :] & (key_position[None, None, :] <= query_position[:, :, None])
     return AttentionRows(query_index=query_index, query_valid=query_valid,
                          key_index=source[:, :most_keys], attend=attend[:, None])

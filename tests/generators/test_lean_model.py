@@ -43,9 +43,9 @@ def test_prefill_and_decode_give_the_transformers_logits(name: str) -> None:
     padded = torch.zeros((2, 7), dtype=torch.long)
     for row, prompt in enumerate(prompts):
         padded[row, :len(prompt)] = prompt
-    slots = torch.tensor([2, 0])  # any slots; decode then reads slots 0..1 in this order
-    first = decoder.prefill(padded, torch.tensor([7, 3]), slots)
-    decoder.copy_slots(torch.tensor([2, 0]), torch.tensor([0, 1]), 7)
+    # into slots 2 and 3, then moved to 0 and 1: decode reads slots 0..1
+    first = decoder.prefill(padded, torch.tensor([7, 3]), 2, torch.tensor([1, 1]))
+    decoder.copy_slots(torch.tensor([2, 3]), torch.tensor([0, 1]), 7)
     lean = [first]
     positions = torch.tensor([7, 3])
     for step in range(continuations.shape[1]):
