@@ -256,7 +256,9 @@ def wait_for_line(launcher, path: Path, pattern: str, timeout_s: float) -> None:
 @pytest.mark.slow
 def test_a_hostile_peer_without_keys_is_refused_and_the_run_trains_on(
         random_model_dir: Path, run_root: Path) -> None:
-    launcher, run_dir, real_generator = started_run(random_model_dir, run_root)
+    # 400 steps: the probes below need the learner and the buffer alive, and 100 steps of
+    # the small model at eta = 2 ended in 6 s, before the weight server was probed
+    launcher, run_dir, real_generator = started_run(random_model_dir, run_root, steps=400)
     ctx = load_run_dir(run_dir)
     generator, learner = Client(ctx.buffer_endpoint), Client(ctx.buffer_endpoint)
     metrics = Pusher(ctx.metrics_endpoint)
