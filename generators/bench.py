@@ -71,14 +71,14 @@ class EngineComparison(msgspec.Struct, frozen=True):
         return self.floor / self.lean
 
 
-class Occupancy(msgspec.Struct, frozen=True):
+class BatchOccupancy(msgspec.Struct, frozen=True):
     """Sequences in flight per decode step of one stream of groups (``continuous_batching``)."""
 
     max_num_seqs: int
     groups: int
     samples_per_prompt: int
     continuous: float  # the lean engine's mean in flight while groups waited
-    static: float  # static batches of max_num_seqs sequences: sum(lengths) / sum(batch x longest)
+    static: float  # static batches of max_num_seqs sequences: sum(lengths) / sum(longest)
     tokens_per_s: float
 
     @property
@@ -92,7 +92,7 @@ class Occupancy(msgspec.Struct, frozen=True):
 
 def continuous_batching(model: PreTrainedModel, *, max_num_seqs: int, prompt_len: int,
                         new_tokens: int, samples_per_prompt: int, groups: int,
-                        seed: int = 0) -> Occupancy:
+                        seed: int = 0) -> BatchOccupancy:
     """Run ``groups`` groups of ``samples_per_prompt`` samples through the lean engine's
     ``max_num_seqs`` slots, each group's samples ending after a length drawn uniformly from
     1..``new_tokens`` (as if an eos token ended them), and measure the batch's occupancy."""
@@ -114,8 +114,8 @@ def continuous_batching(model: PreTrainedModel, *, max_num_seqs: int, prompt_len
     seconds = time.perf_counter() - began
     sequences = [length for length in lengths for _ in range(samples_per_prompt)]
     batches = [sequences[i:i + max_num_seqs] for i in range(0, len(sequences), max_num_seqs)]
-    static = sum(sequences) / sum(max_num_seqs * max(b) for b in batches) * max_num_seqs
-    return Occupancy(max_num_seqs=max_num_seqs, groups=groups,
+    static = sum(sequences) / sum(max(b) for b in batches)  # each batch decodes max(b) steps
+    return BatchOccupancy(max_num_seqs=max_num_seqs, groups=groups,
                      samples_per_prompt=samples_per_prompt, continuous=engine.occupancy.mean,
                      static=static, tokens_per_s=tokens / seconds)
 

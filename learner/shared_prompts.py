@@ -102,16 +102,17 @@ def pack(batch: TrainBatch) -> PackedRows:
     total = batch.attention_mask.sum(-1)
     response = batch.response_lengths
     prompt = total - response
+    prompts, lengths = prompt.tolist(), response.tolist()
     sequences: dict[tuple, list[int]] = {}
-    for row, (group, p) in enumerate(zip(batch.group_ids.tolist(), prompt.tolist())):
+    for row, (group, p) in enumerate(zip(batch.group_ids.tolist(), prompts)):
         key = (group, tuple(batch.input_ids[row, :p].tolist()))
         sequences.setdefault(key, []).append(row)
     rows, row_width = batch.attention_mask.shape
     base, start, first_rows = [0] * rows, [0] * rows, []  # packed starts of prompt, response
-    lengths, offset = response.tolist(), 0
+    offset = 0
     for members in sequences.values():
         first_rows.append(members[0])
-        sequence_base, offset = offset, offset + int(prompt[members[0]])
+        sequence_base, offset = offset, offset + prompts[members[0]]
         for row in members:
             base[row] = sequence_base
             start[row], offset = offset, offset + lengths[row]
