@@ -54,7 +54,7 @@ from buffer.leases import LeaseBook
 from buffer.prompt_source import PromptSource
 from buffer.registry import Registry
 from buffer.rollout_log import RolloutLogWriter, StepRecord
-from buffer.staleness import lease_capacity, lease_min_version, staleness
+from buffer.staleness import LearnerPosition, lease_capacity, lease_min_version, staleness
 from buffer.store import Admission, ReplayStore, Taken
 from buffer.validation import (
     GroupLimits,
@@ -131,7 +131,7 @@ class Hub:
 
     def __init__(self, config: BufferConfig, source: PromptSource, store: ReplayStore,
                  log: RolloutLogWriter | None = None, *, batch_size: int, limits: GroupLimits,
-                 prompts_per_lease: int, total_steps: int,
+                 prompts_per_lease: int, total_steps: int, steps_per_version: int = 1,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.batch_size, self.limits = batch_size, limits
@@ -145,6 +145,8 @@ class Hub:
         self._leasing = False  # set once buffer.min_generators attached (_enough_generators)
         self.learner_version = 0
         self.learner_step = 0  # the step after which learner_version was published
+        self.requested_step = 0  # the last step the learner asked a batch for
+        self.steps_per_version = steps_per_version  # trainer.publish_every
         self.accepted = 0  # groups admitted to the store and not dropped
         self.finished = False
         self.failure = ""  # why the run must end with an error ("" while all is well)
@@ -228,18 +230,20 @@ class Hub:
             self.counts["leases/gated"] += 1
             return PromptLease(lease_id="", retry_after_s=RETRY_AFTER_S)
         max_staleness = self.config.max_staleness
-        capacity = lease_capacity(version=self.learner_version, max_staleness=max_staleness,
-                                  batch_size=self.batch_size, accepted=self.accepted,
-                                  running=self.leases.running)
+        learner = LearnerPosition(version=self.learner_version,
+                                  published_step=self.learner_step,
+                                  requested_step=self.requested_step,
+                                  steps_per_version=self.steps_per_version)
+        capacity = lease_capacity(learner, max_staleness=max_staleness, batch_size=self.batch_size,
+                                  accepted=self.accepted, running=self.leases.running)
         count = min(msg.max_prompts, self.prompts_per_lease, capacity)
         if count <= 0:
             self.counts["leases/gated"] += 1
             return PromptLease(lease_id="", retry_after_s=RETRY_AFTER_S)
         prompts = self.source.take(count)
-        min_version = lease_min_version(version=self.learner_version,
-                                        max_staleness=max_staleness, batch_size=self.batch_size,
-                                        accepted=self.accepted, running=self.leases.running,
-                                        count=len(prompts))
+        min_version = lease_min_version(learner, max_staleness=max_staleness,
+                                        batch_size=self.batch_size, accepted=self.accepted,
+                                        running=self.leases.running, count=len(prompts))
         lease = self.leases.grant(msg.generator_id, prompts, self.clock(), min_version)
         self.counts["leases/granted"] += 1
         self.counts["prompts/leased"] += len(prompts)
@@ -326,6 +330,7 @@ class Hub:
         problem = sample_request_problem(msg, self.batch_size, self.total_steps)
         if problem:
             return self._bad_request(msg, problem)
+        self.requested_step = max(self.requested_step, msg.step)
         if self._served is not None and msg.step and msg.step == self._served[0]:
             logger.info("the learner asked again for step %d's batch (the reply was lost); "
                         "sent again", msg.step)

@@ -91,7 +91,8 @@ def build_hub(ctx: RunContext) -> Hub:
                          greedy_baseline=run.algorithm.adv_estimator == "remax")
     hub = Hub(run.buffer, source, build_store(run), log, batch_size=run.data.train_batch_size,
               limits=limits, prompts_per_lease=run.rollout.prompts_per_lease,
-              total_steps=run.trainer.total_training_steps)
+              total_steps=run.trainer.total_training_steps,
+              steps_per_version=run.trainer.publish_every)
     if ctx.resume_from is not None:
         resume(hub, ctx.resume_from)
     return hub

@@ -62,7 +62,8 @@ def make_hub(clock: FakeClock):
     def build(*, batch_size: int = 4, n: int = 2, max_staleness: int = 0, per_lease: int = 2,
               lease_timeout_s: float = 60.0, rows: int = 100,
               store: ReplayStore | None = None, log: RolloutLogWriter | None = None,
-              greedy_baseline: bool = False, min_generators: int = 0) -> Hub:
+              greedy_baseline: bool = False, min_generators: int = 0,
+              steps_per_version: int = 1) -> Hub:
         config = BufferConfig(max_staleness=max_staleness, lease_timeout_s=lease_timeout_s,
                               min_generators=min_generators)
         store = FifoStore() if store is None else store
@@ -70,7 +71,7 @@ def make_hub(clock: FakeClock):
                              greedy_baseline=greedy_baseline)
         hub = Hub(config, PromptSource(make_dataset(rows), seed=0), store, log,
                   batch_size=batch_size, limits=limits, prompts_per_lease=per_lease,
-                  total_steps=TOTAL_STEPS, clock=clock)
+                  total_steps=TOTAL_STEPS, steps_per_version=steps_per_version, clock=clock)
         hub.handle(Attach(generator_id="g0", engine="torch", device="cpu"))
         return hub
     return build

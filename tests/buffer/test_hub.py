@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import get_args
 
 import msgspec
@@ -85,6 +86,70 @@ def test_a_lease_asks_for_the_weights_its_batch_needs_to_be_fresh(make_hub) -> N
     assert len(hub.handle(SampleRequest(num_groups=2)).groups) == 2
     hub.handle(VersionUpdate(version=1, step=1))
     assert [lease(hub).min_version for _ in range(2)] == [1, 1]
+
+
+def train(hub: Hub, steps: int, publishes: Callable[[int], bool]) -> list[int]:
+    """A generator that leases all it may and answers each lease once it holds the weights
+    the lease asks for (the learner's newest), and a learner that trains ``steps`` steps,
+    asking again (at most twice) while the buffer has no batch, and publishes after the
+    steps ``publishes`` names. The times each step asked."""
+    version, held, asked = 0, [], []
+    for step in range(1, steps + 1):
+        for attempt in range(1, 4):
+            while (granted := lease(hub)).prompts:
+                held.append(granted)
+            for granted in [g for g in held if g.min_version <= version]:
+                assert all(a.accepted for a in answer(hub, granted, version))
+                held.remove(granted)
+            batch = hub.handle(SampleRequest(num_groups=hub.batch_size, step=step))
+            if batch.groups:
+                assert len(batch.groups) == hub.batch_size
+                asked.append(attempt)
+                break
+        else:
+            raise AssertionError(f"step {step}: no batch after 3 requests (deadlock)")
+        if publishes(step):
+            version += 1
+            hub.handle(VersionUpdate(version=version, step=step))
+    assert hub.counts["dropped/stale"] == 0
+    return asked
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+@pytest.mark.parametrize("every", [1, 2, 4])
+def test_a_learner_publishing_every_k_steps_gets_every_batch(make_hub, eta, every) -> None:
+    """trainer.publish_every = k > eta + 1 once deadlocked: the gate counted eta + 1
+    batches per version, and the learner needed a k-th batch to publish the next one."""
+    hub = make_hub(batch_size=2, per_lease=2, max_staleness=eta, steps_per_version=every)
+    # every batch was there when first asked for (this generator acts between steps)
+    assert train(hub, 12, lambda step: step % every == 0) == [1] * 12
+
+
+def test_eta_steps_ahead_of_each_version_are_leased(make_hub) -> None:
+    """eta = 1, a version every 2 steps, batch 2: at version 0 (steps 1-2) the batches of
+    steps 1-4 may be made (trained at versions 0 and 1), after the publish at step 2, those
+    of steps 5-6 as well."""
+    hub = make_hub(batch_size=2, per_lease=100, max_staleness=1, steps_per_version=2)
+    first = lease(hub)
+    assert len(first.prompts) == 8 and first.min_version == 0
+    assert lease(hub).prompts == []
+    answer(hub, first)
+    for step in (1, 2):
+        assert len(hub.handle(SampleRequest(num_groups=2, step=step)).groups) == 2
+    hub.handle(VersionUpdate(version=1, step=2))
+    second = lease(hub)
+    assert len(second.prompts) == 4 and second.min_version == 1  # steps 5-6 train at v2
+
+
+@pytest.mark.parametrize("eta", [0, 1])
+def test_steps_that_skip_their_publish_never_starve_the_learner(make_hub, eta) -> None:
+    """The critic's warm-up leaves the policy unchanged and skips its publishes: the gate
+    counts from the step the learner asks for, not from the last publish."""
+    hub = make_hub(batch_size=2, per_lease=2, max_staleness=eta)
+    asked = train(hub, 8, lambda step: step > 3)
+    # a skipped publish shows when the next step is asked for: with eta = 0 its batch is
+    # made then, as after a publish
+    assert asked == ([1, 2, 2, 2, 1, 1, 1, 1] if eta == 0 else [1] * 8)
 
 
 def test_expired_lease_returns_its_prompts_first(make_hub, clock) -> None:
