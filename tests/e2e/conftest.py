@@ -13,6 +13,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "tools" / "launch-cluster.py"
 REWARD_FN = Path(__file__).with_name("reward_fn.py")
+ACCEPTANCE_LIFT = 0.15
+"""The embedded default's bar: held-out accuracy (the mean of the last three evaluations) at
+least this far above the warm start's. The tiny model is built on the machine that runs it,
+and its fp32 warm start differs by CPU: built on an AMD EPYC, r3 starts at 24.3% and the
+default run ends about 36 points up (three seeds); built on an Intel Xeon with AMX, it
+starts at 27.3% and ends 18.0-19.6 points up (three runs, 2026-11-26). A run that does not
+learn stays within a few points of the warm start."""
 VLLM_GENERATOR = """
 [[generators]]
 name = "vllm"

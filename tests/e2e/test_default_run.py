@@ -1,8 +1,9 @@
 """The embedded default, as the README runs it, must visibly learn (slow: ~5-8 minutes).
 
-The acceptance bar: on a 2-core machine, held-out accuracy rises by at least 20 points over
-the warm start within 10 minutes of wall time. The launcher builds the tiny model first if
-the cache lacks it (a few minutes more, not counted in the training time below).
+The acceptance bar: on a 2-core machine, held-out accuracy rises by at least
+``ACCEPTANCE_LIFT`` (15 points) over the warm start within 10 minutes of wall time. The
+launcher builds the tiny model first if the cache lacks it (a few minutes more, not counted
+in the training time below).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from .conftest import launch, only_run_dir
+from .conftest import ACCEPTANCE_LIFT, launch, only_run_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -23,7 +24,7 @@ FREE_PORTS = ["topology.buffer.port=0", "topology.learner.weights_port=0",
               "topology.launcher.metrics_port=0"]
 
 
-def test_default_run_lifts_heldout_accuracy_by_20_points(run_root: Path) -> None:
+def test_default_run_lifts_heldout_accuracy_by_15_points(run_root: Path) -> None:
     started = time.monotonic()
     result = launch([f"trainer.run_dir={run_root}", *FREE_PORTS], timeout_s=1500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -39,4 +40,4 @@ def test_default_run_lifts_heldout_accuracy_by_20_points(run_root: Path) -> None
     assert minutes <= 10, f"training took {minutes:.1f} min (whole launch {launched:.1f} min)"
     warm_start = history[0].value
     trained = statistics.mean(m.value for m in history[-3:])  # smooths eval noise
-    assert trained - warm_start >= 0.20, [(m.step, m.value) for m in history]
+    assert trained - warm_start >= ACCEPTANCE_LIFT, [(m.step, m.value) for m in history]
