@@ -7,7 +7,9 @@ topology's ``evaluator`` section says. At each evaluation step (step 0 with
 learner's rank 0 offers its newest published version: the version went by on the weight
 stream, which this process subscribes to like a generator, and an ``EvalOffer`` after it
 tells this process to keep it (``generators.weight_receiver.EvalWeights``). This process
-asks for the next offer (``EvalRequest``), loads the kept version into its own engine,
+asks for the next offer (``EvalRequest``; the first only once its subscription to the
+stream has settled, and the learner waits for that first request before it streams
+anything, so no offered version goes by before this process listens), loads the kept version into its own engine,
 decodes the validation prompts (``generators.evaluate``) and hands the metrics back with
 its next request. The learner logs them against the step whose weights they measured.
 When evaluation is slower than the offers come, they wait (in the learner's queue,
@@ -51,6 +53,7 @@ logger = logging.getLogger("relay.evaluator")
 POLL_S = 0.5  # between requests while nothing new is offered
 REQUEST_TIMEOUT_S = 10.0
 ARRIVAL_WAIT_S = 60.0  # for offered weights still on their way (or asked for again)
+SUBSCRIBE_WAIT_S = 30.0  # for the weight stream's subscription to settle
 
 
 class Evaluator:
@@ -75,6 +78,9 @@ class Evaluator:
         after_step, report = -1, None
         self.weights.start(self.engine.version)
         try:
+            if not self.weights.wait_subscribed(SUBSCRIBE_WAIT_S):
+                raise RuntimeError(f"could not subscribe to the learner's weight stream "
+                                   f"within {SUBSCRIBE_WAIT_S:.0f} s")
             while not stop.is_set():
                 self.weights.raise_if_died()
                 try:

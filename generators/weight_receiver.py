@@ -10,8 +10,8 @@ newest; when it is behind at two polls in a row with nothing heard on the stream
 them (it subscribed after the version went by, or lost a piece), it asks for that version
 again (``WeightRequest.resend``), but not in its first ``SUBSCRIBE_SETTLE_S``: a
 subscription takes a moment to reach the learner, and what is streamed before it arrives
-is lost. The generator's compute loop never touches a socket: it
-calls ``take``.
+is lost (``subscribed`` says when that moment has passed). The generator's compute loop
+never touches a socket: it calls ``take``.
 """
 
 from __future__ import annotations
@@ -164,6 +164,7 @@ class WeightReceiver:
         self._staged: StagedWeights | None = None
         self._have = 0  # newest version staged or applied
         self._stop = threading.Event()
+        self._subscribed = threading.Event()  # the subscription has had time to settle
         self._thread = WatchedThread(self._run, "weight-receiver", on_death=self._wake_waiters)
         self.resends = 0  # versions asked for again
 
@@ -190,6 +191,17 @@ class WeightReceiver:
     def raise_if_died(self) -> None:
         """``ThreadDied`` when the receiving thread ended on an exception."""
         self._thread.raise_if_died()
+
+    def wait_subscribed(self, timeout_s: float) -> bool:
+        """Block until the subscription to the stream has settled (``SUBSCRIBE_SETTLE_S``
+        after the receiving thread subscribed): from then on no version streamed goes by
+        unheard. False after ``timeout_s``; ``ThreadDied`` if the thread died."""
+        deadline = time.monotonic() + timeout_s
+        while not self._subscribed.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            self.raise_if_died()
+            if time.monotonic() >= deadline:
+                return False
+        return True
 
     def wait_for(self, version: int, timeout_s: float) -> StagedWeights | None:
         """Block until a version >= ``version`` is staged (then take it) or the timeout;
@@ -234,6 +246,8 @@ class WeightReceiver:
         next_poll = time.monotonic() + self._poll_s
         try:
             while not self._stop.is_set():
+                if time.monotonic() >= settled_at:
+                    self._subscribed.set()
                 msg = stream.receive(timeout_s=max(0.0, min(0.05, next_poll - time.monotonic())))
                 if msg is not None:
                     heard = True

@@ -12,6 +12,10 @@ reaches the weight server can send a report, so one is kept only when it measure
 that was offered and its metric names are ones MLflow takes (``report_problem``); others
 are dropped with a warning, never handed to the learner's loop.
 
+The evaluator sends its first request once it listens to the weight stream; the loop
+``wait_for_evaluator`` before it streams its first version, or a version offered before
+the evaluator listened could never be evaluated (the stream only repeats the newest).
+
 The evaluator keeps a copy of each version waiting to be evaluated, so at most
 ``max_waiting`` wait: past that the oldest waiting one is skipped, with a warning (the
 evaluator drops its copy the same way). At the end of the run ``end``
@@ -70,6 +74,7 @@ class EvalQueue:
         self._longest_s = 0.0  # the longest evaluation so far
         self._over = False
         self._goodbye_said = False
+        self._evaluator_joined = threading.Event()  # its first request arrived
 
     # -- the learner's loop --------------------------------------------------------------
 
@@ -84,6 +89,11 @@ class EvalQueue:
                 logger.warning("the evaluator is behind: step %d will not be evaluated "
                                "(trainer.max_waiting_evals = %d)", skipped.step,
                                self.max_waiting)
+
+    def wait_for_evaluator(self, timeout_s: float) -> bool:
+        """Block until the evaluator's first request (it listens to the weight stream from
+        then on); False after ``timeout_s``."""
+        return self._evaluator_joined.wait(timeout_s)
 
     def take_reports(self) -> list[EvalReport]:
         """The reports that arrived since the last call."""
@@ -128,6 +138,7 @@ class EvalQueue:
     def handle(self, msg: EvalRequest, current_version: int) -> Message:
         """The reply to an ``EvalRequest`` (see ``transport.messages.EvalRequest``)."""
         now = time.monotonic()
+        self._evaluator_joined.set()
         with self._lock:
             report = msg.report
             problem = "" if report is None else report_problem(report, self._offered_through)

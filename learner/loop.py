@@ -15,7 +15,8 @@ buffer, so the generators, which start from ``model.path``, fetch them and the b
 staleness gate counts from there. With ``trainer.val_before_train`` the resumed weights are
 offered for evaluation, as verl validates on resume.
 
-Held-out evaluation is not done here: at each evaluation step (step 0 with
+Held-out evaluation is not done here. Before it streams anything the loop waits (bounded)
+for the evaluator to listen to the weight stream; then at each evaluation step (step 0 with
 ``trainer.val_before_train``, every ``trainer.test_freq`` steps, the last step) the loop
 offers the newest published version (before any, the initial checkpoint) to the evaluator
 process through the weight server's evaluation queue (``learner.eval_queue``) and goes on
@@ -46,6 +47,8 @@ from transport.messages import EvalOffer, EvalReport, Metrics, SampleBatch
 from transport.sockets import Pusher
 
 logger = logging.getLogger(__name__)
+
+EVALUATOR_JOIN_WAIT_S = 300.0  # for the evaluator's first request (it loads a model too)
 
 
 class Reporter:
@@ -137,6 +140,7 @@ class TrainLoop:
         trainer = self.trainer
         last = trainer.total_training_steps
         first = 1
+        self._wait_for_evaluator()
         if self.resumed_at is not None:
             first = self.resumed_at + 1
             self._publish_resumed(self.resumed_at)
@@ -252,6 +256,17 @@ class TrainLoop:
                         buffer=rank0.buffer_state.state(step) if rank0 else None,
                         mlflow_run_id=rank0.reporter.tracker.run_id if rank0 else "",
                         group=self.group)
+
+    def _wait_for_evaluator(self) -> None:
+        """Rank 0, before streaming anything: wait (bounded) until the evaluator listens to
+        the weight stream, so that every version offered to it reaches it."""
+        if not self.evaluates or self.rank0 is None:
+            return
+        logger.info("waiting for the evaluator to subscribe to the weight stream")
+        if not self.rank0.weights.evaluation.wait_for_evaluator(EVALUATOR_JOIN_WAIT_S):
+            logger.warning("the evaluator did not ask for weights within %.0f s: training "
+                           "without it; what it misses of the stream will not be evaluated "
+                           "(its log is in the run directory's logs/)", EVALUATOR_JOIN_WAIT_S)
 
     def _offer_evaluation(self) -> None:
         """Offer the newest published version (the initial checkpoint before any) for

@@ -162,3 +162,25 @@ def test_the_evaluator_keeps_each_offered_version_until_it_is_evaluated(
         assert weights.weights_for(40, 40, timeout_s=0.2) is None
     finally:
         weights.stop()
+
+
+def test_once_subscribed_the_evaluator_hears_every_offered_version_without_asking_again(
+        learner: LearnerSide) -> None:
+    """The evaluator's first request waits for ``wait_subscribed``; the learner streams
+    nothing before that request, so versions streamed back to back, each offered, all
+    arrive, though the stream only ever repeats the newest."""
+    weights = EvalWeights(learner.server.endpoint, learner.stream.endpoint, max_waiting=3,
+                          poll_s=0.05).start(applied_version=0)
+    try:
+        assert weights.wait_subscribed(timeout_s=TIMEOUT_S)
+        for number in (1, 2, 3):
+            rescale(learner.model, float(number))
+            learner.publish(number)
+            learner.stream.offer(EvalOffer(step=number, version=number))
+        for number in (1, 2, 3):
+            kept = weights.weights_for(number, number, timeout_s=TIMEOUT_S)
+            assert kept is not None and kept.version == number
+            assert float(kept.tensors["0.bias"][0]) == 2.0 * number
+        assert weights.resends == 0
+    finally:
+        weights.stop()

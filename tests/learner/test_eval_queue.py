@@ -142,3 +142,12 @@ def test_a_report_of_no_offered_step_or_with_a_name_mlflow_refuses_is_dropped(
     assert "dropped an evaluation report" in caplog.text
     ask(queue, 10, report(10))  # the real one is still kept
     assert queue.take_reports() == [report(10)]
+
+
+def test_waiting_for_the_evaluator_ends_at_its_first_request() -> None:
+    queue = EvalQueue()
+    assert not queue.wait_for_evaluator(timeout_s=0.05)
+    threading.Timer(0.1, queue.handle, (EvalRequest(after_step=-1), 0)).start()
+    began = time.monotonic()
+    assert queue.wait_for_evaluator(timeout_s=10.0)
+    assert time.monotonic() - began < 5.0
