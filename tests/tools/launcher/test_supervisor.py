@@ -132,18 +132,16 @@ def test_free_ports_come_from_below_the_kernels_ephemeral_range() -> None:
         sock.bind(("127.0.0.1", port))  # and it is free
 
 
-def test_processes_start_with_sleeping_openmp_threads_unless_told_otherwise(
+def test_processes_start_with_sleeping_openmp_threads_and_a_malloc_that_keeps_blocks(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """OMP_WAIT_POLICY=PASSIVE is a default: a user's own value wins."""
-    probe = [sys.executable, "-c", "import os; print(os.environ['OMP_WAIT_POLICY'])"]
-    for own, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
-        if own is None:
-            monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-        else:
-            monkeypatch.setenv("OMP_WAIT_POLICY", own)
-        log_dir = tmp_path / expected
-        log_dir.mkdir()
-        running = supervisor.start(ProcessSpec(name="gen0", role="generator", host="127.0.0.1",
-                                               argv=probe), Topology(), log_dir)
-        assert running.popen.wait(timeout=60) == 0
-        assert running.log.read_text().strip() == expected
+    """OMP_WAIT_POLICY and glibc's malloc settings are defaults: a user's own value wins."""
+    names = ("OMP_WAIT_POLICY", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345")
+    spec = ProcessSpec(name="gen0", role="generator", host="127.0.0.1",
+                       argv=[sys.executable, "-c", "import os; print([os.environ.get(n) for n "
+                                                   f"in {names!r}])"])
+    running = supervisor.start(spec, Topology(), tmp_path)
+    assert running.popen.wait(timeout=60) == 0
+    assert running.log.read_text().strip() == str(["PASSIVE", str(32 << 20), "12345"])
