@@ -14,7 +14,12 @@ Per layer, with x the residual stream (pre-norm decoder, as in transformers):
     x = x + softmax(q K^T / sqrt(d) + causal mask) V W_o
     x = x + (silu(h' W_gate) * h' W_up) W_down,   h' = rms_norm(x)
 
-and logits = rms_norm(x) W_lm. Supported: ``model_type`` llama, qwen2, qwen3 (and mistral
+and logits = rms_norm(x) W_lm. On the CPU two things keep a bf16 decode step near its
+arithmetic: the matmul weights are also held reordered for oneDNN (``torch.ops.mkldnn``'s
+prepacked linear: the same products, bit for bit, 1.3-1.9x faster at decode's few rows,
+since ``F.linear`` reorders a bf16 weight on every call), and the KV cache is fp32, so
+that decode attention (scores, softmax and the weighted sum in fp32, as the learner
+computes it) reads the cache without casting copies (1.8x faster there). Supported: ``model_type`` llama, qwen2, qwen3 (and mistral
 without a sliding window), ``hidden_act`` silu, default rotary embeddings; anything else
 raises ``UnsupportedModel`` naming the setting, so the caller can choose another engine.
 """
@@ -55,10 +60,14 @@ class LeanDecoder:
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self._views = self._allocate()
+        self.prepacked = dtype == torch.bfloat16 and prepacking_available(self.device)
+        self._packed: dict[int, torch.Tensor] = {}  # id(weight) -> its oneDNN-ordered copy
+        self._pack_weights()
         self.cos, self.sin = rotary_tables(config, self.head_dim, max_len, self.device)
         shape = (self.layers, slots, self.kv_heads, max_len, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.cache_dtype = torch.float32 if self.device.type == "cpu" else dtype
+        self.k_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
 
     # -- weights ------------------------------------------------------------------------
 
@@ -123,6 +132,25 @@ class LeanDecoder:
         """Copy every named weight in (the caller has checked names and shapes)."""
         for name, view in self._views.items():
             view.copy_(tensors[name])
+        self._pack_weights()
+
+    def _pack_weights(self) -> None:
+        """Reorder each matmul weight for oneDNN, when ``prepacked`` (module docstring)."""
+        self._packed = {}
+        if not self.prepacked:
+            return
+        weights = [self.lm_head] + [block[name] for block in self.blocks
+                                    for name in ("qkv", "o", "gate_up", "down")]
+        self._packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, self.slots)
+                        for w in weights}
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b), with W's prepacked copy when there is one."""
+        packed = self._packed.get(id(weight))
+        if packed is None:
+            return F.linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     # -- cache --------------------------------------------------------------------------
 
@@ -153,7 +181,7 @@ class LeanDecoder:
         for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(x, block, cos, sin)  # (P, W, H|Hkv, D)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (P, Hkv, W, D)
-            self.k_cache[layer, filled, :, :width] = k.repeat_interleave(samples, dim=0)
+            self.k_cache[layer, filled, :, :width] = k.repeat_interleave(samples, dim=0)  # cast
             self.v_cache[layer, filled, :, :width] = v.repeat_interleave(samples, dim=0)
             attended = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
                                                       enable_gqa=True)
@@ -176,21 +204,21 @@ class LeanDecoder:
         scale = self.head_dim ** -0.5
         for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(x, block, cos, sin)  # (A, H|Hkv, D)
-            self.k_cache[layer, rows, :, positions] = k
-            self.v_cache[layer, rows, :, positions] = v
+            self.k_cache[layer, rows, :, positions] = k.to(self.cache_dtype)
+            self.v_cache[layer, rows, :, positions] = v.to(self.cache_dtype)
             keys = self.k_cache[layer, :active, :, :context]  # (A, Hkv, C, D)
             values = self.v_cache[layer, :active, :, :context]
-            q = q.view(active, self.kv_heads, group, self.head_dim)
-            scores = torch.einsum("akgd,aktd->akgt", q, keys).float() * scale + mask
-            weights = torch.softmax(scores, dim=-1).to(self.dtype)
-            attended = torch.einsum("akgt,aktd->akgd", weights, values)
+            q = q.view(active, self.kv_heads, group, self.head_dim).to(self.cache_dtype)
+            scores = (q @ keys.transpose(-1, -2)).float() * scale + mask  # (A, Hkv, G, C)
+            weights = torch.softmax(scores, dim=-1).to(self.cache_dtype)
+            attended = (weights @ values).to(self.dtype)  # (A, Hkv, G, D)
             x = self._finish_layer(x, attended.reshape(active, -1), block)
         return self._logits(x)
 
     def _qkv(self, x: torch.Tensor, block: dict, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h = F.rms_norm(x, (self.hidden,), block["norm1"], self.eps)
-        qkv = F.linear(h, block["qkv"], block["qkv_bias"])
+        qkv = self._linear(h, block["qkv"], block["qkv_bias"])
         q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
                              self.kv_heads * self.head_dim], dim=-1)
         q = q.unflatten(-1, (self.heads, self.head_dim))
@@ -202,13 +230,24 @@ class LeanDecoder:
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
     def _finish_layer(self, x: torch.Tensor, attended: torch.Tensor, block: dict) -> torch.Tensor:
-        x = x + F.linear(attended, block["o"], block["o_bias"])
+        x = x + self._linear(attended, block["o"], block["o_bias"])
         h = F.rms_norm(x, (self.hidden,), block["norm2"], self.eps)
-        gate, up = F.linear(h, block["gate_up"], block["gate_up_bias"]).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, block["down"], block["down_bias"])
+        gate, up = self._linear(h, block["gate_up"], block["gate_up_bias"]).chunk(2, dim=-1)
+        return x + self._linear(F.silu(gate) * up, block["down"], block["down_bias"])
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps), self.lm_head)
+        return self._linear(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps),
+                            self.lm_head)
+
+
+def prepacking_available(device: torch.device) -> bool:
+    """Whether this torch can run bf16 matmuls with oneDNN-prepacked weights on ``device``
+    (``torch.ops.mkldnn``'s ``_reorder_linear_weight`` and ``_linear_pointwise``, the ops
+    torch's compiler emits for frozen CPU linears)."""
+    ops = torch.ops.mkldnn
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+            and bool(ops._is_mkldnn_bf16_supported()))
 
 
 def check_supported(config: PretrainedConfig) -> None:

@@ -15,7 +15,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from generators.lean_model import LeanDecoder, UnsupportedModel
+from generators.lean_model import LeanDecoder, UnsupportedModel, prepacking_available
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -57,6 +57,41 @@ def test_prefill_and_decode_give_the_transformers_logits(name: str) -> None:
             expected = model(ids).logits[0, len(prompt) - 1:]
             got = torch.stack([step_logits[row] for step_logits in lean])
             torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def lean_logits(decoder: LeanDecoder, prompt: torch.Tensor,
+                continuation: torch.Tensor) -> torch.Tensor:
+    """One prompt through the prefill, then its continuation decoded: (1 + steps, V)."""
+    logits = [decoder.prefill(prompt[None], torch.tensor([len(prompt)]), 0, torch.tensor([1]))]
+    for step, token in enumerate(continuation):
+        logits.append(decoder.decode(token[None], torch.tensor([len(prompt) + step]), 1))
+    return torch.cat(logits).float()
+
+
+@pytest.mark.parametrize("name", ["llama-untied-bias", "qwen2", "qwen3"])
+def test_bf16_decoding_with_prepacked_weights_gives_the_plain_matmuls_logits(name: str) -> None:
+    """On a CPU with oneDNN's bf16, the prepacked matmuls give ``F.linear``'s products bit
+    for bit, and bf16 logits stay within bf16 rounding of fp32 transformers'."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name]).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    weights = dict(model.named_parameters())
+    prompt, continuation = torch.randint(0, 97, (7,)), torch.randint(0, 97, (5,))
+    results = {}
+    for prepack in (True, False):
+        decoder = LeanDecoder(model.config, slots=2, max_len=32, dtype=torch.bfloat16)
+        decoder.prepacked = prepack and decoder.prepacked
+        decoder.load(weights)
+        results[prepack] = (decoder.prepacked, lean_logits(decoder, prompt, continuation))
+    if not prepacking_available(torch.device("cpu")):
+        pytest.skip("this torch or CPU has no oneDNN bf16 matmuls")
+    assert results[True][0] and not results[False][0]
+    assert torch.equal(results[True][1], results[False][1])
+    with torch.no_grad():
+        expected = model(torch.cat([prompt, continuation])[None]).logits[0, len(prompt) - 1:]
+    torch.testing.assert_close(results[True][1], expected, atol=0.05, rtol=0.02)
 
 
 def test_parameter_names_are_the_checkpoints() -> None:
