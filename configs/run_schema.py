@@ -202,6 +202,7 @@ class ActorConfig(_Section):
     skip_zero_advantage: bool = True  # Relay: no passes over rows whose advantages are all 0
     share_prompts: bool = True  # Relay: one sequence per prompt group, the prompt computed once
     ulysses_sequence_parallel_size: Positive = 1  # ranks that split each pass's tokens
+    use_torch_compile: bool = False  # compile the policy's norms and MLPs
     fsdp_config: FsdpConfig = msgspec.field(default_factory=FsdpConfig)
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
 

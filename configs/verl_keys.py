@@ -105,7 +105,8 @@ def _refused(note: str, *keys: str) -> list[VerlKey]:
 
 
 _FSDP = "Relay's learner always shards with FSDP2 (Megatron is not supported); no effect"
-_NO_COMPILE = "the learner does not torch.compile its passes; no effect"
+_NO_COMPILE = ("the frozen reference is not compiled (actor.use_torch_compile compiles the "
+               "policy's norms and MLPs); no effect")
 _ENTROPY_MEM = ("a verl memory saving for the entropy; Relay computes the entropy per pass "
                 "only where the loss or the logs use it; no effect")
 _WRAP = ("FSDP2 shards each transformer block as one unit (learner.model); verl's wrap "
@@ -160,7 +161,7 @@ TABLE: tuple[VerlKey, ...] = tuple([
     VerlKey(key=f"{A}.clip_ratio", group="mapped", to=("actor.clip_ratio_low",
                                                        "actor.clip_ratio_high"),
             note="verl's default for both clip bounds; sets each one not set explicitly"),
-    *_inert(_NO_COMPILE, f"{A}.use_torch_compile"),
+    *_same(f"{A}.use_torch_compile"),
     *_inert("Relay's mini-batches are whole prompt groups in order (learner.micro_batches); "
             "only false", f"{A}.shuffle", accept=(False,)),
     *_inert(_CKPT, f"{A}.checkpoint.save_contents", f"{A}.checkpoint.load_contents"),

@@ -63,7 +63,8 @@ def build_learner(ctx: RunContext, device: torch.device,
     offload = run.actor.fsdp_config.param_offload
     model = load_sharded(run.model.path, compute_dtype=dtype, device=device,
                          trust_remote_code=run.model.trust_remote_code,
-                         gradient_checkpointing=checkpointing, offload=offload)
+                         gradient_checkpointing=checkpointing, offload=offload,
+                         compile_blocks=run.actor.use_torch_compile)
     prm_shares_reference = estimator == "prime" and prm_path == run.model.path
     reference = None
     if run.actor.use_kl_loss or run.algorithm.use_kl_in_reward or prm_shares_reference:

@@ -5,6 +5,11 @@ The recipe, in order (torchtitan's): load fp32 master weights with the Auto clas
 ``_no_split_modules``), then the root, with a ``MixedPrecisionPolicy`` that computes in the
 run's dtype (bf16: ~7x faster matmuls on AMX CPUs and on GPUs) and reduces gradients in
 fp32. One rank is still FSDP2, so one code path serves every world size.
+
+With ``compile_blocks`` (``actor.use_torch_compile``) the parts of each block that do not
+attend (its norms and its MLP) run under ``torch.compile``, which fuses their elementwise
+work (the RMSNorm's casts and scaling, SwiGLU's product) into a few kernels, forward and
+backward; the attention stays eager, since the packed layouts index by data.
 """
 
 from __future__ import annotations
@@ -46,11 +51,13 @@ def block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
 
 def load_sharded(path: str, *, compute_dtype: torch.dtype, device: torch.device,
                  trust_remote_code: bool = False, trainable: bool = True,
-                 gradient_checkpointing: bool = False, offload: bool = False) -> nn.Module:
+                 gradient_checkpointing: bool = False, offload: bool = False,
+                 compile_blocks: bool = False) -> nn.Module:
     """An HF causal LM from ``path``, fp32 master weights, attending with
     ``learner.attention``, FSDP2-sharded over the world; ``gradient_checkpointing``
-    (trainable models only) and ``offload`` (parameters on the CPU: ``shard``) as
-    ``model.enable_gradient_checkpointing`` and ``actor.fsdp_config.param_offload`` say."""
+    (trainable models only), ``offload`` (parameters on the CPU: ``shard``) and
+    ``compile_blocks`` (``compile_block_parts``) as ``model.enable_gradient_checkpointing``,
+    ``actor.fsdp_config.param_offload`` and ``actor.use_torch_compile`` say."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  attn_implementation=ATTENTION,
                                                  trust_remote_code=trust_remote_code)
@@ -61,7 +68,25 @@ def load_sharded(path: str, *, compute_dtype: torch.dtype, device: torch.device,
         model.eval()
     elif gradient_checkpointing:
         enable_activation_checkpointing(model)
-    return shard(model, compute_dtype=compute_dtype, blocks=block_classes(model), offload=offload)
+    blocks = block_classes(model)
+    shard(model, compute_dtype=compute_dtype, blocks=blocks, offload=offload)
+    if compile_blocks:
+        compile_block_parts(model, blocks)
+    return model
+
+
+def compile_block_parts(model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> None:
+    """``torch.compile`` (dynamic shapes: a batch's token count changes every step) each
+    child of every ``blocks`` module that holds no attention module: in the Llama and Qwen
+    families the two RMSNorms and the MLP. Measured on a 24M-parameter Qwen2, bf16, one
+    rank, 2 CPU threads: a learner step 0.90 -> 0.80 s, after about 5 s of compiling in the
+    first step (``tools/bench-learner.py``'s batch shape)."""
+    for block in model.modules():
+        if not isinstance(block, blocks):
+            continue
+        for child in block.children():
+            if not any("Attention" in type(part).__name__ for part in child.modules()):
+                child.compile(dynamic=True)
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

@@ -81,7 +81,8 @@ def build_learner(path: Path, gradient_checkpointing: bool = False,
                         **actor_overrides)
     model = load_sharded(str(path), compute_dtype=torch.float32, device=torch.device("cpu"),
                          gradient_checkpointing=gradient_checkpointing,
-                         offload=actor.fsdp_config.param_offload)
+                         offload=actor.fsdp_config.param_offload,
+                         compile_blocks=actor.use_torch_compile)
     optimizer = build_optimizer(model, optim)
     return Learner(model, optimizer, build_scheduler(optimizer, total_steps=10, optim=optim),
                    actor=actor, algorithm=AlgorithmConfig(), temperature=1.0, horizon=6,
@@ -216,3 +217,30 @@ def test_memory_knobs_do_not_change_the_update(random_model_dir: Path) -> None:
         for key, tensor in plain_weights.items():
             torch.testing.assert_close(weights[key], tensor, atol=LR / 5, rtol=1e-4,
                                        msg=f"{name}: {key}")
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_compiling_norms_and_mlps_does_not_change_the_update(random_model_dir: Path) -> None:
+    """actor.use_torch_compile compiles each block's norms and MLP (dynamic shapes: the two
+    steps' batches differ in length), in row and shared-prompt passes, never the attention;
+    the losses and weights are eager's to float rounding."""
+    engine = TorchEngine.from_pretrained(str(random_model_dir), dtype=torch.float32, eos_ids=[2],
+                                         pad_id=0, seed=5)
+    batches = [collate(rollouts(engine, 1), pad_id=0), collate(rollouts(engine, 2)[1:], pad_id=0)]
+    assert batches[0].input_ids.shape != batches[1].input_ids.shape
+    for share_prompts in (False, True):
+        results = {}
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            learner = build_learner(random_model_dir, use_torch_compile=compiled,
+                                    share_prompts=share_prompts)
+            losses = [learner.step(batch).metrics["actor/loss"] for batch in batches]
+            results[compiled] = (losses, gather_full_weights(learner.model, torch.float32))
+        layer = learner.model.model.layers[0]
+        assert hasattr(layer.mlp, "_compiled_call_impl") and layer.mlp._compiled_call_impl
+        assert layer.input_layernorm._compiled_call_impl
+        assert getattr(layer.self_attn, "_compiled_call_impl", None) is None
+        assert results[True][0] == pytest.approx(results[False][0], abs=1e-5)
+        for key, tensor in results[False][1].items():
+            torch.testing.assert_close(results[True][1][key], tensor, atol=LR / 5, rtol=1e-4,
+                                       msg=key)
