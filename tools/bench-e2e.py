@@ -5,13 +5,19 @@
         [--only relay|trl] [--relay-arg key=value ...] [--target 0.5] [--out bench-e2e.json]
     tools/with-venv python tools/bench-e2e.py --sweep-staleness 0 1 2 --seeds 0 1 2
     tools/with-venv python tools/bench-e2e.py --throughput [--steps 12] [--dtype bfloat16]
+        [--compile]
 
 Runs, one after the other (never together: they would share the cores), (a) TRL's
 ``GRPOTrainer`` through ``tools/trl_grpo.py`` and (b) Relay's default run,
 ``tools/launch-cluster.py trainer.total_training_steps=STEPS trainer.test_freq=FREQ``
 (plus ``--relay-arg`` overrides), both on the embedded default task (tiny model, arithmetic,
 32 prompts x 8 samples a step, same hyper-parameters; ``tools/trl_grpo.py`` lists the few
-differences). The TRL side needs ``trl`` (``pip install -e '.[bench]'``).
+differences). The TRL side needs ``trl`` (``pip install -e '.[bench]'``). TRL runs in
+the environment its users give it: without ``OMP_WAIT_POLICY``, which ``tools/with-venv``
+and Relay's launcher set to ``PASSIVE`` for Relay's processes (they share the cores), and
+which makes TRL's one process about 25% slower a step on a 2-core machine (measured
+2026-11-26: 0.61 s against 0.79 s on the embedded default), unless ``--trl-omp-wait-policy``
+names a value for it.
 
 Measured, per system, from TRL's JSON lines and from Relay's MLflow store
 (``RUN_DIR/mlflow.db``):
@@ -47,13 +53,16 @@ row trains) and no evaluation; Relay's learner gets 2 threads there (TRL has 2),
 seconds per step, generated tokens/s (completion
 tokens per second of training) and learner tokens/s (prompt + completion tokens trained per
 second of the update: Relay's ``perf/learner_tokens_per_s``; TRL's step less the time in
-``generate``), medians after the first step, and the ratios.
+``generate``), medians after the first step, and the ratios. ``--compile`` compiles on
+both sides: Relay's ``actor.use_torch_compile=true``, TRL's ``--torch-compile``
+(``TrainingArguments.torch_compile``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -107,9 +116,14 @@ def run_trl(args: argparse.Namespace, extra: list[str] = ()) -> Series:
     """Train with TRL's GRPOTrainer in a subprocess and read its JSON lines."""
     command = [sys.executable, str(ROOT / "tools" / "trl_grpo.py"), "--steps", str(args.steps),
                "--test-freq", str(args.test_freq), "--seed", str(args.seed), *extra]
-    print(f"bench-e2e: TRL: {' '.join(command)}", flush=True)
+    env = {name: value for name, value in os.environ.items() if name != "OMP_WAIT_POLICY"}
+    if args.trl_omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = args.trl_omp_wait_policy
+    print(f"bench-e2e: TRL (OMP_WAIT_POLICY={env.get('OMP_WAIT_POLICY', 'unset')}): "
+          f"{' '.join(command)}", flush=True)
     events = []
-    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) as proc:
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                          env=env) as proc:
         for line in proc.stdout:
             if not line.startswith('{"event"'):
                 continue
@@ -334,7 +348,8 @@ def throughput(args: argparse.Namespace) -> None:
     reward = ROOT / "tools" / "bench_reward.py"
     trl = run_trl(args, ["--model", str(model), "--prompts-per-step", str(args.prompts_per_step),
                          "--response-length", str(args.response_length),
-                         "--reward", f"{reward}:compute_score", "--dtype", args.dtype])
+                         "--reward", f"{reward}:compute_score", "--dtype", args.dtype,
+                         *(["--torch-compile"] if args.compile else [])])
     relay = run_relay(args, [f"model.path={model}", f"model.dtype={args.dtype}",
                              f"data.train_batch_size={args.prompts_per_step}",
                              f"rollout.response_length={args.response_length}",
@@ -343,13 +358,16 @@ def throughput(args: argparse.Namespace) -> None:
                              "trainer.val_before_train=false",
                              # TRL runs on 2 threads; here the learner is the slow stage and
                              # the generator idles most of a step (1 thread: 1.26x, 2: 1.59x)
-                             f"topology.learner.threads={THROUGHPUT_LEARNER_THREADS}"])
+                             f"topology.learner.threads={THROUGHPUT_LEARNER_THREADS}",
+                             f"actor.use_torch_compile={str(args.compile).lower()}"])
     Path(args.out).write_bytes(msgspec.json.format(msgspec.json.encode(
         {"mode": "throughput", "model": str(model), "steps": args.steps, "dtype": args.dtype,
          "prompts_per_step": args.prompts_per_step, "response_length": args.response_length,
+         "compile": args.compile,
          "relay_args": args.relay_arg, "series": [trl, relay]})))
-    print(f"\n{model.name}, {args.dtype}, {args.prompts_per_step} prompts x 8 samples, up to "
-          f"{args.response_length} new tokens, {args.steps} steps (medians after the first)")
+    print(f"\n{model.name}, {args.dtype}{', compiled' if args.compile else ''}, "
+          f"{args.prompts_per_step} prompts x 8 samples, up to {args.response_length} new "
+          f"tokens, {args.steps} steps (medians after the first)")
     rows = throughput_rows(trl, relay)
     width = max(len(label) for label, *_ in rows)
     print(f"{'':<{width}}  {'TRL':>10}  {'Relay':>10}  {'Relay/TRL':>10}")
@@ -369,6 +387,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="speed only, on a random 24M-parameter Qwen2")
     parser.add_argument("--prompts-per-step", type=int, default=8, help="with --throughput")
     parser.add_argument("--response-length", type=int, default=32, help="with --throughput")
+    parser.add_argument("--compile", action="store_true",
+                        help="with --throughput: torch.compile on both sides")
+    parser.add_argument("--trl-omp-wait-policy", default="", metavar="VALUE",
+                        help="OMP_WAIT_POLICY for TRL's process (default: unset, as TRL's "
+                             "users run it)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
                         help="with --throughput")
     parser.add_argument("--seed", type=int, default=0)
@@ -388,6 +411,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = 12 if args.throughput else 400
+    if args.compile and not args.throughput:
+        parser.error("--compile goes with --throughput")
     if args.throughput and (args.only or args.sweep_staleness):
         parser.error("--throughput runs both systems: no --only or --sweep-staleness")
     if args.throughput:

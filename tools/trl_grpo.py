@@ -268,7 +268,7 @@ def grpo_config(config_class: type, args: argparse.Namespace, output_dir: str):
         adam_beta2=optim.betas[1], max_grad_norm=actor.grad_clip,
         # nothing else: no logging, checkpoints, completions tables or progress bars
         report_to="none", logging_strategy="no", save_strategy="no", log_completions=False,
-        disable_tqdm=True)
+        disable_tqdm=True, torch_compile=args.torch_compile)
     if config.steps_per_generation != config.gradient_accumulation_steps:
         raise ValueError(f"steps_per_generation {config.steps_per_generation} != "
                          f"gradient_accumulation_steps {config.gradient_accumulation_steps}: "
@@ -298,6 +298,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="a custom reward function in verl's signature (default: the "
                              "verifier chosen by data_source)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="TrainingArguments.torch_compile: the model under torch.compile")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.test_freq < 0 or args.eval_problems < 0:
         parser.error("--steps must be >= 1, --test-freq and --eval-problems >= 0")

@@ -50,3 +50,30 @@ def test_throughput_rows_compare_medians_after_the_first_step() -> None:
     assert rows["seconds per step"] == (4.0, 2.0, 2.0)
     assert rows["generated tokens/s"] == (25.0, 50.0, 2.0)
     assert rows["learner tokens/s"] == (1000.0, 1500.0, 1.5)
+
+
+def test_trl_runs_without_the_wait_policy_relays_processes_get(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """tools/with-venv sets OMP_WAIT_POLICY=PASSIVE for Relay; TRL's process runs as its
+    users run it (unset), unless --trl-omp-wait-policy names a value."""
+    seen: list[dict[str, str]] = []
+
+    class FakePopen:
+        def __init__(self, command, *, env, **_kwargs) -> None:
+            seen.append(env)
+            self.stdout, self.returncode = iter(['{"event": "done"}\n']), 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_exc) -> None:
+            pass
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setitem(TOOL["run_trl"].__globals__, "subprocess",
+                        type("FakeSubprocess", (), {"Popen": FakePopen, "PIPE": -1}))
+    for policy in ("", "ACTIVE"):
+        args = TOOL["parse_args"](["--only", "trl", "--trl-omp-wait-policy", policy])
+        TOOL["run_trl"](args)
+    assert "OMP_WAIT_POLICY" not in seen[0] and "PATH" in seen[0]
+    assert seen[1]["OMP_WAIT_POLICY"] == "ACTIVE"
