@@ -49,9 +49,9 @@ and cached on first use) for ``--steps`` steps (12 by default) on ``--prompts-pe
 prompts x 8 samples of up to ``--response-length`` tokens, in ``--dtype`` (bf16 by default:
 Relay's learner computes in bf16 over fp32 master weights, TRL autocasts), with a reward
 that is a hash of the response (``tools/bench_reward.py``: every group has spread, so every
-row trains) and no evaluation; Relay's learner gets 2 threads there (TRL has 2), the generator 1. It prints
-seconds per step, generated tokens/s (completion
-tokens per second of training) and learner tokens/s (prompt + completion tokens trained per
+row trains) and no evaluation; Relay's learner gets 2 threads there (TRL has 2), the
+generator 1. It prints seconds per step, generated tokens/s (completion tokens of a step
+over its seconds) and learner tokens/s (prompt + completion tokens trained per
 second of the update: Relay's ``perf/learner_tokens_per_s``; TRL's step less the time in
 ``generate``), medians after the first step, and the ratios. ``--compile`` compiles on
 both sides: Relay's ``actor.use_torch_compile=true``, TRL's ``--torch-compile``
@@ -326,15 +326,16 @@ def throughput_rows(trl: Series, relay: Series) -> list[tuple[str, float, float,
     def seconds(s: Series) -> float:
         return statistics.median(s.step_seconds[1:])
 
-    def generated(s: Series) -> float:
-        return sum(s.completion_tokens[1:]) / sum(s.step_seconds[1:])
+    def generated(s: Series) -> float:  # a median, so one step's compiling weighs nothing
+        return statistics.median(tokens / seconds for tokens, seconds
+                                 in zip(s.completion_tokens[1:], s.step_seconds[1:]))
 
     def learner(s: Series) -> float:
         return statistics.median(s.learner_tokens_per_s[1:])
 
     return [("seconds per step", seconds(trl), seconds(relay), seconds(trl) / seconds(relay),
              "{:.2f}"),
-            ("generated tokens/s (completion tokens / training s)", generated(trl),
+            ("generated tokens/s (completion tokens / step s)", generated(trl),
              generated(relay), generated(relay) / generated(trl), "{:,.0f}"),
             ("learner tokens/s (prompt + completion, in the update)", learner(trl),
              learner(relay), learner(relay) / learner(trl), "{:,.0f}")]
