@@ -9,13 +9,13 @@ stream, which this process subscribes to like a generator, and an ``EvalOffer`` 
 tells this process to keep it (``generators.weight_receiver.EvalWeights``). This process
 asks for the next offer (``EvalRequest``; the first only once its subscription to the
 stream has settled, and the learner waits for that first request before it streams
-anything, so no offered version goes by before this process listens), loads the kept version into its own engine,
-decodes the validation prompts (``generators.evaluate``) and hands the metrics back with
-its next request. The learner logs them against the step whose weights they measured.
-When evaluation is slower than the offers come, they wait (in the learner's queue,
-``learner.eval_queue``, and as copies here), the oldest skipped past
-``trainer.max_waiting_evals``. Weights that never arrived are reported as not evaluated
-(empty metrics). The evaluator exits when the learner says the run is over.
+anything, so no offered version goes by before this process listens), loads the kept
+version into its own engine, decodes the validation prompts (``generators.evaluate``) and
+hands the metrics back with its next request. The learner logs them against the step
+whose weights they measured. When evaluation is slower than the offers come, they wait
+(in the learner's queue, ``learner.eval_queue``, and as copies here), the oldest skipped
+past ``trainer.max_waiting_evals``. Weights that never arrived are reported as not
+evaluated (empty metrics). The evaluator exits when the learner says the run is over.
 """
 
 from __future__ import annotations
