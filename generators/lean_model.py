@@ -18,10 +18,11 @@ and logits = rms_norm(x) W_lm. On the CPU two things make a bf16 decode step che
 24M-parameter Qwen2 at batch 64: 20.6 -> 15.9 ms): the matmul weights are also held
 reordered for oneDNN (``torch.ops.mkldnn``'s prepacked linear: the same products, bit for
 bit, 1.3-1.9x faster at decode's few rows, since ``F.linear`` reorders a bf16 weight on
-every call), and the KV cache is fp32, so that decode attention (scores, softmax and the
-weighted sum in fp32, as the learner computes it) reads the cache without casting copies
-(1.8x faster there). Supported: ``model_type`` llama, qwen2, qwen3 (and mistral without a
-sliding window), ``hidden_act`` silu, default rotary embeddings; anything else raises
+every call; they cost a second copy of those weights), and the KV cache is fp32 (twice a
+bf16 cache's memory), so that decode attention (scores, softmax and the weighted sum in
+fp32, as the learner computes it) reads the cache without casting copies (1.8x faster
+there). Supported: ``model_type`` llama, qwen2, qwen3 (and mistral without a sliding
+window), ``hidden_act`` silu, default rotary embeddings; anything else raises
 ``UnsupportedModel`` naming the setting, so the caller can choose another engine.
 """
 
