@@ -183,7 +183,8 @@ class LeanDecoder:
         for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(x, block, cos, sin)  # (P, W, H|Hkv, D)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (P, Hkv, W, D)
-            self.k_cache[layer, filled, :, :width] = k.repeat_interleave(samples, dim=0)  # cast
+            # the cache is cache_dtype: slice assignment casts
+            self.k_cache[layer, filled, :, :width] = k.repeat_interleave(samples, dim=0)
             self.v_cache[layer, filled, :, :width] = v.repeat_interleave(samples, dim=0)
             attended = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
                                                       enable_gqa=True)

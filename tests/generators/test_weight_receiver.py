@@ -14,6 +14,7 @@ from torch import nn
 
 from generators.weight_receiver import (
     EvalWeights,
+    SUBSCRIBE_SETTLE_S,
     IncompleteVersion,
     VersionAssembler,
     WeightReceiver,
@@ -166,13 +167,17 @@ def test_the_evaluator_keeps_each_offered_version_until_it_is_evaluated(
 
 def test_once_subscribed_the_evaluator_hears_every_offered_version_without_asking_again(
         learner: LearnerSide) -> None:
-    """The evaluator's first request waits for ``wait_subscribed``; the learner streams
-    nothing before that request, so versions streamed back to back, each offered, all
-    arrive, though the stream only ever repeats the newest."""
+    """``wait_subscribed`` ends only once the subscription has had SUBSCRIBE_SETTLE_S to
+    settle; the evaluator's first request waits for it and the learner streams nothing
+    before that request, so versions streamed back to back, each offered, all arrive,
+    though the stream only ever repeats the newest."""
+    began = time.monotonic()
     weights = EvalWeights(learner.server.endpoint, learner.stream.endpoint, max_waiting=3,
                           poll_s=0.05).start(applied_version=0)
     try:
+        assert not weights.wait_subscribed(timeout_s=0.05)  # too early: not settled yet
         assert weights.wait_subscribed(timeout_s=TIMEOUT_S)
+        assert time.monotonic() - began >= SUBSCRIBE_SETTLE_S
         for number in (1, 2, 3):
             rescale(learner.model, float(number))
             learner.publish(number)
