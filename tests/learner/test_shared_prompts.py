@@ -51,6 +51,11 @@ def test_attention_rows_hold_each_response_with_its_prompt() -> None:
     # row 0: prompt 5 6 and response 7, causal over its three keys
     assert rows.attend[0, 0, :3].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0],
                                                     [1, 1, 1, 0, 0]]
+    # the same mask as an additive bias, and the real queries as flat indices and targets
+    assert bool(((rows.bias == 0) == rows.attend).all())
+    assert bool((rows.bias[~rows.attend] == float("-inf")).all())
+    assert rows.query_targets.tolist() == sum(valid, [])
+    assert rows.query_index.flatten()[rows.valid_queries].tolist() == sum(valid, [])
 
 
 def test_rows_of_a_group_with_different_prompts_get_sequences_of_their_own() -> None:
