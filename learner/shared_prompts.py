@@ -9,11 +9,13 @@ become one sequence
 with position ids ``0..p-1`` for the prompt and ``p..p+l_i-1`` for every response (they
 restart after the prompt). Every layer but attention works token by token, so it runs the
 prompt once. Attention (``shared_prompt_attention``, which ``learner.attention`` runs when
-a forward is given ``shared_prompt_rows``) goes back to rows: row ``i`` holds the keys and
-values of ``prompt, response_i`` (gathered from the packed sequence) and the queries of
-``response_i`` (the group's first row also those of the prompt), causal by position. So
-each token sees exactly what it sees in the row layout, at the attention cost of the row
-layout, and the gradient reaching a shared prompt position is the sum over the group's
+a forward is given ``shared_prompt_rows``) goes back to rows, of two kinds: a prompt row
+per sequence holds the prompt's queries, keys and values, and a response row per sample
+holds the queries of ``response_i`` and the keys and values of ``prompt, response_i``
+(gathered from the packed sequence), causal by position. So each token sees exactly what
+it sees in the row layout, at no more than the attention cost of the row layout (a
+prompt's queries are asked once, in rows padded only to the longest prompt), and the
+gradient reaching a shared prompt position is the sum over the group's
 responses, as it is across rows: the update is the same (up to float summation order) for
 ``p (k - 1)`` fewer tokens a group through every other layer. This is the shared-prefix
 forward of Prefix Grouper (Liu et al., 2025, arXiv:2506.05433).
@@ -64,7 +66,7 @@ class PackedRows(msgspec.Struct, frozen=True):
 
     input_ids: torch.Tensor  # (1, T) long
     position_ids: torch.Tensor  # (1, T) long
-    rows: AttentionRows
+    rows: tuple[AttentionRows, AttentionRows]  # the prompts' rows, the responses' rows
     source: torch.Tensor  # (B, L) long: the packed position of each row position
     predictors: torch.Tensor  # (N,) long: packed positions whose logits predict a response token
     grid_rows: torch.Tensor  # (N,) long: where each prediction sits in the (B, L - 1) grid
@@ -101,8 +103,8 @@ def pack(batch: TrainBatch) -> PackedRows:
 
     Only the grouping is a Python loop over rows; every position is placed by tensor ops:
     row r's position j sits at packed position ``base[r] + j`` in its prompt and
-    ``start[r] + j - p[r]`` in its response (``source``), and the group's first row also
-    asks the prompt's queries."""
+    ``start[r] + j - p[r]`` in its response (``source``); a sequence's prompt queries are
+    asked by its prompt row, each response's by its response row."""
     total = batch.attention_mask.sum(-1)
     response = batch.response_lengths
     prompt = total - response
@@ -131,36 +133,38 @@ def pack(batch: TrainBatch) -> PackedRows:
     position_ids = torch.zeros((1, offset), dtype=torch.long)
     input_ids[0, source[in_row]] = batch.input_ids[in_row]  # a shared prompt: same values
     position_ids[0, source[in_row]] = column.expand(rows, -1)[in_row]
-    first = torch.zeros(rows, dtype=torch.bool)
-    first[first_rows] = True
-    first_position = torch.where(first, 0, prompt)  # the row position of each row's first query
     # row position p - 1 + i predicts response token i (as in learner.batch.collate)
     grid_rows = torch.repeat_interleave(torch.arange(rows), response)
     ends = response.cumsum(0)
     within = torch.arange(int(ends[-1]) if rows else 0) - (ends - response)[grid_rows]
     grid_columns = prompt[grid_rows] - 1 + within
+    firsts = torch.tensor(first_rows, dtype=torch.long)
+    prompt_rows = _attention_rows(source[firsts], first_query=torch.zeros_like(firsts),
+                                  queries=prompt[firsts], keys=prompt[firsts])
+    response_rows = _attention_rows(source, first_query=prompt, queries=response, keys=total)
     return PackedRows(input_ids=input_ids, position_ids=position_ids, source=source,
-                      rows=_attention_rows(source, total, first_position),
+                      rows=(prompt_rows, response_rows),
                       predictors=source[grid_rows, grid_columns], grid_rows=grid_rows,
                       grid_columns=grid_columns)
 
 
-def _attention_rows(source: torch.Tensor, total: torch.Tensor,
-                    first_position: torch.Tensor) -> AttentionRows:
-    """Row r's keys are its own row positions ``0..total[r]-1`` (``source`` maps them to
-    packed positions); its queries are row positions ``first_position[r]..total[r]-1``."""
+def _attention_rows(source: torch.Tensor, *, first_query: torch.Tensor, queries: torch.Tensor,
+                    keys: torch.Tensor) -> AttentionRows:
+    """Rows whose keys are their row positions ``0..keys[r]-1`` and whose queries are row
+    positions ``first_query[r]..first_query[r]+queries[r]-1`` (``source`` maps row positions
+    to packed positions). Every row has at least one key (its first prompt token), which
+    its padding queries attend to."""
     row_width = source.shape[1]
-    asked = total - first_position
-    most_queries = max(int(asked.max()), 1)
-    most_keys = int(total.max())
+    most_queries = max(int(queries.max()), 1)
+    most_keys = int(keys.max())
     index = torch.arange(most_queries)[None]
-    query_valid = index < asked[:, None]
-    query_position = first_position[:, None] + index
+    query_valid = index < queries[:, None]
+    query_position = first_query[:, None] + index
     query_index = torch.where(query_valid,
                               source.gather(1, query_position.clamp(max=row_width - 1)), 0)
     query_position = torch.where(query_valid, query_position, 0)
     key_position = torch.arange(most_keys)
-    key_valid = key_position[None, :] < total[:, None]
+    key_valid = key_position[None, :] < keys[:, None]
     attend = key_valid[:, None, :] & (key_position[None, None, :] <= query_position[:, :, None])
     valid_queries = query_valid.flatten().nonzero().squeeze(1)
     return AttentionRows(query_index=query_index, query_valid=query_valid,
@@ -174,7 +178,7 @@ def _attention_rows(source: torch.Tensor, total: torch.Tensor,
 def shared_prompt_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None,
                             scaling: float | None = None, dropout: float = 0.0,
-                            shared_prompt_rows: AttentionRows | None = None,
+                            shared_prompt_rows: tuple[AttentionRows, ...] | None = None,
                             sliding_window: int | None = None,
                             **_: object) -> tuple[torch.Tensor, None]:
     """transformers' attention interface over packed sequences, computed in rows.
@@ -187,29 +191,36 @@ def shared_prompt_attention(module: nn.Module, query: torch.Tensor, key: torch.T
     if sliding_window is not None:
         raise RuntimeError("shared-prompt attention does not implement sliding-window "
                            "attention")
-    layout = shared_prompt_rows
     sequences, heads, width, dim = query.shape
-    kv_heads = key.shape[1]
-    rows, queries = layout.query_index.shape
-    keys = layout.key_index.shape[1]
-
-    def gather(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """(S, h, Lp, D) at flat packed positions ``index`` (R, n) -> (R, h, n, D); one
-        ``index_select`` (its backward an ``index_add``, far cheaper on the CPU than
-        advanced indexing's accumulating ``index_put``)."""
-        h = states.shape[1]
-        flat = states.transpose(1, 2).reshape(sequences * width, h * dim)
-        return flat.index_select(0, index.flatten()).view(*index.shape, h, dim).transpose(1, 2)
-
-    out = row_attention(gather(query, layout.query_index), gather(key, layout.key_index),
-                        gather(value, layout.key_index), layout.attend,
-                        scale=dim ** -0.5 if scaling is None else scaling,
-                        dropout=dropout if module.training else 0.0, bias=layout.bias)
-    picked = out.transpose(1, 2).reshape(rows * queries, heads * dim) \
-        .index_select(0, layout.valid_queries)
-    packed = picked.new_zeros(sequences * width, heads * dim).index_copy(
-        0, layout.query_targets, picked)
+    flat = [states.transpose(1, 2).reshape(sequences * width, -1)
+            for states in (query, key, value)]  # (S * Lp, h * D)
+    packed = flat[0].new_zeros(sequences * width, heads * dim)
+    for layout in shared_prompt_rows:
+        picked = _attend_rows(*flat, layout, heads, dim,
+                              scale=dim ** -0.5 if scaling is None else scaling,
+                              dropout=dropout if module.training else 0.0)
+        packed = packed.index_copy(0, layout.query_targets, picked)
     return packed.view(sequences, width, heads, dim), None
+
+
+def _attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 layout: AttentionRows, heads: int, dim: int, *, scale: float,
+                 dropout: float) -> torch.Tensor:
+    """``row_attention`` over the rows of ``layout``, from packed (S * Lp, h * D) states: the
+    outputs (n, H * D) of its n real queries. Gathers are one ``index_select`` each (their
+    backward an ``index_add``, far cheaper on the CPU than advanced indexing's accumulating
+    ``index_put``)."""
+    def gather(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """(S * Lp, h * D) at packed positions ``index`` (R, n) -> (R, h, n, D)."""
+        return states.index_select(0, index.flatten()).view(*index.shape, -1, dim) \
+            .transpose(1, 2)
+
+    rows, queries = layout.query_index.shape
+    out = row_attention(gather(query, layout.query_index), gather(key, layout.key_index),
+                        gather(value, layout.key_index), layout.attend, scale=scale,
+                        dropout=dropout, bias=layout.bias)
+    return out.transpose(1, 2).reshape(rows * queries, heads * dim) \
+        .index_select(0, layout.valid_queries)
 
 
 def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -39,23 +39,31 @@ def test_a_group_packs_its_prompt_once_with_positions_restarting_after_it() -> N
     assert packed.source[2].tolist() == [5, 6, 7, 8, 9]
 
 
-def test_attention_rows_hold_each_response_with_its_prompt() -> None:
-    rows = pack(small_batch()).rows
-    # keys: each row's own prompt + response, at packed positions
-    assert rows.key_index.tolist() == [[0, 1, 2, 0, 0], [0, 1, 3, 4, 0], [5, 6, 7, 8, 9]]
-    # queries: the first row of a group also asks the prompt's; the others their response
-    valid = [index[ok].tolist() for index, ok in zip(rows.query_index, rows.query_valid)]
-    assert valid == [[0, 1, 2], [3, 4], [5, 6, 7, 8, 9]]
+def test_attention_rows_hold_each_prompt_once_and_each_response_with_its_prompt() -> None:
+    prompts, responses = pack(small_batch()).rows
+
+    def valid(rows) -> list[list[int]]:
+        return [index[ok].tolist() for index, ok in zip(rows.query_index, rows.query_valid)]
+
+    # a prompt row per sequence: the prompt's queries and keys, causal
+    assert valid(prompts) == [[0, 1], [5, 6, 7]]
+    assert prompts.key_index[0, :2].tolist() == [0, 1]
+    assert prompts.key_index[1].tolist() == [5, 6, 7]
+    assert prompts.attend[0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 0, 0]]
+    assert prompts.attend[1, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    # a response row per sample: its response's queries, its prompt's and response's keys
+    assert valid(responses) == [[2], [3, 4], [8, 9]]
+    assert responses.key_index.tolist() == [[0, 1, 2, 0, 0], [0, 1, 3, 4, 0], [5, 6, 7, 8, 9]]
     # row 1's queries (response 8 9, row positions 2 3) see the prompt and their response
-    assert rows.attend[1, 0, :2].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]
-    # row 0: prompt 5 6 and response 7, causal over its three keys
-    assert rows.attend[0, 0, :3].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0],
-                                                    [1, 1, 1, 0, 0]]
-    # the same mask as an additive bias, and the real queries as flat indices and targets
-    assert bool(((rows.bias == 0) == rows.attend).all())
-    assert bool((rows.bias[~rows.attend] == float("-inf")).all())
-    assert rows.query_targets.tolist() == sum(valid, [])
-    assert rows.query_index.flatten()[rows.valid_queries].tolist() == sum(valid, [])
+    assert responses.attend[1, 0].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]
+    # row 0's one query (response 7) sees its prompt and itself; its padding query key 0
+    assert responses.attend[0, 0].int().tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
+    for rows in (prompts, responses):
+        # the same mask as an additive bias, and the real queries as flat indices and targets
+        assert bool(((rows.bias == 0) == rows.attend).all())
+        assert bool((rows.bias[~rows.attend] == float("-inf")).all())
+        assert rows.query_targets.tolist() == sum(valid(rows), [])
+        assert rows.query_index.flatten()[rows.valid_queries].tolist() == sum(valid(rows), [])
 
 
 def test_rows_of_a_group_with_different_prompts_get_sequences_of_their_own() -> None:
