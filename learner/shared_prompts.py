@@ -55,7 +55,9 @@ class AttentionRows(msgspec.Struct, frozen=True):
     query_valid: torch.Tensor  # (R, Q) bool
     key_index: torch.Tensor  # (R, K) long: the packed position of each key (padding: 0)
     attend: torch.Tensor  # (R, 1, Q, K) bool: query q may attend to key k
-    bias: torch.Tensor  # (R, 1, Q, K) float32: 0 where ``attend``, -inf elsewhere
+    # (R, 1, Q, K) float32, 0 where ``attend``, -inf elsewhere: for the explicit CPU path
+    # (``row_attention``), so only for rows of at most EXPLICIT_ATTENTION_MAX_KEYS keys
+    bias: torch.Tensor | None
     valid_queries: torch.Tensor  # (n,) long: the flat (R * Q) index of each real query
     query_targets: torch.Tensor  # (n,) long: its packed position
 
@@ -169,8 +171,8 @@ def _attention_rows(source: torch.Tensor, *, first_query: torch.Tensor, queries:
     valid_queries = query_valid.flatten().nonzero().squeeze(1)
     return AttentionRows(query_index=query_index, query_valid=query_valid,
                          key_index=source[:, :most_keys], attend=attend[:, None],
-                         bias=torch.zeros(attend.shape).masked_fill(~attend, float("-inf"))
-                         [:, None],
+                         bias=_additive_mask(attend[:, None])
+                         if most_keys <= EXPLICIT_ATTENTION_MAX_KEYS else None,
                          valid_queries=valid_queries,
                          query_targets=query_index.flatten()[valid_queries])
 
@@ -247,8 +249,7 @@ def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                               dropout_p=dropout, scale=scale,
                                               enable_gqa=kv_heads != heads)
     if bias is None:
-        bias = torch.zeros(attend.shape, device=attend.device).masked_fill(~attend,
-                                                                            float("-inf"))
+        bias = _additive_mask(attend)
     group = heads // kv_heads
     grouped = query.reshape(rows, kv_heads, group * queries, dim)
     scores = (grouped @ key.transpose(-1, -2)).view(rows, kv_heads, group, queries, keys)
@@ -256,3 +257,8 @@ def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     weights = torch.softmax(scores, dim=-1).to(value.dtype)
     out = weights.view(rows, kv_heads, group * queries, keys) @ value
     return out.view(rows, heads, queries, dim).to(query.dtype)
+
+
+def _additive_mask(attend: torch.Tensor) -> torch.Tensor:
+    """A bool mask as float32 to add to scores: 0 where ``attend``, -inf elsewhere."""
+    return torch.zeros(attend.shape, device=attend.device).masked_fill(~attend, float("-inf"))
