@@ -9,7 +9,11 @@ the next, so no rank ever holds the version: rank 0's extra memory is one bucket
 many generators listen. Every message is waited for that way, so none waits in a queue
 when the next is sent. A subscriber that stops reading is waited for at most
 ``send_wait_s(bucket)`` once per version; ZeroMQ then holds at most ``STREAM_HWM``
-messages for it and drops the rest, and it must ask again.
+messages for it and drops the rest, and it must ask again. The rest of that version is
+still paced (``catch_up_s``): each bucket is waited for as long as a subscriber reading
+at ``MIN_SUBSCRIBER_BYTES_PER_S`` needs for it, so the subscribers that do read keep up
+instead of overflowing their own queues (only the few messages the stuck queue still takes
+wait that long, and all of that pacing together at most as long again as the first wait).
 
 Generators and the evaluator subscribe (``generators.weight_receiver``). One that subscribed
 after a version went by, or lost part of it, learns from the ``WeightServer`` (ROUTER,
@@ -65,6 +69,12 @@ def send_wait_s(nbytes: int) -> float:
     return max(10.0, nbytes / MIN_SUBSCRIBER_BYTES_PER_S)
 
 
+def catch_up_s(nbytes: int) -> float:
+    """How long a bucket of ``nbytes`` is waited for once a subscriber lags: what a
+    subscriber reading at ``MIN_SUBSCRIBER_BYTES_PER_S`` needs for it."""
+    return nbytes / MIN_SUBSCRIBER_BYTES_PER_S
+
+
 class StreamStats(msgspec.Struct):
     """One streamed version: bytes sent, seconds taken, whether a subscriber lagged."""
 
@@ -88,10 +98,16 @@ class WeightStream:
         docstring); the iterator is consumed bucket by bucket, never held whole."""
         began = time.monotonic()
         lagging = not self._publisher.send(manifest, send_wait_s(0))
+        pace_until = time.monotonic() + send_wait_s(0)  # once lagging: pace until then
         for bucket in buckets:
             assert bucket is not None
             nbytes = sum(t.numel() * t.element_size() for t in bucket.tensors)
-            lagging |= not self._publisher.send(bucket, None if lagging else send_wait_s(nbytes))
+            if lagging:
+                wait_s = max(0.0, min(catch_up_s(nbytes), pace_until - time.monotonic()))
+            else:
+                wait_s = send_wait_s(nbytes)
+            if not self._publisher.send(bucket, wait_s) and not lagging:
+                lagging, pace_until = True, time.monotonic() + wait_s
             del bucket
         if lagging:
             logger.warning("a subscriber does not read weight version %d; it will miss it and "
