@@ -50,6 +50,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=4,
                         help="actor.ppo_micro_batch_size_per_gpu")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--share-prompts", action="store_true",
+                        help="actor.share_prompts: each group's prompt once a pass (not "
+                             "under sp2)")
     parser.add_argument("--model", help="a model folder (default: the cached random "
                                         f"{SHAPE}, built on first use)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # torchrun's entry: a JSON file
@@ -138,7 +141,8 @@ def worker(spec_file: str) -> None:
                              device=torch.device("cpu"), gradient_checkpointing=spec["gc"])
         optim = OptimConfig(lr=1e-6)
         actor = ActorConfig(optim=optim, ppo_micro_batch_size_per_gpu=args.micro_batch,
-                            ulysses_sequence_parallel_size=spec["sp"], share_prompts=False,
+                            ulysses_sequence_parallel_size=spec["sp"],
+                            share_prompts=args.share_prompts,
                             skip_zero_advantage=False)
         optimizer = build_optimizer(model, optim)
         learner = Learner(model, optimizer,
