@@ -15,7 +15,8 @@ compute, AdamW), under ``torchrun`` on this machine (gloo):
 
 A ``+gc`` suffix (``dp2+gc``) turns on gradient checkpointing
 (``model.enable_gradient_checkpointing``). ``--share-prompts`` runs each group's prompt once
-a pass (``actor.share_prompts``, as training runs do; rows under ``sp2``). Per configuration it prints the median seconds
+a pass (``actor.share_prompts``, as training runs do; rows under ``sp2``). Per
+configuration it prints the median seconds
 per step after the first (warm-up) step, learner tokens/s, and per rank the resident memory
 after loading and sharding, the peak while stepping (sampled every 20 ms) and the process's
 lifetime peak (``VmHWM``, which includes loading: ``from_pretrained`` holds the whole fp32
