@@ -23,9 +23,11 @@ bf16 cache's memory), so that decode attention (scores, softmax and the weighted
 fp32) reads the cache without casting copies (1.8x faster there; a bf16 cache with bf16
 products measured no faster). The learner's bf16 attention rounds its scores to bf16, as
 transformers' eager attention does; at equal weights the learner's log-probs of a lean
-engine's samples differ from their behaviour log-probs by 0.003 on average (24M Qwen2). Supported: ``model_type`` llama, qwen2, qwen3 (and mistral without a sliding
-window), ``hidden_act`` silu, default rotary embeddings; anything else raises
-``UnsupportedModel`` naming the setting, so the caller can choose another engine.
+engine's samples differ from their behaviour log-probs by 0.003 on average (24M Qwen2).
+
+Supported: ``model_type`` llama, qwen2, qwen3 (and mistral without a sliding window),
+``hidden_act`` silu, default rotary embeddings; anything else raises ``UnsupportedModel``
+naming the setting, so the caller can choose another engine.
 """
 
 from __future__ import annotations
