@@ -7,9 +7,9 @@ topology's ``evaluator`` section says. At each evaluation step (step 0 with
 learner's rank 0 offers its newest published version: the version went by on the weight
 stream, which this process subscribes to like a generator, and an ``EvalOffer`` after it
 tells this process to keep it (``generators.weight_receiver.EvalWeights``). This process
-asks for the next offer (``EvalRequest``; the first only once its subscription to the
-stream has settled, and the learner waits for that first request before it streams
-anything, so no offered version goes by before this process listens), loads the kept
+asks for the next offer (``EvalRequest``; the first only once it has heard the stream: the
+learner streams ``StreamBeacon``s until that first request and nothing else before it, so
+no offered version goes by before this process listens), loads the kept
 version into its own engine, decodes the validation prompts (``generators.evaluate``) and
 hands the metrics back with its next request. The learner logs them against the step
 whose weights they measured. When evaluation is slower than the offers come, they wait
@@ -53,7 +53,7 @@ logger = logging.getLogger("relay.evaluator")
 POLL_S = 0.5  # between requests while nothing new is offered
 REQUEST_TIMEOUT_S = 10.0
 ARRIVAL_WAIT_S = 60.0  # for offered weights still on their way (or asked for again)
-SUBSCRIBE_WAIT_S = 30.0  # for the weight stream's subscription to settle
+SUBSCRIBE_WARN_S = 30.0  # says so each time this long goes by with the weight stream unheard
 
 
 class Evaluator:
@@ -78,9 +78,7 @@ class Evaluator:
         after_step, report = -1, None
         self.weights.start(self.engine.version)
         try:
-            if not self.weights.wait_subscribed(SUBSCRIBE_WAIT_S):
-                raise RuntimeError(f"could not subscribe to the learner's weight stream "
-                                   f"within {SUBSCRIBE_WAIT_S:.0f} s")
+            self._wait_until_heard(stop)
             while not stop.is_set():
                 self.weights.raise_if_died()
                 try:
@@ -106,6 +104,18 @@ class Evaluator:
         finally:
             self.weights.stop()
             self._client.close()
+
+    def _wait_until_heard(self, stop: threading.Event) -> None:
+        """Until a message is heard on the weight stream: the learner beacons until this
+        process's first request, or streams versions once it stopped waiting for it; either
+        way the subscription has then reached it. Asking before that could lose an offered
+        version (the learner may start streaming at once)."""
+        waited = 0.0
+        while not stop.is_set() and not self.weights.wait_subscribed(SUBSCRIBE_WARN_S):
+            waited += SUBSCRIBE_WARN_S
+            logger.warning("nothing heard on the learner's weight stream %s for %.0f s; "
+                           "still waiting (is the learner up? its log is in the run "
+                           "directory's logs/)", self.weights.stream_endpoint, waited)
 
     def _evaluate_offer(self, step: int, version: int) -> EvalReport:
         if version == 0:

@@ -409,4 +409,5 @@ class GeneratorLoop:
         """Load ``staged`` if it is newer than the engine's weights."""
         if staged is not None and staged.version > self.engine.version:
             self.engine.load_weights(staged.version, staged.tensors)
-            logger.info("now generating with weights version %d", staged.version)
+            logger.info("now generating with weights version %d (%d sequences in flight)",
+                        staged.version, self.engine.in_flight)

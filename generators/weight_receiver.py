@@ -10,8 +10,10 @@ newest; when it is behind at two polls in a row with nothing heard on the stream
 them (it subscribed after the version went by, or lost a piece), it asks for that version
 again (``WeightRequest.resend``), but not in its first ``SUBSCRIBE_SETTLE_S``: a
 subscription takes a moment to reach the learner, and what is streamed before it arrives
-is lost (``subscribed`` says when that moment has passed). The generator's compute loop
-never touches a socket: it calls ``take``.
+is lost. Only a message heard on the stream proves the subscription arrived
+(``wait_subscribed``; the learner streams ``StreamBeacon``s while it waits for the
+evaluator, whose offered versions are streamed once and never again). The generator's
+compute loop never touches a socket: it calls ``take``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from transport.messages import (
     EvalOffer,
     Message,
+    StreamBeacon,
     WeightBucket,
     WeightEntry,
     WeightManifest,
@@ -164,7 +167,7 @@ class WeightReceiver:
         self._staged: StagedWeights | None = None
         self._have = 0  # newest version staged or applied
         self._stop = threading.Event()
-        self._subscribed = threading.Event()  # the subscription has had time to settle
+        self._heard = threading.Event()  # a message arrived on the stream: subscribed
         self._thread = WatchedThread(self._run, "weight-receiver", on_death=self._wake_waiters)
         self.resends = 0  # versions asked for again
 
@@ -193,11 +196,12 @@ class WeightReceiver:
         self._thread.raise_if_died()
 
     def wait_subscribed(self, timeout_s: float) -> bool:
-        """Block until the subscription to the stream has settled (``SUBSCRIBE_SETTLE_S``
-        after the receiving thread subscribed): from then on no version streamed goes by
-        unheard. False after ``timeout_s``; ``ThreadDied`` if the thread died."""
+        """Block until a message has been heard on the stream (a ``StreamBeacon`` or a
+        version): the subscription has reached the learner, and from then on no version
+        streamed goes by unheard. False after ``timeout_s``; ``ThreadDied`` if the thread
+        died."""
         deadline = time.monotonic() + timeout_s
-        while not self._subscribed.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+        while not self._heard.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
             self.raise_if_died()
             if time.monotonic() >= deadline:
                 return False
@@ -246,11 +250,10 @@ class WeightReceiver:
         next_poll = time.monotonic() + self._poll_s
         try:
             while not self._stop.is_set():
-                if time.monotonic() >= settled_at:
-                    self._subscribed.set()
                 msg = stream.receive(timeout_s=max(0.0, min(0.05, next_poll - time.monotonic())))
                 if msg is not None:
                     heard = True
+                    self._heard.set()
                     self._handle(assembler, msg)
                     continue
                 if time.monotonic() < next_poll:
@@ -265,6 +268,8 @@ class WeightReceiver:
             client.close()
 
     def _handle(self, assembler: VersionAssembler, msg: Message) -> None:
+        if isinstance(msg, StreamBeacon):
+            return  # it told ``wait_subscribed`` what it had to
         if isinstance(msg, EvalOffer):
             with self._lock:
                 self._offered(msg)

@@ -12,9 +12,10 @@ reaches the weight server can send a report, so one is kept only when it measure
 that was offered and its metric names are ones MLflow takes (``report_problem``); others
 are dropped with a warning, never handed to the learner's loop.
 
-The evaluator sends its first request once it listens to the weight stream; the loop
-``wait_for_evaluator`` before it streams its first version, or a version offered before
-the evaluator listened could never be evaluated (the stream only repeats the newest).
+The evaluator sends its first request once it has heard the weight stream (the loop streams
+``StreamBeacon``s while it waits); the loop ``wait_for_evaluator`` before it streams its
+first version, or a version offered before the evaluator listened could never be evaluated
+(the stream only repeats the newest).
 
 The evaluator keeps a copy of each version waiting to be evaluated, so at most
 ``max_waiting`` wait: past that the oldest waiting one is skipped, with a warning (the

@@ -16,7 +16,9 @@ staleness gate counts from there. With ``trainer.val_before_train`` the resumed 
 offered for evaluation, as verl validates on resume.
 
 Held-out evaluation is not done here. Before it streams anything the loop waits (bounded)
-for the evaluator to listen to the weight stream; then at each evaluation step (step 0 with
+for the evaluator's first request, streaming a ``StreamBeacon`` every ``BEACON_EVERY_S``
+meanwhile: the evaluator asks only once it has heard one, so its subscription to the weight
+stream has reached this process; then at each evaluation step (step 0 with
 ``trainer.val_before_train``, every ``trainer.test_freq`` steps, the last step) the loop
 offers the newest published version (before any, the initial checkpoint) to the evaluator
 process through the weight server's evaluation queue (``learner.eval_queue``) and goes on
@@ -49,6 +51,7 @@ from transport.sockets import Pusher
 logger = logging.getLogger(__name__)
 
 EVALUATOR_JOIN_WAIT_S = 300.0  # for the evaluator's first request (it loads a model too)
+BEACON_EVERY_S = 0.1  # StreamBeacons while waiting for it
 
 
 class Reporter:
@@ -263,7 +266,12 @@ class TrainLoop:
         if not self.evaluates or self.rank0 is None:
             return
         logger.info("waiting for the evaluator to subscribe to the weight stream")
-        if not self.rank0.weights.evaluation.wait_for_evaluator(EVALUATOR_JOIN_WAIT_S):
+        deadline = time.monotonic() + EVALUATOR_JOIN_WAIT_S
+        joined = False
+        while not joined and time.monotonic() < deadline:
+            self.rank0.stream.beacon()
+            joined = self.rank0.weights.evaluation.wait_for_evaluator(BEACON_EVERY_S)
+        if not joined:
             logger.warning("the evaluator did not ask for weights within %.0f s: training "
                            "without it; what it misses of the stream will not be evaluated "
                            "(its log is in the run directory's logs/)", EVALUATOR_JOIN_WAIT_S)

@@ -49,6 +49,7 @@ from transport.messages import (
     EvalOffer,
     EvalRequest,
     Message,
+    StreamBeacon,
     WeightBucket,
     WeightManifest,
     WeightRequest,
@@ -63,16 +64,16 @@ STREAM_HWM = 4  # messages ZeroMQ queues for one subscriber before dropping its 
 MIN_SUBSCRIBER_BYTES_PER_S = 20e6  # a subscriber slower than this is not waited for
 
 
-def send_wait_s(nbytes: int) -> float:
-    """How long a bucket of ``nbytes`` is waited for: 10 s, or longer for a bucket that
-    takes longer at ``MIN_SUBSCRIBER_BYTES_PER_S``."""
-    return max(10.0, nbytes / MIN_SUBSCRIBER_BYTES_PER_S)
-
-
 def catch_up_s(nbytes: int) -> float:
     """How long a bucket of ``nbytes`` is waited for once a subscriber lags: what a
     subscriber reading at ``MIN_SUBSCRIBER_BYTES_PER_S`` needs for it."""
     return nbytes / MIN_SUBSCRIBER_BYTES_PER_S
+
+
+def send_wait_s(nbytes: int) -> float:
+    """How long a bucket of ``nbytes`` is waited for: 10 s, or ``catch_up_s`` for a bucket
+    that takes longer."""
+    return max(10.0, catch_up_s(nbytes))
 
 
 class StreamStats(msgspec.Struct):
@@ -119,6 +120,10 @@ class WeightStream:
         if not self._publisher.send(offer, send_wait_s(0)):
             logger.warning("a subscriber does not read the weight stream: the evaluator may "
                            "miss the offer of step %d", offer.step)
+
+    def beacon(self) -> None:
+        """Send a ``StreamBeacon``: a subscriber that hears it knows it is subscribed."""
+        self._publisher.send(StreamBeacon())
 
     def close(self) -> None:
         self._publisher.close()

@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,14 @@ class LearnerSide:
                 self.publish(version)
             time.sleep(0.02)
         assert arrived(), f"version {version} did not arrive within {timeout_s:g} s"
+
+    def greet(self, heard: Callable[[], bool], timeout_s: float = 20.0) -> None:
+        """Stream ``StreamBeacon``s, as the learner does while it waits for the evaluator's
+        first request, until ``heard()`` (a subscriber has heard one)."""
+        deadline = time.monotonic() + timeout_s
+        while not heard():
+            assert time.monotonic() < deadline, "no subscriber heard the stream"
+            self.stream.beacon()
 
     def close(self) -> None:
         self.stream.close()

@@ -352,6 +352,13 @@ class EvalOffer(Message):
     version: int
 
 
+class StreamBeacon(Message):
+    """On the weight stream while the learner waits for the evaluator's first request, a
+    few times a second: nothing to apply. A subscriber that hears it knows its subscription
+    reached the learner, so nothing streamed from then on goes by unheard
+    (``generators.weight_receiver``)."""
+
+
 class ValGeneration(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     """One held-out response (``trainer.log_val_generations``): the prompt as the model saw
     it, the response, and its reward."""
@@ -437,6 +444,7 @@ AnyMessage = Union[
     WeightManifest,
     WeightBucket,
     EvalOffer,
+    StreamBeacon,
     EvalRequest,
     Metrics,
     Shutdown,

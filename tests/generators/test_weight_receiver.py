@@ -20,6 +20,7 @@ from generators.weight_receiver import (
     WeightReceiver,
 )
 from learner.weight_buckets import gather_buckets, plan_buckets
+from learner.weights import WeightStream
 from transport.messages import EvalOffer, WeightBucket, WeightManifest
 from transport.threads import ThreadDied
 
@@ -165,19 +166,20 @@ def test_the_evaluator_keeps_each_offered_version_until_it_is_evaluated(
         weights.stop()
 
 
-def test_once_subscribed_the_evaluator_hears_every_offered_version_without_asking_again(
+def test_once_it_heard_the_stream_the_evaluator_hears_every_offered_version(
         learner: LearnerSide) -> None:
-    """``wait_subscribed`` ends only once the subscription has had SUBSCRIBE_SETTLE_S to
-    settle; the evaluator's first request waits for it and the learner streams nothing
-    before that request, so versions streamed back to back, each offered, all arrive,
-    though the stream only ever repeats the newest."""
-    began = time.monotonic()
-    weights = EvalWeights(learner.server.endpoint, learner.stream.endpoint, max_waiting=3,
+    """The learner's stream binds after the evaluator connected to it (the evaluator started
+    first), so the subscription arrives late: ``wait_subscribed`` ends only when the stream
+    is heard, not after a while. Then versions streamed back to back, each offered, all
+    arrive without asking again, though the stream only ever repeats the newest."""
+    late_endpoint = learner.stream.endpoint
+    learner.stream.close()
+    weights = EvalWeights(learner.server.endpoint, late_endpoint, max_waiting=3,
                           poll_s=0.05).start(applied_version=0)
     try:
-        assert not weights.wait_subscribed(timeout_s=0.05)  # too early: not settled yet
-        assert weights.wait_subscribed(timeout_s=TIMEOUT_S)
-        assert time.monotonic() - began >= SUBSCRIBE_SETTLE_S
+        assert not weights.wait_subscribed(timeout_s=SUBSCRIBE_SETTLE_S + 0.2)  # no timer
+        learner.stream = WeightStream(late_endpoint)
+        learner.greet(lambda: weights.wait_subscribed(timeout_s=0.05))
         for number in (1, 2, 3):
             rescale(learner.model, float(number))
             learner.publish(number)
@@ -187,5 +189,19 @@ def test_once_subscribed_the_evaluator_hears_every_offered_version_without_askin
             assert kept is not None and kept.version == number
             assert float(kept.tensors["0.bias"][0]) == 2.0 * number
         assert weights.resends == 0
+    finally:
+        weights.stop()
+
+
+def test_a_beacon_stages_nothing_and_warns_of_nothing(learner: LearnerSide,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    weights = WeightReceiver(learner.server.endpoint, learner.stream.endpoint, "gen-0",
+                             poll_s=0.05).start(applied_version=0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="generators.weight_receiver"):
+            learner.greet(lambda: weights.wait_subscribed(timeout_s=0.05))
+            learner.publish_until(1, lambda: weights._have == 1)
+        assert weights.take().version == 1
+        assert caplog.text == ""
     finally:
         weights.stop()

@@ -110,7 +110,14 @@ def test_a_subscriber_that_stops_reading_stalls_no_one(learner: LearnerSide, mon
     stuck = Subscriber(big.stream.endpoint)  # connected, never reads
     healthy = receiver(big, "healthy")
     try:
-        time.sleep(0.3)  # both subscriptions reach the publisher
+        read_one: list[object] = []  # the stuck one reads one beacon, then no more
+
+        def both_heard() -> bool:
+            if not read_one and (beacon := stuck.receive(timeout_s=0.05)) is not None:
+                read_one.append(beacon)
+            return bool(read_one) and healthy.wait_subscribed(timeout_s=0.05)
+
+        big.greet(both_heard)  # both subscriptions reached the publisher
         began = time.monotonic()
         lagging = []
         for version in (1, 2, 3):

@@ -42,6 +42,7 @@ from transport.messages import (
     SampleBatch,
     SampleRequest,
     Shutdown,
+    StreamBeacon,
     VersionUpdate,
     WeightBucket,
     WeightEntry,
@@ -156,6 +157,7 @@ def example_messages() -> dict[type[Message], Message]:
             tensors=[big, torch.ones(128)],
         ),
         EvalOffer: EvalOffer(step=40, version=4),
+        StreamBeacon: StreamBeacon(),
         EvalRequest: EvalRequest(
             after_step=40,
             report=EvalReport(step=40, version=4, metrics={"eval/accuracy": 0.5}),
