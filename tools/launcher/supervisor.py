@@ -50,6 +50,7 @@ from transport.messages import Metrics
 from transport.sockets import Puller
 
 STOP_GRACE_S = 15.0  # SIGTERM, then this long (per wave), then SIGKILL
+KILLED_GONE_S = 10.0  # after the SIGKILL sweep: at most this long for the killed to vanish
 FINISH_GRACE_S = 30.0  # after the learner is done, how long the others get to exit
 NO_GENERATOR_GRACE_S = 120.0  # the run fails when no generator is alive this long
 LOG_TAIL_LINES = 15
@@ -216,8 +217,9 @@ def describe_exit(code: int) -> str:
 
 def stop_all(processes: list[Running]) -> None:
     """SIGTERM every live process group but the buffer's and wait, then the buffer's and
-    wait (each wave at most ``STOP_GRACE_S``), then SIGKILL every group. A SIGINT or SIGTERM
-    meanwhile (an impatient operator) goes straight to the SIGKILL sweep."""
+    wait (each wave at most ``STOP_GRACE_S``), then SIGKILL every group and wait (at most
+    ``KILLED_GONE_S``) until no member of any is alive. A SIGINT or SIGTERM meanwhile (an
+    impatient operator) goes straight to the SIGKILL sweep."""
     hurry = threading.Event()
     previous = _catch_signals(hurry)
     try:
@@ -235,6 +237,9 @@ def stop_all(processes: list[Running]) -> None:
             _signal_group(proc, signal.SIGKILL)  # the group may hold children of an exited leader
             if proc.popen.poll() is None:
                 proc.popen.wait()
+        deadline = time.monotonic() + KILLED_GONE_S
+        while time.monotonic() < deadline and _live_groups({p.popen.pid for p in processes}):
+            time.sleep(0.02)  # a killed child of a leader can take a moment to die
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -247,6 +252,20 @@ def _catch_signals(caught: threading.Event) -> dict[int, object]:
         return {}
     return {sig: signal.signal(sig, lambda _signum, _frame: caught.set())
             for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _live_groups(groups: set[int]) -> set[int]:
+    """Which of the process ``groups`` still have a member that is not a zombie (Linux's
+    /proc; elsewhere none is known)."""
+    live = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, group = stat.read_text().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if int(group) in groups and state not in "ZX":
+            live.add(int(group))
+    return live
 
 
 def _signal_group(proc: Running, sig: signal.Signals) -> None:

@@ -117,6 +117,41 @@ def test_a_second_ctrl_c_while_stopping_skips_the_grace(tmp_path: Path) -> None:
     assert signal.getsignal(signal.SIGINT) is own_handler  # given back
 
 
+LEADER_WITH_A_STUBBORN_CHILD = """\
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                          "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "held = b'x' * (768 << 20); print(flush=True); time.sleep(600)"],
+                         stdout=subprocess.PIPE)  # held: slow to tear down
+child.stdout.readline()
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` lives (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def test_no_member_of_a_group_outlives_the_stop(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leader that dies at SIGTERM leaves a child that ignores it (torchrun's workers):
+    the SIGKILL sweep gets it, and the stop returns only once it is gone."""
+    monkeypatch.setattr(supervisor, "STOP_GRACE_S", 1.0)
+    spec = ProcessSpec(name="learner", role="learner", host="127.0.0.1",  # type: ignore[arg-type]
+                       argv=[sys.executable, "-c", LEADER_WITH_A_STUBBORN_CHILD])
+    popen = subprocess.Popen(spec.argv, stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    assert popen.stdout is not None
+    child = int(popen.stdout.readline())
+    stop_all([Running(spec=spec, popen=popen, log=tmp_path / "learner.log")])
+    assert not alive(child)
+
+
 def test_free_ports_come_from_below_the_kernels_ephemeral_range() -> None:
     """A port below the ephemeral range is not handed to another process's bind(0) or
     outgoing connection between our pick and our bind; a taken pick is skipped."""
