@@ -62,7 +62,8 @@ def wait_for_run_dir(run_root: Path, timeout_s: float = 120) -> Path:
 
 def kill_after_first_checkpoint(launcher: subprocess.Popen, run_dir: Path,
                                 timeout_s: float = 240) -> Path:
-    """SIGKILL the launcher and every process of its run once a checkpoint is complete."""
+    """SIGKILL the launcher and every process of its run once a checkpoint is complete; the
+    newest complete checkpoint once all are dead."""
     deadline = time.monotonic() + timeout_s
     checkpoint = None
     while checkpoint is None and time.monotonic() < deadline:
@@ -82,7 +83,8 @@ def kill_after_first_checkpoint(launcher: subprocess.Popen, run_dir: Path,
     while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_mentioning(str(run_dir)) == []
-    return checkpoint
+    complete, _incomplete = scan_checkpoints(run_dir / "checkpoints")
+    return complete[-1][1]  # the learner may have completed another before it was killed
 
 
 @pytest.mark.slow

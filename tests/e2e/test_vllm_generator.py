@@ -38,7 +38,8 @@ name = "relay"
 engine = "lean"
 threads = 1
 """ + VLLM_GENERATOR
-STEPS = 16
+STEPS = 96  # about 5 s of training: enough publishes that vLLM responses straddle some, even
+# on a loaded machine where most publishes land between its batches (24 was not, twice in CI)
 
 
 def test_a_vllm_generator_trains_beside_relays_own(run_root: Path, tmp_path: Path) -> None:

@@ -27,6 +27,14 @@ def ask(queue: EvalQueue, after_step: int, report: EvalReport | None = None):
     return queue.handle(EvalRequest(after_step=after_step, report=report), current_version=7)
 
 
+def until_ending(queue: EvalQueue) -> None:
+    """Until ``queue.end`` has begun in another thread (however slowly it was scheduled)."""
+    deadline = time.monotonic() + LONG_WAIT_S
+    while not queue._over:
+        assert time.monotonic() < deadline, "end() never began"
+        time.sleep(0.01)
+
+
 def report(step: int) -> EvalReport:
     return EvalReport(step=step, version=step, metrics={"eval/accuracy": step / 100})
 
@@ -85,7 +93,8 @@ def test_end_waits_for_the_last_report_and_says_goodbye() -> None:
         queue.end(10, min_wait_s=LONG_WAIT_S, on_report=logged.append)))
     began = time.monotonic()
     waiter.start()
-    time.sleep(0.3)
+    until_ending(queue)
+    time.sleep(0.1)
     assert waiter.is_alive()  # step 10 not reported yet
     assert ask(queue, 10, report(10)) == Shutdown(reason="the run is over")
     waiter.join(LONG_WAIT_S)
@@ -102,7 +111,7 @@ def test_end_returns_at_once_when_the_last_report_was_already_taken() -> None:
     waiter = threading.Thread(target=lambda: queue.end(0, min_wait_s=LONG_WAIT_S))
     began = time.monotonic()
     waiter.start()
-    time.sleep(0.1)
+    until_ending(queue)
     assert ask(queue, 0) == Shutdown(reason="the run is over")
     waiter.join(LONG_WAIT_S)
     assert time.monotonic() - began < LONG_WAIT_S / 2

@@ -34,7 +34,9 @@ def test_a_request_is_retried_until_the_peer_answers() -> None:
         reply = patient_request(client, Heartbeat(generator_id="g", version=0), 0.2,
                                 patience_s=10.0, first_pause_s=0.05)
     client.close()
-    assert isinstance(reply, Ack) and reply.detail == "try 3"
+    assert isinstance(reply, Ack)
+    # the first try answered in time: the third, or a later one if this machine was slow
+    assert reply.detail.startswith("try ") and int(reply.detail[4:]) > handler.silent
 
 
 def test_past_its_patience_it_raises_naming_the_peer_and_the_request() -> None:
@@ -45,7 +47,7 @@ def test_past_its_patience_it_raises_naming_the_peer_and_the_request() -> None:
         patient_request(client, Heartbeat(generator_id="g", version=0), 0.2, patience_s=1.0,
                         first_pause_s=0.05)
     client.close()
-    assert time.monotonic() - began < 3.0
+    assert time.monotonic() - began < 10.0  # 1 s of patience, not 10 s of a stalled peer
     assert server.endpoint in str(caught.value) and "Heartbeat" in str(caught.value)
 
 
