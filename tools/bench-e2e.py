@@ -2,10 +2,11 @@
 """Relay against TRL's synchronous GRPOTrainer on the same work, side by side in one run.
 
     tools/with-venv python tools/bench-e2e.py [--steps 400] [--test-freq 10] [--seed 0]
-        [--only relay|trl] [--relay-arg key=value ...] [--target 0.5] [--out bench-e2e.json]
+        [--only relay|trl] [--relay-arg key=value ...] [--target 0.5] [--repeats 1]
+        [--out bench-e2e.json]
     tools/with-venv python tools/bench-e2e.py --sweep-staleness 0 1 2 --seeds 0 1 2
     tools/with-venv python tools/bench-e2e.py --throughput [--steps 12] [--dtype bfloat16]
-        [--compile]
+        [--compile] [--repeats 1]
 
 Runs, one after the other (never together: they would share the cores), (a) TRL's
 ``GRPOTrainer`` through ``tools/trl_grpo.py`` and (b) Relay's default run,
@@ -35,7 +36,10 @@ Measured, per system, from TRL's JSON lines and from Relay's MLflow store
   ``--target`` (50% by default).
 
 Then the ratios Relay/TRL: the speed-up (TRL s/step over Relay s/step) and TRL's time to
-the target over Relay's.
+the target over Relay's. ``--repeats K`` runs the pair K times (TRL, Relay, TRL, Relay, ...:
+the machine's noise hits both alike), prints each pair's table and ratios, and at the end
+every ratio per pair and its median (with ``--throughput`` too); the JSON holds every
+pair's series.
 
 ``--sweep-staleness`` runs Relay alone, once per staleness bound eta
 (``buffer.max_staleness``) and seed, and prints per eta the median seconds per step, the
@@ -269,15 +273,44 @@ def print_table(summaries: list[Summary], target: float) -> None:
         print(f"{label:<{width}}  " + "  ".join(f"{cell(s):>12}" for s in summaries))
 
 
+def comparison_ratios(relay: Summary, trl: Summary) -> dict[str, float | None]:
+    """Relay's advantage: TRL's seconds per step over Relay's, and TRL's training time to
+    the target over Relay's (None when either never reached it)."""
+    to_target = None
+    if relay.seconds_to_target is not None and trl.seconds_to_target is not None:
+        to_target = trl.seconds_to_target / max(relay.seconds_to_target, 1e-9)
+    return {"speed-up a step": trl.seconds_per_step / relay.seconds_per_step,
+            "time to target": to_target}
+
+
 def print_ratios(relay: Summary, trl: Summary, target: float) -> None:
-    print(f"\nRelay/TRL speed-up (TRL s/step / Relay s/step): "
-          f"{trl.seconds_per_step / relay.seconds_per_step:.2f}x")
-    if relay.seconds_to_target is None or trl.seconds_to_target is None:
+    ratios = comparison_ratios(relay, trl)
+    print(f"\nRelay/TRL speed-up (TRL s/step / Relay s/step): {ratios['speed-up a step']:.2f}x")
+    if ratios["time to target"] is None:
         print(f"time to {target:.0%}: TRL {seconds_text(trl.seconds_to_target)}, "
               f"Relay {seconds_text(relay.seconds_to_target)}: no ratio")
     else:
-        print(f"time to {target:.0%} (TRL / Relay): "
-              f"{trl.seconds_to_target / max(relay.seconds_to_target, 1e-9):.2f}x")
+        print(f"time to {target:.0%} (TRL / Relay): {ratios['time to target']:.2f}x")
+
+
+def print_repeats(ratios: list[dict[str, float | None]]) -> None:
+    """Each ratio per pair of runs, and its median over the pairs that have it."""
+    print(f"\nover {len(ratios)} pairs of runs (Relay's advantage; median of the pairs):")
+    width = max(len(name) for name in ratios[0])
+    for name in ratios[0]:
+        values = [r[name] for r in ratios]
+        measured = [v for v in values if v is not None]
+        median = f"{statistics.median(measured):.2f}x" if measured else "-"
+        cells = ", ".join("-" if v is None else f"{v:.2f}x" for v in values)
+        print(f"  {name:<{width}}  median {median}  ({cells})")
+
+
+def write_record(path: str, header: dict[str, Any], pairs: list[dict[str, Any]]) -> None:
+    """The JSON record: ``header``, then one pair's fields beside it, or ``pairs`` (a list
+    of them) once there are several (``--repeats``). Written after every pair, so an
+    interrupted run keeps the pairs it finished."""
+    body = pairs[0] if len(pairs) == 1 else {"pairs": pairs}
+    Path(path).write_bytes(msgspec.json.format(msgspec.json.encode({**header, **body})))
 
 
 def accuracy_at(evals: list[tuple[int, float, float]], seconds: float) -> float | None:
@@ -342,10 +375,37 @@ def throughput_rows(trl: Series, relay: Series) -> list[tuple[str, float, float,
 
 
 def throughput(args: argparse.Namespace) -> None:
-    """Both systems on the 24M-parameter random Qwen2: speed only (see the module docstring)."""
+    """Both systems on the 24M-parameter random Qwen2: speed only (see the module docstring),
+    ``--repeats`` pairs of runs."""
     from bench_model import ensure_bench_model
 
     model = ensure_bench_model()
+    pairs, ratios = [], []
+    for repeat in range(args.repeats):
+        trl, relay = throughput_pair(args, model)
+        pairs.append({"series": [trl, relay]})
+        rows = throughput_rows(trl, relay)
+        ratios.append({label.split(" (")[0]: ratio for label, _, _, ratio, _ in rows})
+        print(f"\n{model.name}, {args.dtype}{', compiled' if args.compile else ''}, "
+              f"{args.prompts_per_step} prompts x 8 samples, up to {args.response_length} new "
+              f"tokens, {args.steps} steps (medians after the first)"
+              + (f", pair {repeat + 1} of {args.repeats}" if args.repeats > 1 else ""))
+        width = max(len(label) for label, *_ in rows)
+        print(f"{'':<{width}}  {'TRL':>10}  {'Relay':>10}  {'Relay/TRL':>10}")
+        for label, theirs, ours, ratio, form in rows:
+            print(f"{label:<{width}}  {form.format(theirs):>10}  {form.format(ours):>10}  "
+                  f"{ratio:>9.2f}x")
+        write_record(args.out, {
+            "mode": "throughput", "model": str(model), "steps": args.steps, "dtype": args.dtype,
+            "prompts_per_step": args.prompts_per_step, "response_length": args.response_length,
+            "compile": args.compile, "relay_args": args.relay_arg}, pairs)
+    if args.repeats > 1:
+        print_repeats(ratios)
+    print(f"\nper-step series in {args.out}")
+
+
+def throughput_pair(args: argparse.Namespace, model: Path) -> tuple[Series, Series]:
+    """One TRL run, then one Relay run, on the 24M model."""
     reward = ROOT / "tools" / "bench_reward.py"
     trl = run_trl(args, ["--model", str(model), "--prompts-per-step", str(args.prompts_per_step),
                          "--response-length", str(args.response_length),
@@ -361,21 +421,7 @@ def throughput(args: argparse.Namespace) -> None:
                              # the generator idles most of a step (1 thread: 1.26x, 2: 1.59x)
                              f"topology.learner.threads={THROUGHPUT_LEARNER_THREADS}",
                              f"actor.use_torch_compile={str(args.compile).lower()}"])
-    Path(args.out).write_bytes(msgspec.json.format(msgspec.json.encode(
-        {"mode": "throughput", "model": str(model), "steps": args.steps, "dtype": args.dtype,
-         "prompts_per_step": args.prompts_per_step, "response_length": args.response_length,
-         "compile": args.compile,
-         "relay_args": args.relay_arg, "series": [trl, relay]})))
-    print(f"\n{model.name}, {args.dtype}{', compiled' if args.compile else ''}, "
-          f"{args.prompts_per_step} prompts x 8 samples, up to {args.response_length} new "
-          f"tokens, {args.steps} steps (medians after the first)")
-    rows = throughput_rows(trl, relay)
-    width = max(len(label) for label, *_ in rows)
-    print(f"{'':<{width}}  {'TRL':>10}  {'Relay':>10}  {'Relay/TRL':>10}")
-    for label, theirs, ours, ratio, form in rows:
-        print(f"{label:<{width}}  {form.format(theirs):>10}  {form.format(ours):>10}  "
-              f"{ratio:>9.2f}x")
-    print(f"\nper-step series in {args.out}")
+    return trl, relay
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -407,6 +453,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="the seeds of each sweep point")
     parser.add_argument("--target", type=float, default=0.5,
                         help="the held-out accuracy whose training time is compared")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the TRL / Relay pair this many times; ratios per pair and "
+                             "their medians")
     parser.add_argument("--out", default="bench-e2e.json",
                         help="where the per-step series go (JSON)")
     args = parser.parse_args(argv)
@@ -416,6 +465,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--compile goes with --throughput")
     if args.throughput and (args.only or args.sweep_staleness):
         parser.error("--throughput runs both systems: no --only or --sweep-staleness")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.repeats > 1 and (args.only or args.sweep_staleness):
+        parser.error("--repeats runs pairs of TRL and Relay: not with --only or "
+                     "--sweep-staleness (which repeats with --seeds)")
     if args.throughput:
         args.test_freq = 0  # no evaluation: the model is random
     elif args.test_freq < 1:
@@ -435,18 +489,26 @@ def main(argv: list[str]) -> None:
     if args.sweep_staleness:
         sweep_staleness(args)
         return
-    series = []
-    if args.only != "relay":
-        series.append(run_trl(args))
-    if args.only != "trl":
-        series.append(run_relay(args))
-    summaries = {s.system: summarize(s, args.target) for s in series}
-    Path(args.out).write_bytes(msgspec.json.format(msgspec.json.encode(
-        {"steps": args.steps, "test_freq": args.test_freq, "seed": args.seed,
-         "relay_args": args.relay_arg, "target": args.target, "series": series, "summaries": summaries})))
-    print_table(list(summaries.values()), args.target)
-    if len(summaries) == 2:
-        print_ratios(summaries["Relay"], summaries["TRL"], args.target)
+    runs, ratios = [], []
+    for repeat in range(args.repeats):
+        if args.repeats > 1:
+            print(f"bench-e2e: pair {repeat + 1} of {args.repeats}", flush=True)
+        series = []
+        if args.only != "relay":
+            series.append(run_trl(args))
+        if args.only != "trl":
+            series.append(run_relay(args))
+        summaries = {s.system: summarize(s, args.target) for s in series}
+        runs.append({"series": series, "summaries": summaries})
+        write_record(args.out, {"steps": args.steps, "test_freq": args.test_freq,
+                                "seed": args.seed, "relay_args": args.relay_arg,
+                                "target": args.target}, runs)
+        print_table(list(summaries.values()), args.target)
+        if len(summaries) == 2:
+            print_ratios(summaries["Relay"], summaries["TRL"], args.target)
+            ratios.append(comparison_ratios(summaries["Relay"], summaries["TRL"]))
+    if args.repeats > 1:
+        print_repeats(ratios)
     print(f"\nper-step series in {args.out}")
 
 
