@@ -92,6 +92,7 @@ from transport.sockets import Peer
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 0.1
+STILL_ASKING_S = 3 * RETRY_AFTER_S  # a generator refused this recently is still asking
 # Where each refused group is counted: rejected (unsound or unknown), or dropped (sound but
 # not trained on). "accepted" is counted as groups/accepted, "run_failed" as the failure.
 REFUSALS: dict[RolloutVerdict, str] = {
@@ -143,6 +144,7 @@ class Hub:
         self.leases = LeaseBook(config.lease_timeout_s)
         self.registry = Registry(config.heartbeat_timeout_s)
         self._leasing = False  # set once buffer.min_generators attached (_enough_generators)
+        self._idle_refused: dict[str, float] = {}  # holding nothing, refused a lease: when
         self.learner_version = 0
         self.learner_step = 0  # the step after which learner_version was published
         self.requested_step = 0  # the last step the learner asked a batch for
@@ -222,13 +224,17 @@ class Hub:
         return Ack()
 
     def _lease(self, msg: LeaseRequest) -> Message:
+        """Prompts, as many as the staleness gate admits, to a generator that asks. One that
+        holds prompts already waits while another that holds none is asking (``_yields``):
+        a busy generator asks between its engine's steps, an idle one every
+        ``RETRY_AFTER_S``, and without this the busy one took every slot the gate opened."""
         if self.finished:
             return self._goodbye(msg.generator_id)
-        if not self.registry.touch(msg.generator_id, self.clock()):
+        now = self.clock()
+        if not self.registry.touch(msg.generator_id, now):
             return ErrorReply(code="not_attached", detail=f"{msg.generator_id} must attach first")
-        if not self._enough_generators():
-            self.counts["leases/gated"] += 1
-            return PromptLease(lease_id="", retry_after_s=RETRY_AFTER_S)
+        if not self._enough_generators() or self._yields(msg.generator_id, now):
+            return self._refuse_lease(msg.generator_id, now)
         max_staleness = self.config.max_staleness
         learner = LearnerPosition(version=self.learner_version,
                                   published_step=self.learner_step,
@@ -238,19 +244,36 @@ class Hub:
                                   accepted=self.accepted, running=self.leases.running)
         count = min(msg.max_prompts, self.prompts_per_lease, capacity)
         if count <= 0:
-            self.counts["leases/gated"] += 1
-            return PromptLease(lease_id="", retry_after_s=RETRY_AFTER_S)
+            return self._refuse_lease(msg.generator_id, now)
         prompts = self.source.take(count)
         min_version = lease_min_version(learner, max_staleness=max_staleness,
                                         batch_size=self.batch_size, accepted=self.accepted,
                                         running=self.leases.running, count=len(prompts))
-        lease = self.leases.grant(msg.generator_id, prompts, self.clock(), min_version)
+        lease = self.leases.grant(msg.generator_id, prompts, now, min_version)
+        self._idle_refused.pop(msg.generator_id, None)
         self.counts["leases/granted"] += 1
         self.counts["prompts/leased"] += len(prompts)
         return PromptLease(lease_id=lease.lease_id, prompts=list(lease.outstanding.values()),
                            n=self.limits.n, min_version=min_version,
                            expires_in_s=self.config.lease_timeout_s,
                            greedy_baseline=self.limits.greedy_baseline)
+
+    def _refuse_lease(self, generator_id: str, now: float) -> PromptLease:
+        """No prompts now; ask again after ``RETRY_AFTER_S``."""
+        self.counts["leases/gated"] += 1
+        if not self.leases.held_by(generator_id):
+            self._idle_refused[generator_id] = now
+        return PromptLease(lease_id="", retry_after_s=RETRY_AFTER_S)
+
+    def _yields(self, generator_id: str, now: float) -> bool:
+        """Whether ``generator_id`` holds prompts while another attached generator holding
+        none was refused a lease in the last ``STILL_ASKING_S`` (so still asks: the next
+        lease is that one's)."""
+        if not self.leases.held_by(generator_id):
+            return False
+        return any(other != generator_id and now - refused_at <= STILL_ASKING_S
+                   and other in self.registry.generators and not self.leases.held_by(other)
+                   for other, refused_at in self._idle_refused.items())
 
     def _enough_generators(self) -> bool:
         """Whether leasing has begun: once ``buffer.min_generators`` were attached together
@@ -449,6 +472,7 @@ class Hub:
         return Shutdown(reason=self.end_reason)
 
     def _drop_generator(self, generator_id: str, why: str) -> None:
+        self._idle_refused.pop(generator_id, None)
         if self.registry.forget(generator_id):
             logger.warning("generator %s %s", generator_id, why)
         self._give_back(self.leases.release(generator_id))

@@ -41,6 +41,11 @@ class LeaseBook:
         """Prompts leased and not yet answered."""
         return sum(len(lease.outstanding) for lease in self._leases.values())
 
+    def held_by(self, generator_id: str) -> int:
+        """Prompts ``generator_id`` holds, leased and not yet answered."""
+        return sum(len(lease.outstanding) for lease in self._leases.values()
+                   if lease.generator_id == generator_id)
+
     def grant(self, generator_id: str, prompts: list[Prompt], now: float,
               min_version: int = 0) -> Lease:
         lease = Lease(lease_id=next(self._ids), generator_id=generator_id,

@@ -67,6 +67,49 @@ def test_no_lease_before_min_generators_attached_then_the_run_goes_on(make_hub) 
     assert len(lease(hub).prompts) == 2  # leasing, once begun, never waits again
 
 
+def test_a_generator_holding_prompts_yields_the_next_lease_to_one_still_asking_for_any(
+        make_hub, clock) -> None:
+    """A busy generator asks between its engine's steps, an idle one every RETRY_AFTER_S:
+    without the yield the busy one took every slot the gate opened (two generators, one
+    never leased: seen in CI). Each gets leases; a silent asker stops holding them up."""
+    hub = make_hub(batch_size=2, per_lease=2, max_staleness=0, min_generators=2)
+    assert lease(hub, "g0").prompts == []  # alone: leasing waits for g1
+    hub.handle(Attach(generator_id="g1", engine="torch", device="cpu"))
+    first = lease(hub, "g1")
+    assert len(first.prompts) == 2 and lease(hub, "g0").prompts == []  # the gate is full
+    answer_as(hub, first, "g1")
+    assert len(hub.handle(SampleRequest(num_groups=2, step=1)).groups) == 2
+    hub.handle(VersionUpdate(version=1, step=1))
+    held = lease(hub, "g1", max_prompts=1)  # g1 asks first and gets part of the room...
+    assert len(held.prompts) == 1
+    assert lease(hub, "g1").prompts == []  # ...but holding it, yields the rest to g0
+    assert len(lease(hub, "g0").prompts) == 1
+    answer_as(hub, held, "g1", version=1)
+    assert hub.handle(SampleRequest(num_groups=2, step=2)).groups == []  # g0's is out
+    hub.handle(Detach(generator_id="g0"))  # g0 leaves: its prompt is back in the pool
+    assert len(lease(hub, "g1").prompts) == 1
+
+
+def test_a_generator_that_stopped_asking_holds_no_one_up(make_hub, clock) -> None:
+    hub = make_hub(batch_size=2, per_lease=1, max_staleness=0)
+    hub.handle(Attach(generator_id="g1", engine="torch", device="cpu"))
+    held = lease(hub, "g1")
+    assert len(held.prompts) == 1 and len(lease(hub, "g0").prompts) == 1
+    assert lease(hub, "g0").prompts == []  # refused holding one: not an idle asker
+    assert lease(hub, "g1").prompts == []  # the gate is full
+    answer_as(hub, held, "g1")
+    assert lease(hub, "g1").prompts == []  # g1 holds nothing: refused, it now asks idle
+    hub.handle(VersionUpdate(version=1, step=1))
+    clock.now += 1.0  # g1 fell silent since (killed, or busy elsewhere)
+    assert len(lease(hub, "g0").prompts) == 1
+
+
+def answer_as(hub: Hub, granted: PromptLease, generator_id: str, version: int = 0) -> None:
+    acks = [hub.handle(make_group(granted.lease_id, p, granted.n, version, generator_id))
+            for p in granted.prompts]
+    assert all(a.accepted for a in acks), acks
+
+
 def test_eta_bounds_leases_ahead_of_the_learner(make_hub) -> None:
     hub = make_hub(batch_size=2, per_lease=10, max_staleness=2)
     assert len(lease(hub).prompts) == 6  # (2 + 0 + 1) * 2
