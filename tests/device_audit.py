@@ -44,7 +44,8 @@ DISPATCH_FRAMES = ("torch/overrides.py", "torch/_tensor.py", "torch/utils/_devic
 
 
 def _name(func: object) -> str:
-    owner = "Tensor." if getattr(func, "__qualname__", "").startswith("Tensor.") else "torch."
+    tensor_method = hasattr(func, "__objclass__") or "Tensor" in getattr(func, "__qualname__", "")
+    owner = "Tensor." if tensor_method else "torch."
     return owner + getattr(func, "__name__", repr(func))
 
 
