@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 import pyarrow.parquet as pq
 
+from configs.gpu_placement import check_process_gpus
 from configs.loader import ConfigError, load
 from configs.run_schema import BUILTIN_MODEL_PREFIX, VERL_ALIASES, RunConfig
 from configs.topology_schema import Topology
@@ -41,11 +42,25 @@ def load_topology(path: str | Path, overrides: Iterable[str] = (),
     with a run config's verl placement keys applied (``verl_keys.apply_placement``)."""
     topology = apply_placement(load(Topology, path, overrides,
                                     path_keys=[("security", "keys_dir")]), placement)
+    check_verl_ranks(topology, placement)
     check_topology(topology, str(path))
     return topology
 
 
+def check_verl_ranks(topology: Topology, placement: Sequence[Placement]) -> None:
+    """verl's ``trainer.n_gpus_per_node`` (the learner's ranks per host) agrees with the
+    GPUs the topology lists for them (``learner.gpus``), refused naming the verl key."""
+    gpus = topology.learner.gpus
+    for item in placement:
+        if item.key == "trainer.n_gpus_per_node" and gpus is not None and item.value != len(gpus):
+            raise ConfigError(item.source, item.key,
+                              f"{item.value} ranks per host, but the topology's learner.gpus "
+                              f"lists {len(gpus)} GPU(s) ({gpus}), one per rank: make them "
+                              "agree, or drop one of the two")
+
+
 def check_topology(topology: Topology, source: str) -> None:
+    check_process_gpus(topology, source)
     names = [g.name for g in topology.generators]
     for i, name in enumerate(names):
         if not name:

@@ -13,6 +13,7 @@ import msgspec
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: pick a free port at launch
 Threads = Annotated[int, msgspec.Meta(ge=0)]  # 0: torch's default
+GpuIndex = Annotated[int, msgspec.Meta(ge=0)]  # a GPU of its host: CUDA_VISIBLE_DEVICES's index
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -33,6 +34,12 @@ class LearnerPlacement(_Section):
     answers which version is newest (and evaluation requests) on ``weights_port``. With
     several hosts, ``hosts[0]:master_port`` is torchrun's rendezvous; one host uses
     ``torchrun --standalone``.
+
+    ``gpus``: the GPUs of each learner host, one per local rank (``len(gpus) ==
+    nproc_per_node``, the same list on every host): the launcher starts torchrun with
+    ``CUDA_VISIBLE_DEVICES`` set to them, so local rank i runs on ``gpus[i]`` (which it
+    sees as ``cuda:i``). Unset (None): ``CUDA_VISIBLE_DEVICES`` is left as it is and local
+    rank i takes ``cuda:i``.
     """
 
     hosts: Annotated[list[str], msgspec.Meta(min_length=1)] = msgspec.field(
@@ -43,6 +50,7 @@ class LearnerPlacement(_Section):
     weights_port: Port = 7451
     weights_stream_port: Port = 7453
     device: Literal["cpu", "cuda", "auto"] = "cpu"
+    gpus: list[GpuIndex] | None = None
     threads: Threads = 0
 
 
@@ -95,12 +103,21 @@ class SGLangOptions(EngineOptions):
 
 class GeneratorPlacement(_Section):
     """One generator process: an inference engine on a device; ``vllm`` and ``sglang`` hold
-    those engines' options."""
+    those engines' options.
+
+    ``gpus``: the GPUs of its host the process owns. The launcher starts it with
+    ``CUDA_VISIBLE_DEVICES`` set to them and its ``device`` is then ``"cuda"``: Relay's
+    engines run on ``gpus[0]`` (one GPU), vLLM and SGLang on the first
+    ``tensor_model_parallel_size`` of them. Unset (None): ``CUDA_VISIBLE_DEVICES`` is left
+    as it is and ``device`` names the GPU (``"cuda:1"``). Two processes on one host never
+    share a GPU they list (``configs.checks.check_gpu_placement``).
+    """
 
     name: str
     host: str = "127.0.0.1"
     engine: EngineName = "lean"
     device: str = "cpu"
+    gpus: list[GpuIndex] | None = None
     threads: Threads = 0
     vllm: VLLMOptions = msgspec.field(default_factory=VLLMOptions)
     sglang: SGLangOptions = msgspec.field(default_factory=SGLangOptions)
@@ -109,11 +126,13 @@ class GeneratorPlacement(_Section):
 class EvaluatorPlacement(_Section):
     """The evaluator process (``generators.evaluator``): held-out evaluation of the weights
     the learner offers, with its own engine. Started only when the run config has
-    validation data to evaluate on (``RunConfig.evaluates``)."""
+    validation data to evaluate on (``RunConfig.evaluates``). ``gpus`` as a generator's
+    (``GeneratorPlacement``)."""
 
     host: str = "127.0.0.1"
     engine: EngineName = "lean"
     device: str = "cpu"
+    gpus: list[GpuIndex] | None = None
     threads: Threads = 0
     vllm: VLLMOptions = msgspec.field(default_factory=VLLMOptions)
     sglang: SGLangOptions = msgspec.field(default_factory=SGLangOptions)
