@@ -64,7 +64,8 @@ def leave_one_out(values: torch.Tensor, mask: torch.Tensor,
     float64. Every group needs K >= 2; a sample with an empty mask has mean 0."""
     inverse, num_groups = group_index(group_ids)
     values, mask = values.to(torch.float64), mask.to(torch.float64)
-    size = group_sum(torch.ones(len(group_ids), dtype=torch.float64), inverse, num_groups)
+    size = group_sum(torch.ones(len(group_ids), dtype=torch.float64, device=values.device),
+                     inverse, num_groups)
     if bool((size < 2).any()):
         raise ValueError("PRIME's leave-one-out baseline needs at least 2 samples per prompt")
     means = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
@@ -76,10 +77,9 @@ def leave_one_out(values: torch.Tensor, mask: torch.Tensor,
 def last_token_mask(response_mask: torch.Tensor) -> torch.Tensor:
     """1 at each row's last response position, (B, T) float64 (all 0 for an empty row)."""
     mask = response_mask.to(torch.float64)
-    positions = torch.arange(mask.shape[1], dtype=torch.float64)
+    positions = torch.arange(mask.shape[1], dtype=torch.float64, device=mask.device)
     last = (mask * (positions + 1)).argmax(-1)
-    out = torch.zeros_like(mask)
-    out[torch.arange(mask.shape[0]), last] = 1.0
+    out = torch.zeros_like(mask).scatter_(1, last[:, None], 1.0)
     return out * (mask.sum(-1, keepdim=True) > 0)
 
 

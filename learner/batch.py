@@ -4,6 +4,10 @@ Each sample becomes one right-padded row ``prompt + response``. Token t's log-pr
 from the logits at t - 1, so per-token quantities live on the shifted grid (B, L - 1):
 entry j describes token j + 1. ``response_mask`` marks the response tokens there; behavior
 log-probs and versions sit at the same positions.
+
+``collate`` builds the batch on the host (into pinned memory when it is bound for a GPU);
+the learner's step moves it to its device once (``TrainBatch.to``), and everything after
+that is created on the device of the batch's tensors.
 """
 
 from __future__ import annotations
@@ -39,10 +43,24 @@ class TrainBatch(msgspec.Struct, kw_only=True):
     def rows(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, rows: torch.Tensor | slice) -> TrainBatch:
-        """Some rows, with padding columns nobody in them uses trimmed away."""
+    def to(self, device: torch.device, non_blocking: bool = False) -> TrainBatch:
+        """Every tensor on ``device`` (the same batch when they already are there: on the CPU
+        a CPU batch is not copied). ``non_blocking`` from pinned memory overlaps the copy
+        with the host's work."""
+        moved = {f: getattr(self, f).to(device, non_blocking=non_blocking)
+                 for f in self.__struct_fields__}
+        if all(moved[f] is getattr(self, f) for f in self.__struct_fields__):
+            return self
+        return TrainBatch(**moved)
+
+    def select(self, rows: torch.Tensor | slice, width: int | None = None) -> TrainBatch:
+        """Some rows, with padding columns nobody in them uses trimmed away: ``width``, the
+        longest selected row's length when the caller knows it (else read from the mask,
+        a host sync)."""
         picked = {f: getattr(self, f)[rows] for f in self.__struct_fields__}
-        width = int(picked["attention_mask"].sum(-1).max()) if picked["input_ids"].numel() else 1
+        if width is None:
+            width = int(picked["attention_mask"].sum(-1).max()) \
+                if picked["input_ids"].numel() else 1
         for name in ("input_ids", "attention_mask"):
             picked[name] = picked[name][:, :width]
         for name in ("response_mask", "behavior_logprobs", "versions"):
@@ -50,10 +68,22 @@ class TrainBatch(msgspec.Struct, kw_only=True):
         return TrainBatch(**picked)
 
 
+def host_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """(n,) long: host-computed indices on ``device``. On a GPU the copy is asynchronous,
+    from pinned memory (no host sync; torch keeps the pinned block until the copy is done)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.long, device=device)
+    pinned = torch.tensor(values, dtype=torch.long, device="cpu", pin_memory=True)
+    return pinned.to(device, non_blocking=True)
+
+
 def collate(groups: list[RolloutGroup], pad_id: int,
-            group_weights: Sequence[float] = ()) -> TrainBatch:
-    """Pack every sample of every group into one ``TrainBatch``; ``group_weights`` (one per
-    group, or empty for all 1) become the rows' ``sample_weights``."""
+            group_weights: Sequence[float] = (), pin_memory: bool = False) -> TrainBatch:
+    """Pack every sample of every group into one ``TrainBatch`` on the host (every tensor
+    says ``device="cpu"``: this is the host side of the copy); ``group_weights`` (one per
+    group, or empty for all 1) become the rows' ``sample_weights``. ``pin_memory`` (for a
+    learner on a GPU): into page-locked memory, so that ``TrainBatch.to(device,
+    non_blocking=True)`` is an asynchronous copy; ignored where torch has no GPU."""
     samples = [(g_index, s) for g_index, g in enumerate(groups) for s in g.samples]
     if not samples:
         raise ValueError("cannot train on an empty batch")
@@ -62,11 +92,12 @@ def collate(groups: list[RolloutGroup], pad_id: int,
     weights = list(group_weights) or [1.0] * len(groups)
     lengths = [s.prompt_ids.numel() + s.response_ids.numel() for _, s in samples]
     rows, width = len(samples), max(lengths)
-    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((rows, width), dtype=torch.long)
-    response_mask = torch.zeros((rows, width - 1))
-    behavior = torch.zeros((rows, width - 1))
-    versions = torch.full((rows, width - 1), -1, dtype=torch.long)
+    host = dict(device="cpu", pin_memory=pin_memory and torch.cuda.is_available())
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long, **host)
+    attention = torch.zeros((rows, width), dtype=torch.long, **host)
+    response_mask = torch.zeros((rows, width - 1), **host)
+    behavior = torch.zeros((rows, width - 1), **host)
+    versions = torch.full((rows, width - 1), -1, dtype=torch.long, **host)
     for row, (_, s) in enumerate(samples):
         p, r = s.prompt_ids.numel(), s.response_ids.numel()
         input_ids[row, :p] = s.prompt_ids
@@ -78,10 +109,12 @@ def collate(groups: list[RolloutGroup], pad_id: int,
     return TrainBatch(
         input_ids=input_ids, attention_mask=attention, response_mask=response_mask,
         behavior_logprobs=behavior, versions=versions,
-        rewards=torch.tensor([s.reward for _, s in samples], dtype=torch.float32),
-        group_ids=torch.tensor([g for g, _ in samples], dtype=torch.long),
-        response_lengths=torch.tensor([s.response_ids.numel() for _, s in samples]),
-        sample_weights=torch.tensor([weights[g] for g, _ in samples], dtype=torch.float32),
+        rewards=torch.tensor([s.reward for _, s in samples], dtype=torch.float32, **host),
+        group_ids=torch.tensor([g for g, _ in samples], dtype=torch.long, **host),
+        response_lengths=torch.tensor([s.response_ids.numel() for _, s in samples],
+                                      dtype=torch.long, **host),
+        sample_weights=torch.tensor([weights[g] for g, _ in samples], dtype=torch.float32,
+                                    **host),
         baseline_rewards=torch.tensor(
             [math.nan if groups[g].baseline_reward is None else groups[g].baseline_reward
-             for g, _ in samples], dtype=torch.float32))
+             for g, _ in samples], dtype=torch.float32, **host))

@@ -19,12 +19,12 @@ import torch.distributed as dist
 from torch import nn
 from transformers import AutoModel, PretrainedConfig
 
-from algorithms.aggregation import aggregate_loss, count_sequences
+from algorithms.aggregation import aggregate_loss
 from algorithms.value_loss import clipped_value_loss
 from configs.run_schema import CriticConfig
 from learner.attention import ATTENTION, check_relay_attention
 from learner.batch import TrainBatch
-from learner.micro_batches import MicroBatches
+from learner.micro_batches import MicroBatches, mini_batch_totals
 from learner.model import block_classes, enable_activation_checkpointing, shard
 from learner.ulysses import gather_tokens, packed_forward
 from learner.optim import build_optimizer, build_scheduler, clipped_step
@@ -106,14 +106,16 @@ class Critic:
               horizon: int) -> dict[str, float]:
         """Clipped value-loss updates over the actor's mini-batches; rank-reduced metrics."""
         self.model.train()
-        sums = torch.zeros(4, dtype=torch.float64)  # loss*tokens, clipped, error^2, tokens
+        # loss*tokens, clipped, error^2, tokens: on the batch's device, where they are
+        # all-reduced (NCCL on a GPU) and read once at the end
+        sums = torch.zeros(4, dtype=torch.float64, device=batch.response_mask.device)
         grad_norms: list[float] = []
+        mini_totals = mini_batch_totals(batch, minis)
         for _epoch in range(self.config.ppo_epochs):
-            for mini in minis:
+            for mini, mini_total in zip(minis, mini_totals, strict=True):
                 self.optimizer.zero_grad(set_to_none=True)
-                mini_mask = batch.response_mask[mini]
-                totals = dict(num_tokens=float(mini_mask.sum()),
-                              num_seqs=count_sequences(mini_mask), horizon=horizon)
+                totals = dict(num_tokens=mini_total.tokens, num_seqs=mini_total.sequences,
+                              horizon=horizon)
                 for each in micro.passes(batch, mini):
                     rows, part = each.rows, each.part
                     width = part.response_mask.shape[1]
@@ -134,9 +136,10 @@ class Critic:
         self.scheduler.step()
         if dist.is_initialized():
             dist.all_reduce(sums, group=micro.group)
-        tokens = max(float(sums[3]), 1.0)
-        return {"critic/vf_loss": float(sums[0]) / tokens,
-                "critic/vf_clipfrac": float(sums[1]) / tokens,
-                "critic/vf_mse": float(sums[2]) / tokens,
+        loss, clipped, squared_error, tokens = sums.tolist()
+        tokens = max(tokens, 1.0)
+        return {"critic/vf_loss": loss / tokens,
+                "critic/vf_clipfrac": clipped / tokens,
+                "critic/vf_mse": squared_error / tokens,
                 "critic/grad_norm": sum(grad_norms) / len(grad_norms),
                 "critic/lr": self.scheduler.get_last_lr()[0]}

@@ -47,7 +47,9 @@ class ImplicitPRM:
         ``reference_logprobs`` (B, T): pi_ref's log-probs of the batch.
         """
         self.model.train()
-        sums = torch.zeros(3, dtype=torch.float64)  # loss sum, right-side count, sequences
+        # loss sum, right-side count, sequences: on the batch's device, where they are
+        # all-reduced (NCCL on a GPU) and read once at the end
+        sums = torch.zeros(3, dtype=torch.float64, device=batch.response_mask.device)
         grad_norms: list[float] = []
         for mini in minis:
             self.optimizer.zero_grad(set_to_none=True)
@@ -63,14 +65,16 @@ class ImplicitPRM:
                 with torch.no_grad():
                     implicit = ((logprobs - reference) * part.response_mask).sum(-1)
                     right = ((implicit > 0) == (part.rewards > 0.5)).float() * weight
-                    sums += torch.stack([per_sequence.sum(), right.sum(),
-                                         torch.tensor(weight * len(rows))]).double()
+                    sums += torch.stack([per_sequence.sum().double(), right.sum().double(),
+                                         right.new_tensor(weight * len(rows),
+                                                          dtype=torch.float64)])
             grad_norms.append(clipped_step(self.model, self.optimizer, self.config.grad_clip))
         self.scheduler.step()
         if dist.is_initialized():
             dist.all_reduce(sums, group=micro.group)
-        sequences = max(float(sums[2]), 1.0)
-        return {"prm/loss": float(sums[0]) / sequences,
-                "prm/accuracy": float(sums[1]) / sequences,
+        loss, right, sequences = sums.tolist()
+        sequences = max(sequences, 1.0)
+        return {"prm/loss": loss / sequences,
+                "prm/accuracy": right / sequences,
                 "prm/grad_norm": sum(grad_norms) / len(grad_norms),
                 "prm/lr": self.scheduler.get_last_lr()[0]}

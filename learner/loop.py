@@ -163,7 +163,8 @@ class TrainLoop:
         began = time.monotonic()
         waited = 0.0
         batch, waited = self._next_batch(step)
-        train = collate(batch.groups, self.pad_id, batch.weights)
+        train = collate(batch.groups, self.pad_id, batch.weights,
+                        pin_memory=self.learner.device.type == "cuda")
         rollout = {} if self.rank0 is None else batch_metrics(batch, train, self.version,
                                                                self.max_staleness)
         trained_at = time.monotonic()

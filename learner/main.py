@@ -1,10 +1,11 @@
 """The learner: ``torchrun ... -m learner.main --run-dir RUN_DIR`` (started by the launcher).
 
-Parse, build, run, close: the process group (gloo on CPU, NCCL on GPU), the FSDP2 policy
-and optional reference, the optimizer and schedule; rank 0 also builds its link to the
-buffer, the weight server and the MLflow run. A resumed run (``trainer.resume_mode``,
-resolved by the launcher) then loads its checkpoint (``learner.checkpoint``) into all of
-them and continues the MLflow run it names. Then ``learner.loop``.
+Parse, build, run, close: the process group (gloo on CPU; on a GPU NCCL for CUDA tensors
+and gloo for CPU ones), the FSDP2 policy and optional reference, the optimizer and
+schedule; rank 0 also builds its link to the buffer, the weight server and the MLflow
+run. A resumed run (``trainer.resume_mode``, resolved by the launcher) then loads its
+checkpoint (``learner.checkpoint``) into all of them and continues the MLflow run it names.
+Then ``learner.loop``.
 """
 
 from __future__ import annotations
@@ -131,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     if placement.threads:
         torch.set_num_threads(placement.threads)
     device = learner_device(placement.device, int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=timedelta(minutes=30))
+    if device.type == "cuda":  # CPU tensors' collectives on gloo, CUDA tensors' on NCCL
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device,
+                                timeout=timedelta(minutes=30))
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(minutes=30))
     cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
     rank = dist.get_rank()
     torch.manual_seed(run.trainer.seed)

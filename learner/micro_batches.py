@@ -39,10 +39,16 @@ world's size, before its backward.
 
 The actor's update, its up-front log-prob passes, the critic and the implicit PRM all walk
 their batches with ``MicroBatches``.
+
+The cut is decided on the host from one read of the mini-batch's lengths (and group ids with
+``share_prompts``); the rows of each pass are slices of index tensors on the batch's device,
+and a pass's width is known without reading its mask again, so walking a mini-batch costs
+one host sync (two when the ranks compare their pass counts), whatever its number of passes.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -52,6 +58,31 @@ import torch.distributed as dist
 
 from learner.batch import TrainBatch
 from learner.ulysses import SequenceParallel
+
+
+class MiniBatchTotals(msgspec.Struct, frozen=True):
+    """A mini-batch's loss denominators: its response tokens and the rows that have any."""
+
+    tokens: float
+    sequences: int
+
+
+def mini_batch_totals(batch: TrainBatch, minis: list[torch.Tensor]) -> list[MiniBatchTotals]:
+    """``MiniBatchTotals`` of each mini-batch (row indices), read in one host sync."""
+    if not minis:
+        return []
+    masks = [batch.response_mask[mini] for mini in minis]
+    counts = torch.stack([torch.stack([mask.sum(), (mask.sum(-1) > 0).sum().to(mask.dtype)])
+                          for mask in masks]).tolist()
+    return [MiniBatchTotals(tokens=tokens, sequences=int(sequences))
+            for tokens, sequences in counts]
+
+
+class _Chunk(msgspec.Struct, frozen=True):
+    """A pass's rows (indices on the batch's device) and its longest row's length."""
+
+    rows: torch.Tensor
+    width: int
 
 
 class MicroBatch(msgspec.Struct, frozen=True):
@@ -98,89 +129,128 @@ class MicroBatches:
 
     def passes(self, batch: TrainBatch, mini: torch.Tensor) -> Iterator[MicroBatch]:
         """This rank's micro-batches of the mini-batch ``mini``, as many as every rank's."""
+        device = batch.input_ids.device
         if self.share_prompts:
             chunks = self._group_chunks(batch, mini)
-            count = self._most(len(chunks))
+            count = self._most(len(chunks), device)
         else:
             chunks, count = self._row_chunks(batch, mini)
         for index in range(count):
-            chunk = chunks[index] if index < len(chunks) else mini[:0]
-            rows, weight = (chunk, 1.0) if len(chunk) else (mini[:1], 0.0)
-            yield MicroBatch(rows=rows, part=batch.select(rows), weight=weight)
+            if index < len(chunks):
+                chunk = chunks[index]
+                yield MicroBatch(rows=chunk.rows, part=batch.select(chunk.rows, chunk.width),
+                                 weight=1.0)
+            else:  # a stand-in pass (module docstring)
+                yield MicroBatch(rows=mini[:1], part=batch.select(mini[:1]), weight=0.0)
 
     def _row_chunks(self, batch: TrainBatch, mini: torch.Tensor
-                    ) -> tuple[list[torch.Tensor], int]:
+                    ) -> tuple[list[_Chunk], int]:
         """This rank's rows of ``mini`` by length in passes, and every rank's pass count."""
         mine = mini[self.rank::self.world]
         lengths = batch.attention_mask[mine].sum(-1)
         order = lengths.argsort(stable=True)
-        mine, lengths = mine[order], lengths[order]
+        mine = mine[order]
+        sorted_lengths = lengths[order].tolist()  # the mini-batch's one host read
         if self.max_token_len is None:
             most = math.ceil(len(mini) / self.world)
             count = math.ceil(most / self.micro_batch_size)
-            return (list(torch.tensor_split(mine, count)) if len(mine) else []), count
-        chunks = _by_token_budget(mine, lengths.tolist(), self.max_token_len)
-        return chunks, self._most(len(chunks))
+            spans = _even_spans(len(sorted_lengths), count)
+        else:
+            spans = _by_token_budget(sorted_lengths, self.max_token_len)
+            count = self._most(len(spans), mini.device)
+        return [_Chunk(rows=mine[start:end], width=sorted_lengths[end - 1])
+                for start, end in spans], count
 
-    def _group_chunks(self, batch: TrainBatch, mini: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's rows of ``mini`` in passes of whole prompt groups (``share_prompts``)."""
+    def _group_chunks(self, batch: TrainBatch, mini: torch.Tensor) -> list[_Chunk]:
+        """This rank's rows of ``mini`` in passes of whole prompt groups (``share_prompts``).
+        The rows are sorted by group (stable: a group's rows keep their order), so that a
+        group, and each part of a split group, is a slice of them."""
         ids = batch.group_ids[mini]
-        groups = torch.unique(ids)[self.rank::self.world]
-        total = batch.attention_mask.sum(-1)
-        units: list[tuple[int, torch.Tensor]] = []  # (packed length, rows)
-        for group in groups.tolist():
-            rows = mini[ids == group]
-            prompt = int(total[rows[0]] - batch.response_lengths[rows[0]])
-            for part in self._split_group(rows, prompt, batch.response_lengths):
-                units.append((prompt + int(batch.response_lengths[part].sum()), part))
+        order = ids.argsort(stable=True)
+        by_group = mini[order]
+        group_of, total, response = torch.stack([
+            ids[order], batch.attention_mask[by_group].sum(-1),
+            batch.response_lengths[by_group]]).tolist()  # the mini-batch's one host read
+        spans = _runs(group_of)[self.rank::self.world]  # this rank's groups
+        units: list[tuple[int, int, int]] = []  # (packed length, start, end) in by_group
+        for start, end in spans:
+            prompt = total[start] - response[start]
+            for part_start, part_end in self._split_group(prompt, response[start:end]):
+                units.append((prompt + sum(response[start + part_start:start + part_end]),
+                              start + part_start, start + part_end))
         units.sort(key=lambda unit: unit[0])
-        chunks: list[torch.Tensor] = []
-        current: list[torch.Tensor] = []
+        chunks: list[_Chunk] = []
+        current: list[tuple[int, int, int]] = []
         rows_in = 0
-        for length, rows in units:
-            fits = (rows_in + len(rows) <= self.micro_batch_size if self.max_token_len is None
+        for unit in units:
+            length, start, end = unit
+            fits = (rows_in + end - start <= self.micro_batch_size
+                    if self.max_token_len is None
                     else (len(current) + 1) * length <= self.max_token_len)
             if current and not fits:
-                chunks.append(torch.cat(current))
+                chunks.append(_packed_chunk(by_group, current, total))
                 current, rows_in = [], 0
-            current.append(rows)
-            rows_in += len(rows)
+            current.append(unit)
+            rows_in += end - start
         if current:
-            chunks.append(torch.cat(current))
+            chunks.append(_packed_chunk(by_group, current, total))
         return chunks
 
-    def _split_group(self, rows: torch.Tensor, prompt: int,
-                     response_lengths: torch.Tensor) -> list[torch.Tensor]:
-        """A group's rows in parts that fit one pass (one row at least per part)."""
-        parts: list[torch.Tensor] = []
+    def _split_group(self, prompt: int, response_lengths: list[int]) -> list[tuple[int, int]]:
+        """A group's rows (with these response lengths) in parts that fit one pass (one row
+        at least per part), as (start, end) offsets."""
+        parts: list[tuple[int, int]] = []
         start, length = 0, prompt
-        for end in range(len(rows)):
-            extra = int(response_lengths[rows[end]])
+        for end, extra in enumerate(response_lengths):
             fits = (end - start < self.micro_batch_size if self.max_token_len is None
                     else length + extra <= self.max_token_len)
             if end > start and not fits:
-                parts.append(rows[start:end])
+                parts.append((start, end))
                 start, length = end, prompt
             length += extra
-        parts.append(rows[start:])
+        parts.append((start, len(response_lengths)))
         return parts
 
-    def _most(self, count: int) -> int:
-        """The largest ``count`` over the ranks."""
+    def _most(self, count: int, device: torch.device) -> int:
+        """The largest ``count`` over the ranks (a collective on ``device``, the batch's:
+        NCCL's on a GPU)."""
         if self.world == 1:
             return count
-        value = torch.tensor([count])
+        value = torch.tensor([count], device=device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
         return int(value)
 
 
-def _by_token_budget(rows: torch.Tensor, lengths: list[int], budget: int) -> list[torch.Tensor]:
-    """Cut ``rows`` (sorted by ascending ``lengths``) into runs whose size times their
-    longest (last) row's length stays within ``budget``."""
-    chunks, start = [], 0
+def _packed_chunk(rows: torch.Tensor, units: list[tuple[int, int, int]],
+                  lengths: list[int]) -> _Chunk:
+    """The pass of ``units`` ((packed length, start, end) slices of ``rows``, whose lengths
+    are ``lengths``)."""
+    return _Chunk(rows=torch.cat([rows[start:end] for _, start, end in units]),
+                  width=max(max(lengths[start:end]) for _, start, end in units))
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each run of equal neighbours in ``values``."""
+    bounds = [0] + [i for i in range(1, len(values)) if values[i] != values[i - 1]]
+    return list(zip(bounds, bounds[1:] + [len(values)]))
+
+
+def _even_spans(size: int, count: int) -> list[tuple[int, int]]:
+    """``torch.tensor_split``'s cut of ``size`` items into ``count`` parts (the first
+    ``size % count`` one longer), as (start, end), leaving out the empty parts (there are
+    ``count`` passes all the same: the missing ones are stand-ins)."""
+    base, longer = divmod(size, count)
+    sizes = [base + (part < longer) for part in range(count)]
+    return [(end - n, end) for n, end in zip(sizes, itertools.accumulate(sizes)) if n]
+
+
+def _by_token_budget(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Cut rows sorted by ascending ``lengths`` into runs whose size times their longest
+    (last) row's length stays within ``budget``, as (start, end)."""
+    spans, start = [], 0
     for end in range(1, len(lengths) + 1):
         if end < len(lengths) and (end + 1 - start) * lengths[end] <= budget:
             continue
-        chunks.append(rows[start:end])
+        spans.append((start, end))
         start = end
-    return chunks
+    return spans

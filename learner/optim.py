@@ -43,19 +43,22 @@ def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
 
 
 def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
-                 offload_state: bool = False) -> float:
+                 offload_state: bool = False, device: torch.device | None = None) -> float:
     """Clip the gradient norm to ``max_norm`` and step, unless the norm is NaN/inf.
 
-    Returns the norm before clipping (the full norm across FSDP shards). A non-finite
-    gradient is discarded instead of stepped on. ``offload_state``
+    Returns the norm before clipping (``grad_norm``: the full norm across FSDP shards). A
+    non-finite gradient is discarded instead of stepped on; reading the norm to decide is
+    the optimizer step's one host sync. ``device``: where the model computes (the
+    learner's device; default: where the gradients are). ``offload_state``
     (``actor.fsdp_config.optimizer_offload``): the optimizer's state comes to its
     parameters' device for the step and goes back to the CPU after it.
     """
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    norm = float(grad_norm)
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = local_grad_norm(params, device)
+    full = total.full_tensor() if hasattr(total, "full_tensor") else total
+    norm = float(full)
     if math.isfinite(norm):
+        nn.utils.clip_grads_with_norm_(params, max_norm, total)
         if offload_state:
             move_optimizer_state(optimizer, to_cpu=False)
         optimizer.step()
@@ -63,6 +66,23 @@ def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: f
             move_optimizer_state(optimizer, to_cpu=True)
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+def local_grad_norm(params: list[nn.Parameter], device: torch.device | None) -> torch.Tensor:
+    """||g||_2 of the gradients of ``params``, on ``device``. Under FSDP2 it is a DTensor
+    holding this rank's part (each rank's shards' norm): the ranks combine their parts,
+
+        ||g||_2 = (sum over ranks r of ||g_r||_2^2)^(1/2),
+
+    in a collective when it is read (``full_tensor``) or used in arithmetic (the clipping),
+    on the device the tensor is on. So it is moved to ``device`` first, as verl's
+    ``fsdp2_clip_grad_norm_`` does: under ``actor.fsdp_config.param_offload`` the
+    gradients are on the CPU, and the collective must run on the learner's device (NCCL
+    on a GPU). A no-op on the CPU."""
+    total = nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if device is None or total.device == device:
+        return total
+    return total.to(device, non_blocking=True)
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, to_cpu: bool) -> None:

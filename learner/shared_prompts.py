@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from learner.batch import TrainBatch
+from learner.batch import TrainBatch, host_index
 
 # families whose attention is plain causal softmax attention over RoPE'd queries and keys
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -103,19 +103,28 @@ def pack(batch: TrainBatch) -> PackedRows:
     tokens share a stretch of it (their prompt once, then each response); any other row gets
     a stretch of its own.
 
-    Only the grouping is a Python loop over rows; every position is placed by tensor ops:
-    row r's position j sits at packed position ``base[r] + j`` in its prompt and
+    Only the grouping is a Python loop over rows, on the host values of one read (each row's
+    group, lengths, and whether its prompt is its group's first row's, compared on the
+    batch's device); every position is placed by tensor ops on the batch's device: row r's
+    position j sits at packed position ``base[r] + j`` in its prompt and
     ``start[r] + j - p[r]`` in its response (``source``); a sequence's prompt queries are
     asked by its prompt row, each response's by its response row."""
+    device = batch.input_ids.device
     total = batch.attention_mask.sum(-1)
     response = batch.response_lengths
     prompt = total - response
-    prompts, lengths = prompt.tolist(), response.tolist()
-    sequences: dict[tuple, list[int]] = {}
-    for row, (group, p) in enumerate(zip(batch.group_ids.tolist(), prompts)):
-        key = (group, tuple(batch.input_ids[row, :p].tolist()))
-        sequences.setdefault(key, []).append(row)
     rows, row_width = batch.attention_mask.shape
+    column = torch.arange(row_width, device=device)[None]  # (1, L)
+    in_prompt = column < prompt[:, None]
+    in_row = column < total[:, None]
+    groups, prompts, lengths, same_prompt = torch.stack(
+        [batch.group_ids, prompt, response, _shares_first_prompt(batch, prompt, in_prompt)]
+    ).tolist()  # the pass's one host read
+    sequences: dict[tuple, list[int]] = {}
+    for row, (group, p) in enumerate(zip(groups, prompts)):
+        # a row that differs from its group's first (rare) is keyed by its own tokens
+        key = (group,) if same_prompt[row] else (group, *batch.input_ids[row, :p].tolist())
+        sequences.setdefault(key, []).append(row)
     base, start, first_rows = [0] * rows, [0] * rows, []  # packed starts of prompt, response
     offset = 0
     for members in sequences.values():
@@ -124,51 +133,77 @@ def pack(batch: TrainBatch) -> PackedRows:
         for row in members:
             base[row] = sequence_base
             start[row], offset = offset, offset + lengths[row]
-    base_t, start_t = torch.tensor(base), torch.tensor(start)
-    column = torch.arange(row_width)[None]  # (1, L)
-    in_prompt = column < prompt[:, None]
-    in_row = column < total[:, None]
+    base_t, start_t, firsts = host_index(base + start + first_rows, device).split(
+        [rows, rows, len(first_rows)])
     source = torch.where(in_prompt, base_t[:, None] + column,
                          torch.where(in_row, start_t[:, None] + column - prompt[:, None],
                                      base_t[:, None]))
-    input_ids = torch.zeros((1, offset), dtype=torch.long)
-    position_ids = torch.zeros((1, offset), dtype=torch.long)
-    input_ids[0, source[in_row]] = batch.input_ids[in_row]  # a shared prompt: same values
-    position_ids[0, source[in_row]] = column.expand(rows, -1)[in_row]
+    # every real position to its packed place, padding to a spare last slot (dropped); a
+    # shared prompt's rows write the same values to the same places
+    target = torch.where(in_row, source, offset).flatten()
+    input_ids = batch.input_ids.new_zeros(offset + 1).scatter_(
+        0, target, batch.input_ids.flatten())[None, :offset]
+    position_ids = batch.input_ids.new_zeros(offset + 1).scatter_(
+        0, target, column.expand(rows, -1).flatten())[None, :offset]
     # row position p - 1 + i predicts response token i (as in learner.batch.collate)
-    grid_rows = torch.repeat_interleave(torch.arange(rows), response)
-    ends = response.cumsum(0)
-    within = torch.arange(int(ends[-1]) if rows else 0) - (ends - response)[grid_rows]
+    grid_rows, within = _ranges(response, sum(lengths))
     grid_columns = prompt[grid_rows] - 1 + within
-    firsts = torch.tensor(first_rows, dtype=torch.long)
+    first_prompts = [prompts[row] for row in first_rows]
     prompt_rows = _attention_rows(source[firsts], first_query=torch.zeros_like(firsts),
-                                  queries=prompt[firsts], keys=prompt[firsts])
-    response_rows = _attention_rows(source, first_query=prompt, queries=response, keys=total)
+                                  queries=prompt[firsts], keys=prompt[firsts],
+                                  sizes=(max(first_prompts, default=0), max(first_prompts,
+                                                                            default=0),
+                                         sum(first_prompts)))
+    response_rows = _attention_rows(source, first_query=prompt, queries=response, keys=total,
+                                    sizes=(max(lengths, default=0),
+                                           max(map(sum, zip(prompts, lengths)), default=0),
+                                           sum(lengths)))
     return PackedRows(input_ids=input_ids, position_ids=position_ids, source=source,
                       rows=(prompt_rows, response_rows),
                       predictors=source[grid_rows, grid_columns], grid_rows=grid_rows,
                       grid_columns=grid_columns)
 
 
+def _shares_first_prompt(batch: TrainBatch, prompt: torch.Tensor,
+                         in_prompt: torch.Tensor) -> torch.Tensor:
+    """(B,) long: 1 where a row's prompt (length and tokens) is that of the first row of its
+    group in the batch."""
+    first = (batch.group_ids[:, None] == batch.group_ids[None, :]).long().argmax(-1)
+    same_tokens = ((batch.input_ids == batch.input_ids[first]) | ~in_prompt).all(-1)
+    return (same_tokens & (prompt == prompt[first])).long()
+
+
+def _ranges(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Items listed row by row, ``counts[r]`` of them in row r (``total`` in all, known on
+    the host): (row, index within the row) of each, both (total,) long on ``counts``'s
+    device, computed without a host sync."""
+    row = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts,
+                                  output_size=total)
+    starts = counts.cumsum(0) - counts
+    return row, torch.arange(total, device=counts.device) - starts[row]
+
+
 def _attention_rows(source: torch.Tensor, *, first_query: torch.Tensor, queries: torch.Tensor,
-                    keys: torch.Tensor) -> AttentionRows:
+                    keys: torch.Tensor, sizes: tuple[int, int, int]) -> AttentionRows:
     """Rows whose keys are their row positions ``0..keys[r]-1`` and whose queries are row
     positions ``first_query[r]..first_query[r]+queries[r]-1`` (``source`` maps row positions
-    to packed positions). Every row has at least one key (its first prompt token), which
-    its padding queries attend to."""
+    to packed positions); ``sizes``: the most queries and keys of a row and the number of
+    queries, read on the host by ``pack``. Every row has at least one key (its first prompt
+    token), which its padding queries attend to."""
     row_width = source.shape[1]
-    most_queries = max(int(queries.max()), 1)
-    most_keys = int(keys.max())
-    index = torch.arange(most_queries)[None]
+    most_keys, total_queries = sizes[1], sizes[2]
+    most_queries = max(sizes[0], 1)
+    index = torch.arange(most_queries, device=source.device)[None]
     query_valid = index < queries[:, None]
     query_position = first_query[:, None] + index
     query_index = torch.where(query_valid,
                               source.gather(1, query_position.clamp(max=row_width - 1)), 0)
     query_position = torch.where(query_valid, query_position, 0)
-    key_position = torch.arange(most_keys)
+    key_position = torch.arange(most_keys, device=source.device)
     key_valid = key_position[None, :] < keys[:, None]
     attend = key_valid[:, None, :] & (key_position[None, None, :] <= query_position[:, :, None])
-    valid_queries = query_valid.flatten().nonzero().squeeze(1)
+    query_rows, query_within = _ranges(queries, total_queries)
+    valid_queries = query_rows * most_queries + query_within  # flat (R * Q) index
     return AttentionRows(query_index=query_index, query_valid=query_valid,
                          key_index=source[:, :most_keys], attend=attend[:, None],
                          bias=_additive_mask(attend[:, None])

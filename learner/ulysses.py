@@ -127,29 +127,31 @@ class PackedTokens(msgspec.Struct, frozen=True):
 
 def pack_tokens(batch: TrainBatch, multiple: int) -> PackedTokens:
     """Pack ``batch``'s rows (module docstring); grid entry (b, j) is row b's position j,
-    which predicts its token j + 1."""
-    lengths = batch.attention_mask.sum(-1).tolist()
+    which predicts its token j + 1. One host read (the rows' lengths, for the packed length
+    and ``cu_seqlens``); every tensor is placed on the batch's device by tensor ops."""
+    length = batch.attention_mask.sum(-1)
+    lengths = length.tolist()  # the pass's one host read
     total = sum(lengths)
     padded = math.ceil(total / multiple) * multiple
-    input_ids = torch.zeros(padded, dtype=torch.long)
-    position_ids = torch.zeros(padded, dtype=torch.long)
-    labels = torch.zeros(padded, dtype=torch.long)
-    rows, grid = batch.response_mask.shape
-    source = torch.zeros((rows, grid), dtype=torch.long)
-    valid = torch.zeros((rows, grid), dtype=torch.bool)
-    offset = 0
-    for row, length in enumerate(lengths):
-        tokens = batch.input_ids[row, :length]
-        end = offset + length
-        input_ids[offset:end] = tokens
-        position_ids[offset:end] = torch.arange(length)
-        labels[offset:end - 1] = tokens[1:]
-        source[row, :length - 1] = torch.arange(offset, end - 1)
-        valid[row, :length - 1] = True
-        offset = end
+    rows, width = batch.input_ids.shape
+    grid = batch.response_mask.shape[1]
+    column = torch.arange(width, device=length.device)[None]  # (1, L)
+    place = (length.cumsum(0) - length)[:, None] + column  # the packed position of (b, j)
+    # each row's tokens to their packed places, padding to a spare last slot (dropped)
+    target = torch.where(column < length[:, None], place, padded).flatten()
+    valid = column[:, :grid] < (length - 1)[:, None]  # (B, L - 1): j + 1 is in the row
+    source = torch.where(valid, place[:, :grid], 0)
+
+    def packed(index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """(1, T) with ``values`` at the packed positions ``index`` (``padded``: nowhere)."""
+        return values.new_zeros(padded + 1).scatter_(0, index, values.flatten())[None, :padded]
+
     ends = itertools.accumulate(lengths + [1] * (padded - total))  # padding: one token each
-    return PackedTokens(input_ids=input_ids[None], position_ids=position_ids[None],
-                        labels=labels[None], cu_seqlens=(0, *ends), source=source, valid=valid)
+    return PackedTokens(input_ids=packed(target, batch.input_ids),
+                        position_ids=packed(target, column.expand(rows, -1)),
+                        labels=packed(torch.where(valid, source, padded).flatten(),
+                                      batch.input_ids[:, 1:grid + 1]),
+                        cu_seqlens=(0, *ends), source=source, valid=valid)
 
 
 def _all_to_all(tensor: torch.Tensor, scatter_dim: int, gather_dim: int,

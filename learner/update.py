@@ -68,7 +68,7 @@ from algorithms.advantages import (
     group_sum,
     token_level_rewards,
 )
-from algorithms.aggregation import aggregate_loss, count_sequences
+from algorithms.aggregation import aggregate_loss
 from algorithms.kl import kl_penalty, kl_reward_penalty, make_kl_controller
 from algorithms.off_policy import Correction, a3po_proximal_logprobs, off_policy_correction
 from algorithms.policy_loss import (
@@ -82,7 +82,7 @@ from configs.run_schema import ActorConfig, AlgorithmConfig, RefConfig
 from learner.batch import TrainBatch
 from learner.critic import Critic
 from learner.implicit_prm import ImplicitPRM
-from learner.micro_batches import MicroBatches
+from learner.micro_batches import MicroBatches, MiniBatchTotals, mini_batch_totals
 from learner.model import forward_logprobs
 from learner.shared_prompts import unsupported
 from learner.ulysses import Parallelism
@@ -113,30 +113,83 @@ def group_td_errors(returns: torch.Tensor, values: torch.Tensor, response_mask: 
 
 
 class _Sums:
-    """Diagnostics as sums (and maxima), all-reduced once at the end of the step."""
+    """Diagnostics as sums (and maxima) over the step's passes. A tensor is accumulated as
+    a float64 tensor on its device, never read back per pass; a Python number stays on the
+    host. ``reduced`` all-reduces both kinds on ``device`` (the collectives of the learner's
+    device: NCCL on a GPU, gloo on the CPU) and reads them back once: the step's one host
+    sync for its diagnostics."""
 
-    def __init__(self) -> None:
-        self.values: dict[str, float] = {}
-        self.maxima: dict[str, float] = {}
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.values: dict[str, torch.Tensor | float] = {}
+        self.maxima: dict[str, torch.Tensor | float] = {}
 
     def add(self, name: str, value: torch.Tensor | float) -> None:
-        self.values[name] = self.values.get(name, 0.0) + float(value)
+        if torch.is_tensor(value):
+            value = value.detach().double()
+        self.values[name] = self.values.get(name, 0.0) + value
 
-    def max(self, name: str, value: float) -> None:
-        self.maxima[name] = max(self.maxima.get(name, -math.inf), value)
+    def max(self, name: str, value: torch.Tensor | float) -> None:
+        if torch.is_tensor(value):
+            value = value.detach().double()
+        old = self.maxima.get(name)
+        if old is None:
+            self.maxima[name] = value
+        elif torch.is_tensor(old) or torch.is_tensor(value):
+            self.maxima[name] = torch.maximum(self._on_device(old), self._on_device(value))
+        else:
+            self.maxima[name] = max(old, value)
 
     def reduced(self, group: dist.ProcessGroup | None) -> dict[str, float]:
-        return {**_all_reduce(self.values, dist.ReduceOp.SUM, group),
-                **_all_reduce(self.maxima, dist.ReduceOp.MAX, group)}
+        """Every sum (over the ranks of ``group``) and maximum, read in one host sync."""
+        sums, maxima = self._packed(self.values), self._packed(self.maxima)
+        if dist.is_initialized():
+            if self.values:
+                dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+            if self.maxima:
+                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        names = [*sorted(self.values), *sorted(self.maxima)]
+        return dict(zip(names, torch.cat([sums, maxima]).tolist()))
+
+    def _on_device(self, value: torch.Tensor | float) -> torch.Tensor:
+        if torch.is_tensor(value):
+            return value.to(self.device)
+        return torch.tensor(value, dtype=torch.float64, device=self.device)
+
+    def _packed(self, entries: dict[str, torch.Tensor | float]) -> torch.Tensor:
+        """(n,) float64 on ``device``: the entries in name order."""
+        if not entries:
+            return torch.zeros(0, dtype=torch.float64, device=self.device)
+        return torch.stack([self._on_device(entries[name]) for name in sorted(entries)])
 
 
-def _all_reduce(values: dict[str, float], op: dist.ReduceOp,
-                group: dist.ProcessGroup | None) -> dict[str, float]:
-    names = sorted(values)
-    packed = torch.tensor([values[n] for n in names], dtype=torch.float64)
-    if dist.is_initialized() and names:
-        dist.all_reduce(packed, op=op, group=group)
-    return dict(zip(names, packed.tolist()))
+def compute_device(model: nn.Module) -> torch.device:
+    """The device ``model`` computes on: that of its parameters, or for an FSDP2 model that
+    of its mesh (under ``actor.fsdp_config.param_offload`` the parameters stay on the CPU
+    and are brought to the mesh's device for each pass), this process's current GPU on a
+    CUDA mesh (``learner.model.learner_device`` set it), as FSDP2 itself resolves it."""
+    param = next(model.parameters())
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None or mesh.device_type == "cpu":
+        return param.device if mesh is None else torch.device("cpu")
+    return torch.device(mesh.device_type,
+                        torch.get_device_module(mesh.device_type).current_device())
+
+
+def peak_memory_gb(device: torch.device) -> dict[str, float]:
+    """``perf/max_memory_allocated_gb``: the most GiB (2^30 bytes, verl's "gb") torch held
+    on ``device`` since the last ``reset_peak_memory`` (the step's peak), on a GPU. Left out
+    on the CPU: the process's peak resident memory cannot be reset per step
+    (``tools/bench-learner.py`` samples it)."""
+    if device.type != "cuda":
+        return {}
+    return {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak for ``peak_memory_gb`` (GPU only)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 class Learner:
@@ -155,8 +208,11 @@ class Learner:
                  temperature: float, horizon: int, num_prompts: int,
                  critic_warmup: int = 0, reference: nn.Module | None = None,
                  critic: Critic | None = None, prm: ImplicitPRM | None = None,
-                 parallelism: Parallelism | None = None) -> None:
+                 parallelism: Parallelism | None = None,
+                 device: torch.device | None = None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        # where every step computes: its batch is moved there first (``step``)
+        self.device = device or compute_device(model)
         self.actor, self.algorithm = actor, algorithm
         self.temperature, self.horizon = temperature, horizon
         self.critic_warmup = critic_warmup
@@ -204,8 +260,12 @@ class Learner:
                         "KL-loss terms", mode, self.pg_agg_mode, actor.loss_agg_mode)
 
     def step(self, batch: TrainBatch, version: int = 0) -> StepResult:
-        """One learner step on the global ``batch`` by the policy at ``version``."""
+        """One learner step on the global ``batch`` by the policy at ``version``. The batch
+        (collated on the host) is moved to the learner's device first, asynchronously from
+        pinned memory; on the CPU this moves nothing."""
         actor, algorithm = self.actor, self.algorithm
+        batch = batch.to(self.device, non_blocking=True)
+        reset_peak_memory(self.device)
         minis = self.micro.mini_batches(batch)
         updates = actor.ppo_epochs * len(minis)
         self.model.train()
@@ -229,7 +289,7 @@ class Learner:
                 algorithm.kl_penalty)
             extra["actor/reward_kl_coef"] = self.kl_ctrl.value
             extra["actor/reward_kl"] = float(sequence_kl.mean())
-            self.kl_ctrl.update(float(sequence_kl.mean()), n_steps=batch.rows)
+            self.kl_ctrl.update(extra["actor/reward_kl"], n_steps=batch.rows)
         inputs = AdvantageInputs(rewards=batch.rewards, group_ids=batch.group_ids,
                                  response_mask=batch.response_mask, token_rewards=token_rewards,
                                  baseline_rewards=self._greedy_baselines(batch), kept_mask=kept)
@@ -244,7 +304,8 @@ class Learner:
                                            self.horizon))
             if self.steps_done < self.critic_warmup:
                 self.steps_done += 1
-                return StepResult({**extra, "actor/updates_skipped": float(updates)}, td_errors,
+                return StepResult({**extra, **self._peak_memory(),
+                                   "actor/updates_skipped": float(updates)}, td_errors,
                                   policy_updated=False)
         elif self.prm is not None:
             advantages, extra_prm = self._prime_advantages(batch, minis, reference, kept)
@@ -253,23 +314,30 @@ class Learner:
             advantages = compute_advantages(
                 algorithm.adv_estimator, inputs,
                 norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo, gamma=algorithm.gamma)
-        sums = _Sums()
+        sums = _Sums(self.device)
         grad_norms: list[float] = []
+        totals = mini_batch_totals(batch, minis)
         for epoch in range(actor.ppo_epochs):
             for index, mini in enumerate(minis):
                 self.optimizer.zero_grad(set_to_none=True)
                 done = epoch * len(minis) + index
-                self._accumulate(batch, mini, advantages, proximal, reference, correction,
-                                 version + done / updates, version, sums)
+                self._accumulate(batch, mini, totals[index], advantages, proximal, reference,
+                                 correction, version + done / updates, version, sums)
                 grad_norms.append(self._optimizer_step(sums))
         self.scheduler.step()
+        for name, value in peak_memory_gb(self.device).items():
+            sums.max(name, value)
         stats = sums.reduced(self.group)
         tokens = max(stats.get("tokens", 0.0), 1.0)
         metrics = {name.removesuffix("_sum"): value / tokens for name, value in stats.items()
                    if name.endswith("_sum")}
         metrics.update(extra)
+        metrics.update({name: stats[name] for name in peak_memory_gb(self.device)})
+        importance_weight_max = stats.get("actor/importance_weight_max", -math.inf)
         metrics.update({
-            "actor/importance_weight_max": stats.get("actor/importance_weight_max", 0.0),
+            # -inf: no pass of the step had a response token
+            "actor/importance_weight_max": importance_weight_max
+            if math.isfinite(importance_weight_max) else 0.0,
             "actor/grad_norm": sum(grad_norms) / updates,
             "actor/lr": self.scheduler.get_last_lr()[0],
             "actor/updates_skipped": stats.get("skipped", 0.0) / self.world,
@@ -281,6 +349,13 @@ class Learner:
         return StepResult(metrics, td_errors)
 
     # -- internals ----------------------------------------------------------------------
+
+    def _peak_memory(self) -> dict[str, float]:
+        """``peak_memory_gb``, the largest over the data-parallel ranks."""
+        sums = _Sums(self.device)
+        for name, value in peak_memory_gb(self.device).items():
+            sums.max(name, value)
+        return sums.reduced(self.group) if sums.maxima else {}
 
     def _greedy_baselines(self, batch: TrainBatch) -> torch.Tensor | None:
         """ReMax's baselines (B,), or None for the other estimators."""
@@ -332,13 +407,12 @@ class Learner:
             dist.all_reduce(out, group=self.group)
         return out
 
-    def _accumulate(self, batch: TrainBatch, mini: torch.Tensor, advantages: torch.Tensor,
-                    proximal: torch.Tensor | None, reference: torch.Tensor | None,
-                    correction: Correction | None, current_version: float, version: int,
-                    sums: _Sums) -> None:
+    def _accumulate(self, batch: TrainBatch, mini: torch.Tensor, mini_totals: MiniBatchTotals,
+                    advantages: torch.Tensor, proximal: torch.Tensor | None,
+                    reference: torch.Tensor | None, correction: Correction | None,
+                    current_version: float, version: int, sums: _Sums) -> None:
         actor = self.actor
-        mini_mask = batch.response_mask[mini]
-        totals = dict(num_tokens=float(mini_mask.sum()), num_seqs=count_sequences(mini_mask),
+        totals = dict(num_tokens=mini_totals.tokens, num_seqs=mini_totals.sequences,
                       horizon=self.horizon)
         trained = self._rows_with_advantage(batch, mini, advantages)
         sums.add("rows_skipped", float(len(mini) - len(trained)) / self.world)
@@ -389,7 +463,8 @@ class Learner:
         if not self.skips_zero_advantage:
             return mini
         signal = ((advantages[mini] != 0) & (batch.response_mask[mini] > 0)).any(-1)
-        return mini[signal] if bool(signal.any()) else mini
+        trained = mini[signal]
+        return trained if len(trained) else mini
 
     def _proximal(self, logprobs: torch.Tensor, part: TrainBatch, proximal: torch.Tensor | None,
                   rows: torch.Tensor, current_version: float, version: int) -> torch.Tensor:
@@ -418,13 +493,14 @@ class Learner:
         sums.add("actor/rejected_frac_sum", (mask - kept).sum())
         proximal_gap = (proximal - part.behavior_logprobs).abs()
         sums.add("actor/behav_prox_logprob_gap_sum", (proximal_gap * mask).sum())
-        on_response = raw_weight[mask > 0]
-        if on_response.numel():
-            sums.max("actor/importance_weight_max", float(on_response.max()))
+        # the largest on the response (-inf for a pass without response tokens)
+        sums.max("actor/importance_weight_max",
+                 torch.where(mask > 0, raw_weight, -math.inf).max())
 
     def _optimizer_step(self, sums: _Sums) -> float:
         norm = clipped_step(self.model, self.optimizer, self.actor.grad_clip,
-                            offload_state=self.actor.fsdp_config.optimizer_offload)
+                            offload_state=self.actor.fsdp_config.optimizer_offload,
+                            device=self.device)
         if not math.isfinite(norm):
             sums.add("skipped", 1.0)  # the step was not taken
         return norm
