@@ -79,7 +79,7 @@ def last_token_mask(response_mask: torch.Tensor) -> torch.Tensor:
     mask = response_mask.to(torch.float64)
     positions = torch.arange(mask.shape[1], dtype=torch.float64, device=mask.device)
     last = (mask * (positions + 1)).argmax(-1)
-    out = torch.zeros_like(mask).scatter_(1, last[:, None], 1.0)
+    out = torch.zeros_like(mask).scatter_(1, last.unsqueeze(-1), 1.0)
     return out * (mask.sum(-1, keepdim=True) > 0)
 
 
