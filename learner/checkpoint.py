@@ -33,17 +33,24 @@ Resuming (``load_checkpoint``) puts every piece back; ``dcp`` reshards, so the w
 may differ (rank r takes the random state of saved rank r mod the saved world size). A
 checkpoint whose trained parts differ from the run's (a critic, but the run is GRPO) or
 whose tensors do not fit the run's models is refused with a ``CheckpointError`` naming it.
+
+Several hosts. Every rank writes its own shards into the checkpoint folder and rank 0
+commits it, so a learner on several hosts needs that folder on a filesystem they all see;
+``check_shared_checkpoints`` proves it at start, before any model is loaded.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import os
 import random
 import re
+import secrets
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -324,6 +331,75 @@ def check_parts(meta: CheckpointMeta, parts: list[str], checkpoint: Path) -> Non
                               f"trains {', '.join(parts)} (algorithm.adv_estimator decides "
                               "the critic and the PRM); resume with the algorithm it was "
                               "written with")
+
+
+# -- a filesystem every learner host sees ---------------------------------------------------
+
+
+def check_shared_checkpoints(folder: Path, resume_from: Path | None, *, hosts: int,
+                             saves: bool, group: dist.ProcessGroup | None = None) -> None:
+    """A learner on several ``hosts`` writes one checkpoint from every rank into ``folder``
+    (when it ``saves``) and reads back the one it resumes from: check, before any model is
+    loaded, that every rank sees both as rank 0 does. Rank 0 writes a nonce file into
+    ``folder`` that every rank must read (``_shared_probe``); every rank reads the
+    ``meta.json`` of ``resume_from``. A collective (call on every rank; ``group``: a CPU
+    group of every rank, None for the default one); each rank raises the same
+    ``CheckpointError`` naming the folder and the ranks that saw otherwise. One host:
+    nothing to check."""
+    if hosts < 2:
+        return
+    if saves or resume_from is not None:
+        _shared_probe(folder, group)
+    if resume_from is not None:
+        readings = _readings(resume_from / META_FILE, group)
+        if _differing(readings):
+            raise CheckpointError(f"{resume_from}: the checkpoint to resume from reads "
+                                  f"differently, or not at all, on "
+                                  f"{', '.join(_differing(readings))} than on rank 0 (on "
+                                  f"{readings[0][0]}): it must be on a filesystem every "
+                                  "learner host sees, at the same path")
+
+
+SHARED_PROBE_PREFIX = ".shared-probe-"
+
+
+def _shared_probe(folder: Path, group: dist.ProcessGroup | None) -> None:
+    """Rank 0 writes a fresh nonce into ``folder``; after it, every rank reads it."""
+    nonce = [secrets.token_hex(16) if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(nonce, src=0, group=group)
+    probe = folder / f"{SHARED_PROBE_PREFIX}{nonce[0]}"
+    if dist.get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_durably(probe, nonce[0].encode())
+    dist.barrier(group=group)
+    readings = _readings(probe, group)  # every rank has read it once this returns
+    if dist.get_rank() == 0:
+        probe.unlink()
+    if _differing(readings):
+        raise CheckpointError(f"{folder}: {', '.join(_differing(readings))} cannot read the "
+                              f"file rank 0 (on {readings[0][0]}) wrote into this checkpoint "
+                              "folder. Every rank writes its shards of a checkpoint there, so "
+                              "it must be on a filesystem every learner host sees at the same "
+                              "path: set checkpoint.dir (or trainer.run_dir) to one")
+
+
+def _readings(path: Path, group: dist.ProcessGroup | None) -> list[tuple[str, str | None]]:
+    """Every rank's host and the SHA-256 of the bytes it reads at ``path`` (None: it cannot
+    read it), in rank order, on every rank."""
+    try:
+        digest: str | None = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        digest = None
+    readings: list[tuple[str, str | None]] = [("", None)] * dist.get_world_size(group)
+    dist.all_gather_object(readings, (socket.gethostname(), digest), group=group)
+    return readings
+
+
+def _differing(readings: list[tuple[str, str | None]]) -> list[str]:
+    """The ranks (``rank r on HOST``) that read nothing or other bytes than rank 0."""
+    reference = readings[0][1]
+    return [f"rank {rank} on {host}" for rank, (host, digest) in enumerate(readings)
+            if digest is None or digest != reference]
 
 
 # -- loading --------------------------------------------------------------------------------

@@ -27,7 +27,12 @@ from configs.rundir import (
     configure_logging,
     load_run_dir,
 )
-from learner.checkpoint import BufferStateLink, CheckpointMeta, load_checkpoint
+from learner.checkpoint import (
+    BufferStateLink,
+    CheckpointMeta,
+    check_shared_checkpoints,
+    load_checkpoint,
+)
 from learner.critic import Critic, load_value_model
 from learner.eval_queue import EvalQueue
 from learner.implicit_prm import ImplicitPRM
@@ -139,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo", timeout=timedelta(minutes=30))
     cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
     rank = dist.get_rank()
+    check_shared_checkpoints(ctx.checkpoint_dir, ctx.resume_from, hosts=len(placement.hosts),
+                             saves=run.trainer.save_freq > 0, group=cpu_group)
     torch.manual_seed(run.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(run.model.path,
                                               trust_remote_code=run.model.trust_remote_code)

@@ -246,3 +246,78 @@ def test_a_checkpoint_of_two_ranks_loads_at_one(random_model_dir: Path, tmp_path
     assert all(torch.equal(loaded[k], v) for k, v in saved["weights"].items())
     assert all(torch.equal(a, b) for a, b in zip(moments(resumed), saved["moments"],
                                                  strict=True))
+
+
+def check_shared_on_two_ranks(rank: int, port: int, folders: list[list[str]],
+                              resumes: list[list[str] | None], out: str) -> None:
+    """Rank r calls ``check_shared_checkpoints`` as a learner on two hosts would, on
+    ``folders[case][r]`` (and ``resumes[case][r]``): two hosts are simulated by giving the
+    ranks different paths for what a shared filesystem would show both at one path. Each
+    case's outcome ("" or the error) goes to ``out``/rank-<r>.json."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    outcomes = []
+    try:
+        for folder, resume in zip(folders, resumes, strict=True):
+            try:
+                checkpoints.check_shared_checkpoints(
+                    Path(folder[rank]), Path(resume[rank]) if resume else None, hosts=2,
+                    saves=True)
+                outcomes.append("")
+            except CheckpointError as exc:
+                outcomes.append(str(exc))
+        Path(out, f"rank-{rank}.json").write_text(json.dumps(outcomes))
+    finally:
+        dist.destroy_process_group()
+    exit_worker()
+
+
+def run_shared_check(tmp_path: Path, folders: list[list[Path]],
+                     resumes: list[list[Path] | None]) -> list[list[str]]:
+    """Each case's outcome on rank 0 and rank 1."""
+    mp.start_processes(check_shared_on_two_ranks, nprocs=2, start_method="spawn",
+                       args=(free_port(), [[str(p) for p in f] for f in folders],
+                             [[str(p) for p in r] if r else None for r in resumes],
+                             str(tmp_path)))
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    return [list(case) for case in zip(*ranks, strict=True)]
+
+
+def test_a_learner_on_two_hosts_refuses_a_checkpoint_folder_one_rank_does_not_see(
+        tmp_path: Path) -> None:
+    shared, elsewhere = tmp_path / "shared", tmp_path / "host1-local"
+    same, apart = run_shared_check(tmp_path, [[shared, shared], [shared, elsewhere]],
+                                   [None, None])
+    assert same == ["", ""]
+    assert list(shared.iterdir()) == []  # the probe is removed
+    # every rank refuses, naming the folder (at its own path here) and the blind rank
+    assert apart[0].startswith(f"{shared}: rank 1 on ")
+    assert apart[1] == apart[0].replace(str(shared), str(elsewhere), 1)
+    assert "must be on a filesystem every learner host sees" in apart[0]
+    assert list(shared.iterdir()) == [] and not elsewhere.exists()
+
+
+def test_a_learner_on_two_hosts_refuses_a_resume_checkpoint_one_rank_reads_otherwise(
+        tmp_path: Path) -> None:
+    shared = tmp_path / "checkpoints"
+    checkpoint, stale = shared / "step-2", tmp_path / "host1-copy" / "step-2"
+    for folder, step in ((checkpoint, 2), (stale, 1)):  # host 1 sees an older copy
+        folder.mkdir(parents=True)
+        (folder / "meta.json").write_text(json.dumps({"step": step}))
+    same, apart = run_shared_check(tmp_path, [[shared, shared]] * 2,
+                                   [[checkpoint, checkpoint], [checkpoint, stale]])
+    assert same == ["", ""]
+    assert apart[0].startswith(f"{checkpoint}: the checkpoint to resume from reads "
+                               "differently, or not at all, on rank 1 on ")
+    assert apart[1] == apart[0].replace(str(checkpoint), str(stale), 1)
+
+
+def test_one_host_or_no_checkpoints_checks_nothing(tmp_path: Path) -> None:
+    """The check is a collective of a multi-host learner that writes or reads checkpoints;
+    otherwise it writes nothing (here: a world of one rank, which would pass it anyway)."""
+    folder = tmp_path / "checkpoints"
+    checkpoints.check_shared_checkpoints(folder, None, hosts=1, saves=True)
+    checkpoints.check_shared_checkpoints(folder, None, hosts=2, saves=False)
+    assert not folder.exists()
+    checkpoints.check_shared_checkpoints(folder, None, hosts=2, saves=True)
+    assert folder.is_dir() and list(folder.iterdir()) == []
