@@ -4,23 +4,46 @@ The plan is pure data: ``tools/launch-cluster.py`` prints it with ``--dry-run`` 
 supervisor starts it otherwise. Every process reads the resolved configs that the launcher
 writes into the run directory (``configs.rundir``), so what runs is exactly what was
 printed.
+
+Each process's ``env`` is what the launcher sets for it on top of what it inherits, before
+it imports torch: ``CUDA_VISIBLE_DEVICES`` from its topology ``gpus``, PyTorch's
+expandable-segments allocator on CUDA, and, for a process behind ssh (which forwards no
+environment), the launcher's own ``NCCL_*``, ``CUDA_*`` and allocator settings.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
+from configs.gpu_placement import on_cuda
 from configs.loader import to_toml
 from configs.run_schema import RunConfig
 from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY
 from configs.topology_schema import Topology
 from transport.endpoints import is_loopback
+
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+ALLOC_CONF = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+"""PyTorch's allocator settings: the name torch 2.9 and later read first, and the one before
+it (still read when the first is absent, with a deprecation warning). The launcher sets both,
+so that every torch takes its setting without a warning; a user's value in either wins."""
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+"""Segments that grow in place instead of new blocks of every size: less fragmentation of
+the learner's changing batch shapes."""
+OWN_ALLOCATOR_ENGINES = ("vllm", "sglang")
+"""Engines that manage their GPU memory in pools of their own; vLLM's ``CuMemAllocator``
+refuses to start under expandable segments (pytorch/pytorch#147851)."""
+FORWARDED_PREFIXES = ("NCCL_", "CUDA_")
+NOT_FORWARDED = ("CUDA_HOME", "CUDA_PATH", "CUDA_VERSION")
+"""Where this machine's CUDA is installed, not how the run uses it: a remote host has its own."""
 
 
 class ProcessSpec(msgspec.Struct, kw_only=True, frozen=True):
@@ -36,6 +59,7 @@ class ProcessSpec(msgspec.Struct, kw_only=True, frozen=True):
     host: str
     argv: list[str]
     essential: bool = True
+    env: dict[str, str] = msgspec.field(default_factory=dict)  # set on top of the inherited
 
     @property
     def local(self) -> bool:
@@ -45,14 +69,33 @@ class ProcessSpec(msgspec.Struct, kw_only=True, frozen=True):
         """The argv to execute here: the command itself, or wrapped in ssh for a remote host.
 
         Remote commands get a pseudo-terminal (``ssh -tt``) so that stopping the local ssh
-        hangs up, and so ends, the remote process.
+        hangs up, and so ends, the remote process, and their ``env`` through ``env(1)``
+        (a local process gets it from the supervisor).
         """
         if self.local:
             return list(self.argv)
-        remote = shlex.join(self.argv)
+        assignments = [f"{name}={value}" for name, value in sorted(self.env.items())]
+        remote = shlex.join(["env", *assignments, *self.argv] if assignments else self.argv)
         if remote_workdir:
             remote = f"cd {shlex.quote(remote_workdir)} && {remote}"
         return [*shlex.split(ssh), "-tt", self.host, remote]
+
+
+def process_env(host: str, device: str, gpus: list[int] | None, *, engine: str = "",
+                environ: Mapping[str, str]) -> dict[str, str]:
+    """What the launcher sets for a process on ``host`` placed on ``device`` and ``gpus``
+    (module docstring), given the launcher's own ``environ``: a variable the user set there
+    wins, but for ``CUDA_VISIBLE_DEVICES`` where the topology lists the process's GPUs."""
+    env = {} if is_loopback(host) else {
+        name: value for name, value in environ.items()
+        if (name.startswith(FORWARDED_PREFIXES) and name not in NOT_FORWARDED)
+        or name in ALLOC_CONF}
+    if gpus is not None:
+        env[VISIBLE_DEVICES] = ",".join(str(gpu) for gpu in gpus)
+    user_allocator = any(name in environ for name in ALLOC_CONF)
+    if on_cuda(device) and engine not in OWN_ALLOCATOR_ENGINES and not user_allocator:
+        env |= dict.fromkeys(ALLOC_CONF, EXPANDABLE_SEGMENTS)
+    return env
 
 
 def new_run_dir(run: RunConfig, now: float | None = None) -> Path:
@@ -62,9 +105,10 @@ def new_run_dir(run: RunConfig, now: float | None = None) -> Path:
 
 
 def build_plan(topology: Topology, run: RunConfig, run_dir: Path,
-               python: str = sys.executable) -> list[ProcessSpec]:
+               python: str = sys.executable,
+               environ: Mapping[str, str] = os.environ) -> list[ProcessSpec]:
     """The buffer, the learner (one torchrun per learner host), every generator, and the
-    evaluator when the run evaluates held-out data."""
+    evaluator when the run evaluates held-out data; ``environ`` is the launcher's."""
     local_py = python
     remote_py = topology.launcher.remote_python
 
@@ -73,7 +117,8 @@ def build_plan(topology: Topology, run: RunConfig, run_dir: Path,
 
     common = ["--run-dir", str(run_dir)]
     plan = [ProcessSpec(name="buffer", role="buffer", host=topology.buffer.host,
-                        argv=[py(topology.buffer.host), "-m", "buffer.main", *common])]
+                        argv=[py(topology.buffer.host), "-m", "buffer.main", *common],
+                        env=process_env(topology.buffer.host, "cpu", None, environ=environ))]
     learner = topology.learner
     for node_rank, host in enumerate(learner.hosts):
         if len(learner.hosts) == 1:
@@ -86,15 +131,23 @@ def build_plan(topology: Topology, run: RunConfig, run_dir: Path,
                     f"--nproc-per-node={learner.nproc_per_node}"]
         name = "learner" if len(learner.hosts) == 1 else f"learner@{host}"
         plan.append(ProcessSpec(name=name, role="learner", host=host,
-                                argv=[*torchrun, "-m", "learner.main", *common]))
+                                argv=[*torchrun, "-m", "learner.main", *common],
+                                env=process_env(host, learner.device, learner.gpus,
+                                                environ=environ)))
     for gen in topology.generators:
         plan.append(ProcessSpec(name=gen.name, role="generator", host=gen.host, essential=False,
                                 argv=[py(gen.host), "-m", "generators.main", *common,
-                                      "--name", gen.name]))
+                                      "--name", gen.name],
+                                env=process_env(gen.host, gen.device, gen.gpus,
+                                                engine=gen.engine, environ=environ)))
     if run.evaluates:
-        host = topology.evaluator.host
-        plan.append(ProcessSpec(name="evaluator", role="evaluator", host=host, essential=False,
-                                argv=[py(host), "-m", "generators.evaluator", *common]))
+        evaluator = topology.evaluator
+        plan.append(ProcessSpec(name="evaluator", role="evaluator", host=evaluator.host,
+                                essential=False,
+                                argv=[py(evaluator.host), "-m", "generators.evaluator", *common],
+                                env=process_env(evaluator.host, evaluator.device,
+                                                evaluator.gpus, engine=evaluator.engine,
+                                                environ=environ)))
     return plan
 
 

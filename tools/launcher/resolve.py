@@ -25,6 +25,7 @@ from buffer.dataset import DatasetError, load_prompt_rows
 from buffer.main import training_prompts
 from buffer.prompt_source import BufferCheckpointError
 from configs.checks import load_run_config, load_topology
+from configs.gpu_placement import check_gpu_placement, topology_claims
 from configs.loader import COMMAND_LINE, ConfigError, to_toml
 from configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
 from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, checkpoint_dir, is_run_dir
@@ -101,6 +102,7 @@ def load_checked(topology_file: str, run_file: str, topology_overrides: Sequence
     run = load_run_config(run_file, run_overrides, placement, notes, epoch_rows)
     topology = load_topology(topology_file, topology_overrides, placement)
     check_validation_data(run, run_file)
+    check_gpu_placement(topology_claims(topology, run.evaluates), topology_file)
     check_sequence_parallel(topology, run, run_file)
     check_local_engines(topology, run, topology_file, placement)
     return topology, run, notes
@@ -214,5 +216,8 @@ def dry_run_report(resolved: ResolvedLaunch) -> str:
     for proc in resolved.processes:
         kind = "essential" if proc.essential else "optional"
         command = shlex.join(proc.command_line(ssh, workdir))
+        if proc.local and proc.env:  # a remote one's is on its ssh command line
+            command = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(proc.env.items())) \
+                + f" {command}"
         lines.append(f"  {proc.name:<{width}}  {proc.role:<9} {proc.host:<15} {kind:<9} {command}")
     return "\n".join(lines)

@@ -162,6 +162,8 @@ def start(spec: ProcessSpec, topology: Topology, log_dir: Path) -> Running:
     # faster (tools/bench-e2e.py --throughput's model, one rank, 2 threads).
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
     env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 40))
+    if spec.local:  # a remote process gets its env on its ssh command line
+        env.update(spec.env)
     with open(log, "ab") as out:
         popen = subprocess.Popen(spec.command_line(topology.launcher.ssh,
                                                    topology.launcher.remote_workdir),

@@ -10,7 +10,7 @@ import pytest
 from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
 from configs.checks import load_run_config
 from configs.topology_schema import GeneratorPlacement, Topology
-from launcher.resolve import check_local_engines, resolve_launch
+from launcher.resolve import check_local_engines, dry_run_report, resolve_launch
 
 
 def test_a_held_out_data_source_without_a_reward_is_refused_before_launch(
@@ -108,3 +108,31 @@ def test_an_engine_verls_rollout_name_chose_is_refused_naming_that_key(tmp_path:
                                       "actor_rollout_ref.rollout.name=sglang"])
     assert error.value.key == "actor_rollout_ref.rollout.name"
     assert error.value.source == "command line" and "=lean" in error.value.problem
+
+
+GPU_OVERRIDES = ["learner.device=cuda", "learner.nproc_per_node=2", "learner.gpus=[0, 1]",
+                 "generators[0].device=cuda"]
+
+
+def test_a_gpu_two_processes_list_is_refused_at_launch_naming_both(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as error:
+        resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
+                       topology_overrides=[*GPU_OVERRIDES, "generators[0].gpus=[1]"],
+                       run_overrides=[f"trainer.run_dir={tmp_path}"])
+    assert (error.value.source, error.value.key) == (str(DEFAULT_TOPOLOGY),
+                                                     "generators[0].gpus")
+    assert "GPU 1 of this machine is listed by both learner (learner.gpus = [0, 1]) and " \
+           "generator gen0 (generators[0].gpus = [1])" in error.value.problem
+
+
+def test_the_dry_run_shows_each_local_processs_gpus(tmp_path: Path) -> None:
+    resolved = resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
+                              topology_overrides=[*GPU_OVERRIDES, "generators[0].gpus=[2]",
+                                                  "evaluator.device=cuda", "evaluator.gpus=[3]"],
+                              run_overrides=[f"trainer.run_dir={tmp_path}"])
+    lines = dry_run_report(resolved).splitlines()
+    learner = next(line for line in lines if line.lstrip().startswith("learner "))
+    generator = next(line for line in lines if line.lstrip().startswith("gen0 "))
+    assert " CUDA_VISIBLE_DEVICES=0,1 " in learner and "torch.distributed.run" in learner
+    assert " CUDA_VISIBLE_DEVICES=2 " in generator and "generators.main" in generator
+    assert resolved.topology.learner.gpus == [0, 1]

@@ -181,3 +181,19 @@ def test_processes_start_with_sleeping_openmp_threads_and_a_malloc_that_keeps_bl
     running = supervisor.start(spec, Topology(), tmp_path)
     assert running.popen.wait(timeout=60) == 0
     assert running.log.read_text().strip() == str(["PASSIVE", str(32 << 20), "12345"])
+
+
+def test_a_local_process_starts_with_the_environment_its_plan_gives_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ProcessSpec.env`` (its GPUs, ``launcher.plan``) is set before the process runs, over
+    the launcher's own value; the rest of the launcher's environment is inherited."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    names = ("CUDA_VISIBLE_DEVICES", "NCCL_DEBUG")
+    spec = ProcessSpec(name="gen0", role="generator", host="127.0.0.1",
+                       env={"CUDA_VISIBLE_DEVICES": "2"},
+                       argv=[sys.executable, "-c", "import os; print([os.environ.get(n) for n "
+                                                   f"in {names!r}])"])
+    running = supervisor.start(spec, Topology(), tmp_path)
+    assert running.popen.wait(timeout=60) == 0
+    assert running.log.read_text().strip() == str(["2", "INFO"])
