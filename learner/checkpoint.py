@@ -369,10 +369,16 @@ def _shared_probe(folder: Path, group: dist.ProcessGroup | None) -> None:
     dist.broadcast_object_list(nonce, src=0, group=group)
     probe = folder / f"{SHARED_PROBE_PREFIX}{nonce[0]}"
     if dist.get_rank() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        _write_durably(probe, nonce[0].encode())
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            _write_durably(probe, nonce[0].encode())
+        except OSError as exc:  # every rank must still reach the collectives below
+            logger.error("cannot write %s: %s", probe, exc)
     dist.barrier(group=group)
     readings = _readings(probe, group)  # every rank has read it once this returns
+    if readings[0][1] is None:
+        raise CheckpointError(f"{folder}: rank 0 (on {readings[0][0]}) cannot write into the "
+                              "checkpoint folder (its log says why)")
     if dist.get_rank() == 0:
         probe.unlink()
     if _differing(readings):

@@ -286,8 +286,10 @@ def run_shared_check(tmp_path: Path, folders: list[list[Path]],
 def test_a_learner_on_two_hosts_refuses_a_checkpoint_folder_one_rank_does_not_see(
         tmp_path: Path) -> None:
     shared, elsewhere = tmp_path / "shared", tmp_path / "host1-local"
-    same, apart = run_shared_check(tmp_path, [[shared, shared], [shared, elsewhere]],
-                                   [None, None])
+    blocked = tmp_path / "a-file" / "checkpoints"  # below a file: no folder can be made
+    (tmp_path / "a-file").write_text("")
+    same, apart, unwritable = run_shared_check(
+        tmp_path, [[shared, shared], [shared, elsewhere], [blocked, blocked]], [None] * 3)
     assert same == ["", ""]
     assert list(shared.iterdir()) == []  # the probe is removed
     # every rank refuses, naming the folder (at its own path here) and the blind rank
@@ -295,6 +297,10 @@ def test_a_learner_on_two_hosts_refuses_a_checkpoint_folder_one_rank_does_not_se
     assert apart[1] == apart[0].replace(str(shared), str(elsewhere), 1)
     assert "must be on a filesystem every learner host sees" in apart[0]
     assert list(shared.iterdir()) == [] and not elsewhere.exists()
+    # and where rank 0 cannot write, every rank says so rather than wait for it
+    assert unwritable[0] == unwritable[1]
+    assert unwritable[0].startswith(f"{blocked}: rank 0 (on ")
+    assert "cannot write into the checkpoint folder" in unwritable[0]
 
 
 def test_a_learner_on_two_hosts_refuses_a_resume_checkpoint_one_rank_reads_otherwise(
