@@ -47,11 +47,10 @@ class TrainBatch(msgspec.Struct, kw_only=True):
         """Every tensor on ``device`` (the same batch when they already are there: on the CPU
         a CPU batch is not copied). ``non_blocking`` from pinned memory overlaps the copy
         with the host's work."""
-        moved = {f: getattr(self, f).to(device, non_blocking=non_blocking)
-                 for f in self.__struct_fields__}
-        if all(moved[f] is getattr(self, f) for f in self.__struct_fields__):
+        if all(getattr(self, f).device == device for f in self.__struct_fields__):
             return self
-        return TrainBatch(**moved)
+        return TrainBatch(**{f: getattr(self, f).to(device, non_blocking=non_blocking)
+                             for f in self.__struct_fields__})
 
     def select(self, rows: torch.Tensor | slice, width: int | None = None) -> TrainBatch:
         """Some rows, with padding columns nobody in them uses trimmed away: ``width``, the

@@ -152,9 +152,9 @@ class _Sums:
         return dict(zip(names, torch.cat([sums, maxima]).tolist()))
 
     def _on_device(self, value: torch.Tensor | float) -> torch.Tensor:
-        if torch.is_tensor(value):
-            return value.to(self.device)
-        return torch.tensor(value, dtype=torch.float64, device=self.device)
+        if not torch.is_tensor(value):
+            return torch.tensor(value, dtype=torch.float64, device=self.device)
+        return value if value.device == self.device else value.to(self.device)
 
     def _packed(self, entries: dict[str, torch.Tensor | float]) -> torch.Tensor:
         """(n,) float64 on ``device``: the entries in name order."""

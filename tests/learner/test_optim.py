@@ -1,12 +1,21 @@
-"""The learning-rate schedules (transformers' own), against hand-computed rates."""
+"""The learning-rate schedules (transformers' own), against hand-computed rates; gradient
+clipping over FSDP2 shards, offloaded or not, at one and two ranks."""
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from configs.run_schema import OptimConfig
-from learner.optim import build_scheduler
+from learner.optim import build_scheduler, clipped_step
+
+from ..conftest import exit_worker, free_port
+from ..fake_cuda import CUDA, fake_cuda
 
 
 def rates(optim: OptimConfig, total_steps: int, steps: int) -> list[float]:
@@ -39,3 +48,90 @@ def test_cosine_decays_to_the_min_lr_ratio_at_the_last_step() -> None:
                              for s in range(2, 11)]
     assert got == pytest.approx(expected)
     assert got[-1] == pytest.approx(0.2)
+
+
+# -- clipping: the norm over every rank's shards, combined on the compute device ----------
+
+def tiny_net() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+
+def clipped_by_hand(offload: bool) -> dict[str, object]:
+    """One ``clipped_step`` (SGD, lr 1) of an FSDP2 net (parameters offloaded to the CPU or
+    not) on the same data on every rank, and the unsharded net's numbers: its gradient's
+    norm and the weights after p - g min(1, max_norm / ||g||), max_norm half the norm."""
+    model, reference = tiny_net(), tiny_net()
+    options = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, **options)
+    data = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    for net in (model, reference):
+        (net(data) ** 2).sum().backward()
+    grads = [p.grad for p in reference.parameters()]
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                       for g in grads])))
+    max_norm = norm / 2
+    got = clipped_step(model, torch.optim.SGD(model.parameters(), lr=1.0), max_norm,
+                       device=torch.device("cpu"))
+    scale = min(1.0, max_norm / (norm + 1e-6))
+    expected = [p.detach() - g * scale for p, g in zip(reference.parameters(), grads)]
+    weights = [p.full_tensor() for p in model.parameters()]
+    return {"norm": got, "expected_norm": norm, "weights": weights, "expected": expected}
+
+
+def assert_clipped_by_hand(result: dict[str, object]) -> None:
+    assert result["norm"] == pytest.approx(result["expected_norm"], rel=1e-6)
+    for got, expected in zip(result["weights"], result["expected"], strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("offload", [False, True])
+def test_clipping_at_one_rank_scales_the_gradient_to_max_norm(offload: bool) -> None:
+    assert_clipped_by_hand(clipped_by_hand(offload))
+
+
+def clip_worker(rank: int, port: int, out_file: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        results = {offload: clipped_by_hand(offload) for offload in (False, True)}
+        if rank == 0:
+            torch.save(results, out_file)
+    finally:
+        dist.destroy_process_group()
+    exit_worker()
+
+
+def test_clipping_at_two_ranks_takes_the_norm_over_both_ranks_shards(tmp_path: Path) -> None:
+    """Each rank holds half of every parameter: the norm is that of the whole gradient."""
+    out = tmp_path / "clipped.pt"
+    mp.start_processes(clip_worker, args=(free_port(), str(out)), nprocs=2,
+                       start_method="spawn")
+    for result in torch.load(out, weights_only=False).values():
+        assert_clipped_by_hand(result)
+
+
+def test_the_norm_is_taken_to_the_compute_device_before_it_is_used() -> None:
+    """Under ``param_offload`` the gradients are on the CPU, the learner computes on a GPU:
+    the norm the ranks combine (in the clipping's arithmetic and ``full_tensor``, under
+    FSDP2) must be there, where NCCL reduces it (verl's ``fsdp2_clip_grad_norm_``)."""
+    model = tiny_net()
+    (model(torch.ones(2, 4)) ** 2).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    norm = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+    used: list[torch.Tensor] = []
+    clip = torch.nn.utils.clip_grads_with_norm_
+
+    def recorded(params, max_norm, total_norm, foreach=None):
+        used.append(total_norm)
+        return clip(params, max_norm, total_norm, foreach)
+
+    with pytest.MonkeyPatch.context() as monkeypatch, fake_cuda():
+        monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", recorded)
+        got = clipped_step(model, torch.optim.SGD(model.parameters(), lr=0.0), 1.0,
+                           device=CUDA)
+    assert got == pytest.approx(norm, rel=1e-6)
+    assert len(used) == 1 and used[0].device.type == "cuda"
+    assert all(param.grad is None for param in model.parameters())  # stepped, cleared
