@@ -24,7 +24,7 @@ from configs.run_schema import ModelConfig
 from configs.topology_schema import GeneratorPlacement, Topology
 from generators.build import build_engine
 from generators.engine import Engine
-from learner.batch import TrainBatch
+from learner.batch import TrainBatch, collate
 from learner.main import build_learner
 from learner.tiny_model.tokenizer import build_tokenizer
 from learner.ulysses import Parallelism, SequenceParallel, learner_parallelism
@@ -82,19 +82,23 @@ def synthetic_groups(vocab: int, seed: int = 0) -> list[RolloutGroup]:
     return groups
 
 
-def on_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    """Every tensor of ``batch`` on ``device``."""
-    return TrainBatch(**{name: getattr(batch, name).to(device)
-                         for name in batch.__struct_fields__})
+def host_batch(groups: list[RolloutGroup], device: torch.device) -> TrainBatch:
+    """``groups`` collated on the host as ``TrainLoop`` does for a learner on ``device``
+    (pinned for a GPU); ``Learner.step`` moves it."""
+    return collate(groups, pad_id=0, pin_memory=device.type == "cuda")
 
 
 def init_learner_group(device: torch.device) -> None:
-    """A one-rank process group as ``learner.main`` makes it (NCCL on a GPU, gloo on the
-    CPU), over a free port on loopback."""
+    """A one-rank process group as ``learner.main`` makes it (on a GPU: gloo for CPU tensors,
+    NCCL for CUDA ones, bound to the device; on the CPU: gloo), over a free port on
+    loopback."""
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=timedelta(minutes=5))
+    if device.type == "cuda":
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device,
+                                timeout=timedelta(minutes=5))
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(minutes=5))
 
 
 def _free_port() -> int:

@@ -119,22 +119,20 @@ def _exact(device: torch.device, dtype: str) -> Iterator[None]:
 
 
 def _step(scenario: Scenario, model_dir: Path, device: torch.device, dtype: str) -> dict:
-    from learner.batch import collate
     from learner.model import forward_logprobs
     from tests.device_audit import DeviceAudit
 
-    from gpucheck.build import TEMPERATURE, check_learner, cpu_copy, on_device, \
+    from gpucheck.build import TEMPERATURE, check_learner, cpu_copy, host_batch, \
         synthetic_groups
 
     with _exact(device, dtype):
         learner = check_learner(model_dir, device, dtype, list(scenario.overrides), lr=LR,
                                 ulysses=scenario.ulysses)
-        batch = collate(synthetic_groups(learner.model.config.vocab_size), pad_id=0)
+        batch = host_batch(synthetic_groups(learner.model.config.vocab_size), device)
         before = {n: cpu_copy(p) for n, p in learner.model.named_parameters()}
         with torch.no_grad():
-            logprobs, entropy = forward_logprobs(learner.model, on_device(batch, device),
-                                                 TEMPERATURE, True, learner.micro.share_prompts,
-                                                 learner.sp)
+            logprobs, entropy = forward_logprobs(learner.model, batch.to(device), TEMPERATURE,
+                                                 True, learner.micro.share_prompts, learner.sp)
         gradients = _GradientPlaces(learner, scenario, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

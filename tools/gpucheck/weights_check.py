@@ -83,11 +83,10 @@ def weights_worker(model_dir: Path, device_setting: str, dtypes: list[str]) -> d
 
 def _version_to_engines(model_dir: Path, device: torch.device, dtype: str,
                         engines: list[str]) -> list[CheckResult]:
-    from gpucheck.build import check_learner, synthetic_groups
-    from learner.batch import collate
+    from gpucheck.build import check_learner, host_batch, synthetic_groups
 
     learner = check_learner(model_dir, device, dtype, ["actor.use_kl_loss=true"], lr=LR)
-    learner.step(collate(synthetic_groups(learner.model.config.vocab_size), pad_id=0))
+    learner.step(host_batch(synthetic_groups(learner.model.config.vocab_size), device))
     publish, staged = _publish(learner, getattr(torch, dtype), f"B/publish:{dtype}")
     results = [publish]
     for engine in engines:
@@ -95,7 +94,7 @@ def _version_to_engines(model_dir: Path, device: torch.device, dtype: str,
             results.append(CheckResult.failure(f"B/{engine}:{dtype}", "version 1 never arrived"))
             continue
         try:
-            results.append(_swap_in_flight(engine, learner, staged, model_dir, device, dtype))
+            results.append(swap_in_flight(engine, learner, staged, model_dir, device, dtype))
         except Exception:  # noqa: BLE001 - one engine's failure is its own
             results.append(CheckResult.failure(f"B/{engine}:{dtype}",
                                                traceback.format_exc(limit=-6)))
@@ -149,7 +148,7 @@ def _publish(learner, dtype: torch.dtype, name: str
                        error=error), staged.tensors
 
 
-def _swap_in_flight(engine_name: str, learner, tensors: dict[str, torch.Tensor],
+def swap_in_flight(engine_name: str, learner, tensors: dict[str, torch.Tensor],
                     model_dir: Path, device: torch.device, dtype: str) -> CheckResult:
     """The engine generates under version 0, loads version 1 after ``SWAP_AT`` decode steps,
     goes on; its behavior log-probs against the learner's (module docstring)."""
@@ -188,11 +187,10 @@ class _SwapAfter:
 
 def _against_learner(name: str, learner, prompts: list[list[int]], finished: dict,
                      device: torch.device, tolerance: float) -> CheckResult:
-    from learner.batch import collate
     from learner.model import forward_logprobs
     from transport.messages import RolloutGroup, Sample
 
-    from gpucheck.build import TEMPERATURE, on_device
+    from gpucheck.build import TEMPERATURE, host_batch
 
     groups = [RolloutGroup(rollout_id=str(key), lease_id="b", prompt_id=str(key),
                            generator_id="gpu-check",
@@ -202,9 +200,9 @@ def _against_learner(name: str, learner, prompts: list[list[int]], finished: dic
                                            versions=c.versions, reward=0.0)
                                     for c in completions])
               for key, completions in sorted(finished.items())]
-    batch = collate(groups, pad_id=0)
+    batch = host_batch(groups, device)
     with torch.no_grad():
-        by_version = [forward_logprobs(model, on_device(batch, device), TEMPERATURE, False,
+        by_version = [forward_logprobs(model, batch.to(device), TEMPERATURE, False,
                                        learner.micro.share_prompts)[0].float().cpu()
                       for model in (learner.reference, learner.model)]
     mask = batch.response_mask > 0
