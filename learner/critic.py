@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoModel, PretrainedConfig
 
 from algorithms.aggregation import aggregate_loss
@@ -25,7 +26,15 @@ from configs.run_schema import CriticConfig
 from learner.attention import ATTENTION, check_relay_attention
 from learner.batch import TrainBatch
 from learner.micro_batches import MicroBatches, mini_batch_totals
-from learner.model import block_classes, enable_activation_checkpointing, shard
+from learner.model import (
+    block_classes,
+    enable_activation_checkpointing,
+    hf_config,
+    load_from_rank0,
+    read_on_rank0,
+    shard,
+    sharding_mesh,
+)
 from learner.ulysses import gather_tokens, packed_forward
 from learner.optim import build_optimizer, build_scheduler, clipped_step
 
@@ -56,17 +65,29 @@ class ValueModel(nn.Module):
 
 
 def load_value_model(path: str, *, compute_dtype: torch.dtype, device: torch.device,
-                     trust_remote_code: bool = False,
-                     gradient_checkpointing: bool = False) -> ValueModel:
-    """The body of the causal LM at ``path`` (attending with ``learner.attention``) plus a
-    zero value head, FSDP2-sharded."""
-    body = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTENTION,
-                                     trust_remote_code=trust_remote_code)
-    body.config.use_cache = False
+                     trust_remote_code: bool = False, gradient_checkpointing: bool = False,
+                     mesh: DeviceMesh | None = None) -> ValueModel:
+    """The body of the causal LM at ``path`` (fp32, attending with ``learner.attention``) plus
+    a zero value head, FSDP2-sharded over ``mesh`` (default: every rank) and loaded from
+    rank 0, as the policy is (``learner.model.load_sharded``)."""
+    options = dict(dtype=torch.float32, attn_implementation=ATTENTION,
+                   trust_remote_code=trust_remote_code)
+    model, full_state = read_on_rank0(
+        lambda: with_value_head(AutoModel.from_pretrained(path, **options)),
+        lambda: with_value_head(AutoModel.from_config(hf_config(path, trust_remote_code),
+                                                      **options)))
+    model.config.use_cache = False
     if gradient_checkpointing:
-        enable_activation_checkpointing(body)
-    model = ValueModel(body, body.config.hidden_size).to(device)
-    return shard(model, compute_dtype=compute_dtype, blocks=block_classes(body))
+        enable_activation_checkpointing(model.body)
+    shard(model, compute_dtype=compute_dtype, blocks=block_classes(model.body),
+          mesh=mesh if mesh is not None else sharding_mesh(device))
+    load_from_rank0(model, full_state, device)
+    return model
+
+
+def with_value_head(body: nn.Module) -> ValueModel:
+    """``body`` under a value head of its hidden size."""
+    return ValueModel(body, body.config.hidden_size)
 
 
 class Critic:

@@ -47,9 +47,10 @@ class ImplicitPRM:
         ``reference_logprobs`` (B, T): pi_ref's log-probs of the batch.
         """
         self.model.train()
-        # loss sum, right-side count, sequences: on the batch's device, where they are
-        # all-reduced (NCCL on a GPU) and read once at the end
-        sums = torch.zeros(3, dtype=torch.float64, device=batch.response_mask.device)
+        # loss sum, right-side count: on the batch's device, where they are all-reduced
+        # (NCCL on a GPU) with the sequences counted on the host, and read once at the end
+        sums = torch.zeros(2, dtype=torch.float64, device=batch.response_mask.device)
+        sequences = 0.0
         grad_norms: list[float] = []
         for mini in minis:
             self.optimizer.zero_grad(set_to_none=True)
@@ -65,11 +66,11 @@ class ImplicitPRM:
                 with torch.no_grad():
                     implicit = ((logprobs - reference) * part.response_mask).sum(-1)
                     right = ((implicit > 0) == (part.rewards > 0.5)).float() * weight
-                    sums += torch.stack([per_sequence.sum().double(), right.sum().double(),
-                                         right.new_tensor(weight * len(rows),
-                                                          dtype=torch.float64)])
+                    sums += torch.stack([per_sequence.sum(), right.sum()]).double()
+                sequences += weight * len(rows)
             grad_norms.append(clipped_step(self.model, self.optimizer, self.config.grad_clip))
         self.scheduler.step()
+        sums = torch.cat([sums, sums.new_tensor([sequences])])
         if dist.is_initialized():
             dist.all_reduce(sums, group=micro.group)
         loss, right, sequences = sums.tolist()

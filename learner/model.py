@@ -1,10 +1,15 @@
 """Loading the policy (and the frozen reference) and sharding them with FSDP2.
 
-The recipe, in order (torchtitan's): load fp32 master weights with the Auto classes;
-``fully_shard`` every transformer block (the classes the model lists in
-``_no_split_modules``), then the root, with a ``MixedPrecisionPolicy`` that computes in the
-run's dtype (bf16: ~7x faster matmuls on AMX CPUs and on GPUs) and reduces gradients in
-fp32. One rank is still FSDP2, so one code path serves every world size.
+The recipe, in order (torchtitan's and verl's): rank 0 reads the checkpoint with the Auto
+classes (fp32 master weights for a model that trains, the run's dtype for a frozen one),
+every other rank builds the same model on the ``meta`` device, without storage or a read of
+the weights; every rank ``fully_shard``s each transformer block (the classes the model
+lists in ``_no_split_modules``), then the root, over ``sharding_mesh`` (all ranks, or
+verl's ``fsdp_size``: HSDP), with a ``MixedPrecisionPolicy`` that computes in the run's
+dtype (bf16: ~7x faster matmuls on AMX CPUs and on GPUs) and reduces gradients in fp32;
+then rank 0 broadcasts each tensor and every rank keeps its own rows (``load_from_rank0``).
+A host holds one full copy of the weights (rank 0's), not one per rank. One rank is still
+FSDP2, so one code path serves every world size.
 
 With ``compile_blocks`` (``actor.use_torch_compile``) the parts of each block that do not
 attend (its norms and its MLP) run under ``torch.compile``, which fuses their elementwise
@@ -14,11 +19,16 @@ backward; the attention stays eager, since the packed layouts index by data.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from algorithms.logprobs import entropy_from_logits, token_logprobs
 from learner.attention import ATTENTION, check_relay_attention
@@ -49,19 +59,48 @@ def block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     return classes
 
 
+def sharding_mesh(device: torch.device, fsdp_size: int = -1,
+                  key: str = "actor.fsdp_config.fsdp_size") -> DeviceMesh | None:
+    """The ranks FSDP2 shards a model over, for verl's ``fsdp_size`` (``key`` names it in
+    errors); None without a process group.
+
+    -1 (or the world size W): one dimension, every rank holds 1/W of each parameter. k
+    dividing W: HSDP, a (W / k) x k mesh ("replicate", "shard"): rank ``r * k + s`` holds
+    shard s of 1/k of each parameter, the k ranks of a replica gather them for each block,
+    and gradients are reduce-scattered within a replica then all-reduced across the W / k
+    replicas (less traffic across hosts, k times more memory for the weights). Either way
+    FSDP2 averages gradients over all W ranks, so the update is the same, and Ulysses'
+    ``dp x sp`` mesh (``learner.ulysses``) composes with any of them: it only decides which
+    rows and tokens a rank runs. ValueError naming ``key`` for a size that is neither."""
+    if not dist.is_initialized():
+        return None
+    world = dist.get_world_size()
+    if fsdp_size in (-1, world):
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    if fsdp_size < 1 or world % fsdp_size:
+        raise ValueError(f"{key} = {fsdp_size}: must be -1 (shard over every rank) or divide "
+                         f"the learner's {world} ranks (topology learner: len(hosts) x "
+                         "nproc_per_node)")
+    return init_device_mesh(device.type, (world // fsdp_size, fsdp_size),
+                            mesh_dim_names=("replicate", "shard"))
+
+
 def load_sharded(path: str, *, compute_dtype: torch.dtype, device: torch.device,
                  trust_remote_code: bool = False, trainable: bool = True,
                  gradient_checkpointing: bool = False, offload: bool = False,
-                 compile_blocks: bool = False) -> nn.Module:
-    """An HF causal LM from ``path``, fp32 master weights, attending with
-    ``learner.attention``, FSDP2-sharded over the world; ``gradient_checkpointing``
-    (trainable models only), ``offload`` (parameters on the CPU: ``shard``) and
-    ``compile_blocks`` (``compile_block_parts``) as ``model.enable_gradient_checkpointing``,
+                 compile_blocks: bool = False, mesh: DeviceMesh | None = None) -> nn.Module:
+    """An HF causal LM from ``path``, attending with ``learner.attention``, FSDP2-sharded
+    over ``mesh`` (default: every rank, ``sharding_mesh``) and loaded from rank 0 (module
+    docstring): fp32 master weights when ``trainable``, else frozen in ``compute_dtype`` (it
+    never steps, and computes in that dtype anyway). ``gradient_checkpointing`` (trainable
+    models only), ``offload`` (parameters on the CPU: ``shard``) and ``compile_blocks``
+    (``compile_block_parts``) as ``model.enable_gradient_checkpointing``,
     ``actor.fsdp_config.param_offload`` and ``actor.use_torch_compile`` say."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation=ATTENTION,
-                                                 trust_remote_code=trust_remote_code)
-    model.to(device)
+    options = dict(dtype=torch.float32 if trainable else compute_dtype,
+                   attn_implementation=ATTENTION, trust_remote_code=trust_remote_code)
+    model, full_state = read_on_rank0(
+        lambda: AutoModelForCausalLM.from_pretrained(path, **options),
+        lambda: AutoModelForCausalLM.from_config(hf_config(path, trust_remote_code), **options))
     model.config.use_cache = False
     if not trainable:
         model.requires_grad_(False)
@@ -69,10 +108,55 @@ def load_sharded(path: str, *, compute_dtype: torch.dtype, device: torch.device,
     elif gradient_checkpointing:
         enable_activation_checkpointing(model)
     blocks = block_classes(model)
-    shard(model, compute_dtype=compute_dtype, blocks=blocks, offload=offload)
+    shard(model, compute_dtype=compute_dtype, blocks=blocks, offload=offload,
+          mesh=mesh if mesh is not None else sharding_mesh(device))
+    load_from_rank0(model, full_state, device)
     if compile_blocks:
         compile_block_parts(model, blocks)
     return model
+
+
+def hf_config(path: str, trust_remote_code: bool) -> PretrainedConfig:
+    """The transformers config of the checkpoint at ``path`` (its config.json only)."""
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+Model = TypeVar("Model", bound=nn.Module)
+
+
+def read_on_rank0(read: Callable[[], Model], build: Callable[[], Model]
+                  ) -> tuple[Model, dict[str, torch.Tensor]]:
+    """On rank 0 (or without a process group): ``read()``, the model with the checkpoint's
+    weights, and its full state dict (CPU tensors, kept alive until ``load_from_rank0``
+    has sent them). On every other rank: ``build()`` on the ``meta`` device (the same
+    modules, no storage, nothing read from disk but the config) and an empty state dict."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        with torch.device("meta"):
+            return build(), {}
+    model = read()
+    return model, model.state_dict()
+
+
+def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor],
+                    device: torch.device) -> None:
+    """Fill every rank's shards of ``model`` (after ``shard``) from rank 0's ``full_state``
+    (``read_on_rank0``); a collective. Ranks other than 0 give their ``meta`` shards
+    storage on ``device`` (``to_empty``), then ``set_model_state_dict`` sends each tensor
+    from rank 0 and every rank keeps its own rows (a tied ``lm_head`` stays the embedding's
+    parameter). Buffers outside the state dict (RoPE's ``inv_freq`` is not persistent) are
+    broadcast whole from rank 0, which computed them. One rank's ``fully_shard`` already put
+    the model on ``device``; without a process group it moves there."""
+    if not dist.is_initialized():
+        model.to(device)
+        return
+    if dist.get_world_size() == 1:
+        return
+    if dist.get_rank() != 0:
+        model.to_empty(device=device)
+    set_model_state_dict(model, full_state, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
 
 
 def compile_block_parts(model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> None:
@@ -101,11 +185,14 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 
 def shard(model: nn.Module, *, compute_dtype: torch.dtype,
-          blocks: tuple[type[nn.Module], ...], offload: bool = False) -> nn.Module:
-    """``fully_shard`` each ``blocks`` module, then the root (no-op without a process group);
-    ``offload`` keeps the shards on the CPU (FSDP2's ``CPUOffloadPolicy``)."""
+          blocks: tuple[type[nn.Module], ...], offload: bool = False,
+          mesh: DeviceMesh | None = None) -> nn.Module:
+    """``fully_shard`` each ``blocks`` module, then the root, over ``mesh`` (``sharding_mesh``;
+    None: FSDP2's default, every rank), a no-op without a process group; ``offload`` keeps
+    the shards on the CPU (FSDP2's ``CPUOffloadPolicy``)."""
     options: dict[str, object] = {
-        "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)}
+        "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
+        "mesh": mesh}
     if offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if dist.is_initialized():

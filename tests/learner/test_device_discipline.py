@@ -32,7 +32,7 @@ from learner.batch import TrainBatch, collate
 from learner.micro_batches import MicroBatches, mini_batch_totals
 from learner.shared_prompts import pack
 from learner.ulysses import learner_parallelism, pack_tokens
-from learner.update import Learner, _Sums
+from learner.update import Learner, _Sums, peak_memory_gb, reset_peak_memory
 
 from ..conftest import exit_worker, free_port
 from ..device_audit import DeviceAudit
@@ -311,3 +311,17 @@ def test_step_sums_live_on_the_learners_device_and_are_read_once() -> None:
     assert reduced == {"tokens": 7.0, "rows_skipped": 3.5, "actor/importance_weight_max": 2.0}
     assert audit.sync_count == 1 and audit.unplaced == []
 
+
+
+def test_peak_memory_is_logged_on_a_gpu_and_left_out_on_the_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``perf/max_memory_allocated_gb``: torch's peak on the GPU since the step began, in
+    GiB; nothing on the CPU, whose peak resident memory cannot be reset per step."""
+    resets: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", resets.append)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 3 * 2**29)
+    reset_peak_memory(CUDA)
+    assert resets == [CUDA]
+    assert peak_memory_gb(CUDA) == {"perf/max_memory_allocated_gb": 1.5}
+    reset_peak_memory(torch.device("cpu"))
+    assert resets == [CUDA] and peak_memory_gb(torch.device("cpu")) == {}

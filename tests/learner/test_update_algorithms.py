@@ -25,7 +25,7 @@ from generators.torch_engine import TorchEngine
 from learner.batch import TrainBatch, collate
 from learner.critic import Critic, load_value_model
 from learner.implicit_prm import ImplicitPRM
-from learner.model import load_sharded
+from learner.model import load_sharded, sharding_mesh
 from learner.optim import build_optimizer, build_scheduler
 from learner.ulysses import Parallelism
 from learner.update import Learner
@@ -38,23 +38,26 @@ def make_learner(path: Path, actor: ActorConfig | None = None,
                  algorithm: AlgorithmConfig | None = None, critic_warmup: int = 0,
                  reward_model: RewardModelConfig | None = None,
                  critic_path: Path | None = None, prm_path: Path | None = None,
-                 parallelism: Parallelism | None = None) -> Learner:
+                 parallelism: Parallelism | None = None, fsdp_size: int = -1) -> Learner:
     """A learner wired as ``learner.main.build_learner`` wires it; the critic and the PRM
-    start from ``critic_path`` / ``prm_path`` when given, else from the policy's ``path``."""
+    start from ``critic_path`` / ``prm_path`` when given, else from the policy's ``path``;
+    every model is sharded over ``fsdp_size`` ranks (``learner.model.sharding_mesh``)."""
     actor = actor or ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0))
     algorithm = algorithm or AlgorithmConfig()
-    model = load_sharded(str(path), compute_dtype=torch.float32, device=torch.device("cpu"))
+    mesh = sharding_mesh(torch.device("cpu"), fsdp_size)
+    model = load_sharded(str(path), compute_dtype=torch.float32, device=torch.device("cpu"),
+                         mesh=mesh)
     reference = prm = None
     if actor.use_kl_loss or algorithm.use_kl_in_reward or (
             algorithm.adv_estimator == "prime" and prm_path is None):
         reference = load_sharded(str(path), compute_dtype=torch.float32,
-                                 device=torch.device("cpu"), trainable=False)
+                                 device=torch.device("cpu"), trainable=False, mesh=mesh)
     if algorithm.adv_estimator == "prime":
         prm_reference = reference if prm_path is None else load_sharded(
             str(prm_path), compute_dtype=torch.float32, device=torch.device("cpu"),
-            trainable=False)
+            trainable=False, mesh=mesh)
         prm = ImplicitPRM(load_sharded(str(prm_path or path), compute_dtype=torch.float32,
-                                       device=torch.device("cpu")), prm_reference,
+                                       device=torch.device("cpu"), mesh=mesh), prm_reference,
                           reward_model or RewardModelConfig(
                               model=PrmModelConfig(optim=OptimConfig(lr=1e-3,
                                                                      weight_decay=0.0))),
@@ -63,7 +66,7 @@ def make_learner(path: Path, actor: ActorConfig | None = None,
     critic = None
     if algorithm.adv_estimator == "gae":
         critic = Critic(load_value_model(str(critic_path or path), compute_dtype=torch.float32,
-                                         device=torch.device("cpu")),
+                                         device=torch.device("cpu"), mesh=mesh),
                         CriticConfig(optim=OptimConfig(lr=1e-3, weight_decay=0.0)),
                         total_steps=10)
     return Learner(model, optimizer, build_scheduler(optimizer, total_steps=10,
