@@ -31,6 +31,10 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
+FsdpSize = Annotated[int, msgspec.Meta(ge=-1)]
+"""verl's ``fsdp_size``: -1 shards a model over every learner rank; k, a divisor of the W
+ranks, shards it within groups of k and replicates it across the W / k groups (HSDP,
+``learner.model.sharding_mesh``; the learner refuses any other value naming the key)."""
 
 # verl's names for sections that live elsewhere here, accepted in files and overrides. PF-PPO
 # has none: verl's algorithm.pf_ppo reweights batch-wide, buffer.pf_ppo filters per group.
@@ -143,10 +147,15 @@ class FsdpConfig(_Section):
     and backward; ``optimizer_offload`` keeps the optimizer's state on the CPU between steps
     and brings it to the device for each step. Both apply to the policy (and the parameter
     offload to the frozen reference). On a CPU learner everything is on the CPU already.
+    ``fsdp_size`` (``FsdpSize``) says over how many ranks the policy is sharded (and the
+    frozen reference, and PRIME's PRM); the rest replicate it (HSDP): -1, every rank, or,
+    on many hosts, the ranks of one or a few hosts, so that gathering weights stays on
+    fast links, as verl's DAPO recipe does with 32.
     """
 
     param_offload: bool = False
     optimizer_offload: bool = False
+    fsdp_size: FsdpSize = -1
 
 
 class ActorConfig(_Section):
@@ -211,6 +220,7 @@ class RefFsdpConfig(_Section):
     """Where FSDP2 keeps the frozen reference's shards (verl's ``ref.fsdp_config``)."""
 
     param_offload: bool | None = None  # None: actor.fsdp_config.param_offload
+    fsdp_size: FsdpSize | None = None  # None: actor.fsdp_config.fsdp_size
 
 
 class RefConfig(_Section):
@@ -223,8 +233,9 @@ class RefConfig(_Section):
     up to ``log_prob_max_token_len_per_gpu`` padded tokens a pass (``learner.micro_batches``).
     Every key left unset (None) takes the actor's value, as verl's interpolations do
     (``ppo_micro_batch_size_per_gpu``, ``use_dynamic_bsz``, ``ppo_max_token_len_per_gpu``,
-    ``fsdp_config.param_offload``). ``ulysses_sequence_parallel_size`` must equal the actor's:
-    every model of the learner runs on one sequence-parallel mesh.
+    ``fsdp_config.param_offload``, ``fsdp_config.fsdp_size``).
+    ``ulysses_sequence_parallel_size`` must equal the actor's: every model of the learner
+    runs on one sequence-parallel mesh.
     """
 
     log_prob_micro_batch_size_per_gpu: Positive | None = None
@@ -247,7 +258,9 @@ class RefConfig(_Section):
             ulysses_sequence_parallel_size=pick(self.ulysses_sequence_parallel_size,
                                                 actor.ulysses_sequence_parallel_size),
             fsdp_config=RefFsdpConfig(param_offload=pick(self.fsdp_config.param_offload,
-                                                         actor.fsdp_config.param_offload)))
+                                                         actor.fsdp_config.param_offload),
+                                      fsdp_size=pick(self.fsdp_config.fsdp_size,
+                                                     actor.fsdp_config.fsdp_size)))
 
 
 class AlgorithmConfig(_Section):
@@ -273,10 +286,17 @@ class AlgorithmConfig(_Section):
     reward_gt_coef: NonNegativeFloat = 5.0  # prime: weight of the outcome rewards
 
 
+class CriticFsdpConfig(_Section):
+    """How FSDP2 shards the critic (verl's ``critic.model.fsdp_config``)."""
+
+    fsdp_size: FsdpSize = -1  # as actor.fsdp_config.fsdp_size, for the critic (verl's default)
+
+
 class CriticModelConfig(_Section):
     """The critic's body: empty ``path`` initialises it from the policy checkpoint."""
 
     path: str = ""
+    fsdp_config: CriticFsdpConfig = msgspec.field(default_factory=CriticFsdpConfig)
 
 
 class CriticConfig(_Section):

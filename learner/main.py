@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from configs.rundir import (
@@ -37,7 +38,7 @@ from learner.critic import Critic, load_value_model
 from learner.eval_queue import EvalQueue
 from learner.implicit_prm import ImplicitPRM
 from learner.loop import RankZero, Reporter, TrainLoop
-from learner.model import learner_device, load_sharded
+from learner.model import learner_device, load_sharded, sharding_mesh
 from learner.optim import build_optimizer, build_scheduler
 from learner.rollouts import BufferLink
 from learner.tracking import Resumed, Tracker
@@ -49,12 +50,31 @@ from transport.sockets import Pusher
 logger = logging.getLogger("relay.learner")
 
 
+class Meshes:
+    """The sharding meshes of the learner's models (``learner.model.sharding_mesh``), one
+    per ``fsdp_size``: models of the same size share a mesh and its process groups."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.made: dict[int, DeviceMesh | None] = {}
+
+    def get(self, fsdp_size: int, key: str) -> DeviceMesh | None:
+        """The mesh for ``fsdp_size`` (``key`` names it in errors); a collective the first
+        time a size is asked for."""
+        if fsdp_size not in self.made:
+            self.made[fsdp_size] = sharding_mesh(self.device, fsdp_size, key)
+        return self.made[fsdp_size]
+
+
 def build_learner(ctx: RunContext, device: torch.device,
                   parallelism: Parallelism | None = None) -> Learner:
-    """Every model, optimizer and schedule the run's learner needs, sharded over the world;
+    """Every model, optimizer and schedule the run's learner needs, sharded over the world
+    or, with verl's ``fsdp_size``, hybrid-sharded (``learner.model.sharding_mesh``: the
+    policy and the PRM by the actor's, the reference by the ref's, the critic by its own);
     under Ulysses (``actor.ulysses_sequence_parallel_size`` > 1) the heads of each model it
     loads (the policy and its reference, the critic with ``gae``, the PRM with ``prime``)
-    are checked against the SP size first."""
+    are checked against the SP size first. Each model is read from disk on rank 0 only
+    (``learner.model.load_sharded``)."""
     run = ctx.run
     dtype = getattr(torch, run.model.dtype)
     estimator = run.algorithm.adv_estimator
@@ -67,17 +87,20 @@ def build_learner(ctx: RunContext, device: torch.device,
                 path, trust_remote_code=run.model.trust_remote_code), sp_size)
     checkpointing = run.model.enable_gradient_checkpointing
     offload = run.actor.fsdp_config.param_offload
+    ref_fsdp = run.ref.resolve(run.actor).fsdp_config
+    meshes = Meshes(device)
+    actor_mesh = meshes.get(run.actor.fsdp_config.fsdp_size, "actor.fsdp_config.fsdp_size")
     model = load_sharded(run.model.path, compute_dtype=dtype, device=device,
                          trust_remote_code=run.model.trust_remote_code,
                          gradient_checkpointing=checkpointing, offload=offload,
-                         compile_blocks=run.actor.use_torch_compile)
+                         compile_blocks=run.actor.use_torch_compile, mesh=actor_mesh)
     prm_shares_reference = estimator == "prime" and prm_path == run.model.path
     reference = None
     if run.actor.use_kl_loss or run.algorithm.use_kl_in_reward or prm_shares_reference:
         reference = load_sharded(run.model.path, compute_dtype=dtype, device=device,
                                  trust_remote_code=run.model.trust_remote_code, trainable=False,
-                                 offload=bool(run.ref.resolve(run.actor).fsdp_config
-                                              .param_offload))
+                                 offload=bool(ref_fsdp.param_offload),
+                                 mesh=meshes.get(ref_fsdp.fsdp_size, "ref.fsdp_config.fsdp_size"))
     optimizer = build_optimizer(model, run.actor.optim)
     scheduler = build_scheduler(optimizer, total_steps=run.trainer.total_training_steps,
                                 optim=run.actor.optim)
@@ -85,15 +108,17 @@ def build_learner(ctx: RunContext, device: torch.device,
     if estimator == "gae":
         value_model = load_value_model(critic_path, compute_dtype=dtype, device=device,
                                        trust_remote_code=run.model.trust_remote_code,
-                                       gradient_checkpointing=checkpointing)
+                                       gradient_checkpointing=checkpointing,
+                                       mesh=meshes.get(run.critic.model.fsdp_config.fsdp_size,
+                                                       "critic.model.fsdp_config.fsdp_size"))
         critic = Critic(value_model, run.critic, total_steps=run.trainer.total_training_steps)
     if estimator == "prime":
         prm_model = load_sharded(prm_path, compute_dtype=dtype, device=device,
                                  trust_remote_code=run.model.trust_remote_code,
-                                 gradient_checkpointing=checkpointing)
+                                 gradient_checkpointing=checkpointing, mesh=actor_mesh)
         prm_reference = reference if prm_shares_reference else load_sharded(
             prm_path, compute_dtype=dtype, device=device,
-            trust_remote_code=run.model.trust_remote_code, trainable=False)
+            trust_remote_code=run.model.trust_remote_code, trainable=False, mesh=actor_mesh)
         prm = ImplicitPRM(prm_model, prm_reference, run.reward_model,
                           total_steps=run.trainer.total_training_steps,
                           temperature=run.rollout.temperature)

@@ -335,3 +335,18 @@ def test_placement_keys_in_a_file_go_to_the_topology_too(run_dir: Path) -> None:
                                    source=str(run_dir / "run.toml"))]
     assert load_topology(CONFIG_DIR / "topology.toml",
                          placement=placement).learner.nproc_per_node == 2
+
+
+def test_fsdp_size_is_a_relay_key_of_the_actor_the_ref_and_the_critic(run_dir: Path) -> None:
+    """verl's fsdp_size (HSDP: learner.model.sharding_mesh) is Relay's own key: the ref takes
+    the actor's unless set, the critic has its own; below -1 is refused naming the key."""
+    path = write(run_dir, GOOD_RUN + "[critic.model.fsdp_config]\nfsdp_size = 4\n")
+    run = load_run_config(path, ["actor_rollout_ref.actor.fsdp_config.fsdp_size=32"])
+    assert run.actor.fsdp_config.fsdp_size == 32
+    assert run.ref.resolve(run.actor).fsdp_config.fsdp_size == 32
+    assert run.critic.model.fsdp_config.fsdp_size == 4
+    run = load_run_config(path, ["actor_rollout_ref.ref.fsdp_config.fsdp_size=8"])
+    assert (run.actor.fsdp_config.fsdp_size, run.ref.resolve(run.actor).fsdp_config.fsdp_size,
+            run.critic.model.fsdp_config.fsdp_size) == (-1, 8, 4)
+    err = error_of(load_run_config, path, ["critic.model.fsdp_config.fsdp_size=-2"])
+    assert err.key == "critic.model.fsdp_config.fsdp_size" and ">= -1" in err.problem
