@@ -42,8 +42,9 @@ OWN_ALLOCATOR_ENGINES = ("vllm", "sglang")
 """Engines that manage their GPU memory in pools of their own; vLLM's ``CuMemAllocator``
 refuses to start under expandable segments (pytorch/pytorch#147851)."""
 FORWARDED_PREFIXES = ("NCCL_", "CUDA_")
-NOT_FORWARDED = ("CUDA_HOME", "CUDA_PATH", "CUDA_VERSION")
-"""Where this machine's CUDA is installed, not how the run uses it: a remote host has its own."""
+NOT_FORWARDED = ("CUDA_HOME", "CUDA_PATH", "CUDA_VERSION", "NCCL_VERSION")
+"""What this machine has installed (NVIDIA's images set them), not how the run uses it: a
+remote host has its own."""
 
 
 class ProcessSpec(msgspec.Struct, kw_only=True, frozen=True):

@@ -123,6 +123,7 @@ def test_ssh_forwards_nccl_cuda_and_allocator_variables_but_not_the_cuda_install
         learner=LearnerPlacement(hosts=["10.0.0.1", "10.0.0.2"], device="cuda", gpus=[6]),
         generators=[GeneratorPlacement(name="g", host="10.0.0.3")])
     launcher_env = {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "INFO", "CUDA_HOME": "/opt/c",
+                    "NCCL_VERSION": "2.27.3",
                     "CUDA_VISIBLE_DEVICES": "0,1", "PYTORCH_CUDA_ALLOC_CONF": "x:1",
                     "HOME": "/home/me"}
     plan = build_plan(topology, NO_VALIDATION, Path("/runs/x"), python="py",
