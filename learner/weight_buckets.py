@@ -9,11 +9,14 @@ vLLM's ``load_weights`` and SGLang's ``update_weights_from_tensor`` all take tho
 fuse (q/k/v, gate/up) or cut (tensor parallel) on their side, where the layout is known.
 
 ``gather_buckets`` is a collective over the learner's ranks. FSDP2 shards each parameter
-along dim 0 in ``torch.chunk`` pieces: with ``W`` ranks and ``n`` rows, rank ``r`` holds rows
-``[r*c, min((r+1)*c, n))``, ``c = ceil(n / W)``. For each bucket every rank casts the rows it
-holds of the bucket's pieces to the publish dtype and sends them to rank 0, which receives
-them straight into the bucket's tensors and yields the bucket. Nothing else stays: rank 0
-holds one bucket beyond its shards, another rank its own share of one bucket.
+along dim 0 in ``torch.chunk`` pieces over the last dimension of its mesh: with ``S`` ranks
+there and ``n`` rows, the rank at shard index ``s`` holds rows ``[s*c, min((s+1)*c, n))``,
+``c = ceil(n / S)``; under HSDP (a 2-D mesh, ``learner.model.sharding_mesh``) every replica
+holds all ``S`` shards, and the first replica's ranks (rank 0's) send them. For each bucket
+every sending rank casts the rows it holds of the bucket's pieces to the publish dtype and
+sends them to rank 0, which receives them straight into the bucket's tensors and yields
+the bucket. Nothing else stays: rank 0 holds one bucket beyond its shards, another rank its
+own share of one bucket.
 """
 
 from __future__ import annotations
@@ -90,21 +93,43 @@ def held_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
     return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
 
 
+def _check_placements(param: DTensor) -> None:
+    """FSDP2's layouts: Shard(0) over the mesh's last dimension, replicated over any other
+    (HSDP)."""
+    *replicated, sharded = param.placements
+    if sharded != Shard(0) or not all(p.is_replicate() for p in replicated):
+        raise NotImplementedError(f"publishing a parameter sharded as {param.placements}: "
+                                  "only FSDP2's Shard(0) over the mesh's last dimension "
+                                  "(replicated over the others: HSDP) is supported")
+
+
+def _senders(param: torch.Tensor, group: dist.ProcessGroup | None) -> list[tuple[int, int, int]]:
+    """(rank in ``group``, first row, end row) of each rank that sends rows of ``param``:
+    the holder of each shard on the first replica (shard index s is mesh coordinate
+    (0, ..., 0, s)), or rank 0 alone when ``param`` is not sharded."""
+    if not isinstance(param, DTensor):
+        return [(0, 0, param.shape[0] if param.dim() else 1)]
+    mesh = param.device_mesh
+    shards = mesh.size(mesh.ndim - 1)
+    first_replica = mesh.mesh.reshape(-1, shards)[0].tolist()  # global ranks by shard index
+    group = group if group is not None else dist.group.WORLD
+    return [(dist.get_group_rank(group, holder), *held_rows(param.shape[0], shards, index))
+            for index, holder in enumerate(first_replica)]
+
+
 def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     """This rank's rows of ``param`` (its FSDP2 shard, or the whole tensor when it is not
     sharded) and the index of the first one; a 0-dimensional parameter is one row."""
     if not isinstance(param, DTensor):
         local = param.detach()
         return (local.reshape(1) if local.dim() == 0 else local), 0
-    if tuple(param.placements) != (Shard(0),):
-        raise NotImplementedError(f"publishing a parameter sharded as {param.placements}: "
-                                  "only FSDP2's Shard(0) over one mesh dimension is supported")
     local = param.to_local().detach()
     mesh = param.device_mesh
-    lo, hi = held_rows(param.shape[0], mesh.size(), mesh.get_local_rank())
+    index = mesh.get_local_rank(mesh.ndim - 1)
+    lo, hi = held_rows(param.shape[0], mesh.size(mesh.ndim - 1), index)
     if local.shape[0] != hi - lo:
-        raise RuntimeError(f"a shard of {tuple(param.shape)} holds {local.shape[0]} rows on "
-                           f"mesh rank {mesh.get_local_rank()}, expected {hi - lo}")
+        raise RuntimeError(f"a shard of {tuple(param.shape)} holds {local.shape[0]} rows at "
+                           f"shard index {index}, expected {hi - lo}")
     return local, lo
 
 
@@ -120,24 +145,21 @@ def gather_buckets(model: nn.Module, plan: BucketPlan, dtype: torch.dtype, versi
 
 
 def _check_mesh(params, group: dist.ProcessGroup | None) -> None:
-    """The shards' mesh must number the ranks as ``group`` does (``held_rows`` by rank)."""
+    """The shards' mesh must span the ranks of ``group``, FSDP2's way (``_check_placements``)."""
     for param in params:
         if isinstance(param, DTensor):
+            _check_placements(param)
             mesh = param.device_mesh
-            if (mesh.size(), mesh.get_local_rank()) != (dist.get_world_size(group),
-                                                        dist.get_rank(group)):
-                raise RuntimeError(f"the parameters are sharded over {mesh.size()} ranks "
-                                   f"(this one {mesh.get_local_rank()}), the gathering group "
-                                   f"has {dist.get_world_size(group)} (this one "
-                                   f"{dist.get_rank(group)})")
-            return
+            if mesh.size() != dist.get_world_size(group):
+                raise RuntimeError(f"the parameters are sharded over a mesh of {mesh.size()} "
+                                   f"ranks, the gathering group has "
+                                   f"{dist.get_world_size(group)}")
 
 
 def _gather_bucket(params: dict[str, nn.Parameter], pieces: list[Piece], dtype: torch.dtype,
                    version: int, index: int,
                    group: dist.ProcessGroup | None) -> WeightBucket | None:
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
-    world = dist.get_world_size(group) if distributed else 1
     rank = dist.get_rank(group) if distributed else 0
     out: list[torch.Tensor] = []
     pending: list[dist.Work] = []
@@ -147,9 +169,7 @@ def _gather_bucket(params: dict[str, nn.Parameter], pieces: list[Piece], dtype: 
         if rank == 0:
             shape = (piece.stop - piece.start, *param.shape[1:])
             out.append(torch.empty(shape, dtype=dtype))
-        sharded = isinstance(param, DTensor)
-        for holder in range(world if sharded else 1):
-            lo, hi = held_rows(param.shape[0], world, holder) if sharded else (0, len(local))
+        for holder, lo, hi in _senders(param, group):
             a, b = max(piece.start, lo), min(piece.stop, hi)
             if a >= b:
                 continue

@@ -1,8 +1,9 @@
 """learner.weight_buckets: the bucket plan keeps every bucket within its size and covers
 every row once, in order; the rows each rank holds are FSDP2's; the buckets gathered from
-one process or from two FSDP2 ranks (gloo, real processes) rebuild, through the generators'
-``VersionAssembler``, exactly the parameters in the publish dtype; a version missing a
-bucket or carrying a wrong dtype is refused and the next one still arrives.
+one process, from two FSDP2 ranks or from four hybrid-sharded ones (2 x 2; gloo, real
+processes) rebuild, through the generators' ``VersionAssembler``, exactly the parameters
+in the publish dtype; a version missing a bucket or carrying a wrong dtype is refused and
+the next one still arrives.
 (The stream: test_weights.py; the receiver: tests/generators/test_weight_receiver.py.)"""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from generators.weight_receiver import IncompleteVersion, VersionAssembler
-from learner.model import shard
+from learner.model import shard, sharding_mesh
 from learner.weight_buckets import (
     BucketPlan,
     gather_buckets,
@@ -128,13 +129,17 @@ def test_buckets_of_one_process_rebuild_the_model_in_the_publish_dtype() -> None
         assert torch.equal(staged[name], param.detach().to(DTYPE)), name
 
 
-def gather_from_rank(rank: int, world: int, port: int, bucket_bytes: int, out_file: str) -> None:
+def gather_from_rank(rank: int, world: int, port: int, bucket_bytes: int, out_file: str,
+                     fsdp_size: int = -1) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
         torch.manual_seed(0)  # the same model on every rank, before FSDP2 shards it
-        model = shard(Tiny(scalar=False), compute_dtype=torch.float32, blocks=(nn.Linear,))
+        model = shard(Tiny(scalar=False), compute_dtype=torch.float32, blocks=(nn.Linear,),
+                      mesh=sharding_mesh(torch.device("cpu"), fsdp_size))
+        shards = model.layers[0].weight.device_mesh.shape
+        assert shards == ((world,) if fsdp_size == -1 else (world // fsdp_size, fsdp_size))
         plan = plan_buckets(model, DTYPE, bucket_bytes)
         assembler, staged, sizes = VersionAssembler(), None, []
         assembler.feed(plan.manifest(version=1, step=1))
@@ -153,12 +158,16 @@ def gather_from_rank(rank: int, world: int, port: int, bucket_bytes: int, out_fi
     exit_worker()
 
 
-def test_two_ranks_gather_the_full_weights_one_bucket_at_a_time(tmp_path: Path) -> None:
-    """Two FSDP2 ranks with uneven shards (7 rows; 1 row) send rank 0 buckets, each within
-    bucket_bytes, that rebuild exactly what gather_full_weights gathers whole."""
+@pytest.mark.parametrize("world, fsdp_size", [(2, -1), (4, 2)], ids=["2 ranks", "hsdp 2x2"])
+def test_ranks_gather_the_full_weights_one_bucket_at_a_time(tmp_path: Path, world: int,
+                                                            fsdp_size: int) -> None:
+    """FSDP2 ranks with uneven shards (7 rows; 1 row) send rank 0 buckets, each within
+    bucket_bytes, that rebuild exactly what gather_full_weights gathers whole; under HSDP
+    (2 replicas of 2 shards) rank 0's replica sends them."""
     out, bucket_bytes = tmp_path / "gathered.pt", 100  # layers.0.weight spans three buckets
-    mp.start_processes(gather_from_rank, args=(2, free_port(), bucket_bytes, str(out)),
-                       nprocs=2, start_method="spawn")
+    mp.start_processes(gather_from_rank,
+                       args=(world, free_port(), bucket_bytes, str(out), fsdp_size),
+                       nprocs=world, start_method="spawn")
     result = torch.load(out, weights_only=False)
     assert result["num_buckets"] == len(result["sizes"]) > 1
     assert max(result["sizes"]) <= bucket_bytes
