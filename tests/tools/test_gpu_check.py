@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -166,6 +167,22 @@ def test_a_failing_check_leaves_the_others_and_the_summary_says_so(tmp_path: Pat
     assert first["name"] == "X" and not first["passed"]
     assert "ValueError: a deliberate failure" in first["error"]
     assert second["passed"] and second["numbers"] == {"err": "nan"}  # strict JSON
+
+
+def test_a_failed_run_leaves_its_logs_beside_the_summary(tmp_path: Path) -> None:
+    from gpucheck.cli import LOGS_ARCHIVE, finish
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "runs" / "r").mkdir(parents=True)
+    (work / "runs" / "r" / "learner.log").write_text("the learner's last words\n")
+    report = Report({"device": "cpu"})
+    report.add(CheckResult(name="Z", passed=True))
+    assert finish(report, out / "gpu-check.json", work) == 0
+    assert not (out / LOGS_ARCHIVE).exists()
+    report.add(CheckResult.failure("Z/two", "broken"))
+    assert finish(report, out / "gpu-check.json", work) == 1
+    with tarfile.open(out / LOGS_ARCHIVE) as archive:
+        assert archive.getnames() == ["runs/r/learner.log"]
 
 
 def outcome(seed: int = 0) -> dict:

@@ -16,6 +16,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -33,6 +34,7 @@ CLUSTER_TIMEOUT_S = {"cuda": 200.0, "cpu": 600.0}
 """On a GPU, whatever hangs (a collective) costs at most 150 + 150 + 200 s: the run still
 ends inside the device tool's 10 minutes a command, with its summary written."""
 WORKER_TAIL_LINES = 40
+LOGS_ARCHIVE = "gpu-check-logs.tar.gz"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -83,7 +85,7 @@ def run_checks(args: argparse.Namespace, work: Path) -> int:
     model_dir = work / "model"
     report.run("setup", lambda: set_up(args, work, model_dir, report))
     if not report.passed:  # no wheels or no model: nothing else can run
-        return finish(report, args.out)
+        return finish(report, args.out, work)
     workers = WorkerRunner(work, model_dir, WORKER_TIMEOUT_S[args.device])
     if "A" in args.only:
         from gpucheck.learner_check import learner_checks
@@ -98,7 +100,7 @@ def run_checks(args: argparse.Namespace, work: Path) -> int:
 
         report.run("C", lambda: cluster_checks(ROOT, model_dir, work, args.device,
                                                CLUSTER_TIMEOUT_S[args.device]))
-    return finish(report, args.out)
+    return finish(report, args.out, work)
 
 
 def set_up(args: argparse.Namespace, work: Path, model_dir: Path,
@@ -120,11 +122,19 @@ def set_up(args: argparse.Namespace, work: Path, model_dir: Path,
     return [CheckResult(name="setup", passed=True, numbers={"wheels": len(installed)})]
 
 
-def finish(report: Report, out: Path) -> int:
+def finish(report: Report, out: Path, work: Path) -> int:
+    """Write the summary; after a failure, every log of the run beside it
+    (``LOGS_ARCHIVE``: the workers', the launcher's and its processes')."""
     report.write(out)
-    verdict = "passed" if report.passed else "FAILED"
-    print(f"gpu-check: {verdict}; summary in {out}", flush=True)
-    return 0 if report.passed else 1
+    if report.passed:
+        print(f"gpu-check: passed; summary in {out}", flush=True)
+        return 0
+    with tarfile.open(out.parent / LOGS_ARCHIVE, "w:gz") as archive:
+        for log in sorted(work.rglob("*.log")):
+            archive.add(log, arcname=str(log.relative_to(work)))
+    print(f"gpu-check: FAILED; summary in {out}, logs in {out.parent / LOGS_ARCHIVE}",
+          flush=True)
+    return 1
 
 
 class WorkerRunner:
@@ -187,9 +197,11 @@ class Worker:
         return torch.load(self.out, weights_only=True)
 
     def _pass_through(self) -> None:
-        for line in self.process.stdout:
-            self.tail.append(line)
-            print(f"  [{self.name}] {line}", end="", flush=True)
+        with open(self.out.with_suffix(".log"), "w") as log:
+            for line in self.process.stdout:
+                log.write(line)
+                self.tail.append(line)
+                print(f"  [{self.name}] {line}", end="", flush=True)
 
 
 def worker_main(task_file: Path) -> int:
