@@ -7,19 +7,19 @@ In one worker process on the device, per dtype (fp32, bf16):
   the same process; what arrives must equal, bit for bit, the learner's weights in the
   publish dtype. The stream's GB/s is measured.
 - engines (the lean engine; vLLM when its CUDA build is installed): the engine holds
-  version 0 (the checkpoint) and generates ``ENGINE_GROUPS`` groups through ``SLOTS`` slots; after
-  ``SWAP_AT`` decode steps the between-steps hook loads the published version 1, so the
-  groups in flight go on under version 1 and the later ones start under it. Every token
-  carries the version that sampled it; the versions must rise 0 then 1, with sequences that
-  cross the swap and sequences begun after it. A token whose whole context was computed by
-  its own version (every token of a sequence that started after the swap; a sequence's
-  tokens before it) must carry the learner's log-prob under that version (version 0: the
-  frozen reference, which is the initial policy; version 1: the trained policy) within
-  ``LOGPROB_TOL`` on average. Tokens sampled after the swap in a sequence begun before it
-  attend to keys and values version 0 computed (in-flight updates keep the cache); their
-  error is reported, not bounded. ``LR`` is large enough that the two versions' log-probs
-  differ by more than the bound (``version_gap``): an engine that ignored the new weights
-  would fail.
+  version 0 (the checkpoint) and generates ``ENGINE_GROUPS`` groups through ``SLOTS``
+  slots; after ``SWAP_AT`` decode steps the between-steps hook loads the published version
+  1, so the groups in flight go on under version 1 and the later ones start under it.
+  Every token carries the version that sampled it; the versions must rise 0 then 1, with
+  sequences that cross the swap and sequences begun after it. A token whose whole context
+  was computed by its own version (every token of a sequence that started after the swap;
+  a sequence's tokens before it) must carry the learner's log-prob under that version
+  (version 0: the frozen reference, which is the initial policy; version 1: the trained
+  policy) within ``LOGPROB_TOL`` on average. Tokens sampled after the swap in a sequence
+  begun before it attend to keys and values version 0 computed (in-flight updates keep the
+  cache); their error is reported, not bounded. ``LR`` is large enough that the two
+  versions' log-probs differ by more than the bound (``version_gap``): an engine that
+  ignored the new weights would fail.
 """
 
 from __future__ import annotations
