@@ -95,9 +95,9 @@ def learner_worker(model_dir: Path, device_setting: str, dtypes: list[str]) -> d
             try:
                 outcomes[f"{scenario.name}:{dtype}"] = _step(scenario, model_dir, device, dtype)
                 verdict = "done"
-            except Exception:  # noqa: BLE001 - reported per scenario; the others go on
+            except Exception as error:  # noqa: BLE001 - reported; the others go on
                 outcomes[f"{scenario.name}:{dtype}"] = {"error": traceback.format_exc(limit=-6)}
-                verdict = "FAILED"
+                verdict = f"FAILED ({type(error).__name__}: {error})"
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -120,7 +120,6 @@ def _exact(device: torch.device, dtype: str) -> Iterator[None]:
 
 def _step(scenario: Scenario, model_dir: Path, device: torch.device, dtype: str) -> dict:
     from learner.model import forward_logprobs
-    from tests.device_audit import DeviceAudit
 
     from gpucheck.build import TEMPERATURE, check_learner, cpu_copy, host_batch, \
         synthetic_groups
@@ -136,7 +135,7 @@ def _step(scenario: Scenario, model_dir: Path, device: torch.device, dtype: str)
         gradients = _GradientPlaces(learner, scenario, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        with DeviceAudit(["learner", "algorithms"]) as audit:
+        with _device_audit()(["learner", "algorithms"]) as audit:
             metrics = learner.step(batch).metrics
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     after = {n: cpu_copy(p) for n, p in learner.model.named_parameters()}
@@ -150,6 +149,19 @@ def _step(scenario: Scenario, model_dir: Path, device: torch.device, dtype: str)
             "gradients": gradients.seen, "syncs": audit.sync_count,
             "sync_sites": [f"{n} x {site}" for site, n in audit.syncs.most_common(5)],
             "peak_gib": peak}
+
+
+def _device_audit() -> type:
+    """``tests/device_audit.py``'s ``DeviceAudit``, loaded from its file: ``tests`` is no
+    installed package, and a site-packages folder of that name (some wheels ship one)
+    would hide this repository's."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "tests" / "device_audit.py"
+    spec = importlib.util.spec_from_file_location("relay_device_audit", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DeviceAudit
 
 
 def _parts(learner, scenario: Scenario, device: torch.device
