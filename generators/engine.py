@@ -60,6 +60,13 @@ class WeightMismatch(ValueError):
     """A weight version does not fit the engine's model (names or shapes)."""
 
 
+def copy_device(device: torch.device) -> torch.device | None:
+    """``Engine.staging_device`` of an engine whose weights are on ``device``: a CUDA
+    device itself; on the CPU None, as a second copy there would be host memory that
+    stays, where a whole host version is freed once loaded."""
+    return device if device.type == "cuda" else None
+
+
 def check_weights(shapes: Mapping[str, torch.Size], tensors: Mapping[str, torch.Tensor]) -> None:
     """Raise ``WeightMismatch`` unless ``tensors`` has exactly the names of ``shapes``, each
     with its shape."""
@@ -104,6 +111,14 @@ class Engine(abc.ABC):
 
         Raises ``WeightMismatch`` and changes nothing when the set does not fit.
         """
+
+    @property
+    def staging_device(self) -> torch.device | None:
+        """Where the weight receiver assembles this engine's next version: a second copy of
+        the weights on that device, which ``load_weights`` gets at a safe point
+        (``generators.weight_receiver``); None: whole versions in host memory. None here;
+        an engine whose weights are on a device of this process says ``copy_device``."""
+        return None
 
     # -- continuous batching ------------------------------------------------------------
 
@@ -161,23 +176,29 @@ class ModelEngine(Engine):
             param.copy_(tensors[name])
         self.version = version
 
+    @property
+    def staging_device(self) -> torch.device | None:
+        return copy_device(self.device)
+
     def left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids and attention_mask (B, P) on the engine's device, prompts right-aligned."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        batch, width = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(list(prompt))
-            attention[row, width - len(prompt):] = 1
-        return input_ids.to(self.device), attention.to(self.device)
+        width = max(len(p) for p in prompts)
+        input_ids = [[self.pad_id] * (width - len(p)) + list(p) for p in prompts]
+        attention = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
+        return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(attention, dtype=torch.long, device=self.device))
 
     def cut_at_eos(self, tokens: torch.Tensor, logprobs: torch.Tensor,
                    versions: torch.Tensor) -> list[Completion]:
-        """Completions from (B, S) step outputs, each cut just after its first eos token."""
-        tokens, logprobs, versions = tokens.cpu(), logprobs.float().cpu(), versions.cpu()
-        is_eos = torch.isin(tokens, torch.tensor(sorted(self.eos_ids)))
+        """Completions from (B, S) step outputs, each cut just after its first eos token;
+        the outputs come to the host in one transfer (token ids and versions are exact in
+        float64)."""
+        host = torch.stack((tokens.double(), logprobs.double(), versions.double())).cpu()
+        tokens, logprobs, versions = host[0].long(), host[1].float(), host[2].int()
+        is_eos = torch.isin(tokens, torch.tensor(sorted(self.eos_ids), dtype=torch.long,
+                                                 device="cpu"))
         out = []
         for row in range(tokens.shape[0]):
             stops = is_eos[row].nonzero()

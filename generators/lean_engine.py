@@ -1,18 +1,24 @@
-"""The lean engine: continuous batching over ``LeanDecoder``'s static KV cache.
+"""The lean engine: continuous batching over ``LeanDecoder``'s KV cache.
 
-The engine owns ``max_num_seqs`` sequence slots. Each ``step``:
+The engine owns ``max_num_seqs`` sequence rows. Each ``step``:
 
-1. **Admit** queued groups while free slots remain: the group's prompt is prefilled once,
-   its keys and values written to the slots of all ``n`` samples (the samples of a prompt
-   share one prefill); each sample's first token is drawn from the prefill's logits.
+1. **Admit** queued groups, in order, while free rows remain, the KV cache has room for
+   each sample's prompt plus its ``max_new_tokens`` (``generators.kv_cache``: a paged
+   pool reserves those blocks now, so no sequence runs out of room mid-decode and none is
+   preempted or truncated) and one prefill stays within its token bound. The group's
+   prompt is prefilled once, its keys and values written to the rows of all ``n`` samples
+   (the samples of a prompt share one prefill); each sample's first token is drawn from the
+   prefill's logits.
 2. **Decode** one token for every sequence in flight, in one batched forward. Between
    steps the caller's hook may load new weights; the tokens after it carry the new version
    (in-flight weight swaps, as ``TorchEngine``).
-3. **Retire** the sequences that drew an eos token or reached their ``max_new_tokens``;
-   a group is returned when its last sample is done. Sequences in flight are kept in slots
-   0..active-1 (a retired slot is filled by the last sequence), so the decode reads the
-   cache as one contiguous view.
+3. **Retire** the sequences that drew an eos token or reached their ``max_new_tokens``,
+   giving their cache room back; a group is returned when its last sample is done.
+   Sequences in flight are kept in rows 0..active-1 (a retired row is filled by the last
+   sequence), so the decode reads the first ``active`` rows.
 
+The bookkeeping (who owns a row, what it generated) lives on the host: a step brings its
+drawn tokens and log-probs to the host in one transfer, its only device sync.
 Sampling is ``generators.sampling.sample_next`` on the same logits a transformers forward
 gives (up to float rounding), so the distribution and behavior log-probs are unchanged.
 ``occupancy`` records the mean number of sequences in flight over the decode steps taken
@@ -36,8 +42,9 @@ from generators.engine import (
     StepHook,
     check_request,
     check_weights,
+    copy_device,
 )
-from generators.lean_model import LeanDecoder
+from generators.lean_model import CacheMemory, LeanDecoder
 from generators.sampling import SamplingParams, sample_next
 
 
@@ -47,6 +54,15 @@ class _Group:
 
     request: GroupRequest
     done: dict[int, Completion] = field(default_factory=dict)
+
+
+@dataclass
+class _Output:
+    """What a row generated so far, token by token."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -70,23 +86,23 @@ class LeanEngine(Engine):
                  seed: int = 0) -> None:
         super().__init__()
         self.decoder = decoder
+        self.cache = decoder.cache
         self.device = decoder.device
         self.max_num_seqs = decoder.slots
         self.eos_ids = frozenset(eos_ids)
         self.pad_id = pad_id
-        self._eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=self.device)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._queue: deque[GroupRequest] = deque()
-        slots, width = decoder.slots, decoder.max_len
-        # per slot: next position to write, the token to feed, tokens generated so far
+        slots = decoder.slots
+        # per row, on the device for the forward: the position to write next, the token to feed
         self._positions = torch.zeros(slots, dtype=torch.long, device=self.device)
         self._tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
-        self._generated = torch.zeros(slots, dtype=torch.long, device=self.device)
-        self._limits = torch.zeros(slots, dtype=torch.long, device=self.device)  # max_new_tokens
-        self._out_tokens = torch.zeros((slots, width), dtype=torch.int32)
-        self._out_logprobs = torch.zeros((slots, width), dtype=torch.float32)
-        self._out_versions = torch.zeros((slots, width), dtype=torch.int32)
+        # per row, on the host for the bookkeeping (no device sync): who owns it, its prompt
+        # length, max_new_tokens and what it generated so far
         self._owner: list[tuple[_Group, int] | None] = [None] * slots  # group, sample index
+        self._prompt_len = [0] * slots
+        self._limits = [0] * slots
+        self._out: list[_Output] = [_Output() for _ in range(slots)]
         self._active = 0
         self.occupancy = Occupancy()
 
@@ -94,15 +110,16 @@ class LeanEngine(Engine):
     def from_pretrained(cls, path: str, *, dtype: torch.dtype, device: str = "cpu",
                         eos_ids: Sequence[int], pad_id: int, seed: int = 0,
                         trust_remote_code: bool = False, max_num_seqs: int = 256,
-                        max_len: int = 2048) -> LeanEngine:
-        """Load a Hugging Face checkpoint with transformers and copy its weights in.
+                        max_len: int = 2048, memory: CacheMemory | None = None) -> LeanEngine:
+        """Load a Hugging Face checkpoint with transformers and copy its weights in; the KV
+        cache as ``memory`` allows (``generators.lean_model.CacheMemory``).
 
         Raises ``generators.lean_model.UnsupportedModel`` for architectures the lean
         forward does not implement (before loading any weights).
         """
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         decoder = LeanDecoder(config, slots=max_num_seqs, max_len=max_len, dtype=dtype,
-                              device=device)
+                              device=device, memory=memory)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
                                                      trust_remote_code=trust_remote_code)
         engine = cls(decoder, eos_ids=eos_ids, pad_id=pad_id, seed=seed)
@@ -111,11 +128,12 @@ class LeanEngine(Engine):
 
     @classmethod
     def from_model(cls, model: PreTrainedModel, *, eos_ids: Sequence[int], pad_id: int,
-                   seed: int = 0, max_num_seqs: int = 256, max_len: int = 2048) -> LeanEngine:
+                   seed: int = 0, max_num_seqs: int = 256, max_len: int = 2048,
+                   memory: CacheMemory | None = None) -> LeanEngine:
         """An engine holding a copy of an in-memory transformers model's weights."""
         parameter = next(model.parameters())
         decoder = LeanDecoder(model.config, slots=max_num_seqs, max_len=max_len,
-                              dtype=parameter.dtype, device=parameter.device)
+                              dtype=parameter.dtype, device=parameter.device, memory=memory)
         engine = cls(decoder, eos_ids=eos_ids, pad_id=pad_id, seed=seed)
         engine.load_weights(0, {n: p.detach() for n, p in model.named_parameters()})
         return engine
@@ -129,6 +147,10 @@ class LeanEngine(Engine):
         check_weights(self.decoder.parameter_shapes(), tensors)
         self.decoder.load(tensors)
         self.version = version
+
+    @property
+    def staging_device(self) -> torch.device | None:
+        return copy_device(self.device)
 
     # -- batch interface ----------------------------------------------------------------
 
@@ -163,6 +185,10 @@ class LeanEngine(Engine):
             raise ValueError(f"group {request.key!r}: a {len(request.prompt_ids)}-token prompt "
                              f"and {request.params.max_new_tokens} new tokens exceed the "
                              f"engine's {self.decoder.max_len} positions")
+        room = self.cache.capacity_error(request.n, len(request.prompt_ids)
+                                         + request.params.max_new_tokens)
+        if room is not None:
+            raise ValueError(f"group {request.key!r}: {room}")
         self._queue.append(request)
 
     @property
@@ -185,35 +211,48 @@ class LeanEngine(Engine):
 
     @torch.inference_mode()
     def _admit(self, finished: list[FinishedGroup]) -> None:
-        """Prefill queued groups into free slots and draw their first tokens."""
+        """Prefill queued groups into free rows and draw their first tokens: groups are
+        taken in order while rows, cache room (``KVCache.can_hold``: the prompt plus
+        ``max_new_tokens`` of each sample) and the prefill's token bound allow."""
         admitted: list[_Group] = []
-        used = self._active
-        while self._queue and used + self._queue[0].n <= self.max_num_seqs:
-            request = self._queue.popleft()
+        used, width = self._active, 0
+        bound = self.decoder.cache_plan.prefill_tokens
+        while self._queue:
+            request = self._queue[0]
+            prompt_len = len(request.prompt_ids)
+            positions = [prompt_len + request.params.max_new_tokens] * request.n
+            if (used + request.n > self.max_num_seqs or not self.cache.can_hold(positions)
+                    or (admitted and (len(admitted) + 1) * max(width, prompt_len) > bound)):
+                break
+            self._queue.popleft()
+            self.cache.reserve(used, positions)
             admitted.append(_Group(request))
             used += request.n
+            width = max(width, prompt_len)
         if not admitted:
+            if self._queue and not self._active:  # submit() refuses what could never fit
+                raise RuntimeError(f"the lean engine stalled: group {self._queue[0].key!r} "
+                                   "waits for KV cache room with no sequence in flight")
             return
         prompts = [list(g.request.prompt_ids) for g in admitted]
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        width = int(lengths.max())
-        padded = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            padded[row, :len(prompt)] = torch.tensor(prompt)
-        repeats = torch.tensor([g.request.n for g in admitted], device=self.device)
-        logits = self.decoder.prefill(padded.to(self.device), lengths, self._active, repeats)
-        slot = self._active
+        padded = torch.tensor([p + [self.pad_id] * (width - len(p)) for p in prompts],
+                              dtype=torch.long, device=self.device)
+        samples = [g.request.n for g in admitted]
+        start = self._active
+        logits = self.decoder.prefill(padded, [len(p) for p in prompts], start, samples)
+        row = start
         for g in admitted:
             for sample in range(g.request.n):
-                self._owner[slot] = (g, sample)
-                slot += 1
-        start, self._active = self._active, used
-        rows = torch.arange(start, used, device=self.device)
-        self._positions[rows] = lengths.repeat_interleave(repeats)
-        self._generated[rows] = 0
-        self._limits[rows] = torch.tensor([g.request.params.max_new_tokens for g in admitted],
-                                          device=self.device).repeat_interleave(repeats)
-        self._sample(rows, logits.repeat_interleave(repeats, dim=0), finished)
+                self._owner[row] = (g, sample)
+                self._prompt_len[row] = len(g.request.prompt_ids)
+                self._limits[row] = g.request.params.max_new_tokens
+                self._out[row] = _Output()
+                row += 1
+        self._active = used
+        self._positions[start:used] = torch.tensor(self._prompt_len[start:used],
+                                                   dtype=torch.long, device=self.device)
+        repeats = torch.tensor(samples, dtype=torch.long, device=self.device)
+        self._sample(range(start, used), logits.repeat_interleave(repeats, dim=0), finished)
 
     @torch.inference_mode()
     def _decode(self, finished: list[FinishedGroup]) -> None:
@@ -221,68 +260,91 @@ class LeanEngine(Engine):
         if self._queue:
             self.occupancy.steps += 1
             self.occupancy.sequences += active
-        logits = self.decoder.decode(self._tokens[:active], self._positions[:active], active)
+        # the fed token of a row sits at prompt length + generated - 1
+        context = max(p + len(o.tokens) for p, o in zip(self._prompt_len[:active],
+                                                         self._out[:active], strict=True))
+        logits = self.decoder.decode(self._tokens[:active], self._positions[:active], active,
+                                     context)
         self._positions[:active] += 1
-        self._sample(torch.arange(active, device=self.device), logits, finished)
+        self._sample(range(active), logits, finished)
 
-    def _sample(self, rows: torch.Tensor, logits: torch.Tensor,
-                finished: list[FinishedGroup]) -> None:
-        """Draw a token for each of ``rows`` (slots) from their logits, record it, and retire
-        the sequences it ends."""
-        owners = [self._owner[r] for r in rows.tolist()]
+    def _sample(self, rows: range, logits: torch.Tensor, finished: list[FinishedGroup]) -> None:
+        """Draw a token for each of ``rows`` from their logits, record it, and retire the
+        sequences it ends. The drawn tokens and log-probs come to the host in one transfer,
+        the step's only device sync."""
+        tokens, logprobs = self._draw(self._owner[rows.start:rows.stop], logits)
+        self._tokens[rows.start:rows.stop] = tokens
+        host_tokens, host_logprobs = torch.stack((tokens.double(), logprobs.double())).tolist()
+        version = self.version
+        ending: list[int] = []
+        stopped: list[bool] = []
+        for row, token, logprob in zip(rows, host_tokens, host_logprobs, strict=True):
+            out, token = self._out[row], int(token)
+            out.tokens.append(token)
+            out.logprobs.append(logprob)
+            out.versions.append(version)
+            eos = token in self.eos_ids
+            if eos or len(out.tokens) >= self._limits[row]:
+                ending.append(row)
+                stopped.append(eos)
+        if ending:
+            self._retire(ending, stopped, finished)
+
+    def _draw(self, owners: list[tuple[_Group, int] | None],
+              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens (B,) and their log-probs (B,) fp32, each row under its group's sampling
+        parameters (one draw over all rows when they share them, as they usually do)."""
+        by_params = _by_params(owners)
+        if len(by_params) == 1:
+            (params,) = by_params
+            drawn, logprob = sample_next(logits, params, self._generator)
+            return drawn, logprob.float()
         tokens = torch.empty(len(owners), dtype=torch.long, device=self.device)
         logprobs = torch.empty(len(owners), dtype=torch.float32, device=self.device)
-        for params, members in _by_params(owners).items():
-            index = torch.tensor(members, device=self.device)
+        for params, members in by_params.items():
+            index = torch.tensor(members, dtype=torch.long, device=self.device)
             drawn, logprob = sample_next(logits[index], params, self._generator)
             tokens[index], logprobs[index] = drawn, logprob.float()
-        steps = self._generated[rows]
-        cpu_rows, cpu_steps = rows.cpu(), steps.cpu()
-        self._out_tokens[cpu_rows, cpu_steps] = tokens.to(torch.int32).cpu()
-        self._out_logprobs[cpu_rows, cpu_steps] = logprobs.cpu()
-        self._out_versions[cpu_rows, cpu_steps] = self.version
-        self._tokens[rows] = tokens
-        self._generated[rows] = steps + 1
-        stopped = torch.isin(tokens, self._eos)
-        ending = (stopped | (steps + 1 >= self._limits[rows])).nonzero().squeeze(-1)
-        if len(ending):
-            self._retire(rows[ending].tolist(), stopped[ending].tolist(), finished)
+        return tokens, logprobs
 
-    def _retire(self, slots: list[int], stopped: list[bool],
+    def _retire(self, rows: list[int], stopped: list[bool],
                 finished: list[FinishedGroup]) -> None:
-        """Hand finished sequences to their groups, then refill the holes from the end."""
-        for slot, eos in zip(slots, stopped, strict=True):
-            group, sample = self._owner[slot]
-            length = int(self._generated[slot])
+        """Hand finished sequences to their groups, free their cache room, then refill the
+        holes from the end."""
+        for row, eos in zip(rows, stopped, strict=True):
+            group, sample = self._owner[row]
+            out = self._out[row]
             group.done[sample] = Completion(
-                token_ids=self._out_tokens[slot, :length].clone(),
-                logprobs=self._out_logprobs[slot, :length].clone(),
-                versions=self._out_versions[slot, :length].clone(),
+                token_ids=torch.tensor(out.tokens, dtype=torch.int32, device="cpu"),
+                logprobs=torch.tensor(out.logprobs, dtype=torch.float32, device="cpu"),
+                versions=torch.tensor(out.versions, dtype=torch.int32, device="cpu"),
                 finish_reason="stop" if eos else "length")
             if len(group.done) == group.request.n:
                 finished.append(FinishedGroup(group.request.key,
                                               [group.done[i] for i in range(group.request.n)]))
-            self._owner[slot] = None
+            self._owner[row] = None
+        self.cache.release(rows)
         self._compact()
 
     def _compact(self) -> None:
         """Move the sequences above the new ``active`` count into the holes below it."""
-        live = [s for s in range(self._active) if self._owner[s] is not None]
+        live = [r for r in range(self._active) if self._owner[r] is not None]
         self._active = len(live)
-        holes = [s for s in range(self._active) if self._owner[s] is None]
-        sources = [s for s in live if s >= self._active]
+        holes = [r for r in range(self._active) if self._owner[r] is None]
+        sources = [r for r in live if r >= self._active]
         if not sources:
             return
+        # positions 0..prompt + generated - 2 are cached (the last token is fed next)
+        length = max(self._prompt_len[r] + len(self._out[r].tokens) - 1 for r in sources)
+        self.cache.move(sources, holes, length)
         for hole, source in zip(holes, sources, strict=True):
-            self._owner[hole], self._owner[source] = self._owner[source], None
-        src = torch.tensor(sources, device=self.device)
-        dst = torch.tensor(holes, device=self.device)
-        self.decoder.copy_slots(src, dst, int(self._positions[src].max()))
-        for state in (self._positions, self._tokens, self._generated, self._limits):
+            for state in (self._owner, self._prompt_len, self._limits, self._out):
+                state[hole] = state[source]
+            self._owner[source] = None
+        src = torch.tensor(sources, dtype=torch.long, device=self.device)
+        dst = torch.tensor(holes, dtype=torch.long, device=self.device)
+        for state in (self._positions, self._tokens):
             state[dst] = state[src]
-        cpu_src, cpu_dst = src.cpu(), dst.cpu()
-        for out in (self._out_tokens, self._out_logprobs, self._out_versions):
-            out[cpu_dst] = out[cpu_src]
 
 
 def _by_params(owners: list[tuple[_Group, int]]) -> dict[SamplingParams, list[int]]:

@@ -1,11 +1,13 @@
-"""A lean decoder forward for the Llama, Qwen2 and Qwen3 families, over a static KV cache.
+"""A lean decoder forward for the Llama, Qwen2 and Qwen3 families, over the lean KV cache.
 
 Transformers' forward is built for every model and every feature; for a small model on a
 CPU its per-call overhead costs far more than its arithmetic. ``LeanDecoder`` is the same
 computation written as a handful of tensor ops per layer: fused QKV and gate-up matmuls,
 ``rms_norm``, rotary embeddings from a precomputed table, and attention over a
-preallocated cache of ``slots`` sequences of ``max_len`` positions each. It reads the
-Hugging Face checkpoint's own parameter names, so weights from the learner load unchanged.
+preallocated cache of ``slots`` rows (``generators.kv_cache``: every row at full length,
+or, when the memory does not hold that, a paged pool sized from the device's free memory).
+It reads the Hugging Face checkpoint's own parameter names, so weights from the learner
+load unchanged.
 
 Per layer, with x the residual stream (pre-norm decoder, as in transformers):
 
@@ -32,11 +34,23 @@ naming the setting, so the caller can choose another engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
+
+from generators.kv_cache import (
+    CacheShape,
+    CachePlan,
+    KVCache,
+    PagedCache,
+    SlotCache,
+    budget_from_free_memory,
+    plan_cache,
+    workspace_bytes,
+)
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -45,13 +59,35 @@ class UnsupportedModel(ValueError):
     """The checkpoint uses an architecture or setting the lean forward does not implement."""
 
 
+@dataclass(frozen=True)
+class CacheMemory:
+    """How big the KV cache may be: ``positions`` (any device; paged when fewer than slots x
+    max_len) or, on a GPU, ``gpu_memory_utilization`` of the memory free at start; on the
+    CPU without ``positions``, every slot at full length. A prefill takes at most
+    max(``max_num_batched_tokens``, max_len) padded prompt tokens (verl's names and
+    defaults)."""
+
+    positions: int | None = None
+    gpu_memory_utilization: float = 0.5
+    max_num_batched_tokens: int = 8192
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device (``torch.cuda.mem_get_info``); None elsewhere (the CPU
+    has no such query)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 class LeanDecoder:
     """Weights, rotary tables and KV cache of one decoder; no autograd, no modules."""
 
     def __init__(self, config: PretrainedConfig, *, slots: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 memory: CacheMemory | None = None) -> None:
         check_supported(config)
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        memory = memory or CacheMemory()
+        free_bytes = free_device_bytes(self.device)  # before the weights take their share
         self.hidden = config.hidden_size
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
@@ -70,10 +106,47 @@ class LeanDecoder:
         self._packed: dict[int, torch.Tensor] = {}  # id(weight) -> its oneDNN-ordered copy
         self._pack_weights()
         self.cos, self.sin = rotary_tables(config, self.head_dim, max_len, self.device)
-        shape = (self.layers, slots, self.kv_heads, max_len, self.head_dim)
         self.cache_dtype = torch.float32 if self.device.type == "cpu" else dtype
-        self.k_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+        self.cache_plan = self._plan_cache(memory, free_bytes)
+        shape = self.cache_shape()
+        self.cache: KVCache = SlotCache(shape, self.cache_dtype, self.device) \
+            if self.cache_plan.blocks is None else \
+            PagedCache(shape, self.cache_plan.blocks, self.cache_dtype, self.device)
+
+    # -- cache --------------------------------------------------------------------------
+
+    def cache_shape(self) -> CacheShape:
+        return CacheShape(layers=self.layers, kv_heads=self.kv_heads, heads=self.heads,
+                          head_dim=self.head_dim, rows=self.slots, max_len=self.max_len)
+
+    def _plan_cache(self, memory: CacheMemory, free_bytes: int | None) -> CachePlan:
+        """Every slot at full length on the CPU, or ``memory.positions`` when given; on a
+        GPU, what ``memory.gpu_memory_utilization`` of ``free_bytes`` leaves after the
+        weights and the workspace. A prefill takes at most max(max_num_batched_tokens,
+        max_len) padded tokens on every device."""
+        shape = self.cache_shape()
+        prefill_tokens = max(memory.max_num_batched_tokens, self.max_len)
+        if memory.positions is not None:
+            budget = memory.positions * shape.bytes_per_position(self.cache_dtype)
+        elif free_bytes is not None:
+            workspace = workspace_bytes(shape, hidden=self.hidden, intermediate=self.intermediate,
+                                        vocab=self.config.vocab_size,
+                                        prefill_tokens=prefill_tokens, dtype=self.dtype,
+                                        cache_dtype=self.cache_dtype)
+            budget = budget_from_free_memory(free_bytes, memory.gpu_memory_utilization,
+                                             self.weights_bytes(), workspace)
+        else:
+            budget = None
+        return plan_cache(shape, cache_dtype=self.cache_dtype, budget_bytes=budget,
+                          prefill_tokens=prefill_tokens)
+
+    def weights_bytes(self) -> int:
+        """Bytes of every weight, prepacked copy and rotary table this decoder holds."""
+        tensors = {id(t): t for t in [*self._views.values(), *self._packed.values(),
+                                      self.cos, self.sin]}
+        bases = {id(t._base if t._base is not None else t): t._base if t._base is not None
+                 else t for t in tensors.values()}
+        return sum(t.numel() * t.element_size() for t in bases.values())
 
     # -- weights ------------------------------------------------------------------------
 
@@ -158,67 +231,49 @@ class LeanDecoder:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
-    # -- cache --------------------------------------------------------------------------
-
-    def copy_slots(self, source: torch.Tensor, target: torch.Tensor, length: int) -> None:
-        """Copy the first ``length`` cached positions of slots ``source`` into ``target``
-        (a sequence moved to another slot)."""
-        self.k_cache[:, target, :, :length] = self.k_cache[:, source, :, :length]
-        self.v_cache[:, target, :, :length] = self.v_cache[:, source, :, :length]
-
     # -- forward ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, first_slot: int,
-                samples: torch.Tensor) -> torch.Tensor:
-        """Run prompts (P, W) right-padded to W, lengths (P,), into the cache at positions
-        0..W-1 of the contiguous slots from ``first_slot`` on: ``samples[i]`` (P,) slots for
-        prompt i, each holding its keys and values (the samples of a prompt share one
-        prefill); the logits (P, V) after each prompt's last real token.
+    def prefill(self, tokens: torch.Tensor, lengths: Sequence[int], first_row: int,
+                samples: Sequence[int]) -> torch.Tensor:
+        """Run prompts (P, W) right-padded to W, of ``lengths`` (P,) real tokens, into the
+        cache rows from ``first_row`` on: ``samples[i]`` rows for prompt i, each holding its
+        keys and values (the samples of a prompt share one prefill; the rows' room is
+        reserved, ``KVCache.reserve``); the logits (P, V) after each prompt's last real token.
 
-        Padding sits after the real tokens, so the causal mask already hides it from them;
-        its cache entries are overwritten by the first decoded tokens.
+        Padding sits after the real tokens, so the causal mask already hides it from them.
         """
         batch, width = tokens.shape
-        filled = slice(first_slot, first_slot + int(samples.sum()))
+        plan = self.cache.plan_prefill(first_row, samples, lengths, width)
         positions = torch.arange(width, device=self.device)
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (W, 1, D)
         for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(x, block, cos, sin)  # (P, W, H|Hkv, D)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (P, Hkv, W, D)
-            # the cache is cache_dtype: slice assignment casts
-            self.k_cache[layer, filled, :, :width] = k.repeat_interleave(samples, dim=0)
-            self.v_cache[layer, filled, :, :width] = v.repeat_interleave(samples, dim=0)
+            self.cache.write_prompts(layer, plan, k, v)  # cast to the cache's dtype there
             attended = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
                                                       enable_gqa=True)
             x = self._finish_layer(x, attended.transpose(1, 2).reshape(batch, width, -1), block)
-        last = x[torch.arange(batch, device=self.device), lengths - 1]
-        return self._logits(last)
+        last = torch.tensor(lengths, dtype=torch.long, device=self.device) - 1
+        return self._logits(x[torch.arange(batch, device=self.device), last])
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, active: int) -> torch.Tensor:
-        """One token for each of the first ``active`` slots: tokens (A,) at positions (A,);
-        logits (A, V). Slot i attends to its own cached positions 0..positions[i]."""
-        context = int(positions.max()) + 1
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, active: int,
+               context: int) -> torch.Tensor:
+        """One token for each of the first ``active`` rows: tokens (A,) at positions (A,),
+        ``context`` = max(positions) + 1 (known to the caller without a device sync);
+        logits (A, V). Row i attends to its own cached positions 0..positions[i]."""
+        plan = self.cache.plan_decode(positions, active, context)
         x = F.embedding(tokens, self.embed)  # (A, d)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (A, 1, D)
-        rows = torch.arange(active, device=self.device)
-        hidden = torch.arange(context, device=self.device)[None] > positions[:, None]
-        mask = torch.zeros((active, context), dtype=torch.float32, device=self.device) \
-            .masked_fill(hidden, float("-inf"))[:, None, None]  # (A, 1, 1, C)
         group = self.heads // self.kv_heads
         scale = self.head_dim ** -0.5
         for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(x, block, cos, sin)  # (A, H|Hkv, D)
-            self.k_cache[layer, rows, :, positions] = k.to(self.cache_dtype)
-            self.v_cache[layer, rows, :, positions] = v.to(self.cache_dtype)
-            keys = self.k_cache[layer, :active, :, :context]  # (A, Hkv, C, D)
-            values = self.v_cache[layer, :active, :, :context]
-            q = q.view(active, self.kv_heads, group, self.head_dim).to(self.cache_dtype)
-            scores = (q @ keys.transpose(-1, -2)).float() * scale + mask  # (A, Hkv, G, C)
-            weights = torch.softmax(scores, dim=-1).to(self.cache_dtype)
-            attended = (weights @ values).to(self.dtype)  # (A, Hkv, G, D)
+            self.cache.write(layer, plan, k, v)
+            q = q.view(active, self.kv_heads, group, self.head_dim)
+            attended = self.cache.attend(layer, plan, q, scale).to(self.dtype)  # (A, Hkv, G, D)
             x = self._finish_layer(x, attended.reshape(active, -1), block)
         return self._logits(x)
 

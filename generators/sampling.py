@@ -62,13 +62,16 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
 def draw(logprobs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row (B,) from log-probs (B, V), by inverse CDF (module docstring)."""
     cumulative = logprobs.exp().cumsum(dim=-1)
+    total = cumulative[:, -1:]
     u = torch.rand((logprobs.shape[0], 1), generator=generator, device=logprobs.device,
-                   dtype=cumulative.dtype) * cumulative[:, -1:]
+                   dtype=cumulative.dtype) * total
+    # rounding can make u = c_V: kept just below it, the first c_j > u has c_j > c_{j-1},
+    # so token j has a positive probability (the last possible token at the very top)
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     tokens = torch.searchsorted(cumulative, u, right=True).squeeze(-1)
-    tokens = tokens.clamp_(max=logprobs.shape[-1] - 1)
-    # float rounding can leave u at the very top of the range: take the last possible token
+    if logprobs.device.type == "cpu":
+        return tokens  # the CPU's cumsum adds in order: c_j > c_{j-1} means p_j > 0
+    # a parallel cumsum may round c_j above c_{j-1} where p_j = 0: the most likely token
+    # there, chosen on the device (no host sync)
     impossible = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) == float("-inf")
-    if bool(impossible.any()):
-        last = (logprobs > float("-inf")).cumsum(-1).argmax(-1)
-        tokens = torch.where(impossible, last, tokens)
-    return tokens
+    return torch.where(impossible, logprobs.argmax(dim=-1), tokens)

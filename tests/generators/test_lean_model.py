@@ -1,7 +1,7 @@
 """generators.lean_model: the lean forward gives transformers' logits for Llama (GQA, tied
 and untied, an explicit head_dim that is not hidden / heads), Qwen2 (QKV biases) and Qwen3
-(per-head q/k norms), through the prefill and through decode steps over the cache;
-unsupported settings are named."""
+(per-head q/k norms), through the prefill and through decode steps over the cache (every
+slot at full length, and a paged pool of blocks); unsupported settings are named."""
 
 from __future__ import annotations
 
@@ -15,7 +15,13 @@ from transformers import (
     Qwen3Config,
 )
 
-from generators.lean_model import LeanDecoder, UnsupportedModel, prepacking_available
+from generators.kv_cache import PagedCache, SlotCache
+from generators.lean_model import (
+    CacheMemory,
+    LeanDecoder,
+    UnsupportedModel,
+    prepacking_available,
+)
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -29,27 +35,40 @@ CONFIGS = {
 }
 
 
+CACHES = {"slots": (None, SlotCache), "paged": (CacheMemory(positions=5 * 16), PagedCache)}
+
+
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("name", CONFIGS)
-def test_prefill_and_decode_give_the_transformers_logits(name: str) -> None:
+def test_prefill_and_decode_give_the_transformers_logits(name: str, cache: str) -> None:
+    """Two prompts into rows 2 and 3, moved to rows 0 and 1, decoded there. In the paged
+    pool (5 blocks of 16 for 4 rows of 32 positions) the long prompt's row takes blocks 1
+    and 2 (its continuation crosses from one to the next), the short one's block 3; block 0
+    went to another row first."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[name]).eval()
     with torch.no_grad():  # biases and norms start at 0 / 1: move them off
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
-    decoder = LeanDecoder(model.config, slots=4, max_len=32, dtype=torch.float32)
+    memory, layout = CACHES[cache]
+    decoder = LeanDecoder(model.config, slots=4, max_len=32, dtype=torch.float32, memory=memory)
+    assert isinstance(decoder.cache, layout)
     decoder.load(dict(model.named_parameters()))
-    prompts = [torch.randint(0, 97, (length,)) for length in (7, 3)]
+    prompts = [torch.randint(0, 97, (length,)) for length in (14, 3)]
     continuations = torch.randint(0, 97, (2, 5))
-    padded = torch.zeros((2, 7), dtype=torch.long)
+    padded = torch.zeros((2, 14), dtype=torch.long)
     for row, prompt in enumerate(prompts):
         padded[row, :len(prompt)] = prompt
-    # into slots 2 and 3, then moved to 0 and 1: decode reads slots 0..1
-    first = decoder.prefill(padded, torch.tensor([7, 3]), 2, torch.tensor([1, 1]))
-    decoder.copy_slots(torch.tensor([2, 3]), torch.tensor([0, 1]), 7)
+    decoder.cache.reserve(0, [1])  # block 0 to a row that stays empty: the rows' blocks differ
+    decoder.cache.reserve(2, [14 + 5, 3 + 5])
+    first = decoder.prefill(padded, [14, 3], 2, [1, 1])
+    decoder.cache.release([0])
+    decoder.cache.move([2, 3], [0, 1], 14)
     lean = [first]
-    positions = torch.tensor([7, 3])
+    positions = torch.tensor([14, 3])
     for step in range(continuations.shape[1]):
-        lean.append(decoder.decode(continuations[:, step], positions, active=2))
+        lean.append(decoder.decode(continuations[:, step], positions, active=2,
+                                   context=int(positions.max()) + 1))
         positions = positions + 1
     with torch.no_grad():
         for row, prompt in enumerate(prompts):
@@ -62,9 +81,11 @@ def test_prefill_and_decode_give_the_transformers_logits(name: str) -> None:
 def lean_logits(decoder: LeanDecoder, prompt: torch.Tensor,
                 continuation: torch.Tensor) -> torch.Tensor:
     """One prompt through the prefill, then its continuation decoded: (1 + steps, V)."""
-    logits = [decoder.prefill(prompt[None], torch.tensor([len(prompt)]), 0, torch.tensor([1]))]
+    decoder.cache.reserve(0, [len(prompt) + len(continuation)])
+    logits = [decoder.prefill(prompt[None], [len(prompt)], 0, [1])]
     for step, token in enumerate(continuation):
-        logits.append(decoder.decode(token[None], torch.tensor([len(prompt) + step]), 1))
+        position = len(prompt) + step
+        logits.append(decoder.decode(token[None], torch.tensor([position]), 1, position + 1))
     return torch.cat(logits).float()
 
 
