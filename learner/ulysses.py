@@ -13,8 +13,9 @@ reads the slice's own position ids. Attention (``ulysses_attention``, which
 ``learner.attention`` runs when a forward is given ``ulysses``) swaps the split:
 
     (C tokens, H heads) --all-to-all--> (T tokens, H / P heads)
-    causal attention within each packed row: one SDPA call (``is_causal``) per row's
-    tokens [cu_seqlens[s], cu_seqlens[s + 1]), written into the output
+    causal attention within each packed row, tokens [cu_seqlens[s], cu_seqlens[s + 1]):
+    one variable-length kernel call on CUDA in bf16/fp16, one SDPA call (``is_causal``)
+    per row elsewhere (``learner.varlen``)
     (T tokens, H / P heads) --all-to-all--> (C tokens, H heads)
 
 The rows' cumulative lengths ``cu_seqlens`` (flash-attention's varlen convention) say where
@@ -42,12 +43,12 @@ import math
 import msgspec
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from learner.batch import TrainBatch
 from learner.shared_prompts import unsupported
+from learner.varlen import PackedSequences, packed_causal_attention
 
 KEY = "actor.ulysses_sequence_parallel_size"
 
@@ -203,10 +204,10 @@ def gather_tokens(local: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
 
 class UlyssesAttention(msgspec.Struct, frozen=True):
     """What ``ulysses_attention`` needs from outside the model: the group and where each
-    packed sequence starts (``PackedTokens.cu_seqlens``)."""
+    packed sequence starts (``PackedTokens.cu_seqlens``, on the host and the device)."""
 
     sp: SequenceParallel
-    cu_seqlens: tuple[int, ...]
+    sequences: PackedSequences
 
 
 def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -216,7 +217,7 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       sliding_window: int | None = None,
                       **_: object) -> tuple[torch.Tensor, None]:
     """transformers' attention interface over a slice of a packed sequence: causal
-    attention within each packed sequence, one SDPA call each (module docstring);
+    attention within each packed sequence (``learner.varlen.packed_causal_attention``);
     ``attention_mask`` is not read (transformers builds none: ``learner.attention``).
 
     ``query`` (1, H, C, D), ``key``/``value`` (1, H_kv, C, D) -> (1, C, H, D)."""
@@ -230,23 +231,29 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if kv_heads % sp.size:  # fewer key/value heads than ranks: repeat each (check_heads)
         key = key.repeat_interleave(sp.size // kv_heads, dim=1)
         value = value.repeat_interleave(sp.size // kv_heads, dim=1)
-    query, key, value = (_AllToAll.apply(t, 1, 2, sp) for t in (query, key, value))
-    out = query.new_empty(query.shape)  # (1, H / P, T, D)
-    for start, end in itertools.pairwise(ulysses.cu_seqlens):
-        out[:, :, start:end] = F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-            dropout_p=dropout if module.training else 0.0, is_causal=True, scale=scaling,
-            enable_gqa=key.shape[1] != query.shape[1])
-    return _AllToAll.apply(out, 2, 1, sp).transpose(1, 2), None
+    query, key, value = (_AllToAll.apply(t, 1, 2, sp)[0].transpose(0, 1)
+                         for t in (query, key, value))  # (T, H / P, D)
+    out = packed_causal_attention(query, key, value, ulysses.sequences,
+                                  scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
+                                  dropout=dropout if module.training else 0.0)
+    return _AllToAll.apply(out.transpose(0, 1)[None], 2, 1, sp).transpose(1, 2), None
+
+
+def packed_inputs(batch: TrainBatch, sp: SequenceParallel
+                  ) -> tuple[PackedTokens, dict[str, object]]:
+    """Pack ``batch``; the packing and the keyword arguments of this rank's forward on its
+    slice (``input_ids``, ``position_ids``, ``ulysses``), for a model attending with
+    ``learner.attention``."""
+    packed = pack_tokens(batch, sp.size)
+    sequences = PackedSequences.of(packed.cu_seqlens, device=packed.input_ids.device)
+    return packed, dict(input_ids=packed.local(packed.input_ids, sp),
+                        position_ids=packed.local(packed.position_ids, sp),
+                        ulysses=UlyssesAttention(sp=sp, sequences=sequences))
 
 
 def packed_forward(model: nn.Module, batch: TrainBatch, sp: SequenceParallel,
                    **inputs: object) -> tuple[PackedTokens, object]:
-    """Pack ``batch``, run ``model`` (attending with ``learner.attention``) on this rank's
-    slice (its ``input_ids`` and ``position_ids``, and ``inputs``); the packing and the
-    model's output."""
-    packed = pack_tokens(batch, sp.size)
-    out = model(input_ids=packed.local(packed.input_ids, sp),
-                position_ids=packed.local(packed.position_ids, sp),
-                ulysses=UlyssesAttention(sp=sp, cu_seqlens=packed.cu_seqlens), **inputs)
-    return packed, out
+    """Pack ``batch``, run ``model`` on this rank's slice (``packed_inputs``, and
+    ``inputs``); the packing and the model's output."""
+    packed, slice_inputs = packed_inputs(batch, sp)
+    return packed, model(**slice_inputs, **inputs)

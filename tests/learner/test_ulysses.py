@@ -55,6 +55,7 @@ from learner.ulysses import (
     pack_tokens,
     ulysses_attention,
 )
+from learner.varlen import PackedSequences
 
 from ..conftest import exit_worker, free_port, gather_full_weights
 from .test_update import LR, rollouts
@@ -139,7 +140,8 @@ def test_attention_is_causal_within_each_packed_sequence_only() -> None:
     key, value = torch.randn(2, 1, 2, 18, 8).unbind(0)
     sp = SequenceParallel(dist.group.WORLD, size=1, rank=0)
     out, _ = ulysses_attention(nn.Module().eval(), query, key, value, None, scaling=0.3,
-                               ulysses=UlyssesAttention(sp=sp, cu_seqlens=cu_seqlens))
+                               ulysses=UlyssesAttention(sp=sp, sequences=PackedSequences.of(
+                                   cu_seqlens, device=query.device)))
     sequence = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     attend = (sequence[:, None] == sequence[None, :]) & torch.ones(18, 18, dtype=torch.bool).tril()
     expected = F.scaled_dot_product_attention(query, key.repeat_interleave(2, dim=1),
