@@ -30,11 +30,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from algorithms.logprobs import entropy_from_logits, token_logprobs
 from learner.attention import ATTENTION, check_relay_attention
 from learner.batch import TrainBatch
+from learner.logprob_head import position_logprobs
 from learner.shared_prompts import pack, unsupported
-from learner.ulysses import SequenceParallel, gather_tokens, packed_forward
+from learner.ulysses import SequenceParallel, gather_tokens, packed_inputs
 
 
 def learner_device(setting: str, local_rank: int) -> torch.device:
@@ -207,16 +207,18 @@ def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
                      with_entropy: bool, share_prompts: bool = False,
                      sp: SequenceParallel | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (B, L-1) of the batch's tokens, and the entropy if asked.
+    """Per-token log-probs (B, L-1) of the batch's response tokens, and the entropy if
+    asked: grid entry (b, j) is row b's token j + 1 under softmax(logits_j / temperature)
+    where the response mask is 1, and 0 elsewhere (every loss and metric reads the grid
+    under the response mask).
 
-    ``sp``: the rows go through the model packed and split across the SP group
-    (``learner.ulysses``); otherwise, with ``share_prompts``, the rows of a group that share
-    a prompt go through the model as one sequence (``learner.shared_prompts``) when the
-    model's family allows it, and only the positions that predict a response token get
-    logits (the rest of the grid is 0: every loss and metric reads the grid under the
-    response mask). Either way the response positions hold the row layout's values. Both
-    packed forwards need the model loaded to attend with ``learner.attention``
-    (``load_sharded``).
+    Only the positions that predict a response token go through the LM head, chunk by
+    chunk (``learner.logprob_head``): never the prompts, never (tokens x vocabulary) logits
+    whole. The rows go through the model padded; or, with ``sp``, packed and split across
+    the SP group (``learner.ulysses``); or, with ``share_prompts``, the rows of a group that
+    share a prompt as one sequence (``learner.shared_prompts``) when the model's family
+    allows it. The response positions hold the same values every way. Both packed forwards
+    need the model loaded to attend with ``learner.attention`` (``load_sharded``).
     """
     if sp is not None:
         check_relay_attention(model)
@@ -224,38 +226,57 @@ def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
     if share_prompts and unsupported(model.config) is None:
         check_relay_attention(model)
         return _shared_prompt_logprobs(model, batch, temperature, with_entropy)
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    logits = out.logits[:, :-1]  # (B, L-1, V): position j predicts token j + 1
-    logprobs = token_logprobs(logits, batch.input_ids[:, 1:], temperature)
-    entropy = entropy_from_logits(logits, temperature) if with_entropy else None
-    return logprobs, entropy
+    rows, columns = batch.response_mask.nonzero(as_tuple=True)  # position j predicts j + 1
+    inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                  use_cache=False)
+    logprobs, entropy = position_logprobs(model, inputs, rows * batch.input_ids.shape[1] + columns,
+                                          batch.input_ids[rows, columns + 1], temperature,
+                                          with_entropy)
+    grid = batch.response_mask.shape
+    return (_to_grid(logprobs, rows, columns, grid),
+            None if entropy is None else _to_grid(entropy, rows, columns, grid))
+
+
+def _to_grid(values: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor,
+             shape: torch.Size) -> torch.Tensor:
+    """(N,) values at grid entries (``rows``, ``columns``) -> ``shape``, 0 elsewhere
+    (differentiable)."""
+    return values.new_zeros(shape).index_put((rows, columns), values)
 
 
 def _shared_prompt_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
                             with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``forward_logprobs`` with prompts shared: logits only where a response token is
-    predicted (``logits_to_keep``), never over the prompts."""
+    """``forward_logprobs`` with prompts shared: one packed sequence, the head at its
+    ``predictors``."""
     packed = pack(batch)
-    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                shared_prompt_rows=packed.rows, use_cache=False,
-                logits_to_keep=packed.predictors)
-    logits = out.logits[0]  # (N, V)
+    inputs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                  shared_prompt_rows=packed.rows, use_cache=False)
+    logprobs, entropy = position_logprobs(model, inputs, packed.predictors,
+                                          packed.labels(batch), temperature, with_entropy)
     grid = (batch.rows, batch.input_ids.shape[1] - 1)
-    logprobs = packed.to_grid(token_logprobs(logits, packed.labels(batch), temperature), grid)
-    if not with_entropy:
-        return logprobs, None
-    return logprobs, packed.to_grid(entropy_from_logits(logits, temperature), grid)
+    return (packed.to_grid(logprobs, grid),
+            None if entropy is None else packed.to_grid(entropy, grid))
 
 
 def _sequence_parallel_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
                                 with_entropy: bool, sp: SequenceParallel
                                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``forward_logprobs`` under Ulysses: each SP rank computes its slice's log-probs (and
-    entropies) and the group gathers them (``learner.ulysses``)."""
-    packed, out = packed_forward(model, batch, sp, use_cache=False)
-    labels = packed.local(packed.labels, sp)
-    logprobs = packed.to_grid(gather_tokens(token_logprobs(out.logits, labels, temperature), sp))
-    if not with_entropy:
-        return logprobs, None
-    entropy = gather_tokens(entropy_from_logits(out.logits, temperature), sp)
-    return logprobs, packed.to_grid(entropy)
+    """``forward_logprobs`` under Ulysses: each SP rank computes the log-probs (and
+    entropies) of its slice's positions that predict a response token, and the group
+    gathers them (``learner.ulysses``)."""
+    packed, inputs = packed_inputs(batch, sp)
+    total = packed.input_ids.shape[1]
+    width = total // sp.size
+    predicts = torch.zeros(total, dtype=torch.bool, device=packed.input_ids.device)
+    predicts[packed.source[batch.response_mask.bool()]] = True
+    local = predicts[sp.rank * width:(sp.rank + 1) * width].nonzero().squeeze(1)  # (n,)
+    labels = packed.local(packed.labels, sp)[0, local]
+    logprobs, entropy = position_logprobs(model, {**inputs, "use_cache": False}, local, labels,
+                                          temperature, with_entropy)
+
+    def to_grid(values: torch.Tensor) -> torch.Tensor:
+        """(n,) values of this slice's positions -> (B, L - 1), the group's gathered."""
+        per_token = values.new_zeros(width).index_copy(0, local, values)[None]  # (1, C)
+        return packed.to_grid(gather_tokens(per_token, sp))
+
+    return to_grid(logprobs), None if entropy is None else to_grid(entropy)

@@ -40,7 +40,8 @@ def test_reference_passes_are_cut_by_the_ref_section(random_model_dir: Path) -> 
     def logprobs(ref: RefConfig) -> torch.Tensor:
         learner = build(random_model_dir, ref)
         assert learner.reference is not None
-        hook = learner.reference.register_forward_hook(lambda *_: passes.append(1))
+        body = learner.reference.get_decoder()  # a pass runs the body, then the head
+        hook = body.register_forward_hook(lambda *_: passes.append(1))
         try:
             return learner._no_grad_logprobs(learner.reference, batch, learner.ref_micro)
         finally:
