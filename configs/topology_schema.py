@@ -101,9 +101,22 @@ class SGLangOptions(EngineOptions):
     """
 
 
+class LeanOptions(_Section):
+    """Engine options of a generator whose engine is ``lean`` (``generators.lean_engine``),
+    under verl's names: on a GPU its KV cache takes what ``gpu_memory_utilization`` of the
+    memory free at start leaves after the weights and a step's workspace (every sequence at
+    full length when that fits, else a paged pool: ``generators.kv_cache``); on the CPU every
+    sequence at full length. A prefill takes at most max(``max_num_batched_tokens``, the
+    context length) padded prompt tokens on every device.
+    """
+
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5  # GPU only
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
+
+
 class GeneratorPlacement(_Section):
-    """One generator process: an inference engine on a device; ``vllm`` and ``sglang`` hold
-    those engines' options.
+    """One generator process: an inference engine on a device; ``lean``, ``vllm`` and
+    ``sglang`` hold those engines' options.
 
     ``gpus``: the GPUs of its host the process owns. The launcher starts it with
     ``CUDA_VISIBLE_DEVICES`` set to them and its ``device`` is then ``"cuda"``: Relay's
@@ -119,6 +132,7 @@ class GeneratorPlacement(_Section):
     device: str = "cpu"
     gpus: list[GpuIndex] | None = None
     threads: Threads = 0
+    lean: LeanOptions = msgspec.field(default_factory=LeanOptions)
     vllm: VLLMOptions = msgspec.field(default_factory=VLLMOptions)
     sglang: SGLangOptions = msgspec.field(default_factory=SGLangOptions)
 
@@ -134,6 +148,7 @@ class EvaluatorPlacement(_Section):
     device: str = "cpu"
     gpus: list[GpuIndex] | None = None
     threads: Threads = 0
+    lean: LeanOptions = msgspec.field(default_factory=LeanOptions)
     vllm: VLLMOptions = msgspec.field(default_factory=VLLMOptions)
     sglang: SGLangOptions = msgspec.field(default_factory=SGLangOptions)
 

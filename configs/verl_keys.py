@@ -34,7 +34,7 @@ import msgspec
 from configs.loader import ConfigError, KeyPath, format_key, parse_key, type_at
 from configs.run_schema import VERL_ALIASES, RunConfig
 from configs.topology_schema import (EngineName, EvaluatorPlacement, GeneratorPlacement,
-                                     SGLangOptions, Topology, VLLMOptions)
+                                     LeanOptions, SGLangOptions, Topology, VLLMOptions)
 
 logger = logging.getLogger("relay.configs")
 
@@ -115,9 +115,21 @@ _PROFILER = "Relay has no built-in profiler (use torch.profiler around a process
 ENGINE_KNOBS = ("gpu_memory_utilization", "tensor_model_parallel_size", "enforce_eager",
                 "enable_chunked_prefill", "max_num_batched_tokens", "max_model_len")
 """verl's vLLM/SGLang engine knobs (``rollout.X``) that set both engines' topology sections."""
+LEAN_KNOBS = ("gpu_memory_utilization", "max_num_batched_tokens")
+"""The engine knobs that also set the lean engine's section (``LeanOptions``)."""
+
+
+def _knob_sections(name: str) -> tuple[str, ...]:
+    """The engine sections of a placement one of ``ENGINE_KNOBS`` sets."""
+    return ("lean", "vllm", "sglang") if name in LEAN_KNOBS else ("vllm", "sglang")
+
+
 _ENGINE_KNOB = ("set in the vllm and sglang sections of every generator and of the evaluator "
                 "(configs/topology_schema.py: VLLMOptions, SGLangOptions); a section matters "
                 "only where its engine runs; null keeps Relay's default")
+_LEAN_KNOB = ("set in the lean, vllm and sglang sections of every generator and of the "
+              "evaluator (configs/topology_schema.py: LeanOptions, VLLMOptions, SGLangOptions); "
+              "a section matters only where its engine runs; null keeps Relay's default")
 _ENGINE_KWARGS = ("the engine's extra arguments, by name (engine_kwargs.vllm.swap_space=4 is "
                   "swap_space), in that engine's section of every generator and of the "
                   "evaluator; null drops the argument, as in verl")
@@ -207,9 +219,10 @@ TABLE: tuple[VerlKey, ...] = tuple([
     VerlKey(key=f"{R}.prompt_length", group="mapped", to=("data.max_prompt_length",),
             note="verl interpolates it from data.max_prompt_length; one key in Relay"),
     *_inert("generators decode in model.dtype; no effect", f"{R}.dtype"),
-    *[VerlKey(key=f"{R}.{name}", group="mapped", note=_ENGINE_KNOB, to=tuple(
+    *[VerlKey(key=f"{R}.{name}", group="mapped",
+              note=_LEAN_KNOB if name in LEAN_KNOBS else _ENGINE_KNOB, to=tuple(
         f"topology.{at}.{engine}.{name}" for at in ("generators[*]", "evaluator")
-        for engine in ("vllm", "sglang"))) for name in ENGINE_KNOBS],
+        for engine in _knob_sections(name))) for name in ENGINE_KNOBS],
     *[VerlKey(key=f"{R}.engine_kwargs.{engine}.*", group="mapped", note=_ENGINE_KWARGS,
               to=tuple(f"topology.{at}.{engine}.engine_kwargs"
                        for at in ("generators[*]", "evaluator"))) for engine in ("vllm", "sglang")],
@@ -593,7 +606,7 @@ def _engine(topology: Topology, item: Placement) -> Topology:
     return msgspec.structs.replace(topology, generators=generators, evaluator=evaluator)
 
 
-EngineOptions = VLLMOptions | SGLangOptions
+EngineOptions = LeanOptions | VLLMOptions | SGLangOptions
 
 
 def _sections(topology: Topology, engines: Sequence[str],
@@ -619,9 +632,9 @@ def _option(options: EngineOptions, name: str, value: Any, item: Placement) -> E
 
 
 def _engine_knob(topology: Topology, item: Placement) -> Topology:
-    """One of ``ENGINE_KNOBS`` set in the vllm and sglang sections."""
+    """One of ``ENGINE_KNOBS`` set in the sections it configures (``_knob_sections``)."""
     name = item.key.removeprefix(f"{R}.")
-    return _sections(topology, ("vllm", "sglang"),
+    return _sections(topology, _knob_sections(name),
                      lambda options: _option(options, name, item.value, item))
 
 

@@ -3,7 +3,7 @@
 Shared by the generator process (``generators.main``) and the evaluator
 (``generators.evaluator``). ``eos_and_pad`` collects every id that ends a response: the
 tokenizer's eos and the model's ``generation_config.json`` eos ids. The lean engine sizes
-its KV cache up front: ``max_num_seqs`` sequences of ``max_len`` positions.
+its KV cache up front from the placement's ``lean`` options (``generators.kv_cache``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from configs.topology_schema import EvaluatorPlacement, GeneratorPlacement
 from generators.engine import Engine
 from generators.hf_engine import HFEngine
 from generators.lean_engine import LeanEngine
-from generators.lean_model import UnsupportedModel
+from generators.lean_model import CacheMemory, UnsupportedModel
 from generators.sglang_engine import INSTALL_HINT as SGLANG_INSTALL_HINT
 from generators.sglang_engine import SGLangEngine
 from generators.torch_engine import TorchEngine
@@ -82,8 +82,10 @@ def build_engine(model: ModelConfig, placement: GeneratorPlacement | EvaluatorPl
     if engine != "lean":
         return ENGINES[engine].from_pretrained(model.path, **common), tokenizer
     try:
+        memory = CacheMemory(gpu_memory_utilization=placement.lean.gpu_memory_utilization,
+                             max_num_batched_tokens=placement.lean.max_num_batched_tokens)
         built = LeanEngine.from_pretrained(model.path, max_num_seqs=max_num_seqs,
-                                           max_len=max_len, **common)
+                                           max_len=max_len, memory=memory, **common)
     except UnsupportedModel as error:
         raise ValueError(f"{model.path}: the lean engine does not run {error}; set engine = "
                          "\"torch\" for this generator in the topology") from None

@@ -196,6 +196,8 @@ attention_backend = "triton"
             assert options.max_num_batched_tokens == 4096 and not options.enable_chunked_prefill
             assert options.tensor_model_parallel_size == 2
             assert options.max_model_len == 0  # verl's null: Relay's default
+        # the lean engine takes the two knobs it has (configs.topology_schema.LeanOptions)
+        assert at.lean.gpu_memory_utilization == 0.7 and at.lean.max_num_batched_tokens == 4096
         # seed=null is dropped, as verl drops an engine argument given null
         assert at.vllm.engine_kwargs == {"swap_space": 4, "disable_mm_preprocessor_cache": False}
         assert at.sglang.engine_kwargs == {"attention_backend": "triton"}

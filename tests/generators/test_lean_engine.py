@@ -13,8 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from configs.run_schema import ModelConfig
+from configs.topology_schema import GeneratorPlacement, LeanOptions
+from generators.build import build_engine
 from generators.engine import GroupRequest
-from generators.kv_cache import BLOCK_SIZE, PagedCache
+from generators.kv_cache import BLOCK_SIZE, PagedCache, SlotCache
 from generators.lean_engine import LeanEngine
 from generators.lean_model import CacheMemory
 from generators.sampling import SamplingParams
@@ -224,3 +227,14 @@ def test_a_prefill_takes_at_most_max_num_batched_tokens(random_model_dir: Path,
     params = SamplingParams(max_new_tokens=4, temperature=0.0)
     run(engine, [GroupRequest(i, [1] + [3 + i] * 19, 2, params) for i in range(6)])
     assert shapes == [(2, 20)] * 3
+
+
+def test_build_engine_takes_the_placements_lean_options(random_model_dir: Path) -> None:
+    """The topology's lean section reaches the engine: on the CPU every slot at full length,
+    prefills bounded by max(max_num_batched_tokens, max_len)."""
+    placement = GeneratorPlacement(name="g", lean=LeanOptions(max_num_batched_tokens=100,
+                                                              gpu_memory_utilization=0.3))
+    engine, _ = build_engine(ModelConfig(path=str(random_model_dir), dtype="float32"),
+                             placement, 0, max_num_seqs=4, max_len=48)
+    assert isinstance(engine, LeanEngine) and isinstance(engine.cache, SlotCache)
+    assert engine.decoder.cache_plan.prefill_tokens == 100
