@@ -90,9 +90,11 @@ class RankZero:
 
 def batch_metrics(batch: SampleBatch, train: TrainBatch, version: int,
                   max_staleness: int) -> dict[str, float]:
-    """Rollout and staleness statistics of the batch about to be trained on."""
+    """Rollout and staleness statistics of the batch about to be trained on, computed on
+    the host (``train`` is the collated batch before the learner moves it)."""
     rewards = train.rewards
-    oldest = torch.tensor([int(s.versions.min()) for g in batch.groups for s in g.samples])
+    oldest = torch.tensor([int(s.versions.min()) for g in batch.groups for s in g.samples],
+                          device="cpu")
     staleness = version - oldest
     samples = [s for g in batch.groups for s in g.samples]
     metrics = {
