@@ -1,8 +1,9 @@
 """Checkpoints: written atomically (a folder is complete only once renamed, with its
 ``meta.json``), found newest-complete-first with incomplete ones skipped by name, pruned to
 ``keep_last`` complete ones, and read back whole: a learner resumed from a checkpoint takes
-the same next step as the learner that wrote it, and one written by two ranks loads at
-one."""
+the same next step as the learner that wrote it, and one written by two ranks, or by four
+hybrid-sharded as 2 x 2 (HSDP's 2-D shards), loads at one and at the layout that wrote
+it."""
 
 from __future__ import annotations
 
@@ -211,41 +212,59 @@ def test_the_critic_and_the_prm_are_saved_and_loaded_with_their_optimizers(
     assert module.scheduler.state_dict() == getattr(trained, part).scheduler.state_dict()
 
 
-def save_from_two_ranks(rank: int, port: int, model_dir: str, batch_file: str, folder: str,
-                        out_file: str) -> None:
+def save_from_ranks(rank: int, world: int, port: int, fsdp_size: int, model_dir: str,
+                    batch_file: str, folder: str, out_file: str) -> None:
+    """Train two steps (ACTOR's first one warms up from lr 0), save, and load the checkpoint
+    into a fresh learner of the same layout; rank 0 keeps the weights and Adam moments of
+    both."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        learner = make_learner(Path(model_dir), actor=ACTOR)
-        learner.step(torch.load(batch_file, weights_only=False))
-        save_checkpoint(learner, Path(folder), LoopState(step=1, version=1), keep_last=2,
-                        buffer=BUFFER if rank == 0 else None)
-        weights = gather_full_weights(learner.model, torch.float32)
-        exp_avg = [s["exp_avg"].full_tensor() for s in learner.optimizer.state.values()]
+        learner = make_learner(Path(model_dir), actor=ACTOR, fsdp_size=fsdp_size)
+        for _ in range(2):
+            learner.step(torch.load(batch_file, weights_only=False))
+        saved = save_checkpoint(learner, Path(folder), LoopState(step=2, version=2),
+                                keep_last=2, buffer=BUFFER if rank == 0 else None)
+        resumed = make_learner(Path(model_dir), actor=ACTOR, fsdp_size=fsdp_size)
+        load_checkpoint(resumed, saved)
+        result = {name: {"weights": gather_full_weights(each.model, torch.float32),
+                         "moments": [s["exp_avg"].full_tensor()
+                                     for s in each.optimizer.state.values()],
+                         "mesh": next(each.model.parameters()).device_mesh.shape}
+                  for name, each in (("saved", learner), ("resumed", resumed))}
         if rank == 0:
-            torch.save({"weights": weights, "moments": exp_avg}, out_file)
+            torch.save(result, out_file)
     finally:
         dist.destroy_process_group()
     exit_worker()
 
 
-def test_a_checkpoint_of_two_ranks_loads_at_one(random_model_dir: Path, tmp_path: Path,
-                                                batches: list[TrainBatch]) -> None:
+@pytest.mark.parametrize("world, fsdp_size", [(2, -1), (4, 2)], ids=["2 ranks", "hsdp 2x2"])
+def test_a_checkpoint_of_several_ranks_loads_at_one_and_at_its_layout(
+        random_model_dir: Path, tmp_path: Path, batches: list[TrainBatch], world: int,
+        fsdp_size: int) -> None:
     torch.save(batches[0], tmp_path / "batch.pt")
-    mp.start_processes(save_from_two_ranks, nprocs=2, start_method="spawn",
-                       args=(free_port(), str(random_model_dir), str(tmp_path / "batch.pt"),
-                             str(tmp_path / "checkpoints"), str(tmp_path / "saved.pt")))
-    saved = torch.load(tmp_path / "saved.pt", weights_only=False)
+    mp.start_processes(save_from_ranks, nprocs=world, start_method="spawn",
+                       args=(world, free_port(), fsdp_size, str(random_model_dir),
+                             str(tmp_path / "batch.pt"), str(tmp_path / "checkpoints"),
+                             str(tmp_path / "saved.pt")))
+    result = torch.load(tmp_path / "saved.pt", weights_only=False)
+    saved, again = result["saved"], result["resumed"]
+    layout = (world,) if fsdp_size == -1 else (world // fsdp_size, fsdp_size)
+    assert saved["mesh"] == again["mesh"] == layout
     folder = latest_checkpoint(tmp_path / "checkpoints")
-    assert sorted(p.name for p in (folder / "rng").iterdir()) == ["rank-0.json", "rank-1.json"]
+    assert sorted(p.name for p in (folder / "rng").iterdir()) == [
+        f"rank-{r}.json" for r in range(world)]
 
     resumed = make_learner(random_model_dir, actor=ACTOR)
     meta = load_checkpoint(resumed, folder)
-    assert meta.world_size == 2 and resumed.steps_done == 1
-    loaded = full_weights(resumed.model)
-    assert all(torch.equal(loaded[k], v) for k, v in saved["weights"].items())
-    assert all(torch.equal(a, b) for a, b in zip(moments(resumed), saved["moments"],
-                                                 strict=True))
+    assert meta.world_size == world and resumed.steps_done == 2
+    for loaded in (full_weights(resumed.model), again["weights"]):
+        assert all(torch.equal(loaded[k], v) for k, v in saved["weights"].items())
+    for loaded in (moments(resumed), again["moments"]):
+        assert all(torch.equal(a, b) for a, b in zip(loaded, saved["moments"], strict=True))
+    initial = full_weights(make_learner(random_model_dir).model)
+    assert not any(torch.equal(initial[k], v) for k, v in saved["weights"].items())  # trained
 
 
 def check_shared_on_two_ranks(rank: int, port: int, folders: list[list[str]],
