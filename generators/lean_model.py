@@ -339,11 +339,13 @@ def _rope_parameters(config: PretrainedConfig) -> dict:
 
 def rotary_tables(config: PretrainedConfig, head_dim: int, max_len: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (max_len, head_dim) of the default rotary embedding, in fp32:
-    angle(p, j) = p * theta^(-2j / head_dim), each half of the head sharing the angles."""
+    """cos and sin (max_len, head_dim) of the default rotary embedding, in fp32, on ``device``:
+    angle(p, j) = p * theta^(-2j / head_dim), each half of the head sharing the angles. The
+    angles are computed on the CPU, so every device rotates by the same numbers."""
     theta = float(_rope_parameters(config)["rope_theta"])
-    inverse = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inverse[None]
+    inverse = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")
+                              / head_dim)
+    angles = torch.arange(max_len, dtype=torch.float32, device="cpu")[:, None] * inverse[None]
     angles = torch.cat([angles, angles], dim=-1).to(device)
     return angles.cos(), angles.sin()
 

@@ -157,6 +157,6 @@ class CudaIpcSender:
             self.llm.update_weights({"update_info": ipc_update_info(
                 [name for name, _ in chunk], copies, uuids, self._share)})
             del copies
+            if torch.cuda.is_available():
+                torch.cuda.ipc_collect()  # freed once the workers dropped their views
         self.llm.finish_weight_update()
-        if torch.cuda.is_available():
-            torch.cuda.ipc_collect()  # the workers' references to the copies are gone
