@@ -346,8 +346,8 @@ def rotary_tables(config: PretrainedConfig, head_dim: int, max_len: int,
     inverse = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")
                               / head_dim)
     angles = torch.arange(max_len, dtype=torch.float32, device="cpu")[:, None] * inverse[None]
-    angles = torch.cat([angles, angles], dim=-1).to(device)
-    return angles.cos(), angles.sin()
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(device), angles.sin().to(device)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
