@@ -248,6 +248,36 @@ def test_an_engine_that_ignores_the_new_weights_fails_check_b(random_model_dir: 
     assert ignored.numbers["v1_err"] > 10 * swapped.numbers["v1_err"]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_swaps_a_version_mid_run_on_its_cpu_build(tmp_path: Path) -> None:
+    """Check B's vLLM part, which gpu-check runs on a GPU only, on vLLM's CPU build (about a
+    minute here): the same code before a GPU is reached. vLLM's engine, once shut down,
+    destroys the process's default group, so the test makes and ends its own."""
+    import gc
+
+    import torch.distributed as dist
+
+    from gpucheck.build import check_learner, cpu_copy, host_batch, init_learner_group, \
+        save_random_qwen2, synthetic_groups
+    from gpucheck.weights_check import LOGPROB_TOL, LR, swap_in_flight
+
+    cpu = torch.device("cpu")
+    model = save_random_qwen2(tmp_path / "model")  # head_dim 32, as vLLM's CPU build needs
+    init_learner_group(cpu)
+    try:
+        learner = check_learner(model, cpu, "float32", ["actor.use_kl_loss=true"], lr=LR)
+        learner.step(host_batch(synthetic_groups(learner.model.config.vocab_size), cpu))
+        trained = {n: cpu_copy(p) for n, p in learner.model.named_parameters()}
+        swapped = swap_in_flight("vllm", learner, trained, model, cpu, "float32")
+    finally:
+        gc.collect()  # the engine's shutdown
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert swapped.passed, swapped.error
+    assert swapped.numbers["logprob_err"] < LOGPROB_TOL["float32"] / 100
+
+
 def test_a_run_that_does_not_start_fails_check_c_with_its_output(tmp_path: Path) -> None:
     (result,) = cluster_checks(ROOT, tmp_path / "no-model", tmp_path, "cpu", timeout_s=120)
     assert not result.passed

@@ -91,9 +91,9 @@ def host_batch(groups: list[RolloutGroup], device: torch.device) -> TrainBatch:
 def init_learner_group(device: torch.device) -> None:
     """A one-rank process group as ``learner.main`` makes it (on a GPU: gloo for CPU tensors,
     NCCL for CUDA ones, bound to the device; on the CPU: gloo), over a free port on
-    loopback."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    loopback (a new one each time: a process may make it again)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
     if device.type == "cuda":
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device,
                                 timeout=timedelta(minutes=5))

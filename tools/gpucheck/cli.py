@@ -138,16 +138,21 @@ def finish(report: Report, out: Path, work: Path) -> int:
 
 
 class WorkerRunner:
-    """Starts workers (``learner`` or ``weights``) on a device (``Worker``)."""
+    """Starts workers (``learner``, ``weights`` or ``vllm``) on a device (``Worker``), in
+    ``dtypes`` unless told otherwise."""
+
+    dtypes = ("float32", "bfloat16")
 
     def __init__(self, work: Path, model_dir: Path, timeout_s: float) -> None:
         self.work, self.model_dir, self.timeout_s = work, model_dir, timeout_s
 
     def start(self, kind: str, device: str, *, hide_gpu: bool = False,
-              dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> Worker:
-        """A worker running ``kind``'s task on ``device`` in ``dtypes``; ``hide_gpu``: it
-        sees no GPU (``CUDA_VISIBLE_DEVICES`` empty)."""
-        name = f"{kind}-{device}" + ("-reference" if hide_gpu else "")
+              dtypes: tuple[str, ...] | None = None) -> Worker:
+        """A worker running ``kind``'s task on ``device`` in ``dtypes`` (default: all);
+        ``hide_gpu``: it sees no GPU (``CUDA_VISIBLE_DEVICES`` empty)."""
+        dtypes = dtypes or self.dtypes
+        name = f"{kind}-{device}" + ("-reference" if hide_gpu else "") + \
+            ("" if dtypes == self.dtypes else "-" + "-".join(dtypes))
         task = {"kind": kind, "device": device, "dtypes": list(dtypes),
                 "model": str(self.model_dir), "out": str(self.work / f"{name}.pt")}
         task_file = self.work / f"{name}.json"
@@ -211,11 +216,11 @@ def worker_main(task_file: Path) -> int:
     import torch
     import torch.distributed as dist
 
-    if task["kind"] == "learner":
-        from gpucheck.learner_check import learner_worker as work
-    else:
-        from gpucheck.weights_check import weights_worker as work
-    outcome = work(Path(task["model"]), task["device"], task["dtypes"])
+    from gpucheck.learner_check import learner_worker
+    from gpucheck.weights_check import vllm_worker, weights_worker
+
+    work = {"learner": learner_worker, "weights": weights_worker, "vllm": vllm_worker}
+    outcome = work[task["kind"]](Path(task["model"]), task["device"], task["dtypes"])
     torch.save(outcome, task["out"])
     if dist.is_initialized():
         dist.destroy_process_group()

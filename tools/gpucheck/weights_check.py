@@ -37,7 +37,7 @@ import torch
 from gpucheck.report import CheckResult
 
 if TYPE_CHECKING:
-    from gpucheck.cli import WorkerRunner
+    from gpucheck.cli import Worker, WorkerRunner
 
 LR = 1e-2  # the step to version 1 (weights move about lr: module docstring)
 LOGPROB_TOL = {"float32": 1e-3, "bfloat16": 3e-2}  # mean |engine - learner| per token
@@ -60,45 +60,52 @@ def vllm_cuda_build() -> str | None:
 # -- in the worker process --------------------------------------------------------------
 
 def weights_worker(model_dir: Path, device_setting: str, dtypes: list[str]) -> dict:
-    """``{"results": [CheckResult fields...]}`` of every publish and engine check."""
+    """``{"results": [CheckResult fields...]}``: the publish and the lean engine, per dtype."""
+    return _worker(model_dir, device_setting, dtypes, "lean")
+
+
+def vllm_worker(model_dir: Path, device_setting: str, dtypes: list[str]) -> dict:
+    """As ``weights_worker``, vLLM's records only, and one dtype a process: vLLM's engine
+    holds ``gpu_memory_utilization`` of the GPU until it shuts down, and its shutdown
+    destroys the process's default group (``cleanup_dist_env_and_memory``)."""
+    (dtype,) = dtypes
+    outcome = _worker(model_dir, device_setting, [dtype], "vllm")
+    outcome["results"] = [r for r in outcome["results"] if r["name"].startswith("B/vllm")]
+    return outcome
+
+
+def _worker(model_dir: Path, device_setting: str, dtypes: list[str], engine: str) -> dict:
     from learner.model import learner_device
 
     from gpucheck.build import init_learner_group
 
     device = learner_device(device_setting, 0)
     init_learner_group(device)
-    engines = ["lean"] + (["vllm"] if device.type == "cuda" and vllm_cuda_build() is None
-                          else [])
     results: list[CheckResult] = []
     for dtype in dtypes:
         began = time.monotonic()
         try:
-            results += _version_to_engines(model_dir, device, dtype, engines)
+            results += _version_to_engine(model_dir, device, dtype, engine)
         except Exception:  # noqa: BLE001 - reported; the other dtype goes on
-            results.append(CheckResult.failure(f"B/{dtype}", traceback.format_exc(limit=-6)))
+            results.append(CheckResult.failure(f"B/{engine}:{dtype}",
+                                               traceback.format_exc(limit=-6)))
         gc.collect()
-        print(f"{device} weights {dtype} done in {time.monotonic() - began:.1f} s", flush=True)
+        print(f"{device} {engine} {dtype} done in {time.monotonic() - began:.1f} s",
+              flush=True)
     return {"results": [vars(r) for r in results]}
 
 
-def _version_to_engines(model_dir: Path, device: torch.device, dtype: str,
-                        engines: list[str]) -> list[CheckResult]:
+def _version_to_engine(model_dir: Path, device: torch.device, dtype: str,
+                       engine: str) -> list[CheckResult]:
+    """The learner's step to version 1, its publish, and ``engine``'s swap to it."""
     from gpucheck.build import check_learner, host_batch, synthetic_groups
 
     learner = check_learner(model_dir, device, dtype, ["actor.use_kl_loss=true"], lr=LR)
     learner.step(host_batch(synthetic_groups(learner.model.config.vocab_size), device))
     publish, staged = _publish(learner, getattr(torch, dtype), f"B/publish:{dtype}")
-    results = [publish]
-    for engine in engines:
-        if staged is None:
-            results.append(CheckResult.failure(f"B/{engine}:{dtype}", "version 1 never arrived"))
-            continue
-        try:
-            results.append(swap_in_flight(engine, learner, staged, model_dir, device, dtype))
-        except Exception:  # noqa: BLE001 - one engine's failure is its own
-            results.append(CheckResult.failure(f"B/{engine}:{dtype}",
-                                               traceback.format_exc(limit=-6)))
-    return results
+    if staged is None:
+        return [publish, CheckResult.failure(f"B/{engine}:{dtype}", "version 1 never arrived")]
+    return [publish, swap_in_flight(engine, learner, staged, model_dir, device, dtype)]
 
 
 def _publish(learner, dtype: torch.dtype, name: str
@@ -244,10 +251,16 @@ def _mean(values: torch.Tensor, where: torch.Tensor) -> float:
 # -- in the parent ----------------------------------------------------------------------
 
 def weights_checks(workers: WorkerRunner, device: str) -> list[CheckResult]:
-    """Run the device's worker; its records, and vLLM's skip where it cannot run."""
-    outcome = workers.start("weights", device).result()
-    results = [CheckResult(**fields) for fields in outcome["results"]]
+    """Run the device's workers: the lean engine's, then vLLM's (one a dtype), or vLLM's
+    skip where it cannot run."""
+    results = _records(workers.start("weights", device))
     why_not = "the check runs on a GPU" if device != "cuda" else vllm_cuda_build()
     if why_not:
-        results.append(CheckResult.skip("B/vllm", why_not))
+        return results + [CheckResult.skip("B/vllm", why_not)]
+    for dtype in workers.dtypes:
+        results += _records(workers.start("vllm", device, dtypes=(dtype,)))
     return results
+
+
+def _records(worker: Worker) -> list[CheckResult]:
+    return [CheckResult(**fields) for fields in worker.result()["results"]]
