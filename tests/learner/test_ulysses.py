@@ -255,7 +255,8 @@ ALGORITHMS = {"grpo": AlgorithmConfig(),
 
 
 def train_worker(rank: int, world: int, port: int, sp_size: int, model_dir: str,
-                 batch_file: str, algorithm: AlgorithmConfig, out_file: str) -> None:
+                 batch_file: str, algorithm: AlgorithmConfig, out_file: str,
+                 fsdp_size: int = -1) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -265,10 +266,13 @@ def train_worker(rank: int, world: int, port: int, sp_size: int, model_dir: str,
                             ppo_micro_batch_size_per_gpu=4,
                             ulysses_sequence_parallel_size=sp_size)
         learner = make_learner(Path(model_dir), actor=actor, algorithm=algorithm,
-                               parallelism=learner_parallelism(torch.device("cpu"), sp_size))
+                               parallelism=learner_parallelism(torch.device("cpu"), sp_size),
+                               fsdp_size=fsdp_size)
         assert learner.micro.world == world // sp_size  # data-parallel ranks
         assert (learner.sp.size if learner.sp else 1) == sp_size
         assert learner.critic is None or learner.micro.sp is learner.sp
+        mesh = (world,) if fsdp_size == -1 else (world // fsdp_size, fsdp_size)
+        assert next(learner.model.parameters()).device_mesh.shape == mesh
         metrics = [learner.step(batch, version=v).metrics for v in range(2)]
         weights = gather_full_weights(learner.model, torch.float32)
         if rank == 0:
@@ -283,10 +287,15 @@ def train_worker(rank: int, world: int, port: int, sp_size: int, model_dir: str,
 
 
 @pytest.mark.slow  # 4 processes twice: 25 s
-@pytest.mark.parametrize("algorithm", ALGORITHMS.values(), ids=ALGORITHMS.keys())
+@pytest.mark.parametrize("algorithm, fsdp_size",
+                         [(a, -1) for a in ALGORITHMS.values()]
+                         + [(ALGORITHMS["ppo with critic"], 2)],
+                         ids=[*ALGORITHMS, "ppo with critic, hsdp 2x2"])
 def test_dp2_sp2_trains_to_the_weights_of_one_rank(random_model_dir: Path, batch: TrainBatch,
-                                                   tmp_path: Path,
-                                                   algorithm: AlgorithmConfig) -> None:
+                                                   tmp_path: Path, algorithm: AlgorithmConfig,
+                                                   fsdp_size: int) -> None:
+    """Also with every model hybrid-sharded as 2 x 2 (``fsdp_size = 2``): the FSDP2 mesh
+    and Ulysses' dp x sp mesh are independent, and gradients still average over all 4."""
     batch_file = tmp_path / "batch.pt"
     torch.save(batch, batch_file)
     results = []
@@ -294,7 +303,8 @@ def test_dp2_sp2_trains_to_the_weights_of_one_rank(random_model_dir: Path, batch
         out = tmp_path / f"world{world}.pt"
         mp.start_processes(train_worker, args=(world, free_port(), sp_size,
                                                str(random_model_dir), str(batch_file),
-                                               algorithm, str(out)),
+                                               algorithm, str(out),
+                                               fsdp_size if world > 1 else -1),
                            nprocs=world, start_method="spawn")
         results.append(torch.load(out, weights_only=False))
     one, four = results
