@@ -58,11 +58,13 @@ def load_on_rank(rank: int, world: int, port: int, tied_dir: str, untied_dir: st
     try:
         reads = count_weight_reads()
         models = {
-            "policy": load_sharded(tied_dir, compute_dtype=torch.float32, device=CPU),
+            "policy": load_sharded(tied_dir, compute_dtype=torch.float32, device=CPU,
+                                   gradient_checkpointing=True),
             "untied policy": load_sharded(untied_dir, compute_dtype=torch.float32, device=CPU),
             "reference": load_sharded(tied_dir, compute_dtype=torch.bfloat16, device=CPU,
                                       trainable=False),
-            "critic": load_value_model(tied_dir, compute_dtype=torch.float32, device=CPU),
+            "critic": load_value_model(tied_dir, compute_dtype=torch.float32, device=CPU,
+                                       gradient_checkpointing=True),
         }
         with torch.no_grad():
             outputs = {"policy": models["policy"](input_ids=IDS).logits,
@@ -70,6 +72,8 @@ def load_on_rank(rank: int, world: int, port: int, tied_dir: str, untied_dir: st
                        "critic": models["critic"](IDS)}
         tied = [m.lm_head.weight is m.model.embed_tokens.weight
                 for m in (models["policy"], models["untied policy"])]
+        assert models["policy"].is_gradient_checkpointing
+        assert models["critic"].body.is_gradient_checkpointing
         torch.save({"reads": reads, "tied": tied, "outputs": outputs,
                     "weights": {name: whole(m) for name, m in models.items()},
                     "trainable": {name: any(p.requires_grad for p in m.parameters())
@@ -97,7 +101,8 @@ def test_two_ranks_load_from_rank_zero_what_each_read_before(random_model_dir: P
     """Rank 0 alone reads the weights; on both ranks each model's full parameters and its
     buffers (RoPE's inv_freq, outside the state dict) equal, bitwise, those of the
     checkpoint read whole in fp32 (the reference's cast to bf16, its compute dtype), tied
-    embeddings stay tied, and the sharded forwards compute what the whole model does."""
+    embeddings stay tied, and the sharded forwards compute what the whole model does.
+    Gradient checkpointing is set on the policy and the critic, models built on meta too."""
     untied_dir = save_random_qwen2(tmp_path / "qwen2")
     mp.start_processes(load_on_rank, nprocs=2, start_method="spawn",
                        args=(2, free_port(), str(random_model_dir), str(untied_dir),
