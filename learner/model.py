@@ -66,12 +66,14 @@ def sharding_mesh(device: torch.device, fsdp_size: int = -1,
 
     -1 (or the world size W): one dimension, every rank holds 1/W of each parameter. k
     dividing W: HSDP, a (W / k) x k mesh ("replicate", "shard"): rank ``r * k + s`` holds
-    shard s of 1/k of each parameter, the k ranks of a replica gather them for each block,
+    shard s, 1/k of each parameter, the k ranks of replica r gather them for each block,
     and gradients are reduce-scattered within a replica then all-reduced across the W / k
-    replicas (less traffic across hosts, k times more memory for the weights). Either way
-    FSDP2 averages gradients over all W ranks, so the update is the same, and Ulysses'
-    ``dp x sp`` mesh (``learner.ulysses``) composes with any of them: it only decides which
-    rows and tokens a rank runs. ValueError naming ``key`` for a size that is neither."""
+    replicas (all-gathers stay within k ranks, say one host; each rank holds W / k times
+    the weights, gradients and optimizer state of full sharding). Either way FSDP2
+    averages gradients over all W ranks, so the update is the same, and Ulysses' ``dp x
+    sp`` mesh (``learner.ulysses``, verl's separate mesh too) composes with any of them: it
+    only decides which rows and tokens a rank runs. ValueError naming ``key`` for a size
+    that is neither."""
     if not dist.is_initialized():
         return None
     world = dist.get_world_size()
