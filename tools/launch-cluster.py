@@ -8,10 +8,11 @@ With no config, the embedded default (configs/topology.toml, configs/arithmetic-
 Overrides ``section.key=value`` apply to the run config; ``topology.section.key=value`` to the
 topology. verl's key paths work as written (``actor_rollout_ref.actor.clip_ratio_high=0.28``,
 ``trainer.n_gpus_per_node=8``, Hydra's ``+key=value``): configs/verl-keys.md says what each
-becomes. A bad config is refused before anything starts. ``--dry-run`` prints the resolved
-configs and the processes that would start, and exits. ``--resume RUN_DIR`` continues the
-run in RUN_DIR from its newest complete checkpoint, with the configs stored there (and any
-overrides, e.g. more ``trainer.total_training_steps``).
+becomes. A bad config is refused before anything starts; a process on this machine's GPUs
+whose memory plan does not fit its GPU is warned about (``launcher.memory``). ``--dry-run``
+prints the resolved configs and the processes that would start, and exits. ``--resume
+RUN_DIR`` continues the run in RUN_DIR from its newest complete checkpoint, with the configs
+stored there (and any overrides, e.g. more ``trainer.total_training_steps``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import sys
 
 from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
+from launcher.memory import memory_warnings
 from launcher.resolve import dry_run_report, resolve_launch, resolve_resume
 
 TOPOLOGY_PREFIX = "topology."
@@ -63,6 +65,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"launch-cluster: config error: {exc}", file=sys.stderr)
         return 2
+    for warning in memory_warnings(resolved.run, resolved.topology, resolved.run_file):
+        logging.warning(warning)
     if args.dry_run:
         print(dry_run_report(resolved))
         return 0
