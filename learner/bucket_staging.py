@@ -48,7 +48,8 @@ class HostBuffers:
 
     def _new(self) -> torch.Tensor:
         self.made += 1
-        return torch.empty(self.spec.nbytes, dtype=torch.uint8, pin_memory=self.spec.pinned)
+        return torch.empty(self.spec.nbytes, dtype=torch.uint8, device="cpu",
+                           pin_memory=self.spec.pinned)
 
     def take(self) -> torch.Tensor:
         """A buffer no send reads: the one least recently sent from."""

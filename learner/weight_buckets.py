@@ -8,19 +8,31 @@ the engines get is the Hugging Face checkpoint's names in the publish dtype: our
 vLLM's ``load_weights`` and SGLang's ``update_weights_from_tensor`` all take those names and
 fuse (q/k/v, gate/up) or cut (tensor parallel) on their side, where the layout is known.
 
-``gather_buckets`` is a collective over the learner's ranks. FSDP2 shards each parameter
-along dim 0 in ``torch.chunk`` pieces over the last dimension of its mesh: with ``S`` ranks
-there and ``n`` rows, the rank at shard index ``s`` holds rows ``[s*c, min((s+1)*c, n))``,
-``c = ceil(n / S)``; under HSDP (a 2-D mesh, ``learner.model.sharding_mesh``) every replica
-holds all ``S`` shards, and the first replica's ranks (rank 0's) send them. For each bucket
-every sending rank casts the rows it holds of the bucket's pieces to the publish dtype and
-sends them to rank 0, which receives them straight into the bucket's tensors and yields
-the bucket. Nothing else stays: rank 0 holds one bucket beyond its shards, another rank its
-own share of one bucket.
+``gather_buckets`` is a collective over the learner's ranks, by the route the parameters'
+device allows:
+
+- CUDA: a piece's parameter, cast to the publish dtype, is gathered whole on the device over
+  its mesh's collective (NCCL, ``DTensor.full_tensor``; once for a parameter split across
+  buckets) and its rows are copied once to the host. This runs one bucket ahead
+  (``learner.bucket_staging``): the device gathers bucket i+1 while rank 0's host sends i.
+- CPU (CPU-offloaded shards too): FSDP2 shards each parameter along dim 0 in
+  ``torch.chunk`` pieces over the last dimension of its mesh: with ``S`` ranks there and
+  ``n`` rows, the rank at shard index ``s`` holds rows ``[s*c, min((s+1)*c, n))``,
+  ``c = ceil(n / S)``; under HSDP (a 2-D mesh, ``learner.model.sharding_mesh``) every
+  replica holds all ``S`` shards, and the first replica's ranks (rank 0's) send them.
+  Every sending rank casts the rows it holds of the bucket's pieces to the publish dtype
+  and sends them to rank 0 (gloo), which receives them straight into the bucket's tensors:
+  no copy beyond the cast.
+
+Rank 0's bucket tensors are views of the caller's ``HostBuffers`` (the publish: reused from
+version to version), or new tensors without them. Nothing else stays: rank 0 holds one
+bucket beyond its shards (two on CUDA), another rank its own share of one bucket (on CUDA:
+the parameter being gathered, whole).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 
@@ -28,9 +40,13 @@ import msgspec
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from learner.bucket_staging import BufferSpec, HostBuffers, Wait, copy_to_host, pipelined
 from transport.messages import WeightBucket, WeightEntry, WeightManifest
+
+DEVICE_AHEAD = 1  # buckets the device gathers beyond the one rank 0 sends
 
 
 class Piece(msgspec.Struct, frozen=True):
@@ -45,6 +61,7 @@ class BucketPlan(msgspec.Struct, frozen=True):
     entries: list[WeightEntry]
     buckets: list[list[Piece]]
     total_bytes: int
+    sizes: list[int]  # bytes of each bucket
 
     def manifest(self, version: int, step: int) -> WeightManifest:
         return WeightManifest(version=version, entries=self.entries,
@@ -60,6 +77,7 @@ def plan_buckets(model: nn.Module, dtype: torch.dtype, bucket_bytes: int) -> Buc
     item = torch.empty((), dtype=dtype).element_size()
     entries: list[WeightEntry] = []
     buckets: list[list[Piece]] = [[]]
+    sizes = [0]
     room = bucket_bytes
     total = 0
     for name, param in model.named_parameters():
@@ -76,15 +94,18 @@ def plan_buckets(model: nn.Module, dtype: torch.dtype, bucket_bytes: int) -> Buc
             fits = room // row_bytes if row_bytes else rows
             if fits <= 0 and buckets[-1]:  # start a new bucket for this row
                 buckets.append([])
+                sizes.append(0)
                 room = bucket_bytes
                 continue
             stop = min(rows, start + max(fits, 1))
             buckets[-1].append(Piece(name=name, start=start, stop=stop))
             room -= (stop - start) * row_bytes
+            sizes[-1] += (stop - start) * row_bytes
             start = stop
     if not buckets[-1]:
         buckets.pop()
-    return BucketPlan(entries=entries, buckets=buckets, total_bytes=total)
+        sizes.pop()
+    return BucketPlan(entries=entries, buckets=buckets, total_bytes=total, sizes=sizes)
 
 
 def held_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -111,10 +132,17 @@ def _senders(param: torch.Tensor, group: dist.ProcessGroup | None) -> list[tuple
         return [(0, 0, param.shape[0] if param.dim() else 1)]
     mesh = param.device_mesh
     shards = mesh.size(mesh.ndim - 1)
-    first_replica = mesh.mesh.reshape(-1, shards)[0].tolist()  # global ranks by shard index
     group = group if group is not None else dist.group.WORLD
     return [(dist.get_group_rank(group, holder), *held_rows(param.shape[0], shards, index))
-            for index, holder in enumerate(first_replica)]
+            for index, holder in enumerate(_first_replica(mesh))]
+
+
+@functools.cache
+def _first_replica(mesh: DeviceMesh) -> tuple[int, ...]:
+    """The global ranks of the first replica's shards, by shard index; once per mesh, as
+    ``DeviceMesh.mesh`` rebuilds its rank tensor on each call (0.5 ms: a publish of the 24M
+    bench model took 8 ms longer when asked it for every piece)."""
+    return tuple(mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1))[0].tolist())
 
 
 def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -133,15 +161,50 @@ def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     return local, lo
 
 
+def parameters_on_cuda(model: nn.Module) -> bool:
+    """Whether this rank's shards of ``model``'s parameters are on a CUDA device."""
+    param = next(model.parameters(), None)
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local is not None and local.is_cuda
+
+
+def buffer_spec(model: nn.Module, plan: BucketPlan) -> BufferSpec:
+    """The host buffers rank 0 sends ``plan``'s buckets of ``model`` from: one pinned buffer
+    per bucket in flight on CUDA, one pageable buffer on the CPU."""
+    on_cuda = parameters_on_cuda(model)
+    return BufferSpec(nbytes=max(plan.sizes, default=0),
+                      count=DEVICE_AHEAD + 1 if on_cuda else 1, pinned=on_cuda)
+
+
 def gather_buckets(model: nn.Module, plan: BucketPlan, dtype: torch.dtype, version: int,
-                   group: dist.ProcessGroup | None = None) -> Iterator[WeightBucket | None]:
+                   group: dist.ProcessGroup | None = None,
+                   buffers: HostBuffers | None = None) -> Iterator[WeightBucket | None]:
     """Yield ``plan``'s buckets of ``version`` one at a time on rank 0 (``None`` on other
-    ranks); a collective: every rank iterates to the end. Drop each bucket before asking
-    for the next one, so that only one is alive."""
+    ranks); a collective: every rank iterates to the end. A bucket's tensors are views of
+    ``buffers`` (rank 0's, made with ``buffer_spec``) when given: its sender must call
+    ``buffers.sent`` before asking for the next bucket. Otherwise they are new; either way
+    drop each bucket before asking for the next one, so that only one is alive."""
     params = dict(model.named_parameters())
-    _check_mesh(params.values(), group)
-    for index, pieces in enumerate(plan.buckets):
-        yield _gather_bucket(params, pieces, dtype, version, index, group)
+    distributed = dist.is_initialized() and dist.get_world_size(group) > 1
+    rank0 = not distributed or dist.get_rank(group) == 0
+    if parameters_on_cuda(model):
+        gather, ahead = _DeviceGather(params, dtype), DEVICE_AHEAD
+    else:
+        _check_mesh(params.values(), group)
+        gather, ahead = _HostGather(params, dtype, group), 0
+
+    def start(index: int):
+        pieces = plan.buckets[index]
+        out = _bucket_tensors(params, pieces, dtype, buffers.take() if buffers else None) \
+            if rank0 else None
+        wait = gather(pieces, out)
+
+        def finish() -> WeightBucket | None:
+            wait()
+            return _bucket(params, pieces, out, version, index) if out is not None else None
+        return finish
+
+    return pipelined(len(plan.buckets), start, ahead)
 
 
 def _check_mesh(params, group: dist.ProcessGroup | None) -> None:
@@ -156,36 +219,85 @@ def _check_mesh(params, group: dist.ProcessGroup | None) -> None:
                                    f"{dist.get_world_size(group)}")
 
 
-def _gather_bucket(params: dict[str, nn.Parameter], pieces: list[Piece], dtype: torch.dtype,
-                   version: int, index: int,
-                   group: dist.ProcessGroup | None) -> WeightBucket | None:
-    distributed = dist.is_initialized() and dist.get_world_size(group) > 1
-    rank = dist.get_rank(group) if distributed else 0
-    out: list[torch.Tensor] = []
-    pending: list[dist.Work] = []
-    for tag, piece in enumerate(pieces):
-        param = params[piece.name]
-        local, first = _local_rows(param)
-        if rank == 0:
-            shape = (piece.stop - piece.start, *param.shape[1:])
-            out.append(torch.empty(shape, dtype=dtype))
-        for holder, lo, hi in _senders(param, group):
-            a, b = max(piece.start, lo), min(piece.stop, hi)
-            if a >= b:
-                continue
-            if holder == rank == 0:
-                out[-1][a - piece.start:b - piece.start].copy_(local[a - first:b - first])
-            elif holder == rank:
-                rows = local[a - first:b - first].to(device="cpu", dtype=dtype).contiguous()
-                pending.append(dist.isend(rows, group_dst=0, group=group, tag=tag))
-            elif rank == 0:
-                pending.append(dist.irecv(out[-1][a - piece.start:b - piece.start],
-                                          group_src=holder, group=group, tag=tag))
-    for work in pending:
-        work.wait()
-    if rank != 0:
-        return None
+def _bucket_tensors(params: dict[str, nn.Parameter], pieces: list[Piece], dtype: torch.dtype,
+                    buffer: torch.Tensor | None) -> list[torch.Tensor]:
+    """Rank 0's tensors for ``pieces`` (rows, the trailing dimensions of their parameter; a
+    0-dimensional one as one row): views laid end to end in ``buffer``, or new tensors."""
+    shapes = [(p.stop - p.start, *params[p.name].shape[1:]) for p in pieces]
+    if buffer is None:
+        return [torch.empty(shape, dtype=dtype, device="cpu") for shape in shapes]
+    sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
+    if sum(sizes) > buffer.numel():
+        raise ValueError(f"a bucket of {sum(sizes)} bytes does not fit a host buffer of "
+                         f"{buffer.numel()}: make the buffers with buffer_spec for this plan")
+    views, offset = [], 0
+    for shape, size in zip(shapes, sizes):
+        views.append(buffer[offset:offset + size].view(dtype).view(shape))
+        offset += size
+    return views
+
+
+def _bucket(params: dict[str, nn.Parameter], pieces: list[Piece], out: list[torch.Tensor],
+            version: int, index: int) -> WeightBucket:
     tensors = [t.reshape(params[p.name].shape) if params[p.name].dim() == 0 else t
                for p, t in zip(pieces, out)]
     return WeightBucket(version=version, index=index, names=[p.name for p in pieces],
                         starts=[p.start for p in pieces], tensors=tensors)
+
+
+class _DeviceGather:
+    """The CUDA route (module docstring): a piece's rows sliced from its parameter gathered
+    whole in the publish dtype, kept while the next pieces are of the same parameter."""
+
+    def __init__(self, params: dict[str, nn.Parameter], dtype: torch.dtype) -> None:
+        self._params, self._dtype = params, dtype
+        self._name: str | None = None
+        self._full: torch.Tensor | None = None
+
+    def __call__(self, pieces: list[Piece], out: list[torch.Tensor] | None) -> Wait:
+        rows = [self._rows(piece) for piece in pieces]
+        return copy_to_host(out, rows) if out is not None else (lambda: None)
+
+    def _rows(self, piece: Piece) -> torch.Tensor:
+        if piece.name != self._name:
+            self._name, self._full = piece.name, None  # the previous one freed first
+            cast = self._params[piece.name].detach().to(self._dtype)
+            self._full = cast.full_tensor() if isinstance(cast, DTensor) else cast
+        full = self._full
+        return full.reshape(1) if full.dim() == 0 else full[piece.start:piece.stop]
+
+
+class _HostGather:
+    """The CPU route (module docstring): every rank sends rank 0 the rows it holds (under
+    HSDP, the ranks of rank 0's replica: ``_senders``)."""
+
+    def __init__(self, params: dict[str, nn.Parameter], dtype: torch.dtype,
+                 group: dist.ProcessGroup | None) -> None:
+        self._params, self._dtype, self._group = params, dtype, group
+        distributed = dist.is_initialized() and dist.get_world_size(group) > 1
+        self._rank = dist.get_rank(group) if distributed else 0
+
+    def __call__(self, pieces: list[Piece], out: list[torch.Tensor] | None) -> Wait:
+        rank, group = self._rank, self._group
+        pending: list[dist.Work] = []
+        for tag, piece in enumerate(pieces):
+            param = self._params[piece.name]
+            local, first = _local_rows(param)
+            for holder, lo, hi in _senders(param, group):
+                a, b = max(piece.start, lo), min(piece.stop, hi)
+                if a >= b:
+                    continue
+                if holder == rank == 0:
+                    out[tag][a - piece.start:b - piece.start].copy_(local[a - first:b - first])
+                elif holder == rank:
+                    rows = local[a - first:b - first].to(device="cpu", dtype=self._dtype)
+                    pending.append(dist.isend(rows.contiguous(), group_dst=0, group=group,
+                                              tag=tag))
+                elif rank == 0:
+                    pending.append(dist.irecv(out[tag][a - piece.start:b - piece.start],
+                                              group_src=holder, group=group, tag=tag))
+
+        def wait() -> None:
+            for work in pending:
+                work.wait()
+        return wait

@@ -4,14 +4,16 @@ A publish (``publish_weights``, a collective) gathers the policy one bucket at a
 (``learner.weight_buckets``) while rank 0 streams it on its ``WeightStream`` (ZeroMQ PUB,
 ``topology.learner.weights_stream_port``): the version's ``WeightManifest``, then its
 ``WeightBucket``s. Each bucket is sent once, every subscriber's queue sharing its bytes, and
-rank 0 waits until ZeroMQ has written it to every subscriber's connection before gathering
-the next, so no rank ever holds the version: rank 0's extra memory is one bucket, however
-many generators listen. Every message is waited for that way, so none waits in a queue
-when the next is sent. A subscriber that stops reading is waited for at most
-``send_wait_s(bucket)`` once per version; ZeroMQ then holds at most ``STREAM_HWM``
-messages for it and drops the rest, and it must ask again. The rest of that version is
-still paced (``catch_up_s``): each bucket is waited for as long as a subscriber reading
-at ``MIN_SUBSCRIBER_BYTES_PER_S`` needs for it, so the subscribers that do read keep up
+rank 0 waits until ZeroMQ has written it to every subscriber's connection before its buffer
+is filled again, so no rank ever holds the version: rank 0 gathers into host buffers made
+once (``learner.bucket_staging``: one bucket on the CPU; on CUDA two pinned ones, the next
+bucket gathered while one is sent), however many generators listen. Every message is
+waited for that way, so none waits in a queue when the next is sent. A subscriber that
+stops reading is waited for at most ``send_wait_s(bucket)`` once per version; ZeroMQ then
+holds at most ``STREAM_HWM`` messages for it (their buffers are replaced, not refilled)
+and drops the rest, and it must ask again. The rest of that version is still paced
+(``catch_up_s``): each bucket is waited for as long as a subscriber reading at
+``MIN_SUBSCRIBER_BYTES_PER_S`` needs for it, so the subscribers that do read keep up
 instead of overflowing their own queues (only the few messages the stuck queue still takes
 wait that long, and all of that pacing together at most as long again as the first wait).
 
@@ -42,8 +44,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from learner.bucket_staging import BufferSpec, HostBuffers
 from learner.eval_queue import EvalQueue
-from learner.weight_buckets import BucketPlan, gather_buckets
+from learner.weight_buckets import BucketPlan, buffer_spec, gather_buckets
 from transport.messages import (
     ErrorReply,
     EvalOffer,
@@ -91,12 +94,23 @@ class WeightStream:
     def __init__(self, endpoint: str, keys: ServerKeys | None = None) -> None:
         self._publisher = Publisher(endpoint, keys=keys, hwm=STREAM_HWM)
         self.endpoint = self._publisher.endpoint
+        self._buffers: HostBuffers | None = None
         logger.info("streaming weights on %s", self.endpoint)
 
-    def send_version(self, manifest: WeightManifest,
-                     buckets: Iterable[WeightBucket | None]) -> StreamStats:
+    def host_buffers(self, spec: BufferSpec) -> HostBuffers:
+        """The host buffers buckets are gathered into and sent from: made for the first
+        version and kept while ``spec`` (the plan's, ``buffer_spec``) stays the same."""
+        if self._buffers is None or self._buffers.spec != spec:
+            self._buffers = HostBuffers(spec)
+        self._buffers.reclaim()
+        return self._buffers
+
+    def send_version(self, manifest: WeightManifest, buckets: Iterable[WeightBucket | None],
+                     buffers: HostBuffers | None = None) -> StreamStats:
         """Send ``manifest`` then each bucket ``buckets`` yields, waiting for each (module
-        docstring); the iterator is consumed bucket by bucket, never held whole."""
+        docstring); the iterator is consumed bucket by bucket, never held whole. With
+        ``buffers`` (the buckets are views of them), each bucket's buffer is given back
+        once its send ended, or replaced when a lagging subscriber may still read it."""
         began = time.monotonic()
         lagging = not self._publisher.send(manifest, send_wait_s(0))
         pace_until = time.monotonic() + send_wait_s(0)  # once lagging: pace until then
@@ -107,7 +121,10 @@ class WeightStream:
                 wait_s = max(0.0, min(catch_up_s(nbytes), pace_until - time.monotonic()))
             else:
                 wait_s = send_wait_s(nbytes)
-            if not self._publisher.send(bucket, wait_s) and not lagging:
+            written = self._publisher.send(bucket, wait_s)
+            if buffers is not None:
+                buffers.sent(reusable=written)
+            if not written and not lagging:
                 lagging, pace_until = True, time.monotonic() + wait_s
             del bucket
         if lagging:
@@ -133,13 +150,15 @@ def publish_weights(model: nn.Module, plan: BucketPlan, dtype: torch.dtype, *, v
                     step: int, stream: WeightStream | None,
                     group: dist.ProcessGroup | None = None) -> StreamStats | None:
     """Gather ``model`` bucket by bucket and stream it as ``version`` taken after ``step``
-    (a collective: every rank calls it; rank 0 passes its stream, the others None)."""
-    buckets = gather_buckets(model, plan, dtype, version, group)
+    (a collective: every rank calls it; rank 0 passes its stream, the others None). Rank 0
+    gathers into its stream's host buffers, made once for ``plan``."""
     if stream is None:
-        for _ in buckets:
+        for _ in gather_buckets(model, plan, dtype, version, group):
             pass
         return None
-    return stream.send_version(plan.manifest(version, step), buckets)
+    buffers = stream.host_buffers(buffer_spec(model, plan))
+    buckets = gather_buckets(model, plan, dtype, version, group, buffers)
+    return stream.send_version(plan.manifest(version, step), buckets, buffers)
 
 
 class WeightServer:

@@ -18,7 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+import learner.weight_buckets as weight_buckets
 from generators.weight_receiver import IncompleteVersion, VersionAssembler
+from learner.bucket_staging import HostBuffers
 from learner.model import shard, sharding_mesh
 from learner.weight_buckets import (
     BucketPlan,
@@ -26,6 +28,7 @@ from learner.weight_buckets import (
     held_rows,
     plan_buckets,
 )
+from transport.codec import Decoder, encode
 from transport.messages import WeightBucket, WeightManifest
 
 from ..conftest import exit_worker, free_port, gather_full_weights
@@ -213,3 +216,104 @@ def test_a_parameter_without_rows_still_reaches_the_engine() -> None:
     assembler.feed(plan.manifest(version=1, step=1))
     staged = [assembler.feed(b) for b in gather_buckets(model, plan, DTYPE, 1)][-1]
     assert staged is not None and staged.tensors["empty"].shape == (0, 4)
+
+
+# -- the routes: bitwise what was published before, buffers reused --------------------------
+
+ROUTES = ("new tensors", "host buffers", "device route")
+
+
+def published_frames(model: nn.Module, dtype: torch.dtype, bucket_bytes: int,
+                     patch) -> dict[str, list[list[bytes] | None]]:
+    """The wire frames of every bucket of version 2 (None on ranks other than 0) by each
+    route: the CPU route into new tensors (what a publish sent before host buffers) and
+    into host buffers, and the CUDA route (each parameter gathered whole, copied into two
+    buffers, one bucket ahead) run on the CPU. Buffers serve both versions, made once.
+    ``patch(name, value)`` sets an attribute of ``learner.weight_buckets``."""
+    plan = plan_buckets(model, dtype, bucket_bytes)
+    frames: dict[str, list[list[bytes] | None]] = {}
+    for route in ROUTES:
+        on_device = route == "device route"
+        patch("parameters_on_cuda", lambda _model, on=on_device: on)
+        spec = weight_buckets.buffer_spec(model, plan)
+        assert (spec.count, spec.pinned) == ((2, True) if on_device else (1, False))
+        assert spec.nbytes == max(plan.sizes)
+        buffers = None if route == "new tensors" else \
+            HostBuffers(msgspec.structs.replace(spec, pinned=False))  # no CUDA here to pin
+        for version in (1, 2):
+            frames[route] = []
+            for bucket in gather_buckets(model, plan, dtype, version, buffers=buffers):
+                frames[route].append(None if bucket is None else
+                                     [bytes(frame) for frame in encode(bucket)])
+                if buffers is not None and bucket is not None:
+                    buffers.sent(reusable=True)
+            assert buffers is None or buffers.made == spec.count, route
+    return frames
+
+
+def check_frames(frames: dict[str, list[list[bytes] | None]], model_full: dict[str, torch.Tensor],
+                 plan: BucketPlan) -> None:
+    """Every route's frames are the same bytes, and decode to the full weights' rows."""
+    assert frames["host buffers"] == frames["new tensors"]
+    assert frames["device route"] == frames["new tensors"]
+    decoder = Decoder(WeightBucket)
+    assert len(frames["new tensors"]) == len(plan.buckets) > 2
+    for index, (bucket_frames, pieces) in enumerate(zip(frames["new tensors"], plan.buckets)):
+        bucket = decoder.decode(bucket_frames)
+        assert (bucket.version, bucket.index) == (2, index)
+        assert bucket.names == [p.name for p in pieces]
+        assert bucket.starts == [p.start for p in pieces]
+        for piece, tensor in zip(pieces, bucket.tensors):
+            full = model_full[piece.name]
+            rows = full if full.dim() == 0 else full[piece.start:piece.stop]
+            assert tensor.dtype == rows.dtype and tensor.shape == rows.shape, piece
+            assert raw_bytes(tensor) == raw_bytes(rows), piece
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_route_publishes_the_same_bytes_from_one_process(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process (no process group), a 0-dimensional parameter and split ones included."""
+    torch.manual_seed(0)
+    model = Tiny()
+    frames = published_frames(model, dtype, 100,
+                              lambda name, value: monkeypatch.setattr(weight_buckets, name,
+                                                                      value))
+    check_frames(frames, gather_full_weights(model, dtype), plan_buckets(model, dtype, 100))
+
+
+def routes_from_rank(rank: int, world: int, port: int, out_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = shard(Tiny(scalar=False), compute_dtype=torch.float32, blocks=(nn.Linear,))
+        results = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            frames = published_frames(model, dtype, 100,
+                                      lambda name, value: setattr(weight_buckets, name, value))
+            assert all(b is None for route in frames.values() for b in route) == (rank != 0)
+            results[str(dtype)] = (frames, gather_full_weights(model, dtype))
+        if rank == 0:
+            torch.save(results, out_file)
+    finally:
+        dist.destroy_process_group()
+    exit_worker()
+
+
+def test_every_route_publishes_the_same_bytes_from_two_ranks(tmp_path: Path) -> None:
+    """Two FSDP2 ranks (uneven shards: 7 rows; 1 row) over gloo, fp32 and bf16: the CUDA
+    route's gathers (DTensor.full_tensor), run on the CPU, and the CPU route into reused
+    buffers send exactly the bytes the CPU route sent into new tensors."""
+    out = tmp_path / "routes.pt"
+    mp.start_processes(routes_from_rank, args=(2, free_port(), str(out)), nprocs=2,
+                       start_method="spawn")
+    results = torch.load(out, weights_only=False)
+    for dtype in (torch.float32, torch.bfloat16):
+        frames, full = results[str(dtype)]
+        check_frames(frames, full, plan_buckets(Tiny(scalar=False), dtype, 100))

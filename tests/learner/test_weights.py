@@ -16,12 +16,14 @@ from torch import nn
 
 import learner.weights as weights_module
 from generators.weight_receiver import StagedWeights, WeightReceiver
+from learner.weight_buckets import buffer_spec
 from learner.weights import WeightServer
 from transport.messages import (
     ErrorReply,
     EvalOffer,
     EvalRequest,
     Heartbeat,
+    WeightBucket,
     WeightManifest,
     WeightRequest,
 )
@@ -128,6 +130,57 @@ def test_a_subscriber_that_stops_reading_stalls_no_one(learner: LearnerSide, mon
         assert any(lagging)
     finally:
         healthy.stop()
+        stuck.close()
+        big.close()
+
+
+def test_versions_are_gathered_into_host_buffers_made_once(learner: LearnerSide) -> None:
+    """Rank 0 gathers every version into the same host buffer (the CPU's one), made for
+    the first publish; each version still arrives whole."""
+    one = receiver(learner, "g0")
+    try:
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                learner.model[0].weight.add_(1.0)
+            staged = deliver(learner, version, [one])["g0"]
+            for name, tensor in expected(learner).items():
+                assert torch.equal(staged.tensors[name], tensor), (version, name)
+        buffers = learner.stream.host_buffers(buffer_spec(learner.model, learner.plan))
+        assert buffers.made == buffers.spec.count == 1
+        assert buffers.spec.nbytes == max(learner.plan.sizes)
+    finally:
+        one.stop()
+
+
+def test_a_lagging_subscriber_later_reads_the_versions_it_was_sent(monkeypatch) -> None:
+    """A subscriber that stops reading while three versions go by still reads, later, the
+    bytes of each bucket ZeroMQ kept for it: a buffer whose send did not end is replaced,
+    not refilled with the next bucket. (Fails when ``HostBuffers.sent`` reuses it.)"""
+    monkeypatch.setattr(weights_module, "send_wait_s", lambda nbytes: 0.2)
+    big = LearnerSide(nn.Sequential(*(nn.Linear(1024, 512) for _ in range(8))),
+                      bucket_bytes=1 << 20)  # 8 MiB of bf16 weights in 1 MiB buckets
+    stuck = Subscriber(big.stream.endpoint)
+    try:
+        big.greet(lambda: stuck.receive(timeout_s=0.05) is not None)
+        sent: dict[int, dict[str, torch.Tensor]] = {}
+        lagging = []
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for param in big.model.parameters():
+                    param.normal_()
+            sent[version] = expected(big)
+            lagging.append(big.publish(version).lagging)
+        assert any(lagging)  # its queues filled up: ZeroMQ held buckets for it
+        checked = 0
+        while (msg := stuck.receive(timeout_s=2.0)) is not None:
+            if not isinstance(msg, WeightBucket):
+                continue
+            for name, start, piece in zip(msg.names, msg.starts, msg.tensors):
+                rows = sent[msg.version][name][start:start + piece.shape[0]]
+                assert torch.equal(piece, rows), (msg.version, msg.index, name)
+            checked += 1
+        assert checked >= 8  # what its queues held: at least a version's worth
+    finally:
         stuck.close()
         big.close()
 
