@@ -168,7 +168,8 @@ class GeneratorLoop:
         self.seed = seed  # the generator's own; each lease on an idle engine derives one
         self._buffer = Client(buffer_endpoint, keys=keys)
         self._weights = WeightReceiver(weights_endpoint, weights_stream_endpoint,
-                                       generator_id, keys=keys)
+                                       generator_id, keys=keys,
+                                       staging_device=engine.staging_device)
         self._heart = Heartbeater(generator_id, buffer_endpoint, engine, self.counters, keys)
         self.sender = GroupSender(generator_id=generator_id, buffer_endpoint=buffer_endpoint,
                                   scorer=scorer, counters=self.counters,
@@ -331,7 +332,8 @@ class GeneratorLoop:
     def _wait_for_weights(self) -> None:
         """Idle with leases waiting: block briefly for the oldest lease's weights."""
         needed = min(h.lease.min_version for h in self.leases.waiting)
-        self._load(self._weights.wait_for(needed, timeout_s=0.5))
+        with self._weights.handover(at_least=needed, wait_s=0.5) as staged:
+            self._load(staged)
 
     def _collect(self, group: FinishedGroup) -> None:
         """Record a finished engine group; hand its prompt on once the prompt is done."""
@@ -403,7 +405,8 @@ class GeneratorLoop:
 
     def apply_staged_weights(self) -> None:
         """Load a staged version if one is waiting (the safe-point hook)."""
-        self._load(self._weights.take())
+        with self._weights.handover() as staged:
+            self._load(staged)
 
     def _load(self, staged: StagedWeights | None) -> None:
         """Load ``staged`` if it is newer than the engine's weights."""

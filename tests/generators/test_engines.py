@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from generators.engine import Engine, WeightMismatch
+from generators.engine import Engine, WeightMismatch, copy_device
 from generators.hf_engine import HFEngine
 from generators.lean_engine import LeanEngine
 from generators.sampling import SamplingParams
@@ -131,3 +131,13 @@ def test_reseeding_makes_sampling_depend_on_the_seed_alone(kind: str,
     engine.generate(prompts, params)  # the stream moves on ...
     assert sampled(7) == first  # ... and a reseed starts it over
     assert sampled(8) != first
+
+
+@pytest.mark.parametrize("kind", [*OURS, "hf"])
+def test_only_a_cuda_engine_has_its_next_version_assembled_on_its_device(
+        kind: str, random_model_dir: Path) -> None:
+    """On the CPU a version is assembled whole in host memory (staging_device None); an
+    engine on a CUDA device has it assembled there, beside its weights."""
+    assert build(kind, random_model_dir).staging_device is None
+    assert copy_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert copy_device(torch.device("cpu")) is None

@@ -15,6 +15,7 @@ from torch import nn
 from generators.weight_receiver import (
     EvalWeights,
     SUBSCRIBE_SETTLE_S,
+    DeviceCopy,
     IncompleteVersion,
     VersionAssembler,
     WeightReceiver,
@@ -203,5 +204,135 @@ def test_a_beacon_stages_nothing_and_warns_of_nothing(learner: LearnerSide,
             learner.publish_until(1, lambda: weights._have == 1)
         assert weights.take().version == 1
         assert caplog.text == ""
+    finally:
+        weights.stop()
+
+
+# -- a device copy: filled bucket by bucket, handed over atomically -------------------------
+
+CPU = torch.device("cpu")  # a DeviceCopy's device: CUDA in use, the CPU here
+
+
+def expected_weights(scale: float) -> dict[str, torch.Tensor]:
+    return {name: p.detach().to(torch.bfloat16) for name, p in model(scale).named_parameters()}
+
+
+def test_a_device_copy_is_made_once_and_filled_bucket_by_bucket() -> None:
+    """Version after version lands in the same tensors, none of which shares memory with a
+    bucket (the frames are free once their bucket is copied); a different set of shapes
+    makes a new copy."""
+    copy = DeviceCopy(CPU)
+    assembler = VersionAssembler(copy)
+    tensors = None
+    for number, scale in ((1, 1.0), (2, 3.0)):
+        manifest, buckets = version(number, scale)
+        frames = {t.untyped_storage().data_ptr() for b in buckets for t in b.tensors}
+        *partial, staged = [assembler.feed(m) for m in (manifest, *buckets)]
+        assert all(s is None for s in partial) and staged.version == number
+        assert staged.tensors.keys() == expected_weights(scale).keys()
+        for name, tensor in expected_weights(scale).items():
+            assert torch.equal(staged.tensors[name], tensor), (number, name)
+            assert staged.tensors[name].untyped_storage().data_ptr() not in frames, name
+        assert tensors is None or all(staged.tensors[n].data_ptr() == tensors[n]
+                                      for n in tensors)
+        tensors = {n: t.data_ptr() for n, t in staged.tensors.items()}
+    assert copy.made == 1
+    other = nn.Sequential(nn.Linear(4, 3))
+    plan = plan_buckets(other, torch.bfloat16, 256)
+    assembler.feed(plan.manifest(3, step=3))
+    assert copy.made == 2 and copy.tensors["0.weight"].shape == (3, 4)
+
+
+def copy_receiver(learner: LearnerSide) -> WeightReceiver:
+    return WeightReceiver(learner.server.endpoint, learner.stream.endpoint, "g0",
+                          poll_s=0.05, staging_device=CPU).start(applied_version=0)
+
+
+def load(staged, engine: dict[str, torch.Tensor]) -> None:
+    """What an engine's load_weights does with the copy: copy each tensor in."""
+    for name, tensor in staged.tensors.items():
+        engine[name] = tensor.clone()
+
+
+def test_a_handover_is_never_written_into_and_a_newer_version_follows(
+        learner: LearnerSide) -> None:
+    """While the engine loads version 1 from the copy (slowly), version 2 streams in: the
+    copy keeps version 1 until the load ends, then takes version 2 whole. A resent version
+    the receiver has is not assembled again. (Fails without the receiver's copy lock.)"""
+    receiver = copy_receiver(learner)
+    engine: dict[str, torch.Tensor] = {}
+    try:
+        learner.publish_until(1, lambda: receiver._staged_version() == 1)
+        with pytest.raises(TypeError, match="handover"):
+            receiver.take()
+        with receiver.handover(at_least=1) as staged:
+            assert staged is not None and staged.version == 1
+            rescale(learner.model, 2.0)
+            learner.publish(2)  # its buckets wait for the receiving thread
+            time.sleep(0.5)  # the engine takes its time; the thread would write meanwhile
+            load(staged, engine)
+        for name, tensor in expected_weights(1.0).items():
+            assert torch.equal(engine[name], tensor), name
+        with receiver.handover(at_least=2, wait_s=TIMEOUT_S) as staged:
+            assert staged is not None and staged.version == 2
+            load(staged, engine)
+        for name, tensor in expected_weights(2.0).items():
+            assert torch.equal(engine[name], tensor), name
+        learner.publish(2)  # resent: nothing to assemble
+        with receiver.handover(wait_s=0.5) as staged:
+            assert staged is None
+    finally:
+        receiver.stop()
+
+
+def test_a_version_missing_a_bucket_leaves_the_engine_on_the_last_whole_one(
+        learner: LearnerSide) -> None:
+    """Version 2 arrives without one of its buckets: nothing is handed over (the copy's
+    half-written version is never loaded); asked again, version 2 arrives whole."""
+    receiver = copy_receiver(learner)
+    engine: dict[str, torch.Tensor] = {}
+    try:
+        learner.publish_until(1, lambda: receiver._staged_version() == 1)
+        with receiver.handover() as staged:
+            load(staged, engine)
+        rescale(learner.model, 2.0)
+        manifest, buckets = learner.plan.manifest(2, step=2), \
+            list(gather_buckets(learner.model, learner.plan, torch.bfloat16, 2))
+        learner.stream.send_version(manifest, buckets[:1] + buckets[2:])
+        learner.server.published(2, step=2)
+        with receiver.handover(at_least=2, wait_s=1.0) as staged:
+            assert staged is None
+        for name, tensor in expected_weights(1.0).items():
+            assert torch.equal(engine[name], tensor), name
+        learner.publish_until(2, lambda: receiver._staged_version() == 2)  # asked again
+        with receiver.handover(at_least=2) as staged:
+            load(staged, engine)
+        for name, tensor in expected_weights(2.0).items():
+            assert torch.equal(engine[name], tensor), name
+    finally:
+        receiver.stop()
+
+
+def test_the_evaluator_lets_go_of_an_unoffered_version_when_a_newer_one_starts(
+        learner: LearnerSide) -> None:
+    """Version 1 (offered) and version 2 (not) arrive; once version 3 starts, version 2 is
+    no longer held (no offer can name it now) while version 1 waits for its evaluation."""
+    weights = EvalWeights(learner.server.endpoint, learner.stream.endpoint, max_waiting=2,
+                          poll_s=0.05).start(applied_version=0)
+    try:
+        learner.publish_until(1, lambda: weights._have == 1)
+        learner.stream.offer(EvalOffer(step=1, version=1))
+        rescale(learner.model, 2.0)
+        learner.publish_until(2, lambda: weights._have == 2)
+        rescale(learner.model, 3.0)
+        buckets = list(gather_buckets(learner.model, learner.plan, torch.bfloat16, 3))
+        learner.stream.send_version(learner.plan.manifest(3, step=3), buckets[:1])  # begun
+        deadline = time.monotonic() + TIMEOUT_S
+        while weights._newest is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert weights._newest is None
+        assert weights.weights_for(2, 2, timeout_s=0.2) is None
+        kept = weights.weights_for(1, 1, timeout_s=TIMEOUT_S)
+        assert kept is not None and float(kept.tensors["0.bias"][0]) == 2.0
     finally:
         weights.stop()
