@@ -1,7 +1,8 @@
 """Publishing weight versions to K subscribers, beside a raw ZeroMQ copy of the same bytes.
 
     tools/with-venv python tools/bench-publish.py [--ranks 2] [--subscribers 2] \\
-        [--bucket-mb 128] [--repeats 3] [--dtype bfloat16] [--model PATH | --shape NAME]
+        [--bucket-mb 128] [--repeats 3] [--dtype bfloat16] [--model PATH | --shape NAME] \\
+        [--receiver-copy DEVICE]
 
 ``--ranks`` learner ranks (``torchrun``, gloo, CPU) load the model sharded with FSDP2 as the
 learner does (``learner.model.load_sharded``; default model: the cached random Qwen2.5-0.5B
@@ -29,6 +30,14 @@ at most 32 MiB, in its heap) is then already resident before each publish and no
 as extra; the per-rank lines also give the highest peak over the resident memory before
 the warm-up, which counts it (``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment makes
 glibc return it, at the price of first-touching every bucket again).
+
+Each subscriber samples its own resident memory the same way from a version's manifest
+until the version is whole: assembled whole in host memory (``HostVersion``, as the CPU
+engines and the evaluator do), or with ``--receiver-copy DEVICE`` into a second copy of
+the weights on DEVICE (``DeviceCopy``, as a CUDA engine's receiver does; ``meta`` stands
+for a device whose memory is not the host's, so what remains is the receiver's host side).
+Its peak over its resident memory before the first version is the figure to read: the
+frames of a version it dropped stay with glibc as the ranks' buckets do (see above).
 
 Rank 0 also splits its publish time into gather (the time outside ``Publisher.send``:
 gathering buckets from the ranks), send (inside ``Publisher.send``: encoding, queueing and
@@ -78,6 +87,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "frames Relay sends), 'bucket' as one frame of the bucket's size")
     parser.add_argument("--sample-ms", type=float, default=2.0,
                         help="resident memory sampling interval during a publish")
+    parser.add_argument("--receiver-copy", metavar="DEVICE",
+                        help="the subscribers assemble each version into a second copy of the "
+                             "weights on DEVICE (generators.weight_receiver.DeviceCopy, as a "
+                             "CUDA generator does; 'meta' stands for a device whose memory "
+                             "is not the host's) instead of whole in host memory")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds any one wait may take (loading, one round, ...)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # torchrun's entry: a JSON file
@@ -356,6 +370,8 @@ def worker(spec_file: str) -> None:
                     raise RuntimeError(f"version {version}: a subscriber assembled "
                                        f"{bad[0]['bytes']} bytes, expected {plan.total_bytes}")
                 row["publish_s"] = max(r["t"] for r in reports) - started
+                row["receivers"] = {r["index"]: (r["rss_extra"], r["rss_over_start"])
+                                    for r in reports}
                 row["send_s"] = hub.timer.seconds if hub.timer.available else None
                 row["send_calls"] = hub.timer.calls
                 hub.timer.reset()
@@ -434,12 +450,16 @@ def subscriber(spec_file: str, index: int) -> None:
 
     @guarded
     def relay(push: zmq.Socket) -> None:
-        from generators.weight_receiver import VersionAssembler
+        from generators.weight_receiver import DeviceCopy, VersionAssembler
         from transport.messages import WeightBucket, WeightManifest
         from transport.sockets import Subscriber
 
         stream = Subscriber(endpoints["relay"])
-        assembler = VersionAssembler()
+        copy = DeviceCopy(torch.device(args.receiver_copy)) if args.receiver_copy else None
+        assembler = VersionAssembler(copy)
+        resident = Resident()
+        at_start = resident()  # before the first version
+        sampler: PeakSampler | None = None  # from a version's manifest to its last bucket
         heard = False
         try:
             while not stop.is_set():
@@ -451,13 +471,17 @@ def subscriber(spec_file: str, index: int) -> None:
                     heard = True
                 if not isinstance(msg, WeightManifest | WeightBucket):
                     continue  # the handshake's pings
+                if isinstance(msg, WeightManifest):
+                    sampler = PeakSampler(resident, args.sample_ms / 1000).__enter__()
                 staged = assembler.feed(msg)  # IncompleteVersion: reported as an error
                 if staged is None:
                     continue
                 done = time.monotonic()
+                sampler.__exit__()
                 nbytes = sum(t.numel() * t.element_size() for t in staged.tensors.values())
                 push.send_json({"kind": "relay", "index": index, "key": staged.version,
-                                "t": done, "bytes": nbytes})
+                                "t": done, "bytes": nbytes, "rss_extra": sampler.extra,
+                                "rss_over_start": sampler.peak - at_start})
                 del staged
         finally:
             stream.close()
@@ -645,6 +669,14 @@ def report(args: argparse.Namespace, model: Path, ranks: list[dict]) -> None:
         print(f"| {total:,} | {publish_s:.3g} | {publish_gbs:.3g} | {LAYOUTS[layout]} | "
               f"{raw_s:.3g} | {raw_gbs:.3g} | {publish_gbs / raw_gbs:.2f} | {gather} | "
               f"{send} | {'; '.join(memory)} |")
+    where = f"a copy on {args.receiver_copy}" if args.receiver_copy else "host memory, whole"
+    for index in sorted(measured[0]["receivers"], key=int):
+        extras = ", ".join(f"{r['receivers'][index][0] / MiB:.0f}" for r in measured)
+        over_start = max(r["receivers"][index][1] for r in ranks[0]["rounds"])
+        print(f"  subscriber {index} (assembling into {where}): peak resident memory "
+              f"{over_start / MiB:.0f} MiB over its resident memory before the first version "
+              f"(a version: {total / MiB:.0f} MiB); over its resident memory at each "
+              f"repeat's manifest {extras} MiB")
     for rank in ranks:
         rows = [r for r in rank["rounds"] if r["round"] > 0]
         extras = ", ".join(f"{r['extra'] / MiB:.0f}" for r in rows)
