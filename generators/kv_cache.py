@@ -5,9 +5,10 @@ layouts serve them behind one interface:
 
 - ``SlotCache``: (layers, rows, kv_heads, max_len, head_dim). Row r's positions are one
   contiguous run, so decode attention reads the first ``active`` rows as one strided view,
-  with no gather: the fastest read on a CPU (a gather of the blocks costs 5-10% of a CPU
-  decode step). It holds every row at full length, ``rows x max_len`` positions; a row that
-  moves (``move``) copies its positions.
+  with no gather: the fastest read on a CPU (with every sequence admitted alike, the paged
+  pool's gathers cost 8% of the lean engine's tokens/s on a 24M Qwen2 in bf16 and 27% on
+  the tiny default model, batch 64, one thread). It holds every row at full length,
+  ``rows x max_len`` positions; a row that moves (``move``) copies its positions.
 - ``PagedCache``: a pool of ``blocks`` blocks of ``BLOCK_SIZE`` positions per layer and a
   block table per row (vLLM's paged layout). A sequence reserves the blocks of its prompt
   plus its ``max_new_tokens`` when it is admitted and gives them back when it retires, so
