@@ -71,7 +71,7 @@ def workspace_bytes(shape: CacheShape, *, hidden: int, intermediate: int, vocab:
     """An upper bound of the memory a prefill or decode step allocates besides weights and
     cache, with T = prefill_tokens, R = rows, L = max_len, s = dtype's itemsize:
 
-        prefill  T * (3 hidden + (heads + 2 kv_heads) head_dim + heads head_dim + 3 intermediate) * s
+        prefill  T * (3 hidden + (2 heads + 2 kv_heads) head_dim + 3 intermediate) * s
         sampling R * vocab * 4 * SAMPLING_BUFFERS
         decode   R * L * (2 kv_heads head_dim * cache itemsize + 2 heads * 4)
 

@@ -1,10 +1,11 @@
 """A generator step names the device of every tensor it creates and brings each forward's
-drawn tokens to the host once: the lean engine's steps (admission, decode, retirement; slot and paged caches)
-and the torch engine's decode loop, on tiny random Llama and Qwen2 models on the CPU, under
-``tests.device_audit.DeviceAudit`` (a factory without ``device=`` would put an index or a
-mask on the CPU beside CUDA data; a host sync stalls the GPU's queue). Before this was
-fixed, a lean decode step made 7 syncs and the torch engine 2 per token, with four
-device-less factories in ``ModelEngine``'s padding."""
+drawn tokens to the host once: the lean engine's steps (admission, decode, retirement; slot
+and paged caches) and the torch engine's decode loop, on tiny random Llama and Qwen2 models
+on the CPU, under ``tests.device_audit.DeviceAudit`` (a factory without ``device=`` would
+put an index or a mask on the CPU beside CUDA data; a host sync stalls the GPU's queue).
+Before this was fixed, a lean step made 8 to 24 syncs and its admission had two device-less
+factories; the torch engine made 2 syncs a token, with four device-less factories in
+``ModelEngine``'s padding."""
 
 from __future__ import annotations
 
