@@ -31,6 +31,7 @@ from configs.run_schema import RunConfig
 from learner.critic import ValueModel
 from learner.logprob_head import linear_head
 from learner.model import block_classes
+from learner.weight_buckets import DEVICE_AHEAD
 
 GIB = 1 << 30
 FP32 = 4
@@ -46,7 +47,6 @@ UNCHUNKED_BYTES_PER_LOGIT = 32
 # head_logprobs holds about four chunk-sized tensors in its forward, three in its backward
 # (algorithms.logprobs.LOGITS_CHUNK_BYTES)
 HEAD_CHUNKS_IN_FLIGHT = 4
-PUBLISH_BUCKETS_ON_DEVICE = 2  # the bucket copied to the host and the next one gathered
 # An allowance, not a measurement: the CUDA context (~0.5 GiB with torch on an H100) and
 # NCCL's buffers for the learner's communicators; neither is a tensor torch counts.
 CUDA_RUNTIME_BYTES = 3 * GIB // 2
@@ -485,11 +485,11 @@ def logprob_pass_items(size: ModelSize, *, compute_bytes: int, tokens: int) -> l
 
 def publish_item(size: ModelSize, bucket_bytes: int, compute_bytes: int) -> MemoryItem:
     """A publish on CUDA (``learner.weight_buckets``): every rank gathers each parameter whole
-    in the compute dtype, one bucket ahead of the one whose rows go to the host
-    (``learner.bucket_staging``), so the device holds the parameters of two buckets at most:
-    2 x bucket, and the whole parameters cut at their ends (two of the largest). The
-    buckets themselves are pinned host memory."""
-    buckets = PUBLISH_BUCKETS_ON_DEVICE
+    in the compute dtype, ``DEVICE_AHEAD`` bucket ahead of the one whose rows go to the host,
+    so the device holds the parameters of two buckets at most: 2 x bucket, and the whole
+    parameters cut at their ends (two of the largest). The buckets themselves are pinned
+    host memory."""
+    buckets = DEVICE_AHEAD + 1
     largest = 2 * size.largest * compute_bytes
     return MemoryItem(name="publish gathers", bytes=buckets * bucket_bytes + largest,
                       phases=(PUBLISH,), formula=f"{buckets} x {bucket_bytes >> 20} MiB + 2 x "
