@@ -4,7 +4,10 @@ its share of the engine's weights, its KV cache and the workspace of a step.
 Relay's engines size their cache as ``generators.kv_cache`` does at start: the lean engine
 every row at full length when ``gpu_memory_utilization`` of the GPU holds that, else a paged
 pool of what it leaves after the weights and the workspace (``plan_cache``); the torch and
-hf engines grow transformers' cache up to every row at full length. vLLM and SGLang claim
+hf engines grow transformers' cache up to every row at full length. On CUDA each of them
+also assembles the next weight version in a second copy of its weights on the device
+(``generators.weight_receiver.DeviceCopy``), made at the first version, after the cache
+was sized: outside ``gpu_memory_utilization``'s share. vLLM and SGLang claim
 ``gpu_memory_utilization`` of the GPU and give the cache what their weights and their
 profiled activations leave; the lean engine's workspace bound stands in for the latter. The
 caller counts the parameters (``learner.memory_plan.count_parameters``: generators do not
@@ -40,6 +43,7 @@ class EngineMemory(msgspec.Struct, frozen=True, kw_only=True):
     starting (None when nothing does)."""
 
     weights: int
+    next_version: int  # the weights' second copy a version is assembled in (0: on the host)
     kv_cache: int
     workspace: int
     cache_positions: int
@@ -96,5 +100,6 @@ def plan_engine(config: PretrainedConfig, *, engine: str, numel: int, dtype: tor
         problem = (f"the KV cache holds {positions:,} positions, less than one sequence's "
                    f"{max_len:,}: {utilization:.0%} of the GPU (gpu_memory_utilization) "
                    f"leaves {max(budget, 0) / 2**30:.2f} GiB after the weights and workspace")
-    return EngineMemory(weights=weights, kv_cache=cache, workspace=workspace,
-                        cache_positions=positions, wanted_positions=wanted, problem=problem)
+    return EngineMemory(weights=weights, next_version=0 if engine in OWN_POOL_ENGINES else weights,
+                        kv_cache=cache, workspace=workspace, cache_positions=positions,
+                        wanted_positions=wanted, problem=problem)

@@ -41,6 +41,12 @@ def test_the_lean_engine_pages_what_its_share_leaves() -> None:
     assert slots.kv_cache == 16 * 5120 * PER_POSITION
 
 
+def test_relays_engines_assemble_the_next_version_in_a_second_copy_of_the_weights() -> None:
+    for engine in ("lean", "torch", "hf"):
+        assert plan(engine).next_version == plan(engine).weights == NUMEL * 2
+    assert plan("vllm").next_version == plan("sglang").next_version == 0  # host versions
+
+
 def test_vllm_fills_its_share_and_tensor_parallelism_splits_weights_and_heads() -> None:
     alone = plan("vllm")
     assert alone.weights + alone.kv_cache + alone.workspace == 40 * GIB

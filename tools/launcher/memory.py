@@ -115,6 +115,8 @@ def plan_generator(name: str, placement: GeneratorPlacement | EvaluatorPlacement
     items = [MemoryItem(name="CUDA context", bytes=CUDA_CONTEXT_BYTES, formula="an allowance"),
              MemoryItem(name="weights", bytes=memory.weights,
                         formula=f"{numel:,} x {run.model.dtype}{share}"),
+             MemoryItem(name="next version (device copy)", bytes=memory.next_version,
+                        formula="the weights again" if memory.next_version else "on the host"),
              MemoryItem(name="KV cache", bytes=memory.kv_cache,
                         formula=f"{memory.cache_positions:,} positions"),
              MemoryItem(name="step workspace", bytes=memory.workspace, formula="a bound")]
@@ -125,8 +127,10 @@ def plan_generator(name: str, placement: GeneratorPlacement | EvaluatorPlacement
              f"({max_len:,})"]
     return MemoryPlan(process=f"{name} ({engine}{share})", items=items, notes=notes,
                       problems=[memory.problem] if memory.problem else [],
-                      advice="a smaller rollout.max_num_seqs or response length, or (vllm, "
-                             "sglang) tensor_model_parallel_size over more GPUs lowers it")
+                      advice="a smaller gpu_memory_utilization (Relay's engines assemble the "
+                             "next version outside it), rollout.max_num_seqs or response "
+                             "length, or (vllm, sglang) tensor_model_parallel_size over more "
+                             "GPUs lowers it")
 
 
 def local_gpu_memory() -> list[int]:

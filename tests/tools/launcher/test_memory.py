@@ -82,11 +82,22 @@ def test_a_generator_whose_gpu_cannot_hold_one_sequence_is_warned_naming_the_key
         return Topology(learner=LearnerPlacement(device="cpu"), generators=[GeneratorPlacement(
             name="small", device="cuda:1", lean=LeanOptions(gpu_memory_utilization=share))])
 
-    [warning] = warnings(run, on_gpu_1(0.5), [80 * GIB, 24 * GIB])  # 14.2 GiB of weights
-    assert warning.startswith("generator small (lean) may not fit its 24.0 GiB GPU")
+    [warning] = warnings(run, on_gpu_1(0.3), [80 * GIB, 40 * GIB])  # 12 GiB: < the weights
+    assert warning.startswith("generator small (lean) may not fit its 40.0 GiB GPU")
     assert "gpu_memory_utilization" in warning
-    assert warnings(run, on_gpu_1(0.5), [24 * GIB, 80 * GIB]) == []  # GPU 1 is the large one
-    assert warnings(run, on_gpu_1(0.95), [80 * GIB, 24 * GIB]) == []  # its lean section
+    assert warnings(run, on_gpu_1(0.3), [40 * GIB, 80 * GIB]) == []  # GPU 1 is the large one
+    assert warnings(run, on_gpu_1(0.5), [80 * GIB, 40 * GIB]) == []  # its lean section
+
+
+def test_a_lean_generator_whose_share_leaves_no_room_for_its_next_version_is_warned(
+        qwen7b: Path) -> None:
+    run = load_run_config(DEFAULT_RUN, [f"model.path={qwen7b}", "model.dtype=bfloat16",
+                                        "data.max_prompt_length=1024",
+                                        "rollout.response_length=4096"])
+    topology = Topology(learner=LearnerPlacement(device="cpu"), generators=[GeneratorPlacement(
+        name="greedy", device="cuda", lean=LeanOptions(gpu_memory_utilization=0.9))])
+    [warning] = warnings(run, topology, [80 * GIB])  # 90% paged + a second 14.2 GiB
+    assert warning.startswith("generator greedy (lean) may not fit its 80.0 GiB GPU")
 
 
 def test_each_process_is_judged_on_the_smallest_of_its_own_gpus() -> None:
