@@ -137,6 +137,11 @@ def test_a_subscriber_that_stops_reading_stalls_no_one(learner: LearnerSide, mon
 def test_versions_are_gathered_into_host_buffers_made_once(learner: LearnerSide) -> None:
     """Rank 0 gathers every version into the same host buffer (the CPU's one), made for
     the first publish; each version still arrives whole."""
+    spec = buffer_spec(learner.model, learner.plan)
+    buffers = learner.stream.host_buffers(spec)
+    taken: list[int] = []  # the memory each bucket was gathered into
+    take = buffers.take
+    buffers.take = lambda: taken.append((buffer := take()).data_ptr()) or buffer
     one = receiver(learner, "g0")
     try:
         for version in (1, 2, 3):
@@ -145,9 +150,9 @@ def test_versions_are_gathered_into_host_buffers_made_once(learner: LearnerSide)
             staged = deliver(learner, version, [one])["g0"]
             for name, tensor in expected(learner).items():
                 assert torch.equal(staged.tensors[name], tensor), (version, name)
-        buffers = learner.stream.host_buffers(buffer_spec(learner.model, learner.plan))
-        assert buffers.made == buffers.spec.count == 1
-        assert buffers.spec.nbytes == max(learner.plan.sizes)
+        assert learner.stream.host_buffers(spec) is buffers
+        assert buffers.made == spec.count == 1 and spec.nbytes == max(learner.plan.sizes)
+        assert len(taken) >= 3 * len(learner.plan.buckets) and len(set(taken)) == 1
     finally:
         one.stop()
 
