@@ -119,7 +119,8 @@ class HostVersion:
             self._tensors[entry.name][placed.start:placed.start + len(piece)].copy_(piece)
 
     def finish(self) -> dict[str, torch.Tensor]:
-        return self._tensors
+        tensors, self._tensors = self._tensors, {}  # the version's memory goes with it
+        return tensors
 
 
 class DeviceCopy:

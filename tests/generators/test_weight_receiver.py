@@ -3,8 +3,10 @@ the versions offered for evaluation until they are evaluated."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+import weakref
 from collections.abc import Iterator
 
 import msgspec
@@ -59,6 +61,19 @@ def test_a_version_is_staged_after_its_last_bucket_only() -> None:
     assert staged.version == 1
     for name, param in model(1.0).named_parameters():
         assert torch.equal(staged.tensors[name], param.detach().to(torch.bfloat16))
+
+
+def test_a_version_handed_over_is_not_kept_by_the_assembler() -> None:
+    """Once the version is staged, its memory belongs to whoever holds it: the assembler
+    keeps no reference until the next version (a generator would otherwise hold a version
+    in host memory after its engine loaded it)."""
+    manifest, buckets = version(1)
+    assembler = VersionAssembler()
+    *_, staged = [assembler.feed(m) for m in (manifest, *buckets)]
+    held = [weakref.ref(t) for t in staged.tensors.values()]
+    del staged, buckets
+    gc.collect()
+    assert all(ref() is None for ref in held)
 
 
 @pytest.mark.parametrize("fault, message", [
