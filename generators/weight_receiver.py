@@ -27,8 +27,9 @@ Where a version is assembled (the engine says: ``Engine.staging_device``):
   version streams in (vLLM pauses for its NCCL transfer) would stall generation for as long
   as the network takes, and leave half a version in the engine when a bucket is lost (the
   stream is lossy: a lagging subscriber drops messages and asks again). The price is a
-  version's worth of device memory; a copy being filled is abandoned for a newer version,
-  and one being handed over finishes first.
+  version's worth of device memory (without room for it, made at the first version, the
+  receiver warns and goes on in host memory); a copy being filled is abandoned for a newer
+  version, and one being handed over finishes first.
 - Otherwise, whole in host memory (``HostVersion``): on the CPU a second copy would be a
   second host copy that stays, where a whole version is freed once loaded; engines in other
   processes (vLLM, SGLang) load host tensors. The evaluator too: it keeps each offered
@@ -510,6 +511,9 @@ class WeightReceiver:
         except IncompleteVersion as exc:
             logger.warning("discarded a weight version from %s: %s", self.stream_endpoint, exc)
             return
+        except torch.OutOfMemoryError as exc:  # making the device copy, at a manifest
+            self._without_copy(assembler, exc)
+            staged = assembler.feed(msg)
         if staged is None:
             return
         with self._arrived_cv:
@@ -519,6 +523,16 @@ class WeightReceiver:
             logger.info("staged weights version %d (%d tensors, %.1f MB)", staged.version,
                         len(staged.tensors),
                         sum(t.numel() * t.element_size() for t in staged.tensors.values()) / 1e6)
+
+    def _without_copy(self, assembler: VersionAssembler, exc: torch.OutOfMemoryError) -> None:
+        """The device has no room for the copy: assemble whole in host memory from now on."""
+        assert self.copy is not None
+        logger.warning("no room on %s for a second copy of the weights (%s): assembling each "
+                       "version whole in host memory instead; a lower gpu_memory_utilization "
+                       "for the engine leaves room for it", self.copy.device,
+                       str(exc).splitlines()[0])
+        self.copy, self._copy_lock = None, nullcontext()
+        assembler.target = HostVersion()
 
     def _ask_newest(self, client: Client, resend: bool) -> int | None:
         """The newest version the learner has published (None: no answer); with

@@ -351,3 +351,24 @@ def test_the_evaluator_lets_go_of_an_unoffered_version_when_a_newer_one_starts(
         assert kept is not None and float(kept.tensors["0.bias"][0]) == 2.0
     finally:
         weights.stop()
+
+
+def test_without_room_for_the_device_copy_versions_arrive_in_host_memory(
+        learner: LearnerSide, monkeypatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The copy cannot be made (the device is full): the receiver says so and assembles
+    the version whole in host memory instead."""
+    def full(_copy, _manifest):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.20 GiB")
+
+    monkeypatch.setattr(DeviceCopy, "start", full)
+    receiver = copy_receiver(learner)
+    try:
+        with caplog.at_level(logging.WARNING, logger="generators.weight_receiver"):
+            learner.publish_until(1, lambda: receiver._staged_version() == 1)
+        assert "no room on cpu for a second copy of the weights" in caplog.text
+        assert receiver.copy is None
+        staged = receiver.take()  # a host version: the engine may keep it
+        for name, tensor in expected_weights(1.0).items():
+            assert torch.equal(staged.tensors[name], tensor), name
+    finally:
+        receiver.stop()
