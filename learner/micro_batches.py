@@ -79,10 +79,11 @@ def mini_batch_totals(batch: TrainBatch, minis: list[torch.Tensor]) -> list[Mini
 
 
 class _Chunk(msgspec.Struct, frozen=True):
-    """A pass's rows (indices on the batch's device) and its longest row's length."""
+    """A pass's rows (indices on the batch's device) and its longest row's length (None:
+    not read yet)."""
 
     rows: torch.Tensor
-    width: int
+    width: int | None
 
 
 class MicroBatch(msgspec.Struct, frozen=True):
@@ -129,23 +130,23 @@ class MicroBatches:
 
     def passes(self, batch: TrainBatch, mini: torch.Tensor) -> Iterator[MicroBatch]:
         """This rank's micro-batches of the mini-batch ``mini``, as many as every rank's."""
-        device = batch.input_ids.device
         if self.share_prompts:
-            chunks = self._group_chunks(batch, mini)
-            count = self._most(len(chunks), device)
+            chunks, stand_in = self._group_chunks(batch, mini)
+            count = self._most(len(chunks), mini.device)
         else:
-            chunks, count = self._row_chunks(batch, mini)
+            chunks, stand_in, count = self._row_chunks(batch, mini)
+        stand_in = stand_in or _Chunk(rows=mini[:1], width=None)  # width: a host read
         for index in range(count):
-            if index < len(chunks):
-                chunk = chunks[index]
-                yield MicroBatch(rows=chunk.rows, part=batch.select(chunk.rows, chunk.width),
-                                 weight=1.0)
-            else:  # a stand-in pass (module docstring)
-                yield MicroBatch(rows=mini[:1], part=batch.select(mini[:1]), weight=0.0)
+            # past this rank's passes, stand-ins (module docstring) over one row whose
+            # length the cut read
+            chunk, weight = (chunks[index], 1.0) if index < len(chunks) else (stand_in, 0.0)
+            yield MicroBatch(rows=chunk.rows, part=batch.select(chunk.rows, chunk.width),
+                             weight=weight)
 
     def _row_chunks(self, batch: TrainBatch, mini: torch.Tensor
-                    ) -> tuple[list[_Chunk], int]:
-        """This rank's rows of ``mini`` by length in passes, and every rank's pass count."""
+                    ) -> tuple[list[_Chunk], _Chunk | None, int]:
+        """This rank's rows of ``mini`` by length in passes, a row for its stand-in passes
+        (None when it has no rows), and every rank's pass count."""
         mine = mini[self.rank::self.world]
         lengths = batch.attention_mask[mine].sum(-1)
         order = lengths.argsort(stable=True)
@@ -158,13 +159,16 @@ class MicroBatches:
         else:
             spans = _by_token_budget(sorted_lengths, self.max_token_len)
             count = self._most(len(spans), mini.device)
+        stand_in = _Chunk(rows=mine[:1], width=sorted_lengths[0]) if sorted_lengths else None
         return [_Chunk(rows=mine[start:end], width=sorted_lengths[end - 1])
-                for start, end in spans], count
+                for start, end in spans], stand_in, count
 
-    def _group_chunks(self, batch: TrainBatch, mini: torch.Tensor) -> list[_Chunk]:
-        """This rank's rows of ``mini`` in passes of whole prompt groups (``share_prompts``).
-        The rows are sorted by group (stable: a group's rows keep their order), so that a
-        group, and each part of a split group, is a slice of them."""
+    def _group_chunks(self, batch: TrainBatch, mini: torch.Tensor
+                      ) -> tuple[list[_Chunk], _Chunk]:
+        """This rank's rows of ``mini`` in passes of whole prompt groups (``share_prompts``),
+        and a row for its stand-in passes. The rows are sorted by group (stable: a group's
+        rows keep their order), so that a group, and each part of a split group, is a slice
+        of them."""
         ids = batch.group_ids[mini]
         order = ids.argsort(stable=True)
         by_group = mini[order]
@@ -194,7 +198,7 @@ class MicroBatches:
             rows_in += end - start
         if current:
             chunks.append(_packed_chunk(by_group, current, total))
-        return chunks
+        return chunks, _Chunk(rows=by_group[:1], width=total[0])
 
     def _split_group(self, prompt: int, response_lengths: list[int]) -> list[tuple[int, int]]:
         """A group's rows (with these response lengths) in parts that fit one pass (one row

@@ -46,12 +46,12 @@ from .test_update_algorithms import make_learner
 # log-prob passes', the critic's, the PRM's):
 # - a pass: the packing's one read of its rows' lengths (shared prompts, Ulysses) or the
 #   PRM's check that its labels lie in [0, 1]; a row pass makes none;
-# - a walk: the cut's one read of the mini-batch's lengths (and group ids), and the
-#   optimizer step's read of the gradient norm (whether to step) or PRIME's leave-one-out
-#   check of its groups;
+# - a walk: the cut's one read of the mini-batch's lengths (and group ids), at several
+#   ranks their comparison of pass counts, and the optimizer step's read of the gradient
+#   norm (whether to step) or PRIME's leave-one-out check of its groups;
 # - a step: the mini-batches' loss denominators, the diagnostics' one read, the advantages'
 #   group count, the TD-errors, the critic's and the PRM's metrics, KL's and PRIME's means.
-SYNCS_PER_PASS, SYNCS_PER_WALK, SYNCS_PER_STEP = 1, 2, 8
+SYNCS_PER_PASS, SYNCS_PER_WALK, SYNCS_PER_STEP = 1, 3, 8
 FOLDERS = ["learner", "algorithms"]
 
 

@@ -130,3 +130,17 @@ def test_sharing_prompts_under_a_token_budget_counts_packed_tokens() -> None:
     passes = list(micro.passes(whole, mini))
     assert sorted(torch.cat([p.rows for p in passes]).tolist()) == list(range(6))
     assert max(len(p.rows) for p in passes) <= 2
+
+
+def test_a_rank_with_fewer_rows_pads_with_a_zero_weight_pass_of_a_row_of_its_own() -> None:
+    """Rank 1 of 2 holds rows 1 and 3 of a 5-row mini-batch, one a pass, where rank 0 needs
+    three passes: its third pass is a stand-in over its first row (by length), whose width
+    its cut read (no host read of its own)."""
+    micro = MicroBatches(groups_per_mini_batch=5, micro_batch_size=1)
+    micro.rank, micro.world = 1, 2  # as a rank of two would see it (no collective needed)
+    whole = batch()
+    passes = list(micro.passes(whole, torch.arange(5)))
+    assert [p.weight for p in passes] == [1.0, 1.0, 0.0]
+    assert [p.rows.tolist() for p in passes] == [[1], [3], [1]]
+    assert passes[2].part.input_ids.tolist() == whole.select(torch.tensor([1])).input_ids.tolist()
+    assert not passes[2].owned()
