@@ -122,7 +122,7 @@ class LeanDecoder:
     def _plan_cache(self, memory: CacheMemory, free_bytes: int | None) -> CachePlan:
         """Every slot at full length on the CPU, or ``memory.positions`` when given; on a
         GPU, what ``memory.gpu_memory_utilization`` of ``free_bytes`` leaves after the
-        weights and the workspace. A prefill takes at most max(max_num_batched_tokens,
+        weights, the next version's copy of them and the workspace. A prefill takes at most max(max_num_batched_tokens,
         max_len) padded tokens on every device."""
         shape = self.cache_shape()
         prefill_tokens = max(memory.max_num_batched_tokens, self.max_len)
@@ -133,12 +133,22 @@ class LeanDecoder:
                                         vocab=self.config.vocab_size,
                                         prefill_tokens=prefill_tokens, dtype=self.dtype,
                                         cache_dtype=self.cache_dtype)
+            # the weight receiver assembles the next version in a second copy of the
+            # checkpoint's weights on this device (generators.weight_receiver.DeviceCopy)
+            next_version = self.checkpoint_bytes()
             budget = budget_from_free_memory(free_bytes, memory.gpu_memory_utilization,
-                                             self.weights_bytes(), workspace)
+                                             self.weights_bytes() + next_version, workspace)
         else:
             budget = None
         return plan_cache(shape, cache_dtype=self.cache_dtype, budget_bytes=budget,
                           prefill_tokens=prefill_tokens)
+
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the checkpoint's weights alone (what a version streams), without the
+        prepacked copies and rotary tables this decoder derives from them."""
+        bases = {id(t._base if t._base is not None else t): t._base if t._base is not None
+                 else t for t in self._views.values()}
+        return sum(t.numel() * t.element_size() for t in bases.values())
 
     def weights_bytes(self) -> int:
         """Bytes of every weight, prepacked copy and rotary table this decoder holds."""
