@@ -127,7 +127,7 @@ def build_learner(ctx: RunContext, device: torch.device,
                    temperature=run.rollout.temperature, horizon=run.rollout.response_length,
                    num_prompts=run.data.train_batch_size,
                    critic_warmup=run.trainer.critic_warmup, reference=reference, critic=critic,
-                   prm=prm, parallelism=parallelism)
+                   prm=prm, parallelism=parallelism, device=device)
 
 
 def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase,
@@ -151,6 +151,15 @@ def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase,
                     reporter=reporter, tokenizer=tokenizer)
 
 
+def init_learner_group(device: torch.device, timeout: timedelta) -> None:
+    """The learner's default process group: on a GPU, gloo for CPU tensors' collectives and
+    NCCL for CUDA tensors', bound to ``device`` (as verl does); on the CPU, gloo."""
+    if device.type == "cuda":
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="torchrun ... -m learner.main")
     parser.add_argument("--run-dir", required=True, help="run directory written by the launcher")
@@ -162,11 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if placement.threads:
         torch.set_num_threads(placement.threads)
     device = learner_device(placement.device, int(os.environ.get("LOCAL_RANK", 0)))
-    if device.type == "cuda":  # CPU tensors' collectives on gloo, CUDA tensors' on NCCL
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device,
-                                timeout=timedelta(minutes=30))
-    else:
-        dist.init_process_group("gloo", timeout=timedelta(minutes=30))
+    init_learner_group(device, timeout=timedelta(minutes=30))
     cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
     rank = dist.get_rank()
     check_shared_checkpoints(ctx.checkpoint_dir, ctx.resume_from, hosts=len(placement.hosts),

@@ -258,13 +258,13 @@ def test_vllm_swaps_a_version_mid_run_on_its_cpu_build(tmp_path: Path) -> None:
 
     import torch.distributed as dist
 
-    from gpucheck.build import check_learner, cpu_copy, host_batch, init_learner_group, \
+    from gpucheck.build import check_learner, cpu_copy, host_batch, init_one_rank_group, \
         save_random_qwen2, synthetic_groups
     from gpucheck.weights_check import LOGPROB_TOL, LR, swap_in_flight
 
     cpu = torch.device("cpu")
     model = save_random_qwen2(tmp_path / "model")  # head_dim 32, as vLLM's CPU build needs
-    init_learner_group(cpu)
+    init_one_rank_group(cpu)
     try:
         learner = check_learner(model, cpu, "float32", ["actor.use_kl_loss=true"], lr=LR)
         learner.step(host_batch(synthetic_groups(learner.model.config.vocab_size), cpu))

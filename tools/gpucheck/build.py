@@ -25,7 +25,7 @@ from configs.topology_schema import GeneratorPlacement, Topology
 from generators.build import build_engine
 from generators.engine import Engine
 from learner.batch import TrainBatch, collate
-from learner.main import build_learner
+from learner.main import build_learner, init_learner_group
 from learner.tiny_model.tokenizer import build_tokenizer
 from learner.ulysses import Parallelism, SequenceParallel, learner_parallelism
 from learner.update import Learner
@@ -88,17 +88,12 @@ def host_batch(groups: list[RolloutGroup], device: torch.device) -> TrainBatch:
     return collate(groups, pad_id=0, pin_memory=device.type == "cuda")
 
 
-def init_learner_group(device: torch.device) -> None:
-    """A one-rank process group as ``learner.main`` makes it (on a GPU: gloo for CPU tensors,
-    NCCL for CUDA ones, bound to the device; on the CPU: gloo), over a free port on
-    loopback (a new one each time: a process may make it again)."""
+def init_one_rank_group(device: torch.device) -> None:
+    """A one-rank process group as ``learner.main`` makes it (``init_learner_group``), over
+    a free port on loopback (a new one each time: a process may make it again)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
-    if device.type == "cuda":
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device,
-                                timeout=timedelta(minutes=5))
-    else:
-        dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    init_learner_group(device, timeout=timedelta(minutes=5))
 
 
 def _free_port() -> int:

@@ -82,12 +82,12 @@ def learner_worker(model_dir: Path, device_setting: str, dtypes: list[str]) -> d
     outcome is ``{"error": traceback}`` when its step failed."""
     from learner.model import learner_device
 
-    from gpucheck.build import init_learner_group
+    from gpucheck.build import init_one_rank_group
 
     device = learner_device(device_setting, 0)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    init_learner_group(device)
+    init_one_rank_group(device)
     outcomes = {}
     for scenario in SCENARIOS:
         for dtype in dtypes:

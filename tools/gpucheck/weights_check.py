@@ -77,10 +77,10 @@ def vllm_worker(model_dir: Path, device_setting: str, dtypes: list[str]) -> dict
 def _worker(model_dir: Path, device_setting: str, dtypes: list[str], engine: str) -> dict:
     from learner.model import learner_device
 
-    from gpucheck.build import init_learner_group
+    from gpucheck.build import init_one_rank_group
 
     device = learner_device(device_setting, 0)
-    init_learner_group(device)
+    init_one_rank_group(device)
     results: list[CheckResult] = []
     for dtype in dtypes:
         began = time.monotonic()
