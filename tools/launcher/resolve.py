@@ -104,6 +104,7 @@ def load_checked(topology_file: str, run_file: str, topology_overrides: Sequence
     check_validation_data(run, run_file)
     check_gpu_placement(topology_claims(topology, run.evaluates), topology_file)
     check_sequence_parallel(topology, run, run_file)
+    check_fsdp_sizes(topology, run, run_file)
     check_local_engines(topology, run, topology_file, placement)
     return topology, run, notes
 
@@ -170,6 +171,23 @@ def check_sequence_parallel(topology: Topology, run: RunConfig, source: str) -> 
                 path, trust_remote_code=run.model.trust_remote_code), size)
         except ValueError as exc:
             raise ConfigError(source, KEY, f"{exc} ({path})") from None
+
+
+def check_fsdp_sizes(topology: Topology, run: RunConfig, source: str) -> None:
+    """verl's ``fsdp_size`` of the policy, the reference (when set apart from the policy's)
+    and the critic (with ``gae``) is -1 or divides the learner's ranks
+    (``learner.model.sharding_mesh``, which the learner applies): refused here, before
+    anything starts, rather than by every rank after the launch."""
+    ranks = len(topology.learner.hosts) * topology.learner.nproc_per_node
+    sizes = {"actor.fsdp_config.fsdp_size": run.actor.fsdp_config.fsdp_size,
+             "ref.fsdp_config.fsdp_size": run.ref.fsdp_config.fsdp_size}
+    if run.algorithm.adv_estimator == "gae":
+        sizes["critic.model.fsdp_config.fsdp_size"] = run.critic.model.fsdp_config.fsdp_size
+    for key, size in sizes.items():
+        if size is not None and size not in (-1, ranks) and ranks % size:
+            raise ConfigError(source, key, f"{size} must be -1 (shard over every rank) or "
+                                           f"divide the learner's {ranks} ranks (topology "
+                                           "learner: len(hosts) x nproc_per_node)")
 
 
 def check_local_engines(topology: Topology, run: RunConfig, source: str,

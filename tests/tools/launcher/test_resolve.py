@@ -45,6 +45,21 @@ def test_a_sequence_parallel_size_that_does_not_divide_the_ranks_is_refused(
     assert "does not divide the learner's 3 ranks" in str(error.value)
 
 
+@pytest.mark.parametrize("key", ["actor.fsdp_config.fsdp_size", "ref.fsdp_config.fsdp_size"])
+def test_an_fsdp_size_that_does_not_divide_the_ranks_is_refused_at_launch(
+        tmp_path: Path, key: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
+                       topology_overrides=["learner.nproc_per_node=4"],
+                       run_overrides=[f"{key}=3", f"trainer.run_dir={tmp_path}"])
+    assert error.value.key == key
+    assert "3 must be -1 (shard over every rank) or divide the learner's 4 ranks" \
+        in str(error.value)
+    resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),  # 2 x 2 is HSDP
+                   topology_overrides=["learner.nproc_per_node=4"],
+                   run_overrides=[f"{key}=2", f"trainer.run_dir={tmp_path}"])
+
+
 def test_a_sequence_parallel_size_the_heads_do_not_fit_is_refused(
         tmp_path: Path, random_model_dir: Path) -> None:  # 4 attention heads
     with pytest.raises(ConfigError) as error:
