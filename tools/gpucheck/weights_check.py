@@ -110,8 +110,11 @@ def _version_to_engine(model_dir: Path, device: torch.device, dtype: str,
 
 def _publish(learner, dtype: torch.dtype, name: str
              ) -> tuple[CheckResult, dict[str, torch.Tensor] | None]:
-    """Publish the learner's policy as version 1 to a receiver in this process; the record
-    and the tensors received."""
+    """Publish the learner's policy as version 1 to a receiver in this process, which
+    assembles it as a generator of an engine on the learner's device would (on a GPU in a
+    device copy: ``generators.weight_receiver.DeviceCopy``); the record and (a copy of) the
+    tensors received."""
+    from generators.engine import copy_device
     from generators.weight_receiver import WeightReceiver
     from learner.weight_buckets import plan_buckets
     from learner.weights import WeightServer, WeightStream, publish_weights
@@ -121,8 +124,9 @@ def _publish(learner, dtype: torch.dtype, name: str
     plan = plan_buckets(learner.model, dtype, BUCKET_BYTES)
     server = WeightServer("tcp://127.0.0.1:*").start()
     stream = WeightStream("tcp://127.0.0.1:*")
-    receiver = WeightReceiver(server.endpoint, stream.endpoint, "gpu-check",
-                              poll_s=0.05).start(applied_version=0)
+    staging = copy_device(learner.device)
+    receiver = WeightReceiver(server.endpoint, stream.endpoint, "gpu-check", poll_s=0.05,
+                              staging_device=staging).start(applied_version=0)
     try:
         deadline = time.monotonic() + ARRIVAL_TIMEOUT_S
         while not receiver.wait_subscribed(timeout_s=0.05):
@@ -135,7 +139,9 @@ def _publish(learner, dtype: torch.dtype, name: str
             stats.append(publish_weights(learner.model, plan, dtype, version=1, step=1,
                                          stream=stream))
             server.published(1, 1)
-            staged = receiver.wait_for(1, timeout_s=5.0)
+            with receiver.handover(at_least=1, wait_s=5.0) as version:
+                if version is not None:  # the device copy is refilled once this block ends
+                    staged = {n: t.clone() for n, t in version.tensors.items()}
     finally:
         receiver.stop()
         stream.close()
@@ -145,14 +151,15 @@ def _publish(learner, dtype: torch.dtype, name: str
                                          "publishes"), None
     expected = {n: cpu_copy(p, dtype) for n, p in learner.model.named_parameters()}
     different = sorted(n for n, t in expected.items()
-                       if n not in staged.tensors or not torch.equal(staged.tensors[n].cpu(), t))
+                       if n not in staged or not torch.equal(staged[n].cpu(), t))
     first = stats[0]
     numbers = {"bytes": first.total_bytes, "seconds": round(first.seconds, 4),
                "gb_per_s": first.total_bytes / max(first.seconds, 1e-9) / 1e9,
                "publishes": len(stats), "buckets": len(plan.buckets)}
     error = f"{len(different)} tensors differ, e.g. {different[:3]}" if different else None
-    return CheckResult(name=name, passed=not different, numbers=numbers,
-                       error=error), staged.tensors
+    assembled = f"assembled in a device copy on {staging}" if staging else "assembled on the host"
+    return CheckResult(name=name, passed=not different, numbers=numbers, error=error,
+                       notes=[assembled]), staged
 
 
 def swap_in_flight(engine_name: str, learner, tensors: dict[str, torch.Tensor],
