@@ -105,9 +105,8 @@ class LeanOptions(_Section):
     """Engine options of a generator whose engine is ``lean`` (``generators.lean_engine``),
     under verl's names: on a GPU its KV cache takes what ``gpu_memory_utilization`` of the
     memory free at start leaves after the weights, the next version's copy of them and a
-    step's workspace (every sequence at
-    full length when that fits, else a paged pool: ``generators.kv_cache``); on the CPU every
-    sequence at full length. A prefill takes at most max(``max_num_batched_tokens``, the
+    step's workspace (every sequence at full length when that fits, else a paged pool:
+    ``generators.kv_cache``); on the CPU every sequence at full length. A prefill takes at most max(``max_num_batched_tokens``, the
     context length) padded prompt tokens on every device.
     """
 
