@@ -15,6 +15,8 @@ Mismatch"):
 
     rollout_is = token       w_t = min(r_t, C)                          (truncated IS, TIS)
     rollout_is = sequence    w_t = min(exp(clamp(sum_s log r'_s, -20, 20)), C)  for all t
+    rollout_is = token_mask  w_t = r_t [r_t <= C],  m_t = [r_t <= C]     (AReaL's decoupled
+                             PPO: unclipped below the cap, the token masked above it)
     rollout_rs = token       m_t = [lo <= r_t <= hi]                    (MIS / IcePop)
     rollout_rs = sequence    m_t = [lo <= exp(clamp(sum_s log r_s)) <= hi]      for all t
     rollout_rs = geometric   m_t = [lo <= exp(clamp(mean_s log r_s)) <= hi]     for all t
@@ -22,14 +24,21 @@ Mismatch"):
                              mean (log r)^2 over the kept tokens is <= tau (Zheng et al.,
                              2025, "Prosperity before Collapse", M2PO)
 
-with C = ``rollout_is_threshold``, [lo, hi] = [``rollout_rs_threshold_lower``,
-``rollout_rs_threshold``] (lo defaults to 1 / hi, as verl), and sums / means over the
-sequence's response tokens. log r' is the log ratio before the per-token clamp: sequence IS
-sums first and clamps the sum, as verl does (two opposite extreme tokens cancel); rejection
-reads the clamped per-token values, as verl's rejection does. The final
-mask is the response mask times every enabled rejection mask; each rejection test reads the
-log ratios of the whole response, independently of the others. Off the response the log
-ratio is 0 and the weight 1 (the mask is 0 there). All arithmetic is fp32.
+with C = ``rollout_is_threshold`` (default 2, verl's; 5 for ``token_mask``, AReaL's
+``behav_imp_weight_cap``), [lo, hi] = [``rollout_rs_threshold_lower``,
+``rollout_rs_threshold``] (lo absent: 1 / hi, as verl; lo = 0: no lower bound), and sums /
+means over the sequence's response tokens. log r' is the log ratio before the per-token
+clamp: sequence IS sums first and clamps the sum, as verl does (two opposite extreme tokens
+cancel); rejection reads the clamped per-token values, as verl's rejection does. The final
+mask is the response mask times every enabled mask (``token_mask``'s included); each test
+reads the log ratios of the whole response, independently of the others. Off the response
+the log ratio is 0 and the weight 1 (the mask is 0 there). All arithmetic is fp32.
+
+``token_mask`` is AReaL's ``ppo_actor_loss_fn`` with ``behav_imp_weight_cap`` (its
+``rejection_sampling`` with level token, action mask, metric ratio, upper C and no lower
+bound): no truncation, so the weights stay unbiased where they are kept, and a token whose
+proximal policy moved past C times its behavior probability is dropped instead of
+counted at C.
 
 ``a3po_proximal_logprobs`` approximates pi_prox without a forward pass (A-3PO; AReaL's
 ``prox_logp_method = "loglinear"``) by interpolating, per token, between pi_b and the
@@ -46,8 +55,10 @@ import torch
 
 LOG_RATIO_CLAMP = 20.0
 
-RolloutIS = Literal["none", "token", "sequence"]
+RolloutIS = Literal["none", "token", "sequence", "token_mask"]
 RolloutRS = Literal["none", "token", "sequence", "geometric"]
+VERL_IS_CAP = 2.0  # verl's rollout_is_threshold
+AREAL_IS_CAP = 5.0  # AReaL's behav_imp_weight_cap, the cap of its token mask
 
 
 class RolloutCorrectionConfig(msgspec.Struct, kw_only=True, frozen=True,
@@ -55,41 +66,54 @@ class RolloutCorrectionConfig(msgspec.Struct, kw_only=True, frozen=True,
     """verl's ``algorithm.rollout_correction``: which corrections to apply (formulas: the
     module docstring).
 
-    ``rollout_is``: importance-weight level (``none``: w = 1); ``rollout_is_threshold``: its
-    truncation cap C. ``rollout_rs``: rejection level (``none``: no rejection), accepting
-    ratios in [``rollout_rs_threshold_lower``, ``rollout_rs_threshold``]; the lower bound 0
-    (the default) means 1 / ``rollout_rs_threshold``, verl's default (a number, not an
-    absent key, because TOML has no null). ``m2po`` (*Relay*): M2PO second-moment masking
-    with bound ``m2po_tau``. ``configs.checks`` refuses a lower bound above the upper one.
+    ``rollout_is``: importance-weight level (``none``: w = 1; ``token_mask``: AReaL's
+    decoupled PPO, the weight unclipped up to the cap and the token masked past it);
+    ``rollout_is_threshold``: its cap C (absent: ``is_cap``, 2 as verl, or 5 for
+    ``token_mask`` as AReaL). ``rollout_rs``: rejection level (``none``: no rejection),
+    accepting ratios in [``rollout_rs_threshold_lower``, ``rollout_rs_threshold``]; an absent
+    lower bound means 1 / ``rollout_rs_threshold`` (verl's default), 0 means none.
+    ``m2po`` (*Relay*): M2PO second-moment masking with bound ``m2po_tau``.
+    ``configs.checks`` refuses a lower bound above the upper one.
     """
 
     rollout_is: RolloutIS = "token"
-    rollout_is_threshold: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    rollout_is_threshold: Annotated[float, msgspec.Meta(gt=0)] | None = None
     rollout_rs: RolloutRS = "none"
     rollout_rs_threshold: Annotated[float, msgspec.Meta(gt=0)] = 2.0
-    rollout_rs_threshold_lower: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    rollout_rs_threshold_lower: Annotated[float, msgspec.Meta(ge=0)] | None = None
     m2po: bool = False
     m2po_tau: Annotated[float, msgspec.Meta(gt=0)] = 0.04
 
     @property
     def rejects(self) -> bool:
-        """Whether any rejection mask (``rollout_rs`` or M2PO) is on."""
+        """Whether a rejection that enters the advantages (``rollout_rs`` or M2PO) is on.
+        ``token_mask`` alone does not count: AReaL masks in the loss only, so its mask
+        needs no proximal log-probs before the advantages."""
         return self.rollout_rs != "none" or self.m2po
 
     @property
+    def is_cap(self) -> float:
+        """C: ``rollout_is_threshold``, or absent, 5 for ``token_mask`` (AReaL), else 2
+        (verl)."""
+        if self.rollout_is_threshold is not None:
+            return self.rollout_is_threshold
+        return AREAL_IS_CAP if self.rollout_is == "token_mask" else VERL_IS_CAP
+
+    @property
     def rs_bounds(self) -> tuple[float, float]:
-        """The accepted ratio interval [lower, upper] of ``rollout_rs``."""
-        upper = self.rollout_rs_threshold
-        return (self.rollout_rs_threshold_lower or 1.0 / upper), upper
+        """The accepted ratio interval [lower, upper] of ``rollout_rs``: an absent lower
+        bound is 1 / upper (verl), 0 accepts every ratio up to the upper bound."""
+        upper, lower = self.rollout_rs_threshold, self.rollout_rs_threshold_lower
+        return (1.0 / upper if lower is None else lower), upper
 
 
 @dataclass(frozen=True)
 class Correction:
     """Detached per-token results, all (B, T) fp32.
 
-    ``weight``: importance weight (1 where IS is off and off the response); ``mask``: the
-    response mask times every rejection mask; ``log_ratio``: clamped log pi_prox - log pi_b
-    (0 off the response).
+    ``weight``: importance weight (1 where IS is off and off the response, 0 where
+    ``token_mask`` masks); ``mask``: the response mask times every rejection mask;
+    ``log_ratio``: clamped log pi_prox - log pi_b (0 off the response).
     """
 
     weight: torch.Tensor
@@ -137,6 +161,8 @@ def off_policy_correction(
     log_ratio = raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     weight = _importance_weight(raw, response, config)
     mask = response * _rejection_mask(log_ratio, response, config)
+    if config.rollout_is == "token_mask":
+        mask = mask * (log_ratio.exp() <= config.is_cap).float()
     if config.m2po:
         mask = mask * m2po_mask(log_ratio, response, config.m2po_tau)
     return Correction(weight=weight, mask=mask, log_ratio=log_ratio)
@@ -216,15 +242,21 @@ def _sequence_log_ratio(log_ratio: torch.Tensor, response: torch.Tensor,
 
 def _importance_weight(raw_log_ratio: torch.Tensor, response: torch.Tensor,
                        config: RolloutCorrectionConfig) -> torch.Tensor:
-    """Truncated IS weight (B, T): min(r, C) per token or per sequence; 1 off the response.
-    ``raw_log_ratio`` is unclamped: a sequence's sum is clamped once, after summing."""
+    """IS weight (B, T): min(r, C) per token or per sequence, or for ``token_mask``
+    r [r <= C] per token (0 past the cap: ``off_policy_correction`` masks those tokens); 1 off
+    the response. ``raw_log_ratio`` is unclamped: a sequence's sum is clamped once, after
+    summing."""
     if config.rollout_is == "none":
         return torch.ones_like(raw_log_ratio)
     if config.rollout_is == "sequence":
         log_ratio = _sequence_log_ratio(raw_log_ratio, response, geometric=False)
     else:
         log_ratio = raw_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    weight = log_ratio.exp().clamp(max=config.rollout_is_threshold)
+    ratio = log_ratio.exp()
+    if config.rollout_is == "token_mask":
+        weight = torch.where(ratio <= config.is_cap, ratio, torch.zeros_like(ratio))
+    else:
+        weight = ratio.clamp(max=config.is_cap)
     return torch.where(response > 0, weight, torch.ones_like(weight))
 
 

@@ -147,6 +147,8 @@ CORRECTIONS = {"token is": RolloutCorrectionConfig(),
                "sequence rejection": RolloutCorrectionConfig(rollout_is="sequence",
                                                              rollout_rs="sequence"),
                "token rejection": RolloutCorrectionConfig(rollout_rs="token"),
+               "token mask": RolloutCorrectionConfig(rollout_is="token_mask",
+                                                     rollout_is_threshold=1.1),
                "m2po": RolloutCorrectionConfig(m2po=True, m2po_tau=0.05)}
 
 

@@ -94,6 +94,50 @@ def test_lower_rejection_bound_defaults_to_one_over_the_upper() -> None:
     torch.testing.assert_close(out.mask, torch.tensor([[1.0, 0.0, 1.0]]))
 
 
+def test_a_lower_rejection_bound_of_zero_means_none() -> None:
+    # 0 is a bound (verl: ``lower if lower is not None else 1 / upper``), not "absent": every
+    # ratio up to the upper bound is kept, 0.01 included; 5 > 4 is still rejected.
+    prox, behav, mask = logprobs([[0.4, 0.01, 3.0, 5.0]])
+    config = RolloutCorrectionConfig(**NO_IS, rollout_rs="token", rollout_rs_threshold=4.0,
+                                     rollout_rs_threshold_lower=0.0)
+    assert config.rs_bounds == (0.0, 4.0)
+    out = off_policy_correction(prox, behav, mask, config)
+    torch.testing.assert_close(out.mask, torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
+
+
+def test_token_mask_keeps_the_unclipped_weight_below_the_cap_and_masks_above_it() -> None:
+    # AReaL's decoupled PPO (behav_imp_weight_cap = 5): r = 4.9 kept at 4.9 (token IS would
+    # give min(4.9, 2) = 2), r = 5 kept (<= cap), r = 5.1 masked with weight 0, r = 0.01
+    # kept at 0.01 (no lower bound); off the response: weight 1, mask 0.
+    prox, behav, mask = logprobs([[4.9, 5.0, 5.1, 0.01, None]])
+    config = RolloutCorrectionConfig(rollout_is="token_mask")
+    assert config.is_cap == 5.0
+    out = off_policy_correction(prox, behav, mask, config)
+    torch.testing.assert_close(out.weight, torch.tensor([[4.9, 5.0, 0.0, 0.01, 1.0]]))
+    torch.testing.assert_close(out.mask, torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0]]))
+    metrics = out.metrics(mask)
+    assert metrics["masked_fraction"] == pytest.approx(1 / 4)
+    assert metrics["is_weight_max"] == pytest.approx(5.0)
+
+
+def test_token_mask_takes_an_explicit_cap_and_combines_with_rejection() -> None:
+    # cap 2: 3 masked, 1.5 kept at 1.5; rollout_rs = token in [0.5, 4] rejects 0.25 too
+    prox, behav, mask = logprobs([[3.0, 1.5, 0.25, 1.0]])
+    config = RolloutCorrectionConfig(rollout_is="token_mask", rollout_is_threshold=2.0,
+                                     rollout_rs="token", rollout_rs_threshold=4.0,
+                                     rollout_rs_threshold_lower=0.5)
+    out = off_policy_correction(prox, behav, mask, config)
+    torch.testing.assert_close(out.weight, torch.tensor([[0.0, 1.5, 0.25, 1.0]]))
+    torch.testing.assert_close(out.mask, torch.tensor([[0.0, 1.0, 0.0, 1.0]]))
+
+
+def test_the_default_cap_is_verls_for_truncation_and_areals_for_the_token_mask() -> None:
+    assert RolloutCorrectionConfig().is_cap == 2.0
+    assert RolloutCorrectionConfig(rollout_is="sequence").is_cap == 2.0
+    assert RolloutCorrectionConfig(rollout_is="token_mask").is_cap == 5.0
+    assert RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=3.0).is_cap == 3.0
+
+
 def test_sequence_rejection_masks_whole_sequences_by_the_product() -> None:
     prox, behav, mask = logprobs([[1.5, 1.5, None], [1.5, 0.8, None], [0.5, 0.5, 1.0]])
     params = RolloutCorrectionConfig(**NO_IS, rollout_rs="sequence", rollout_rs_threshold=2.0,
