@@ -16,7 +16,9 @@ Put ``control/`` at the topology's ``keys_dir`` on the control hosts and ``gener
 the same path on every other host; a run on one machine uses ``KEYS_DIR/control``. The
 buffer tells roles apart by key (``transport.roles``): the generator key may lease and send
 rollouts but never act as the learner, and no generator host holds the server's or the
-learner's secret key. Keep every ``*.key_secret`` file private.
+learner's secret key. Every folder is made 0700 and every file 0600 (an existing folder is
+tightened to 0700); a ``*.key_secret`` file that its group or others may read is refused
+when a process loads it (``transport.security``), so keep them so when you copy them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from transport.security import create_keypair
+from transport.security import create_keypair, private_dir
 
 CONTROL, GENERATOR = "control", "generator"
 
@@ -38,8 +40,7 @@ def make_keys(keys_dir: Path) -> None:
     create_keypair(control, "client")  # the learner's
     create_keypair(generator, "client")
     shutil.copy(control / "server.key", generator / "server.key")
-    authorized = control / "authorized"
-    authorized.mkdir(exist_ok=True)
+    authorized = private_dir(control / "authorized")
     shutil.copy(control / "client.key", authorized / "learner.key")
     shutil.copy(generator / "client.key", authorized / "generator.key")
 

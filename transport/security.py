@@ -13,12 +13,16 @@ hands that name, the ZAP User-Id, to the server with each message (``Peer.key`` 
 (``transport.roles``). This module does not know which process holds which key (the
 topology config and ``tools/make-curve-keys.py`` do) nor anything about messages. Key
 files: ``<name>.key`` (public, safe to copy to peers) and ``<name>.key_secret`` (secret,
-stays on its host).
+stays on its host). Keys are written private (files 0600 in 0700 folders) and a secret
+file that group or others may access is refused, as ssh refuses such a private key.
 """
 
 from __future__ import annotations
 
 import os
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +48,7 @@ class InsecureBindError(ValueError):
 
 
 class KeyFileError(ValueError):
-    """A key file is missing or holds no usable key."""
+    """A key file is missing, holds no usable key, or is a secret others may read."""
 
 
 @dataclass(frozen=True)
@@ -74,15 +78,52 @@ class ClientKeys:
 Keys = ServerKeys | ClientKeys
 
 
+PRIVATE_DIR_MODE = 0o700
+OTHERS_BITS = stat.S_IRWXG | stat.S_IRWXO  # any access by the group or by others
+
+
 def create_keypair(directory: str | os.PathLike[str], name: str) -> KeyPair:
-    """Write ``<name>.key`` and ``<name>.key_secret`` under ``directory`` and return the pair."""
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    _public_file, secret_file = zmq.auth.create_certificates(directory, name)
+    """Write ``<name>.key`` and ``<name>.key_secret`` under ``directory`` and return the pair.
+
+    Both files are made 0600 under umask 077, in ``directory`` made private first
+    (``private_dir``). Files of that name already there are removed first: rewriting one in
+    place would keep its old mode, and any reader holding it open would read the new key.
+    The umask is the process's, so another thread making files meanwhile makes them 0600
+    too (tighter, never looser).
+    """
+    folder = private_dir(directory)
+    with _private_umask():
+        for stale in (folder / f"{name}.key", folder / f"{name}.key_secret"):
+            stale.unlink(missing_ok=True)
+        _public_file, secret_file = zmq.auth.create_certificates(folder, name)
     return load_keypair(secret_file)
 
 
+def private_dir(directory: str | os.PathLike[str]) -> Path:
+    """``directory``, made with its missing parents as 0700 (umask 077), or tightened to 0700
+    when it exists and the group or others may access it: a folder of secret keys is private
+    whoever made it (this is what makes a keys folder made before these checks safe)."""
+    folder = Path(directory)
+    with _private_umask():
+        folder.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    if folder.stat().st_mode & OTHERS_BITS:
+        folder.chmod(PRIVATE_DIR_MODE)
+    return folder
+
+
+@contextmanager
+def _private_umask() -> Iterator[None]:
+    previous = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
 def load_keypair(secret_file: str | os.PathLike[str]) -> KeyPair:
-    """Read a key pair from a ``.key_secret`` file written by ``create_keypair``."""
+    """Read a key pair from a ``.key_secret`` file written by ``create_keypair``; a file
+    that the group or others may read or write is refused (``check_private``)."""
+    check_private(secret_file)
     public, secret = _load(secret_file)
     if secret is None:
         raise KeyFileError(
@@ -95,6 +136,24 @@ def load_public_key(key_file: str | os.PathLike[str]) -> bytes:
     """Read the public key from a ``.key`` (or ``.key_secret``) file."""
     public, _secret = _load(key_file)
     return public
+
+
+def check_private(secret_file: str | os.PathLike[str]) -> None:
+    """Raise ``KeyFileError`` naming the fix when ``secret_file`` exists and its mode gives
+    the group or others any access (as ssh does for a private key; a missing file is left
+    to the loader, which names it)."""
+    try:
+        mode = os.stat(secret_file).st_mode
+    except FileNotFoundError:
+        return
+    if mode & OTHERS_BITS:
+        who = " and ".join(w for w, bits in (("its group", stat.S_IRWXG), ("others", stat.S_IRWXO))
+                           if mode & bits)
+        raise KeyFileError(
+            f"secret key file {secret_file} has mode {stat.S_IMODE(mode):04o}: {who} may read "
+            f"or change it, so the key may be known outside this account. Run "
+            f"`chmod 600 {secret_file}` (and make a new key pair if someone else could read it)"
+        )
 
 
 def _load(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:

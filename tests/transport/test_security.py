@@ -3,7 +3,10 @@ without keys is refused with an error that names the address."""
 
 from __future__ import annotations
 
+import os
+import runpy
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from transport.security import (
     create_keypair,
     load_keypair,
     load_public_key,
+    private_dir,
 )
 from transport.sockets import (
     Client,
@@ -174,3 +178,74 @@ def test_key_files_round_trip_and_bad_files_are_named(tmp_path: Path) -> None:
         load_keypair(tmp_path / "gen-0.key")
     with pytest.raises(KeyFileError, match="missing.key does not exist"):
         load_public_key(tmp_path / "missing.key")
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_keys_are_written_private_under_any_umask(tmp_path: Path) -> None:
+    previous = os.umask(0o022)  # the usual one, under which zmq.auth writes 0644 files
+    try:
+        create_keypair(tmp_path / "new" / "deeper", "gen-0")
+        (tmp_path / "loose").mkdir(mode=0o755)
+        create_keypair(tmp_path / "loose", "gen-0")
+    finally:
+        os.umask(previous)
+    for folder in (tmp_path / "new", tmp_path / "new" / "deeper", tmp_path / "loose"):
+        assert mode(folder) == 0o700, folder
+    for folder in (tmp_path / "new" / "deeper", tmp_path / "loose"):
+        assert {p.name: mode(p) for p in folder.iterdir()} == \
+            {"gen-0.key": 0o600, "gen-0.key_secret": 0o600}
+
+
+def test_remaking_a_key_does_not_reuse_a_readable_file(tmp_path: Path) -> None:
+    old = create_keypair(tmp_path, "gen-0")
+    secret = tmp_path / "gen-0.key_secret"
+    secret.chmod(0o644)  # as written before keys were private
+    with secret.open("rb") as held:  # another account opened it while it was readable
+        new = create_keypair(tmp_path, "gen-0")
+        assert new.secret not in held.read()
+    assert new != old and mode(secret) == 0o600 and load_keypair(secret) == new
+
+
+@pytest.mark.parametrize("loose, who", [(0o640, "its group"), (0o604, "others"),
+                                        (0o644, "its group and others"), (0o620, "its group")])
+def test_a_secret_key_others_may_access_is_refused_naming_the_fix(
+        tmp_path: Path, loose: int, who: str) -> None:
+    pair = create_keypair(tmp_path, "gen-0")
+    secret = tmp_path / "gen-0.key_secret"
+    secret.chmod(loose)
+    with pytest.raises(KeyFileError) as info:
+        load_keypair(secret)
+    assert f"{secret} has mode {loose:04o}: {who} may" in str(info.value)
+    assert f"`chmod 600 {secret}`" in str(info.value)
+    secret.chmod(0o600)  # the fix the error names
+    assert load_keypair(secret) == pair
+    (tmp_path / "gen-0.key").chmod(0o644)  # a public key may be shared
+    assert load_public_key(tmp_path / "gen-0.key") == pair.public
+
+
+def test_private_dir_tightens_an_existing_folder_and_keeps_its_files(tmp_path: Path) -> None:
+    folder = tmp_path / "keys"
+    folder.mkdir(mode=0o755)
+    (folder / "note").write_text("kept")
+    assert private_dir(folder) == folder
+    assert mode(folder) == 0o700 and (folder / "note").read_text() == "kept"
+
+
+def test_make_curve_keys_writes_private_folders_and_files(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    previous = os.umask(0o022)
+    try:
+        tool = runpy.run_path(str(Path(__file__).parents[2] / "tools" / "make-curve-keys.py"))
+        assert tool["main"]([str(keys)]) == 0
+    finally:
+        os.umask(previous)
+    made = [keys, *keys.rglob("*")]
+    assert {str(p.relative_to(tmp_path)): mode(p) for p in made} == {
+        str(p.relative_to(tmp_path)): 0o700 if p.is_dir() else 0o600 for p in made}
+    assert {p.name for p in keys.rglob("*.key_secret")} == {"server.key_secret",
+                                                            "client.key_secret"}
+    assert len(made) == 13  # keys, control/{4 key files, authorized/{2}}, generator/{3}
+
