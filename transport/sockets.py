@@ -21,8 +21,9 @@ Receivers never crash on bad input: each rejected frame set is counted in ``erro
 ``Server`` also counts ``handler`` (the handler raised or returned no message) and
 ``unroutable`` (a reply could not be delivered within ``send_timeout_s``). A ``Server``
 hands its handler each request's ``Peer``: the connection's identity and, under CURVE, the
-name of the key it authenticated with. With ``max_message_bytes`` ZeroMQ refuses any frame
-larger than that before buffering it (``zmq.MAXMSGSIZE``) by dropping the sender's
+name of the key it authenticated with; a bound ``Puller`` tells each message's key name
+(``receive_from``). With ``max_message_bytes`` ZeroMQ refuses any frame larger than that
+before buffering it (``zmq.MAXMSGSIZE``) by dropping the sender's
 connection; ZeroMQ does not say why a connection dropped, so the server logs each drop
 with the limit (see ``Server``).
 
@@ -423,6 +424,15 @@ class Client:
 # ---------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Received:
+    """A message a PULL or SUB socket took, and the name of the CURVE key its sender
+    authenticated with (``transport.security``; "" without CURVE)."""
+
+    message: Message
+    key: str = ""
+
+
 class _Receiver:
     """What PULL and SUB share: take the next valid message, count the rejected ones."""
 
@@ -434,6 +444,12 @@ class _Receiver:
 
     def receive(self, timeout_s: float) -> Message | None:
         """The next valid message, or None when none came within ``timeout_s``."""
+        received = self.receive_from(timeout_s)
+        return None if received is None else received.message
+
+    def receive_from(self, timeout_s: float) -> Received | None:
+        """The next valid message with the name of the CURVE key it came with (a bound
+        socket under CURVE; "" otherwise), or None when none came within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while self._socket.poll_in(deadline - time.monotonic()):
             frames = self._socket.zmq.recv_multipart(copy=False)
@@ -444,7 +460,8 @@ class _Receiver:
                 logger.debug("rejected frames on %s: %s", self.endpoint, exc)
                 continue
             self.received += 1
-            return message
+            key = frames[0].get("User-Id") if self._socket.authenticator is not None else ""
+            return Received(message=message, key=key)
         return None
 
     def close(self) -> None:

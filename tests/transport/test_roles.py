@@ -1,6 +1,8 @@
 """transport.roles and per-role CURVE keys: a connection keeps the role of its first
-message; a generator key never acts as the learner; the server learns each peer's key name
-from ZAP; tools/make-curve-keys.py gives generator hosts no secret but their own."""
+message; a generator key never acts as the learner, nor an evaluator or generator key as
+any other role; the server (and a bound puller, for each message) learns each peer's key
+name from ZAP; tools/make-curve-keys.py gives generator and evaluator hosts no secret but
+their own."""
 
 from __future__ import annotations
 
@@ -11,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from transport.messages import Ack, Heartbeat, Message
+from transport.endpoints import ipc_endpoint
+from transport.messages import Ack, Heartbeat, Message, Metrics
 from transport.roles import PeerRoles, key_roles
 from transport.security import ClientKeys, ServerKeys, load_keypair, load_public_key
-from transport.sockets import Client, Peer, PeerTimeout, Server, ServerThread
+from transport.sockets import Client, Peer, PeerTimeout, Puller, Pusher, Server, ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
 MAKE_KEYS = ROOT / "tools" / "make-curve-keys.py"
@@ -46,6 +49,22 @@ def test_keys_bound_the_roles_a_connection_may_take(caplog: pytest.LogCaptureFix
     assert [r.getMessage() for r in caplog.records if "names no role" in r.getMessage()] != []
     assert len(caplog.records) == 1  # warned once per key name
     assert key_roles("generator") == frozenset({"generator"}) and key_roles("client") is None
+
+
+@pytest.mark.parametrize("key, allowed", [
+    ("learner", {"learner", "generator", "evaluator", "buffer"}),  # the control hosts' key
+    ("generator", {"generator"}),
+    ("evaluator-2", {"evaluator"}),
+    ("", {"learner", "generator", "evaluator", "buffer"}),  # no CURVE: a local socket
+])
+def test_only_the_evaluator_and_control_keys_steer_evaluation_and_metrics(
+        key: str, allowed: set[str]) -> None:
+    roles = PeerRoles()
+    for role in ("learner", "generator", "evaluator", "buffer"):
+        refusal = roles.may_act_as(key, role)
+        assert (refusal == "") == (role in allowed), (key, role, refusal)
+        assert (roles.admit(Peer(role.encode(), key=key), role) == "") == (role in allowed)
+    assert "not as the x" in roles.may_act_as(key, "x")  # a metrics source that is no role
 
 
 def test_forgotten_connections_are_the_least_recently_used() -> None:
@@ -112,6 +131,36 @@ def test_the_server_hears_which_key_each_peer_holds(curve_server: Server, keys_d
         assert reply.detail == name
     finally:
         client.close()
+
+
+def test_a_bound_puller_hears_which_key_each_message_came_with(keys_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """The metrics address is a PULL socket: no connections to bind a role to, so the
+    launcher judges each message by the key it came with."""
+    puller = Puller(ipc_endpoint(tmp_path / "metrics"), keys=server_keys(keys_dir / "control"))
+    pushers = [Pusher(puller.endpoint, keys=client_keys(keys_dir / host))
+               for host in ("generator", "control")]
+    try:
+        heard = []
+        for pusher, step in zip(pushers, (1, 2)):
+            pusher.send(Metrics(source="learner", step=step, values={}))
+            received = puller.receive_from(5.0)
+            assert received is not None
+            heard.append((received.key, received.message.step))
+        assert heard == [("generator", 1), ("learner", 2)]
+    finally:
+        for pusher in pushers:
+            pusher.close(linger_s=0.0)
+        puller.close()
+    plain = Puller(ipc_endpoint(tmp_path / "plain"))
+    pusher = Pusher(plain.endpoint)
+    try:
+        pusher.send(Metrics(source="buffer", step=0, values={}))
+        received = plain.receive_from(5.0)
+        assert received is not None and received.key == ""
+    finally:
+        pusher.close(linger_s=0.0)
+        plain.close()
 
 
 def test_a_peer_without_a_key_is_refused(curve_server: Server) -> None:
