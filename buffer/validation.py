@@ -4,8 +4,9 @@
 lease: the number of samples the lease asked for, the dtypes the wire promises (int32 token
 ids and versions, float32 log-probs: float8, float16 or int64 tensors decode fine but are
 refused here), 1-D shapes that agree, token ids inside the model's vocabulary, responses
-no longer than ``rollout.response_length``, finite rewards, log-probs <= 0, and token
-versions the learner has published. It answers every decoded group, whatever its tensors
+no longer than ``rollout.response_length``, rewards the learner can train on (finite and
+within float32's range, the dtype it trains in: a larger one would become inf there),
+log-probs <= 0, and token versions the learner has published. It answers every decoded group, whatever its tensors
 hold, with a reason or "", and never raises: a bad group is refused whole and its prompt
 goes back to the pool.
 
@@ -29,6 +30,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "logprobs": torch.float32, "versions": torch.int32}
 """The dtype of each tensor of a ``Sample`` (``transport.messages.Sample``)."""
 TOKEN_FIELDS = ("prompt_ids", "response_ids")
+FLOAT32_MAX = torch.finfo(torch.float32).max  # |reward| above it is inf in the learner
 LOGPROB_SLACK = 1e-4  # log-probs a little above 0 are rounding, not a bug
 
 
@@ -49,9 +51,9 @@ def group_problem(group: RolloutGroup, limits: GroupLimits, learner_version: int
     if len(group.samples) != limits.n:
         return f"{len(group.samples)} samples, the lease asked for {limits.n}"
     if limits.greedy_baseline and (group.baseline_reward is None
-                                   or not math.isfinite(group.baseline_reward)):
+                                   or reward_problem(group.baseline_reward)):
         return (f"baseline_reward is {group.baseline_reward}; the lease asked for the greedy "
-                "response's reward (ReMax's baseline)")
+                "response's reward (ReMax's baseline), finite and within float32's range")
     for i, sample in enumerate(group.samples):
         problem = sample_problem(sample, limits)
         if problem:
@@ -89,11 +91,23 @@ def sample_problem(sample: Sample, limits: GroupLimits) -> str:
                     f"[0, {limits.vocab_size})")
     if not bool(sample.logprobs.isfinite().all()) or bool((sample.logprobs > LOGPROB_SLACK).any()):
         return "log-probs must be finite and <= 0"
-    if not math.isfinite(sample.reward):
-        return f"reward {sample.reward} is not finite"
+    problem = reward_problem(sample.reward)
+    if problem:
+        return problem
     bad_info = sorted(k for k, v in sample.reward_info.items() if not math.isfinite(v))
     if bad_info:
         return f"reward_info {', '.join(bad_info)} not finite"
+    return ""
+
+
+def reward_problem(reward: float) -> str:
+    """Why the learner cannot train on ``reward``, or "": it must be finite and |r| <=
+    float32's largest value (``FLOAT32_MAX``), since the learner holds rewards in float32."""
+    if not math.isfinite(reward):
+        return f"reward {reward} is not finite"
+    if abs(reward) > FLOAT32_MAX:
+        return (f"reward {reward:g} is outside float32's range (|r| <= {FLOAT32_MAX:g}), "
+                "the dtype the learner trains in: it would become inf there")
     return ""
 
 

@@ -80,6 +80,12 @@ BAD_GROUPS = {
                             "log-probs must be finite and <= 0"),
     "an infinite reward": (first_sample(lambda s: msgspec.structs.replace(s, reward=float("inf"))),
                            "reward inf is not finite"),
+    "a reward past float32's range": (
+        first_sample(lambda s: msgspec.structs.replace(s, reward=1e39)),
+        "sample 0: reward 1e+39 is outside float32's range"),
+    "a negative reward past float32's range": (
+        first_sample(lambda s: msgspec.structs.replace(s, reward=-1e39)),
+        "sample 0: reward -1e+39 is outside float32's range"),
     "a NaN reward entry": (
         first_sample(lambda s: msgspec.structs.replace(s, reward_info={"acc": float("nan")})),
         "reward_info acc not finite"),
@@ -108,6 +114,30 @@ def test_a_bad_group_is_refused_whole_and_its_prompt_is_leased_again(
     assert all(a.accepted for a in answer(hub, granted)[1:] + answer(hub, again))
     assert len(hub.handle(SampleRequest(num_groups=2)).groups) == 2
     assert hub.accounting_problems() == []
+
+
+def test_the_largest_float32_reward_is_trained_on_as_itself(make_hub) -> None:
+    """The boundary of float32's range is sound: it stays finite in the learner's dtype,
+    while 1e39 (refused above) would be inf there."""
+    largest = float(torch.finfo(torch.float32).max)
+    assert torch.tensor(largest, dtype=torch.float32).isfinite()
+    assert torch.tensor(1e39, dtype=torch.float32).isinf()
+    hub = make_hub(batch_size=2, n=2, per_lease=2)
+    granted = lease(hub)
+    for prompt, reward in zip(granted.prompts, (largest, -largest)):
+        assert hub.handle(make_group(granted.lease_id, prompt, 2,
+                                     rewards=[reward, 0.0])).accepted
+    batch = hub.handle(SampleRequest(num_groups=2))
+    assert sorted(g.samples[0].reward for g in batch.groups) == [-largest, largest]
+
+
+def test_a_remax_baseline_past_float32s_range_is_refused(make_hub) -> None:
+    hub = make_hub(batch_size=2, n=2, per_lease=2, greedy_baseline=True)
+    granted = lease(hub)
+    group = make_group(granted.lease_id, granted.prompts[0], 2)
+    ack = hub.handle(msgspec.structs.replace(group, baseline_reward=-1e39))
+    assert ack.verdict == "malformed" and "baseline_reward is -1e+39" in ack.detail, ack.detail
+    assert "within float32's range" in ack.detail
 
 
 def test_a_bad_group_for_someone_elses_lease_takes_nothing(make_hub) -> None:
