@@ -30,7 +30,10 @@ from an earlier checkpoint: ``auto`` would otherwise go back to them) and this s
 leftover ``.tmp``.
 
 Resuming (``load_checkpoint``) puts every piece back; ``dcp`` reshards, so the world size
-may differ (rank r takes the random state of saved rank r mod the saved world size). A
+may differ (rank r takes the random state of saved rank r mod the saved world size). The
+optimizers' learning rates, betas and weight decays are the run config's, not the
+checkpoint's (``learner.optim.reapply_configured``: each that differs is logged), so an
+edited ``run.toml`` takes effect on a resume or a replay; the schedules keep their step. A
 checkpoint whose trained parts differ from the run's (a critic, but the run is GRPO) or
 whose tensors do not fit the run's models is refused with a ``CheckpointError`` naming it.
 
@@ -65,6 +68,7 @@ from buffer.prompt_source import read_buffer_checkpoint, write_buffer_checkpoint
 from configs.run_schema import RunConfig
 from learner.update import Learner
 from learner.hf_export import save_hf
+from learner.optim import ConfiguredValues, configured_values, reapply_configured
 from transport.messages import BufferCheckpoint, BufferCheckpointRequest
 from transport.retry import patient_request
 from transport.security import ClientKeys
@@ -77,6 +81,8 @@ META_FILE = "meta.json"
 PARTIAL_SUFFIX = ".tmp"
 REPLACED_SUFFIX = ".replaced"
 COMPLETE_NAME = re.compile(r"step-(\d+)")
+OPTIM_KEYS = {"policy": "actor.optim", "critic": "critic.optim",
+              "prm": "reward_model.model.optim"}  # each trained part's optimizer config
 BUFFER_REQUEST_TIMEOUT_S = 60.0
 
 
@@ -140,6 +146,14 @@ def _schedulers(learner: Learner) -> dict[str, torch.optim.lr_scheduler.LRSchedu
         if part is not None:
             schedulers[name] = part.scheduler
     return schedulers
+
+
+def _optimizers(learner: Learner) -> dict[str, torch.optim.Optimizer]:
+    optimizers = {"policy": learner.optimizer}
+    for name, part in (("critic", learner.critic), ("prm", learner.prm)):
+        if part is not None:
+            optimizers[name] = part.optimizer
+    return optimizers
 
 
 # -- saving ---------------------------------------------------------------------------------
@@ -416,6 +430,9 @@ def load_checkpoint(learner: Learner, checkpoint: Path) -> CheckpointMeta:
     collective: call on every rank); returns its meta for the loop's own state."""
     meta = read_meta(checkpoint)
     check_parts(meta, trained_parts(learner), checkpoint)
+    optimizers, schedulers = _optimizers(learner), _schedulers(learner)
+    configured = {name: configured_values(optimizers[name], schedulers[name])
+                  for name in schedulers}
     state = checkpoint_state(learner)
     try:
         dcp.load(state, checkpoint_id=str(checkpoint / "dcp"))
@@ -431,8 +448,9 @@ def load_checkpoint(learner: Learner, checkpoint: Path) -> CheckpointMeta:
         if part is not None:
             set_state_dict(part.model, part.optimizer, model_state_dict=state[name]["model"],
                            optim_state_dict=state[name]["optim"])
-    for name, scheduler in _schedulers(learner).items():
+    for name, scheduler in schedulers.items():
         scheduler.load_state_dict(meta.schedulers[name])
+    _reapply_configured(optimizers, schedulers, configured, checkpoint)
     if learner.kl_ctrl is not None and meta.kl_coef is not None:
         learner.kl_ctrl.value = meta.kl_coef
     elif learner.kl_ctrl is not None:
@@ -446,6 +464,19 @@ def load_checkpoint(learner: Learner, checkpoint: Path) -> CheckpointMeta:
         logger.info("%s was written by %d ranks, resumed by %d (resharded)", checkpoint,
                     meta.world_size, world)
     return meta
+
+
+def _reapply_configured(optimizers: dict[str, torch.optim.Optimizer],
+                        schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler],
+                        configured: dict[str, ConfiguredValues], checkpoint: Path) -> None:
+    """The config's learning rates, betas and weight decays over the checkpoint's
+    (``learner.optim.reapply_configured``); rank 0 logs each that differs."""
+    for name, scheduler in schedulers.items():
+        changes = reapply_configured(optimizers[name], scheduler, configured[name],
+                                     OPTIM_KEYS[name])
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            for change in changes:
+                logger.info("%s: %s", checkpoint, change)
 
 
 def _read_rng(path: Path) -> None:

@@ -9,12 +9,20 @@ step. At scheduler step s (0-based), with W warm-up steps of T:
     warm-up   lr * s / W                                         s < W
     constant  lr
     cosine    lr * (m + (1 - m) * (1 + cos(pi * (s - W) / (T - W))) / 2)
+
+Resuming and replaying. A checkpoint restores the optimizer's ``param_groups`` and the
+schedule's ``base_lrs`` with the values of the run that wrote it; the config's ``lr``,
+``betas`` and ``weight_decay`` are put back over them (``configured_values`` before the load,
+``reapply_configured`` after it), keeping the schedule's step count, so that a resume or a
+replay with an edited ``run.toml`` trains with the edited values.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import msgspec
 import torch
 from torch import nn
 from transformers import (
@@ -103,3 +111,66 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int,
     return get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
         min_lr_rate=optim.min_lr_ratio)
+
+
+TUNED = ("betas", "weight_decay")
+"""The ``param_groups`` entries ``build_optimizer`` sets from the config, besides the rate;
+training never changes them."""
+
+
+class ConfiguredValues(msgspec.Struct, frozen=True):
+    """What the config set on an optimizer and its schedule: each parameter group's base
+    rate (the schedule's ``base_lrs``) and its ``TUNED`` entries."""
+
+    base_lrs: list[float]
+    tuned: list[dict[str, Any]]
+
+
+def configured_values(optimizer: torch.optim.Optimizer,
+                      scheduler: torch.optim.lr_scheduler.LambdaLR) -> ConfiguredValues:
+    """The values ``build_optimizer`` and ``build_scheduler`` took from the config; read them
+    before a checkpoint's state replaces them."""
+    return ConfiguredValues(base_lrs=list(scheduler.base_lrs),
+                            tuned=[{key: group[key] for key in TUNED}
+                                   for group in optimizer.param_groups])
+
+
+def reapply_configured(optimizer: torch.optim.Optimizer,
+                       scheduler: torch.optim.lr_scheduler.LambdaLR,
+                       configured: ConfiguredValues, key: str) -> list[str]:
+    """Put ``configured`` back over a checkpoint's values, keeping the schedule's step count
+    s (``last_epoch``): group g's base rate becomes the config's b_g and its rate
+
+        lr_g = b_g * lambda_g(s)
+
+    (the config's schedule, ``lr_lambdas``, was never replaced), as if the run had always
+    had the config's rate. Returns one line per value that differs from the checkpoint's,
+    named under ``key`` (``actor.optim``)."""
+    saved_lrs = list(scheduler.base_lrs)
+    changes = [_change(f"{key}.lr", saved, configured_lr)
+               for saved, configured_lr in zip(saved_lrs, configured.base_lrs, strict=True)]
+    rates = [base * rate(scheduler.last_epoch)
+             for base, rate in zip(configured.base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, tuned, base, lr in zip(optimizer.param_groups, configured.tuned,
+                                      configured.base_lrs, rates, strict=True):
+        for name, value in tuned.items():
+            changes.append(_change(f"{key}.{name}", group[name], value))
+            group[name] = value
+        group["initial_lr"], group["lr"] = base, lr
+    state = scheduler.state_dict()
+    state.update(base_lrs=list(configured.base_lrs), _last_lr=rates)
+    scheduler.load_state_dict(state)
+    return list(dict.fromkeys(change for change in changes if change))
+
+
+def _change(name: str, saved: Any, configured: Any) -> str:
+    """``name``'s line when the checkpoint's value differs from the config's, else ""."""
+    saved, configured = _plain(saved), _plain(configured)
+    if saved == configured:
+        return ""
+    return f"{name}: {saved} in the checkpoint, {configured} in the config: using the config's"
+
+
+def _plain(value: Any) -> Any:
+    """Sequences (``betas``: a tuple, or a list once loaded) as lists, to compare and print."""
+    return [_plain(each) for each in value] if isinstance(value, (list, tuple)) else value

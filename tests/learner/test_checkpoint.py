@@ -20,7 +20,14 @@ import torch.multiprocessing as mp
 
 from algorithms.kl import KLControlConfig
 from buffer.prompt_source import BUFFER_CHECKPOINT_FILE, read_buffer_checkpoint
-from configs.run_schema import ActorConfig, AlgorithmConfig, OptimConfig
+from configs.run_schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    OptimConfig,
+    PrmModelConfig,
+    RewardModelConfig,
+)
 from generators.torch_engine import TorchEngine
 from learner import checkpoint as checkpoints
 from learner.batch import TrainBatch, collate
@@ -32,6 +39,8 @@ from learner.checkpoint import (
     read_meta,
     save_checkpoint,
 )
+from learner.critic import Critic
+from learner.implicit_prm import ImplicitPRM
 from learner.update import Learner
 from transport.messages import BufferCheckpoint, Prompt, PromptSourceState
 
@@ -118,6 +127,54 @@ def test_a_resumed_learner_takes_the_same_next_step(random_model_dir: Path, tmp_
     assert again.metrics == uninterrupted.metrics
     after = full_weights(resumed.model)
     assert all(torch.equal(after[k], v) for k, v in full_weights(trained.model).items())
+
+
+# the same schedule at half the rate, other betas and a weight decay: a user's run.toml edit
+EDITED = ActorConfig(optim=OptimConfig(lr=5e-4, betas=[0.8, 0.99], weight_decay=0.1,
+                                       warmup_style="cosine", lr_warmup_steps=3))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_resumed_learner_trains_with_the_configs_learning_rate_betas_and_weight_decay(
+        random_model_dir: Path, tmp_path: Path, batches: list[TrainBatch],
+        caplog: pytest.LogCaptureFixture) -> None:
+    trained = make_learner(random_model_dir, actor=ACTOR)
+    for batch in batches[:2]:
+        trained.step(batch)
+    folder = save(trained, tmp_path, step=2)
+
+    with caplog.at_level(logging.INFO, logger="learner.checkpoint"):
+        resumed = make_learner(random_model_dir, actor=EDITED)
+        load_checkpoint(resumed, folder)
+    # step 2 of a 3-step warm-up: 2/3 of the config's rate, not of the checkpoint's 1e-3
+    group = resumed.optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(5e-4 * 2 / 3) and group["initial_lr"] == 5e-4
+    assert tuple(group["betas"]) == (0.8, 0.99) and group["weight_decay"] == 0.1
+    assert resumed.scheduler.base_lrs == [5e-4]
+    assert resumed.scheduler.get_last_lr() == [group["lr"]]
+    assert resumed.scheduler.last_epoch == trained.scheduler.last_epoch == 2  # its step kept
+    changed = [r.getMessage() for r in caplog.records if "in the checkpoint" in r.getMessage()]
+    assert changed == [
+        f"{folder}: actor.optim.lr: 0.001 in the checkpoint, 0.0005 in the config: using the "
+        "config's",
+        f"{folder}: actor.optim.betas: [0.9, 0.999] in the checkpoint, [0.8, 0.99] in the "
+        "config: using the config's",
+        f"{folder}: actor.optim.weight_decay: 0.0 in the checkpoint, 0.1 in the config: using "
+        "the config's"]
+
+    # it steps as the checkpoint's learner would with those values set by hand
+    by_hand = make_learner(random_model_dir, actor=ACTOR)
+    load_checkpoint(by_hand, folder)
+    by_hand.optimizer.param_groups[0].update(lr=5e-4 * 2 / 3, betas=(0.8, 0.99),
+                                             weight_decay=0.1)
+    assert resumed.step(batches[2]).metrics["actor/lr"] == pytest.approx(5e-4)  # s = 3: cosine
+    by_hand.step(batches[2])
+    after, expected = full_weights(resumed.model), full_weights(by_hand.model)
+    assert all(torch.equal(after[k], expected[k]) for k in expected)
+    unchanged = make_learner(random_model_dir, actor=ACTOR)
+    load_checkpoint(unchanged, folder)
+    unchanged.step(batches[2])
+    assert any(not torch.equal(after[k], v) for k, v in full_weights(unchanged.model).items())
 
 
 def test_a_checkpoint_is_complete_only_once_renamed(random_model_dir: Path, tmp_path: Path,
@@ -210,6 +267,39 @@ def test_the_critic_and_the_prm_are_saved_and_loaded_with_their_optimizers(
     assert all(torch.equal(a.full_tensor(), b.full_tensor())
                for a, b in zip(loaded_moments, trained_moments))
     assert module.scheduler.state_dict() == getattr(trained, part).scheduler.state_dict()
+
+
+@pytest.mark.parametrize("estimator, part, key", [("gae", "critic", "critic.optim"),
+                                                  ("prime", "prm", "reward_model.model.optim")])
+def test_the_critics_and_the_prms_optimizers_take_the_configs_values_on_resume(
+        random_model_dir: Path, batches: list[TrainBatch], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture, estimator: str, part: str, key: str) -> None:
+    algorithm = AlgorithmConfig(adv_estimator=estimator)
+    trained = make_learner(random_model_dir, algorithm=algorithm)  # their lr: 1e-3
+    trained.step(batches[0])
+    folder = save(trained, tmp_path, step=1)
+
+    fresh = make_learner(random_model_dir, algorithm=algorithm)
+    edited = OptimConfig(lr=2e-3, betas=[0.5, 0.9], weight_decay=0.0)
+    if part == "critic":
+        fresh.critic = Critic(fresh.critic.model, CriticConfig(optim=edited), total_steps=10)
+    else:
+        fresh.prm = ImplicitPRM(fresh.prm.model, fresh.prm.reference,
+                                RewardModelConfig(model=PrmModelConfig(optim=edited)),
+                                total_steps=10, temperature=1.0)
+    with caplog.at_level(logging.INFO, logger="learner.checkpoint"):
+        load_checkpoint(fresh, folder)
+    module = getattr(fresh, part)
+    group = module.optimizer.param_groups[0]
+    assert group["lr"] == 2e-3 and tuple(group["betas"]) == (0.5, 0.9)
+    assert module.scheduler.get_last_lr() == [2e-3] and module.scheduler.last_epoch == 1
+    assert module.optimizer.state  # the checkpoint's moments are kept
+    changed = [r.getMessage().removeprefix(f"{folder}: ") for r in caplog.records
+               if "in the checkpoint" in r.getMessage()]
+    assert changed == [
+        f"{key}.lr: 0.001 in the checkpoint, 0.002 in the config: using the config's",
+        f"{key}.betas: [0.9, 0.999] in the checkpoint, [0.5, 0.9] in the config: using the "
+        "config's"]
 
 
 def save_from_ranks(rank: int, world: int, port: int, fsdp_size: int, model_dir: str,

@@ -1,5 +1,6 @@
-"""The learning-rate schedules (transformers' own), against hand-computed rates; gradient
-clipping over FSDP2 shards, offloaded or not, at one and two ranks."""
+"""The learning-rate schedules (transformers' own), against hand-computed rates, and resumed
+with the config's rate over a checkpoint's; gradient clipping over FSDP2 shards, offloaded
+or not, at one and two ranks."""
 
 import math
 import os
@@ -10,9 +11,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.optim.lr_scheduler import LambdaLR
 
 from configs.run_schema import OptimConfig
-from learner.optim import build_scheduler, clipped_step
+from learner.optim import (
+    build_optimizer,
+    build_scheduler,
+    clipped_step,
+    configured_values,
+    reapply_configured,
+)
 
 from ..conftest import exit_worker, free_port
 from ..fake_cuda import CUDA, fake_cuda
@@ -48,6 +56,60 @@ def test_cosine_decays_to_the_min_lr_ratio_at_the_last_step() -> None:
                              for s in range(2, 11)]
     assert got == pytest.approx(expected)
     assert got[-1] == pytest.approx(0.2)
+
+
+# -- resuming: the config's values over a checkpoint's, the schedule's step kept ----------
+
+def stepped(optim: OptimConfig, steps: int) -> tuple[torch.optim.AdamW, LambdaLR]:
+    optimizer = build_optimizer(torch.nn.Linear(2, 1), optim)
+    scheduler = build_scheduler(optimizer, total_steps=10, optim=optim)
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+    return optimizer, scheduler
+
+
+def resumed(saved: OptimConfig, config: OptimConfig, steps: int) -> tuple[
+        torch.optim.AdamW, LambdaLR, list[str]]:
+    """An optimizer and schedule built from ``config``, loaded with the state of ones built
+    from ``saved`` and stepped ``steps`` times, as ``learner.checkpoint`` loads them."""
+    old_optimizer, old_scheduler = stepped(saved, steps)
+    optimizer, scheduler = stepped(config, 0)
+    configured = configured_values(optimizer, scheduler)
+    optimizer.load_state_dict(old_optimizer.state_dict())
+    scheduler.load_state_dict(old_scheduler.state_dict())
+    return optimizer, scheduler, reapply_configured(optimizer, scheduler, configured,
+                                                    "actor.optim")
+
+
+def test_a_resumed_schedule_follows_the_configs_rate_from_the_checkpoints_step() -> None:
+    saved = OptimConfig(lr=1.0, lr_warmup_steps=4, weight_decay=0.0)
+    config = OptimConfig(lr=0.5, lr_warmup_steps=4, weight_decay=0.05, betas=[0.8, 0.9])
+    optimizer, scheduler, changes = resumed(saved, config, steps=2)
+    rates = []
+    for _ in range(4):  # warm-up s / 4 of 0.5 from s = 2, then constant
+        rates.append((scheduler.get_last_lr()[0], optimizer.param_groups[0]["lr"]))
+        optimizer.step()
+        scheduler.step()
+    assert rates == [(0.25, 0.25), (0.375, 0.375), (0.5, 0.5), (0.5, 0.5)]
+    group = optimizer.param_groups[0]
+    assert (group["initial_lr"], group["weight_decay"], tuple(group["betas"])) == (
+        0.5, 0.05, (0.8, 0.9))
+    assert changes == [
+        "actor.optim.lr: 1.0 in the checkpoint, 0.5 in the config: using the config's",
+        "actor.optim.betas: [0.9, 0.999] in the checkpoint, [0.8, 0.9] in the config: using "
+        "the config's",
+        "actor.optim.weight_decay: 0.0 in the checkpoint, 0.05 in the config: using the "
+        "config's"]
+
+
+def test_an_unchanged_config_resumes_the_checkpoints_rate_and_reports_nothing() -> None:
+    optim = OptimConfig(lr=2.0, lr_warmup_steps=2, warmup_style="cosine", min_lr_ratio=0.1)
+    optimizer, scheduler, changes = resumed(optim, optim, steps=5)
+    reference_optimizer, reference = stepped(optim, 5)
+    assert changes == []
+    assert scheduler.get_last_lr() == reference.get_last_lr() != [2.0]
+    assert optimizer.param_groups[0]["lr"] == reference_optimizer.param_groups[0]["lr"]
 
 
 # -- clipping: the norm over every rank's shards, combined on the compute device ----------

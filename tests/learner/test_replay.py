@@ -1,5 +1,6 @@
 """The offline replay's pieces: served groups, recorded steps, the starting checkpoint, the
-comparison. The whole tool runs end to end in tests/e2e/test_replay.py."""
+comparison, and the replayed learner's optimizer, which follows the run config's edits. The
+whole tool runs end to end in tests/e2e/test_replay.py."""
 
 from __future__ import annotations
 
@@ -7,12 +8,28 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch
+import torch.distributed as dist
 
 from buffer.hub import with_admission
 from buffer.rollout_log import RolloutLogWriter, StepRecord
 from buffer.store import Admission
-from learner.checkpoint import FORMAT, META_FILE, CheckpointMeta, LoopState
+from configs.run_schema import (
+    ActorConfig,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    TrainerConfig,
+)
+from configs.rundir import RunContext
+from configs.topology_schema import Topology
+from generators.torch_engine import TorchEngine
+from learner.batch import collate
+from learner.checkpoint import FORMAT, META_FILE, CheckpointMeta, LoopState, save_checkpoint
+from learner.main import build_learner
 from learner.replay import (
+    Replayer,
     ReplayError,
     StepComparison,
     recorded_steps,
@@ -21,6 +38,9 @@ from learner.replay import (
 )
 from transport.messages import Prompt
 from tests.buffer.conftest import make_group
+
+from ..conftest import free_port
+from .test_update import PROMPTS, rollouts
 
 
 def group(name: str, rewards: list[float]):
@@ -83,3 +103,39 @@ def test_the_comparison_is_relative_and_absolute_near_zero() -> None:
     unlogged = StepComparison(step=1, replayed={"actor/loss": 1.0},
                               live={"actor/loss": float("nan")})
     assert unlogged.worst_relative_difference() == 0.0
+
+
+def run_context(model_dir: Path, run_dir: Path, lr: float) -> RunContext:
+    """A run of the model at ``model_dir`` with a 3-step warm-up to ``lr``."""
+    run = RunConfig(data=DataConfig(train_files=[], train_batch_size=len(PROMPTS)),
+                    model=ModelConfig(path=str(model_dir), dtype="float32"),
+                    actor=ActorConfig(optim=OptimConfig(lr=lr, weight_decay=0.0,
+                                                        lr_warmup_steps=3)),
+                    trainer=TrainerConfig(total_training_steps=10))
+    return RunContext(run_dir=run_dir, topology=Topology(), run=run)
+
+
+def test_a_replay_with_an_edited_learning_rate_trains_with_it(random_model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """The README's recipe: edit run.toml's lr and replay from a checkpoint."""
+    engine = TorchEngine.from_pretrained(str(random_model_dir), dtype=torch.float32,
+                                         eos_ids=[2], pad_id=0, seed=5)
+    batch = collate(rollouts(engine, 0), pad_id=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:  # the live run: lr 1e-3, a checkpoint after step 1
+        live = build_learner(run_context(random_model_dir, tmp_path, 1e-3), torch.device("cpu"))
+        live.step(batch)
+        folder = save_checkpoint(live, tmp_path / "checkpoints", LoopState(step=1, version=1),
+                                 keep_last=1)
+    finally:
+        dist.destroy_process_group()
+
+    replayer = Replayer(run_context(random_model_dir, tmp_path, 4e-4), folder)
+    try:
+        learner = replayer.learner
+        assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(4e-4 / 3)  # s = 1 of 3
+        assert learner.scheduler.get_last_lr() == [learner.optimizer.param_groups[0]["lr"]]
+        assert learner.step(batch).metrics["actor/lr"] == pytest.approx(4e-4 * 2 / 3)
+    finally:
+        replayer.close()
