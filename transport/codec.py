@@ -17,6 +17,11 @@ ever aliases immutable memory (this is why torch's non-writable-buffer warning n
 
 Decoding is strict: anything but a well-formed frame set of the expected message type
 raises ``WireError`` with a ``kind`` and a detail naming the fault. Never pickle, never eval.
+A decoder builds at most ``max_tensors`` tensors per message: each costs host memory and
+time whatever its size (~0.5 KiB and ~4 us for a one-byte tensor, so a 15 MB frame of 1M of
+them took 526 MiB and 4 s), so a receiver that faces untrusted peers passes the most its
+own messages hold, and ``tensors_in_any=False`` when it expects tensors only in tensor
+fields (the buffer: ``buffer.main.request_decoder``).
 
 This module knows bytes and tensors; it knows nothing of sockets, peers or request ids.
 """
@@ -38,6 +43,13 @@ PREAMBLE_FRAME = PREAMBLE + bytes([PROTOCOL_VERSION])
 INLINE_THRESHOLD = 4096  # bytes; smaller tensors travel inside frame 1
 TENSOR_EXT = 1  # msgpack extension type code of a tensor
 MAX_TENSOR_DIMS = 32
+MAX_TENSORS = 1 << 18
+"""Tensors one message may hold unless its decoder says otherwise. The largest honest
+message is a ``SampleBatch`` (train_batch_size x n samples, 4 tensors each): 262,144 covers
+65,536 samples a batch, 4x verl's largest usual (1024 prompts x 16); a message at the cap
+costs a receiver about 130 MiB of tensor objects (measured), however few bytes it had."""
+
+_UNTYPED_TENSOR = "a tensor in a field that is not a tensor field (this receiver takes none there)"
 
 WIRE_ERROR_KINDS: tuple[str, ...] = get_args(WireErrorKind)
 """Why a frame set was rejected. ``envelope``: the request-reply envelope frame is wrong
@@ -142,12 +154,22 @@ class Decoder(Generic[M]):
     """Decodes frame sets into messages of one type (``AnyMessage`` by default).
 
     ``Decoder(VersionUpdate)`` or ``Decoder(Union[Attach, Heartbeat])`` accept only those;
-    any other message is a ``schema`` error. Safe to share between threads.
+    any other message is a ``schema`` error. A message holding more than ``max_tensors``
+    tensors, wherever they sit (a tensor field or inside an ``Any`` field), is a ``tensor``
+    error raised at the first one too many, before it is built. With ``tensors_in_any=False``
+    a tensor inside an ``Any`` field is a ``tensor`` error too, and it is never built: the
+    decoder builds a tensor only when msgspec hands it to a ``torch.Tensor`` field, so one
+    more tensor arriving while the last is still unclaimed, or one unclaimed at the end, sat
+    in an untyped field. Safe to share between threads.
     """
 
-    def __init__(self, type: Any = AnyMessage) -> None:
-        self.type = type
-        self._msgpack = msgspec.msgpack.Decoder(type, ext_hook=self._ext_hook, dec_hook=_dec_hook)
+    def __init__(self, type: Any = AnyMessage, *, max_tensors: int = MAX_TENSORS,
+                 tensors_in_any: bool = True) -> None:
+        if max_tensors < 0:
+            raise ValueError(f"max_tensors must be >= 0, got {max_tensors}")
+        self.type, self.max_tensors, self.tensors_in_any = type, max_tensors, tensors_in_any
+        self._msgpack = msgspec.msgpack.Decoder(type, ext_hook=self._ext_hook,
+                                                dec_hook=self._dec_hook)
         self._local = threading.local()  # the frame set being decoded by this thread
 
     def decode(self, frames: Sequence[FrameLike]) -> M:
@@ -158,9 +180,12 @@ class Decoder(Generic[M]):
             raise WireError(
                 "malformed", f"expected at least 2 frames (preamble, body), got {len(views)}"
             )
-        self._local.frames, self._local.used = views, set()
+        self._local.frames, self._local.used, self._local.tensors = views, set(), 0
+        self._local.unclaimed = False  # a tensor read but not yet given to a tensor field
         try:
             msg = self._msgpack.decode(views[1])
+            if self._local.unclaimed:
+                raise WireError("tensor", _UNTYPED_TENSOR)
         except msgspec.ValidationError as exc:
             raise WireError("schema", f"not a {_type_name(self.type)}: {exc}") from None
         except msgspec.DecodeError as exc:
@@ -176,27 +201,41 @@ class Decoder(Generic[M]):
             raise WireError("tensor", f"frames {unreferenced} are not referenced by any tensor")
         return msg
 
-    def _ext_hook(self, code: int, payload: memoryview) -> torch.Tensor:
+    def _ext_hook(self, code: int, payload: memoryview) -> torch.Tensor | _TensorHeader:
         if code != TENSOR_EXT:
             raise WireError(
                 "malformed", f"unknown msgpack extension type {code} (tensors are {TENSOR_EXT})"
             )
-        try:
-            dtype_name, shape, data = _HEADER_DECODER.decode(payload)
-        except msgspec.DecodeError as exc:
-            raise WireError("tensor", f"tensor header is not [dtype, shape, data]: {exc}") from None
-        dtype = ALLOWED_DTYPES.get(dtype_name)
-        if dtype is None:
-            raise WireError(
-                "tensor", f"dtype {dtype_name!r} is not one of {sorted(ALLOWED_DTYPES)}"
-            )
-        _check_shape(shape)
+        self._local.tensors += 1
+        if self._local.tensors > self.max_tensors:
+            raise WireError("tensor", f"more than {self.max_tensors} tensors in one message")
+        header = _read_header(payload)
+        if self.tensors_in_any:
+            return self._build(header)
+        if self._local.unclaimed:  # the last one went to a field that is not a tensor
+            raise WireError("tensor", _UNTYPED_TENSOR)
+        self._local.unclaimed = True
+        return header
+
+    def _dec_hook(self, type: Any, obj: Any) -> Any:
+        if type is not torch.Tensor:
+            raise NotImplementedError(f"no decoder for {type}")
+        if isinstance(obj, torch.Tensor):
+            return obj  # built by _ext_hook
+        if isinstance(obj, _TensorHeader):
+            self._local.unclaimed = False
+            return self._build(obj)
+        raise TypeError(f"Expected a tensor, got {obj.__class__.__name__}")
+
+    def _build(self, header: _TensorHeader) -> torch.Tensor:
+        dtype, shape, data = header.dtype, header.shape, header.data
         nbytes = math.prod(shape) * dtype.itemsize
         buffer = data if isinstance(data, bytearray) else self._claim_frame(data)
         if len(buffer) != nbytes:
             where = "inline data" if isinstance(data, bytearray) else f"frame {data}"
             raise WireError(
-                "tensor", f"{dtype_name}{shape} needs {nbytes} bytes, {where} holds {len(buffer)}"
+                "tensor", f"{header.dtype_name}{shape} needs {nbytes} bytes, {where} holds "
+                          f"{len(buffer)}"
             )
         if nbytes == 0:
             try:
@@ -238,12 +277,25 @@ def _check_shape(shape: list[int]) -> None:
         raise WireError("tensor", f"shape {shape} has a negative or absurd dimension")
 
 
-def _dec_hook(type: Any, obj: Any) -> Any:
-    if type is torch.Tensor:
-        if isinstance(obj, torch.Tensor):
-            return obj  # built by Decoder._ext_hook
-        raise TypeError(f"Expected a tensor, got {obj.__class__.__name__}")
-    raise NotImplementedError(f"no decoder for {type}")
+class _TensorHeader:
+    """A tensor's checked header (``[dtype, shape, data]``), read but not yet built."""
+
+    __slots__ = ("data", "dtype", "dtype_name", "shape")
+
+    def __init__(self, dtype_name: str, shape: list[int], data: bytearray | int) -> None:
+        self.dtype_name, self.shape, self.data = dtype_name, shape, data
+        self.dtype = ALLOWED_DTYPES[dtype_name]
+
+
+def _read_header(payload: memoryview) -> _TensorHeader:
+    try:
+        dtype_name, shape, data = _HEADER_DECODER.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise WireError("tensor", f"tensor header is not [dtype, shape, data]: {exc}") from None
+    if dtype_name not in ALLOWED_DTYPES:
+        raise WireError("tensor", f"dtype {dtype_name!r} is not one of {sorted(ALLOWED_DTYPES)}")
+    _check_shape(shape)
+    return _TensorHeader(dtype_name, shape, data)
 
 
 def _byte_view(frame: FrameLike) -> memoryview:

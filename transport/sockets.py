@@ -25,7 +25,10 @@ name of the key it authenticated with; a bound ``Puller`` tells each message's k
 (``receive_from``). With ``max_message_bytes`` ZeroMQ refuses any frame larger than that
 before buffering it (``zmq.MAXMSGSIZE``) by dropping the sender's
 connection; ZeroMQ does not say why a connection dropped, so the server logs each drop
-with the limit (see ``Server``).
+with the limit (see ``Server``). ``hwm`` counts whole messages: a receiver holds at most
+``hwm`` queued messages per connection (plus the one being read), but ZeroMQ hands a
+message over only once all its frames arrived and bounds neither their number nor their sum,
+so one message of many frames, each under ``max_message_bytes``, is held whole.
 
 Every bind goes through ``transport.security.check_bind``: loopback and ipc may be plain,
 anything reachable needs CURVE ``ServerKeys``. A socket belongs to one thread: drive a

@@ -11,7 +11,15 @@ import pytest
 import torch
 import zmq
 
-from transport.codec import INLINE_THRESHOLD, PREAMBLE, Decoder, WireError, encode
+from transport.codec import (
+    INLINE_THRESHOLD,
+    MAX_TENSORS,
+    PREAMBLE,
+    PREAMBLE_FRAME,
+    Decoder,
+    WireError,
+    encode,
+)
 from transport.messages import (
     ALL_MESSAGES,
     PROTOCOL_VERSION,
@@ -495,11 +503,12 @@ def test_every_rollout_verdict_is_accepted(craft: Any, verdict: str) -> None:
         "shape-type",
     ],
 )
+@pytest.mark.parametrize("tensors_in_any", [True, False])
 def test_lying_tensor_metadata_is_rejected(
-    craft: Any, tensor: tuple, extra: tuple, needle: str
+    craft: Any, tensor: tuple, extra: tuple, needle: str, tensors_in_any: bool
 ) -> None:
     ext = msgspec.msgpack.Ext(1, msgspec.msgpack.encode(list(tensor)))
-    error = reject(craft.bucket(ext, extra_frames=extra))
+    error = reject(craft.bucket(ext, extra_frames=extra), Decoder(tensors_in_any=tensors_in_any))
     assert error.kind == "tensor"
     assert needle in error.detail
 
@@ -515,3 +524,104 @@ def test_unreferenced_extra_frame_is_rejected() -> None:
     error = reject([*frames, b"extra"])
     assert error.kind == "tensor"
     assert "[3]" in error.detail
+
+
+def tensor_bomb(count: int) -> list[bytes]:
+    """A rollout group whose ``metadata`` (an ``Any`` field) holds ``count`` one-byte tensors:
+    15 bytes of frame each (issue 30: 1M of them in a 15 MB frame)."""
+    one_byte = msgspec.msgpack.Ext(1, msgspec.msgpack.encode(["uint8", [1], b"\x07"]))
+    group = RolloutGroup(rollout_id="r", lease_id="l", prompt_id="p", generator_id="g",
+                         samples=[], metadata={"bomb": [one_byte] * count})
+    return [PREAMBLE_FRAME, msgspec.msgpack.encode(group)]
+
+
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many tensors the decoder built from received bytes (``torch.frombuffer`` calls)."""
+    calls = [0]
+    frombuffer = torch.frombuffer
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        return frombuffer(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "frombuffer", counting)
+    return calls
+
+
+@pytest.mark.parametrize("max_tensors", [0, 1, 8])
+def test_a_message_with_more_tensors_than_max_tensors_is_refused(
+        built: list[int], max_tensors: int) -> None:
+    assert len(Decoder(max_tensors=max_tensors).decode(tensor_bomb(max_tensors)).metadata[
+        "bomb"]) == max_tensors
+    error = reject(tensor_bomb(max_tensors + 1), Decoder(max_tensors=max_tensors))
+    assert error.kind == "tensor"
+    assert error.detail == f"more than {max_tensors} tensors in one message"
+    assert built[0] == 2 * max_tensors  # the first decode's, then the second's until refused
+
+
+def test_the_issues_tensor_bomb_is_refused_after_max_tensors(built: list[int]) -> None:
+    frames = tensor_bomb(1_000_000)
+    assert 15_000_000 <= len(frames[1]) < 15_100_000
+    assert reject(frames).kind == "tensor"
+    assert built[0] == MAX_TENSORS  # the default cap: not one tensor more was built
+
+
+def test_max_tensors_counts_tensor_fields_and_untyped_fields_together() -> None:
+    group = make_group("r-1", n=2)  # 2 samples x 4 tensor fields
+    group.metadata["mask"] = torch.tensor([True])
+    frames = over_the_wire(encode(group))
+    assert_same(Decoder(RolloutGroup, max_tensors=9).decode(frames), group)
+    assert reject(frames, Decoder(RolloutGroup, max_tensors=8)).kind == "tensor"
+
+
+def test_max_tensors_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="max_tensors must be >= 0, got -1"):
+        Decoder(max_tensors=-1)
+
+
+def group_with(**untyped: Any) -> RolloutGroup:
+    """A group of one sample whose untyped fields (``ground_truth``, ``metadata``) are
+    ``untyped``."""
+    return RolloutGroup(rollout_id="r", lease_id="l", prompt_id="p", generator_id="g",
+                        samples=[make_sample(64, 0)], **untyped)
+
+
+@pytest.mark.parametrize("untyped", [
+    {"metadata": {"mask": torch.tensor([True])}},
+    {"metadata": {"hidden": torch.randn(2000)}},  # in a frame of its own
+    {"ground_truth": torch.tensor([7], dtype=torch.int64)},
+], ids=["inline-metadata", "frame-metadata", "ground-truth"])
+def test_without_tensors_in_any_a_tensor_in_an_untyped_field_is_refused_unbuilt(
+        built: list[int], untyped: dict[str, Any]) -> None:
+    frames = over_the_wire(encode(group_with(**untyped)))
+    error = reject(frames, Decoder(RolloutGroup, tensors_in_any=False))
+    assert error.kind == "tensor"
+    assert error.detail.startswith("a tensor in a field that is not a tensor field")
+    assert built[0] == 4  # the sample's four, not the untyped one
+    assert_same(Decoder(RolloutGroup).decode(frames), group_with(**untyped))  # the default
+
+
+def test_without_tensors_in_any_an_untyped_tensor_before_a_tensor_field_is_refused(
+        built: list[int]) -> None:
+    # the first group's metadata comes before the second group's samples on the wire
+    batch = SampleBatch(groups=[group_with(metadata={"t": torch.tensor([1])}), group_with()])
+    error = reject(over_the_wire(encode(batch)), Decoder(SampleBatch, tensors_in_any=False))
+    assert error.kind == "tensor" and "not a tensor field" in error.detail
+    assert built[0] == 4  # the first group's sample; refused at the second group's first
+
+
+def test_without_tensors_in_any_tensor_fields_decode_as_before() -> None:
+    group = make_group("r-1", n=3, response_len=2000)  # inline prompts, framed responses
+    frames = over_the_wire(encode(group))
+    assert len(frames) > 2
+    assert_same(Decoder(RolloutGroup, tensors_in_any=False).decode(frames), group)
+    bucket = one_piece(torch.randn(64, 64))
+    assert_same(Decoder(WeightBucket, tensors_in_any=False).decode(
+        over_the_wire(encode(bucket))), bucket)
+
+
+def test_without_tensors_in_any_the_issues_tensor_bomb_builds_nothing(built: list[int]) -> None:
+    error = reject(tensor_bomb(1_000_000), Decoder(tensors_in_any=False))
+    assert error.kind == "tensor" and "not a tensor field" in error.detail
+    assert built[0] == 0
