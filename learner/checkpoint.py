@@ -17,17 +17,22 @@ needs to go on after step N:
 - ``meta.json``, written last (``CheckpointMeta``): the train loop's step, weight version
   and whether the policy changed since that version was published; the learner's step
   count; the learning-rate schedules; the KL controller's coefficient; the world size; the
-  trained parts; the MLflow run.
+  trained parts; the MLflow run; the lineage; when it was written; the size and SHA-256 of
+  every other file (``learner.checkpoint_meta``).
 
-Atomicity. Everything is written into ``step-<N>.tmp``; once every rank's files are in
-place rank 0 fsyncs them, writes ``meta.json`` (to a temporary name, fsync,
-``os.replace``) and renames the folder to ``step-<N>`` (then fsyncs the checkpoint dir).
-A checkpoint is complete when it is named ``step-<N>`` and its ``meta.json`` reads; any
-other folder (a ``.tmp`` left by a crash, a folder without ``meta.json``, one of an older
-format) is skipped with a warning naming it. ``keep_last`` counts complete checkpoints; a
-save also removes complete checkpoints of later steps (left by the run that was resumed
-from an earlier checkpoint: ``auto`` would otherwise go back to them) and this step's
-leftover ``.tmp``.
+Atomicity. Everything is written into ``step-<N>.tmp`` (claimed for the run's lineage:
+``learner.checkpoint_lineage``); once every rank's files are in place the ranks hash them,
+rank 0 fsyncs them, writes ``meta.json`` (to a temporary name, fsync, ``os.replace``),
+clears the group and other write bits of everything, renames the folder to ``step-<N>``
+(then fsyncs the checkpoint dir) and prunes the lineage's old checkpoints and leftovers.
+What makes a folder a complete checkpoint, and finding them: ``learner.checkpoint_meta``.
+
+Verifying. ``check_resumable`` (the launcher's check of the checkpoint a run resumes from)
+refuses a checkpoint that is not intact (``learner.checkpoint_meta.check_intact``: not this
+user's, writable by the group or others, a file whose size or SHA-256 differs from the
+manifest, DCP metadata that asks to run code), naming the folder or file;
+``resumable_checkpoint`` (``trainer.resume_mode = "auto"``) takes the most recently written
+checkpoint that passes, saying which newer ones it skipped and why.
 
 Resuming (``load_checkpoint``) puts every piece back; ``dcp`` reshards, so the world size
 may differ (rank r takes the random state of saved rank r mod the saved world size). The
@@ -35,7 +40,9 @@ optimizers' learning rates, betas and weight decays are the run config's, not th
 checkpoint's (``learner.optim.reapply_configured``: each that differs is logged), so an
 edited ``run.toml`` takes effect on a resume or a replay; the schedules keep their step. A
 checkpoint whose trained parts differ from the run's (a critic, but the run is GRPO) or
-whose tensors do not fit the run's models is refused with a ``CheckpointError`` naming it.
+whose tensors do not fit the run's models is refused with a ``CheckpointError`` naming it
+(the damaged file first, when the manifest shows one). The sharded state is read without
+running any pickle it holds (``learner.safe_dcp``).
 
 Several hosts. Every rank writes its own shards into the checkpoint folder and rank 0
 commits it, so a learner on several hosts needs that folder on a filesystem they all see;
@@ -50,10 +57,10 @@ import json
 import logging
 import os
 import random
-import re
 import secrets
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +71,35 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from buffer.prompt_source import read_buffer_checkpoint, write_buffer_checkpoint
+from buffer.prompt_source import (
+    BufferCheckpointError,
+    read_buffer_checkpoint,
+    write_buffer_checkpoint,
+)
 from configs.run_schema import RunConfig
+from learner import safe_dcp
+from learner.checkpoint_files import (
+    CheckpointError,
+    FileDigest,
+    fsync_dir,
+    listed_files,
+    manifest,
+    tighten_modes,
+    write_durably,
+)
+from learner.checkpoint_lineage import WRITER_FILE, Lineage, claim, claim_name, prune
+from learner.checkpoint_meta import (
+    FORMAT,
+    META_FILE,
+    PARTIAL_SUFFIX,
+    REPLACED_SUFFIX,
+    CheckpointMeta,
+    LoopState,
+    check_intact,
+    newest_first,
+    read_meta,
+    verify_files,
+)
 from learner.update import Learner
 from learner.hf_export import save_hf
 from learner.optim import ConfiguredValues, configured_values, reapply_configured
@@ -76,42 +110,9 @@ from transport.sockets import Client
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # CheckpointMeta.format; a checkpoint of another format is not resumed
-META_FILE = "meta.json"
-PARTIAL_SUFFIX = ".tmp"
-REPLACED_SUFFIX = ".replaced"
-COMPLETE_NAME = re.compile(r"step-(\d+)")
 OPTIM_KEYS = {"policy": "actor.optim", "critic": "critic.optim",
               "prm": "reward_model.model.optim"}  # each trained part's optimizer config
 BUFFER_REQUEST_TIMEOUT_S = 60.0
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be read or does not fit the run (the message names it)."""
-
-
-class LoopState(msgspec.Struct, kw_only=True, frozen=True):
-    """Where the train loop stands after ``step``: the newest published weight ``version``
-    and whether the policy has changed since it was published."""
-
-    step: int
-    version: int
-    unpublished_update: bool = False
-
-
-class CheckpointMeta(msgspec.Struct, kw_only=True, frozen=True):
-    """``meta.json``, the completion marker (module docstring). ``schedulers`` holds each
-    trained part's ``LRScheduler.state_dict()``; ``kl_coef`` the KL controller's
-    coefficient (None without KL in the reward)."""
-
-    format: int
-    loop: LoopState
-    steps_done: int
-    world_size: int
-    parts: list[str]
-    schedulers: dict[str, dict[str, Any]]
-    kl_coef: float | None = None
-    mlflow_run_id: str = ""
 
 
 # -- what a learner trains ------------------------------------------------------------------
@@ -159,20 +160,21 @@ def _optimizers(learner: Learner) -> dict[str, torch.optim.Optimizer]:
 # -- saving ---------------------------------------------------------------------------------
 
 
-def save_checkpoint(learner: Learner, folder: Path, loop: LoopState, *, keep_last: int,
-                    tokenizer=None, buffer: BufferCheckpoint | None = None,
+def save_checkpoint(learner: Learner, folder: Path, loop: LoopState, *, lineage: Lineage,
+                    keep_last: int, tokenizer=None, buffer: BufferCheckpoint | None = None,
                     mlflow_run_id: str = "", group: dist.ProcessGroup | None = None) -> Path:
     """Write ``folder/step-<loop.step>`` atomically (a collective: call on every rank) and
-    prune old checkpoints. Rank 0 passes the tokenizer, the buffer's state and the MLflow
-    run id; a checkpoint without the buffer's state cannot be resumed by the launcher.
-    ``group``: a CPU (gloo) group of every rank, for the Hugging Face export on GPUs."""
+    prune ``lineage``'s old checkpoints (the run's, ``run_lineage``: the same on every
+    rank). Rank 0 passes the tokenizer, the buffer's state and the MLflow run id; a
+    checkpoint without the buffer's state cannot be resumed by the launcher. ``group``: a
+    CPU (gloo) group of every rank, for the Hugging Face export and the checksums on GPUs.
+    A ``CheckpointError`` on rank 0 when ``step-<N>`` holds another lineage's checkpoint."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = folder / f"step-{loop.step}"
     partial = folder / f"step-{loop.step}{PARTIAL_SUFFIX}"
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
-        if partial.exists():
-            shutil.rmtree(partial)  # left by a run that died while writing this step
+        claim(final, lineage)
     _barrier()
     dcp.save(checkpoint_state(learner), checkpoint_id=str(partial / "dcp"))
     _write_rng(partial / "rng", rank)
@@ -183,6 +185,7 @@ def save_checkpoint(learner: Learner, folder: Path, loop: LoopState, *, keep_las
         if buffer is not None:
             write_buffer_checkpoint(partial, buffer)
     _barrier()  # every rank's files are in place
+    files = _manifest(partial, group)
     if rank == 0:
         meta = CheckpointMeta(format=FORMAT, loop=loop, steps_done=learner.steps_done,
                               world_size=dist.get_world_size() if dist.is_initialized() else 1,
@@ -190,11 +193,15 @@ def save_checkpoint(learner: Learner, folder: Path, loop: LoopState, *, keep_las
                               schedulers={name: scheduler.state_dict() for name, scheduler
                                           in _schedulers(learner).items()},
                               kl_coef=learner.kl_ctrl.value if learner.kl_ctrl else None,
-                              mlflow_run_id=mlflow_run_id)
+                              mlflow_run_id=mlflow_run_id, lineage=lineage,
+                              saved_at=time.time(), files=files)
+        (partial / WRITER_FILE).unlink()
         _fsync_tree(partial)
-        _write_durably(partial / META_FILE, msgspec.json.encode(meta))
+        write_durably(partial / META_FILE, msgspec.json.encode(meta))
+        tighten_modes(partial)  # meta.json too: the umask may leave group write on it
+        claim_name(final, lineage)  # another run may have taken it meanwhile
         _commit(partial, final)
-        _prune(folder, final, keep_last)
+        prune(folder, final, lineage, keep_last)
         logger.info("checkpoint saved to %s", final)
     _barrier()
     return final
@@ -211,30 +218,11 @@ def _write_rng(folder: Path, rank: int) -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = _b64(torch.cuda.get_rng_state())
     folder.mkdir(parents=True, exist_ok=True)
-    _write_durably(folder / f"rank-{rank}.json", json.dumps(state).encode())
+    write_durably(folder / f"rank-{rank}.json", json.dumps(state).encode())
 
 
 def _b64(tensor: torch.Tensor) -> str:
     return base64.b64encode(tensor.numpy().tobytes()).decode()
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    """Write to a temporary name, fsync, and rename into place."""
-    temporary = path.with_name(path.name + ".partial")
-    with open(temporary, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -242,7 +230,7 @@ def _fsync_tree(folder: Path) -> None:
         for name in files:
             with open(os.path.join(root, name), "rb") as written:
                 os.fsync(written.fileno())
-        _fsync_dir(Path(root))
+        fsync_dir(Path(root))
 
 
 def _commit(partial: Path, final: Path) -> None:
@@ -251,90 +239,74 @@ def _commit(partial: Path, final: Path) -> None:
     if final.exists():
         os.replace(final, replaced)
     os.replace(partial, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if replaced.exists():
         shutil.rmtree(replaced)
 
 
-def _prune(folder: Path, kept: Path, keep_last: int) -> None:
-    """Keep the newest ``keep_last`` complete checkpoints up to ``kept``; remove the later
-    ones (an abandoned run's: module docstring)."""
-    step = int(COMPLETE_NAME.fullmatch(kept.name).group(1))
-    complete, _incomplete = scan_checkpoints(folder)
-    for later in [path for number, path in complete if number > step]:
-        logger.warning("removing %s: a later step of the run this one resumed from an "
-                       "earlier checkpoint", later)
-        shutil.rmtree(later)
-    older = [path for number, path in complete if number <= step]
-    for old in older[:-keep_last]:
-        shutil.rmtree(old)
+def _manifest(partial: Path, group: dist.ProcessGroup | None) -> dict[str, FileDigest]:
+    """The size and SHA-256 of every file in ``partial`` but ``writer.json`` (a collective:
+    rank 0 lists them and shares them out by size, largest first to the least loaded rank;
+    each rank hashes its share); the whole manifest on rank 0, {} on the others."""
+    if not dist.is_initialized():
+        return manifest(partial, listed_files(partial, [WRITER_FILE]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shares: list[list[list[str]] | None] = [None]
+    if rank == 0:
+        sizes = {name: (partial / name).stat().st_size
+                 for name in listed_files(partial, [WRITER_FILE])}
+        shares[0] = _share_out(sizes, world)
+    dist.broadcast_object_list(shares, src=0, group=group)
+    assert shares[0] is not None
+    mine = manifest(partial, shares[0][rank])
+    gathered: list[dict[str, FileDigest]] | None = [{} for _ in range(world)] \
+        if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0, group=group)
+    return {name: digest for part in gathered or [] for name, digest in part.items()}
 
 
-# -- finding --------------------------------------------------------------------------------
+def _share_out(sizes: dict[str, int], ranks: int) -> list[list[str]]:
+    """``sizes``' files in ``ranks`` shares of about equal bytes (largest first, each to the
+    share with the fewest bytes so far)."""
+    shares: list[list[str]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        least = loads.index(min(loads))
+        shares[least].append(name)
+        loads[least] += sizes[name]
+    return shares
 
 
-def read_meta(checkpoint: Path) -> CheckpointMeta:
-    """The checkpoint's ``meta.json``; ``CheckpointError`` when it is not a complete
-    checkpoint of this format."""
-    match = COMPLETE_NAME.fullmatch(checkpoint.name)
-    if checkpoint.name.endswith(PARTIAL_SUFFIX):
-        raise CheckpointError(f"{checkpoint}: incomplete, its writing did not finish")
-    if match is None:
-        raise CheckpointError(f"{checkpoint}: not a checkpoint folder (step-<N>)")
-    if not checkpoint.is_dir():
-        raise CheckpointError(f"{checkpoint}: no such checkpoint folder")
-    path = checkpoint / META_FILE
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{checkpoint}: incomplete, no {META_FILE}") from None
-    try:
-        fields = msgspec.json.decode(raw, type=dict[str, Any])
-    except msgspec.DecodeError as exc:
-        raise CheckpointError(f"{path}: unreadable: {exc}") from exc
-    if fields.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: written by another version of Relay (format "
-                              f"{fields.get('format')}, this one reads {FORMAT}); it cannot "
-                              "be resumed")
-    try:
-        meta = msgspec.convert(fields, type=CheckpointMeta)
-    except msgspec.ValidationError as exc:
-        raise CheckpointError(f"{path}: unreadable: {exc}") from exc
-    if meta.loop.step != int(match.group(1)):
-        raise CheckpointError(f"{path}: says step {meta.loop.step}, the folder says "
-                              f"{match.group(1)}")
-    return meta
+# -- what a run can resume from -------------------------------------------------------------
 
 
-def scan_checkpoints(folder: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
-    """The complete checkpoints in ``folder`` by step, oldest first, and the other
-    ``step-*`` folders with why each is not complete."""
-    complete: list[tuple[int, Path]] = []
-    incomplete: list[tuple[Path, str]] = []
-    for path in sorted(folder.glob("step-*")) if folder.is_dir() else []:
+def resumable_checkpoint(folder: Path, run: RunConfig) -> Path | None:
+    """The newest checkpoint in ``folder`` that ``run`` can resume from (``check_resumable``;
+    None if none), with a warning for each newer one skipped saying why."""
+    skipped: list[Path] = []
+    for path, _meta in newest_first(folder):
         try:
-            meta = read_meta(path)
-        except CheckpointError as exc:
-            incomplete.append((path, str(exc)))
-        else:
-            complete.append((meta.loop.step, path))
-    return sorted(complete), incomplete
-
-
-def latest_checkpoint(folder: Path) -> Path | None:
-    """The newest complete checkpoint in ``folder`` (None if none); every other
-    ``step-*`` folder is skipped with a warning that names it."""
-    complete, incomplete = scan_checkpoints(folder)
-    for _path, why in incomplete:
-        logger.warning("skipping %s", why)
-    return complete[-1][1] if complete else None
+            check_resumable(path, run)
+        except (CheckpointError, BufferCheckpointError) as exc:
+            logger.warning("skipping %s: %s", path, exc)
+            skipped.append(path)
+            continue
+        if skipped:
+            logger.warning("resuming from %s, the newest valid checkpoint: the newer %s cannot "
+                           "be resumed (above: why)", path, ", ".join(p.name for p in skipped))
+        return path
+    return None
 
 
 def check_resumable(checkpoint: Path, run: RunConfig) -> CheckpointMeta:
-    """``checkpoint``'s meta, after checking that ``run`` can resume from it: complete,
-    the same trained parts, the buffer's state present."""
+    """``checkpoint``'s meta, after checking that ``run`` can resume from it: complete, the
+    same trained parts, intact (``check_intact``: this user's and not writable by the group
+    or others, every file as its manifest recorded, DCP metadata that runs no code), the
+    buffer's state present. ``CheckpointError`` (or ``BufferCheckpointError``) naming the
+    folder or file otherwise."""
     meta = read_meta(checkpoint)
     check_parts(meta, expected_parts(run), checkpoint)
+    check_intact(checkpoint, meta)
     read_buffer_checkpoint(checkpoint)  # raises BufferCheckpointError naming the file
     return meta
 
@@ -385,7 +357,7 @@ def _shared_probe(folder: Path, group: dist.ProcessGroup | None) -> None:
     if dist.get_rank() == 0:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            _write_durably(probe, nonce[0].encode())
+            write_durably(probe, nonce[0].encode())
         except OSError as exc:  # every rank must still reach the collectives below
             logger.error("cannot write %s: %s", probe, exc)
     dist.barrier(group=group)
@@ -427,7 +399,9 @@ def _differing(readings: list[tuple[str, str | None]]) -> list[str]:
 
 def load_checkpoint(learner: Learner, checkpoint: Path) -> CheckpointMeta:
     """Put every piece of ``checkpoint`` back into ``learner`` and this process (a
-    collective: call on every rank); returns its meta for the loop's own state."""
+    collective: call on every rank); returns its meta for the loop's own state. Its files
+    are verified against the manifest (``check_resumable``, by the launcher and the replay)
+    before, and here again when they fail to load, to blame a damaged file first."""
     meta = read_meta(checkpoint)
     check_parts(meta, trained_parts(learner), checkpoint)
     optimizers, schedulers = _optimizers(learner), _schedulers(learner)
@@ -435,8 +409,11 @@ def load_checkpoint(learner: Learner, checkpoint: Path) -> CheckpointMeta:
                   for name in schedulers}
     state = checkpoint_state(learner)
     try:
-        dcp.load(state, checkpoint_id=str(checkpoint / "dcp"))
-    except CheckpointException as exc:  # every rank's failure, with its traceback
+        safe_dcp.load(state, str(checkpoint / "dcp"))
+    except (CheckpointException, CheckpointError) as exc:
+        verify_files(checkpoint, meta)  # a damaged file is to blame first: name it
+        if isinstance(exc, CheckpointError):
+            raise
         causes = "; ".join(f"rank {rank}: {error}" for rank, (error, _trace)
                            in sorted(exc.failures.items()))
         raise CheckpointError(f"{checkpoint}: its weights do not fit this run's models "

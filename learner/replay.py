@@ -12,7 +12,11 @@ disagrees points at non-determinism or at state the checkpoint did not carry.
 
 The served samples of a group are the logged group's samples that the store kept
 (``metadata["buffer_admission"]["kept_samples"]``: PF-PPO may keep fewer). Steps between
-the checkpoint and A are replayed too (they lead to A's weights) and printed.
+the checkpoint and A are replayed too (they lead to A's weights) and printed. A checkpoint
+that is not intact (``learner.checkpoint_meta.check_intact``: not this user's, writable by
+others, files that differ from its manifest, DCP metadata that asks to run code) is skipped
+with a warning saying why, for the newest one before it that passes; its state is read
+without running any pickle (``learner.safe_dcp``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from transformers import AutoTokenizer
 from buffer.rollout_log import LogProblem, StepRecord, read_rollout_log, read_steps
 from configs.rundir import RunContext
 from learner.batch import collate
-from learner.checkpoint import load_checkpoint, scan_checkpoints
+from learner.checkpoint import load_checkpoint
+from learner.checkpoint_files import CheckpointError
+from learner.checkpoint_meta import check_intact, read_meta, scan_checkpoints
 from learner.main import build_learner
 from learner.tracking import RUN_DIR_TAG, default_uri
 from learner.update import Learner
@@ -106,11 +112,17 @@ def recorded_steps(log_folder: Path, first: int, last: int,
 
 
 def starting_checkpoint(folder: Path, first: int) -> tuple[int, Path | None]:
-    """The newest complete checkpoint written before step ``first`` and its step, or
-    (0, None): start from ``model.path``."""
+    """The newest complete checkpoint written before step ``first`` that is this user's and
+    intact (module docstring) and its step, or (0, None): start from ``model.path``."""
     complete, _incomplete = scan_checkpoints(folder)
-    before = [(step, path) for step, path in complete if step < first]
-    return before[-1] if before else (0, None)
+    for step, path in reversed([(step, path) for step, path in complete if step < first]):
+        try:
+            check_intact(path, read_meta(path))
+        except CheckpointError as exc:
+            logger.warning("skipping %s: %s", path, exc)
+            continue
+        return step, path
+    return 0, None
 
 
 def live_metrics(ctx: RunContext, names: tuple[str, ...] = COMPARED,
@@ -151,12 +163,16 @@ class Replayer:
         dist.init_process_group("gloo", store=dist.FileStore(f"{self._store_dir.name}/store", 1),
                                 rank=0, world_size=1)
         torch.manual_seed(run.trainer.seed)
-        tokenizer = AutoTokenizer.from_pretrained(run.model.path,
-                                                  trust_remote_code=run.model.trust_remote_code)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.learner: Learner = build_learner(ctx, torch.device("cpu"))
-        if checkpoint is not None:
-            load_checkpoint(self.learner, checkpoint)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(
+                run.model.path, trust_remote_code=run.model.trust_remote_code)
+            self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            self.learner: Learner = build_learner(ctx, torch.device("cpu"))
+            if checkpoint is not None:
+                load_checkpoint(self.learner, checkpoint)
+        except BaseException:
+            self.close()  # a refused checkpoint, say: leave no process group behind
+            raise
 
     def step(self, recorded: ReplayStep) -> dict[str, float]:
         train = collate(recorded.groups, self.pad_id, recorded.record.weights)

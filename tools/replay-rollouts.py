@@ -7,7 +7,8 @@ Trains the run's learner (its config, one rank, no generators, no buffer) on exa
 groups each recorded step trained on, from the newest checkpoint before step A (or the
 initial weights), and prints per step the loss, KL and grad norm next to what the live run
 logged to MLflow (``learner.replay``). ``--tolerance R`` exits 1 when a step's metrics
-differ from the live run's by more than R (relative).
+differ from the live run's by more than R (relative). A checkpoint it refuses to load (one
+whose metadata asks to run code, say) ends it with exit code 2 and the reason.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 
 from configs import ConfigError
 from configs.rundir import configure_logging, load_run_dir
+from learner.checkpoint_files import CheckpointError
 from learner.replay import ReplayError, StepComparison, replay
 
 
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             if comparison.step >= args.from_step:
                 worst = max(worst, comparison.worst_relative_difference())
                 compared += 1
-    except (ReplayError, ConfigError, FileNotFoundError) as exc:
+    except (ReplayError, CheckpointError, ConfigError, FileNotFoundError) as exc:
         print(f"replay-rollouts: {exc}", file=sys.stderr)
         return 2
     print(f"replayed {compared} steps; the largest relative difference from the live run is "

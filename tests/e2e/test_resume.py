@@ -12,6 +12,7 @@ the generator its sampling stream per lease (``generators.process.SamplingSeeds`
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -23,13 +24,15 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.metadata import Metadata
 
 from buffer.dataset import PromptDataset
 from buffer.prompt_source import PromptSource, write_buffer_checkpoint
+from buffer.rollout_log import read_rollout_log
 from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
 from launcher.plan import write_resolved
 from launcher.resolve import ResolvedLaunch, resolve_launch
-from learner.checkpoint import FORMAT, META_FILE, CheckpointMeta, LoopState, scan_checkpoints
+from learner.checkpoint_meta import FORMAT, META_FILE, CheckpointMeta, LoopState, scan_checkpoints
 from transport.messages import BufferCheckpoint
 
 from .conftest import LAUNCHER, ROOT, launch, processes_mentioning, small_run_overrides
@@ -126,7 +129,8 @@ def test_a_killed_run_resumes_to_the_uninterrupted_weights(random_model_dir: Pat
 
 
 def write_checkpoint_files(folder: Path, step: int) -> None:
-    """What the launcher reads of a checkpoint: ``meta.json`` and the buffer's state."""
+    """What the launcher reads of a checkpoint: ``meta.json``, the buffer's state and the
+    DCP metadata (here of no tensors)."""
     folder.mkdir(parents=True)
     source = PromptSource(PromptDataset([]), shuffle=False)
     write_buffer_checkpoint(folder, BufferCheckpoint(step=step, source=source.state()))
@@ -134,6 +138,8 @@ def write_checkpoint_files(folder: Path, step: int) -> None:
                           steps_done=step, world_size=1, parts=["policy"],
                           schedulers={"policy": {}})
     (folder / META_FILE).write_bytes(msgspec.json.encode(meta))
+    (folder / "dcp").mkdir()
+    (folder / "dcp" / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
 
 
 def resolve(model_dir: Path, run_root: Path, *extra: str) -> ResolvedLaunch:
@@ -194,3 +200,63 @@ def test_resume_refuses_what_it_cannot_resume(random_model_dir: Path, tmp_path: 
     nothing = launch(["--resume", str(resolved.run_dir)])
     assert nothing.returncode == 2
     assert "no complete checkpoint" in nothing.stderr and "step-2.tmp" in nothing.stderr
+
+
+def ground_truths(run_dir: Path) -> dict[str, set]:
+    """Each prompt id of the run's rollout log with the ground truths logged under it."""
+    seen: dict[str, set] = {}
+    for group in read_rollout_log(run_dir / "rollouts"):
+        seen.setdefault(group.prompt_id, set()).add(group.ground_truth)
+    return seen
+
+
+@pytest.mark.slow
+def test_a_resume_under_another_batch_size_or_other_rows_is_refused_unless_allowed(
+        random_model_dir: Path, tmp_path: Path) -> None:
+    """The issue's two failures. After 2 steps of 4 groups, data.train_batch_size=2 is
+    refused at launch naming the key; allowed, the run trains on (the gate counted 8
+    groups, which at 2 per step would have held every lease back for good). Then 5 other
+    training rows: refused; allowed, the run trains on them as epoch 1 after the prompts
+    not trained on (the saved stream stood past row 5: torchdata's restore raised a bare
+    StopIteration), and no prompt id names two rows."""
+    other = tmp_path / "other.jsonl"
+    rows = (ROOT / "configs/data/arithmetic-train.jsonl").read_text().splitlines()[-5:]
+    other.write_text("\n".join(rows) + "\n")
+    first = launch(small_run_overrides(random_model_dir, tmp_path / "runs", steps=2) + [
+        "buffer.max_staleness=0", "trainer.save_freq=2", "trainer.test_freq=-1",
+        "trainer.val_before_train=false"])
+    assert first.returncode == 0, first.stdout + first.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+
+    smaller = ["--resume", str(run_dir), "data.train_batch_size=2",
+               "trainer.total_training_steps=4", "trainer.progress_timeout_s=120"]
+    refused = launch(smaller)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "data.train_batch_size: 4 in the checkpoint, 2 now" in refused.stderr
+    assert "trainer.resume_allow_changes=data.train_batch_size " in refused.stderr
+    assert not (run_dir / "checkpoints" / "step-4").exists()
+    allowed = launch([*smaller, "trainer.resume_allow_changes=data.train_batch_size"])
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    assert (run_dir / "checkpoints" / "step-4").is_dir()
+    assert ("resuming under a changed config (allowed at launch): data.train_batch_size: 4 "
+            "in the checkpoint, 2 now") in (run_dir / "logs" / "buffer.log").read_text()
+
+    other_rows = ["--resume", str(run_dir), f"data.train_files={other}",
+                  "trainer.total_training_steps=6", "trainer.progress_timeout_s=120"]
+    refused = launch([*other_rows, "data.train_batch_size=1"])
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    # the last launch's allowance of data.train_batch_size does not carry over
+    assert "data.train_files, data.train_batch_size: resuming from" in refused.stderr
+    assert "data.train_batch_size: 2 in the checkpoint, 1 now" in refused.stderr
+    allowed = launch([*other_rows, "data.train_batch_size=2",
+                      "trainer.resume_allow_changes=data.train_files"])
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    assert (run_dir / "checkpoints" / "step-6").is_dir()
+
+    seen = ground_truths(run_dir)
+    assert all(len(truths) == 1 for truths in seen.values()), seen  # one row per id
+    new_rows = {pid: truths for pid, truths in seen.items() if pid.startswith("e1-")}
+    assert new_rows, sorted(seen)
+    expected = [msgspec.json.decode(row)["reward_model"]["ground_truth"] for row in rows]
+    for prompt_id, truths in new_rows.items():
+        assert truths == {expected[int(prompt_id.removeprefix("e1-"))]}

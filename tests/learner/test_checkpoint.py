@@ -1,18 +1,26 @@
 """Checkpoints: written atomically (a folder is complete only once renamed, with its
 ``meta.json``), found newest-complete-first with incomplete ones skipped by name, pruned to
-``keep_last`` complete ones, and read back whole: a learner resumed from a checkpoint takes
-the same next step as the learner that wrote it, and one written by two ranks, or by four
-hybrid-sharded as 2 x 2 (HSDP's 2-D shards), loads at one and at the layout that wrote
-it."""
+``keep_last`` complete ones of the run's own lineage (a branch or another run in the same
+folder keeps its checkpoints; leftovers of interrupted saves go), verified before a resume
+(a flipped byte, a metadata pickle that would run code, a folder others can write: each
+refused naming it, and ``auto`` falls back to the newest intact one), and read back whole: a
+learner resumed from a checkpoint takes the same next step as the learner that wrote it, and
+one written by two ranks, or by four hybrid-sharded as 2 x 2 (HSDP's 2-D shards), loads at
+one and at the layout that wrote it."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import pickle
 import random
+import re
+import shutil
+import stat
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,9 +32,12 @@ from configs.run_schema import (
     ActorConfig,
     AlgorithmConfig,
     CriticConfig,
+    DataConfig,
+    ModelConfig,
     OptimConfig,
     PrmModelConfig,
     RewardModelConfig,
+    RunConfig,
 )
 from generators.torch_engine import TorchEngine
 from learner import checkpoint as checkpoints
@@ -34,17 +45,25 @@ from learner.batch import TrainBatch, collate
 from learner.checkpoint import (
     CheckpointError,
     LoopState,
-    latest_checkpoint,
+    check_resumable,
     load_checkpoint,
-    read_meta,
+    resumable_checkpoint,
     save_checkpoint,
 )
+from learner.checkpoint_files import digest_file
+from learner.checkpoint_lineage import (
+    continued_lineage,
+    overwritten_checkpoints,
+    run_lineage,
+)
+from learner.checkpoint_meta import META_FILE, Branch, Lineage, latest_checkpoint, read_meta
 from learner.critic import Critic
 from learner.implicit_prm import ImplicitPRM
 from learner.update import Learner
 from transport.messages import BufferCheckpoint, Prompt, PromptSourceState
 
 from ..conftest import exit_worker, free_port, gather_full_weights, save_random_model
+from .test_safe_dcp import Payload
 from .test_update import rollouts
 from .test_update_algorithms import make_learner
 
@@ -87,9 +106,14 @@ def moments(learner: Learner) -> list[torch.Tensor]:
     return [s["exp_avg"].full_tensor().clone() for s in learner.optimizer.state.values()]
 
 
-def save(learner: Learner, folder: Path, step: int, keep_last: int = 2) -> Path:
-    return save_checkpoint(learner, folder, LoopState(step=step, version=step), keep_last=keep_last,
-                           buffer=BUFFER, mlflow_run_id="run-1")
+RUN = Lineage(id="run")  # the lineage of these tests' saves, unless they say otherwise
+
+
+def save(learner: Learner, folder: Path, step: int, keep_last: int = 2,
+         lineage: Lineage = RUN) -> Path:
+    return save_checkpoint(learner, folder, LoopState(step=step, version=step),
+                           lineage=lineage, keep_last=keep_last, buffer=BUFFER,
+                           mlflow_run_id="run-1")
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -102,7 +126,7 @@ def test_a_resumed_learner_takes_the_same_next_step(random_model_dir: Path, tmp_
         trained.step(batch)
     folder = save_checkpoint(trained, tmp_path, LoopState(step=2, version=2,
                                                           unpublished_update=True),
-                             keep_last=2, buffer=BUFFER, mlflow_run_id="run-1")
+                             lineage=RUN, keep_last=2, buffer=BUFFER, mlflow_run_id="run-1")
     draws = (torch.rand(3), random.random())
     saved_weights, saved_moments = full_weights(trained.model), moments(trained)
     saved_lr, saved_kl = trained.scheduler.get_last_lr(), trained.kl_ctrl.value
@@ -220,16 +244,164 @@ def test_incomplete_checkpoints_are_skipped_by_name(random_model_dir: Path, tmp_
     assert latest_checkpoint(tmp_path / "nothing-here") is None
 
 
-def test_keep_last_counts_complete_checkpoints_and_drops_an_abandoned_future(
+def test_keep_last_counts_this_lineages_checkpoints_and_spares_every_other_lineages(
         random_model_dir: Path, tmp_path: Path) -> None:
     learner = make_learner(random_model_dir)
-    (tmp_path / "step-0.tmp").mkdir(parents=True)
+    (tmp_path / "step-0.tmp").mkdir(parents=True)  # names no writer, older than any save
     for step in (1, 2, 3, 4):
         save(learner, tmp_path, step=step, keep_last=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0.tmp", "step-3", "step-4"]
-    save(learner, tmp_path, step=3, keep_last=2)  # resumed from an earlier checkpoint
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0.tmp", "step-3"]
-    assert read_meta(tmp_path / "step-3").loop.step == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4"]
+    save(learner, tmp_path, step=3, keep_last=2)  # this lineage went back: its step 4 goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]
+
+    # a branch (another lineage) in the same folder: before lineages, saving its step 2
+    # removed step-3, a later step of whichever run
+    branch = Lineage(id="branch", parent=Branch(lineage=RUN.id, step=1, path="step-1"))
+    ours = (tmp_path / "step-3" / "meta.json").read_bytes()
+    for step in (1, 2, 5, 6):
+        save(learner, tmp_path, step=step, keep_last=2, lineage=branch)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-5", "step-6"]
+    assert (tmp_path / "step-3" / "meta.json").read_bytes() == ours
+    assert read_meta(tmp_path / "step-6").lineage == branch
+
+    # it never writes over the other lineage's step, and leaves nothing behind trying
+    with pytest.raises(CheckpointError, match=r"step-3: holds another run's checkpoint "
+                                              r"\(lineage run\); this run \(lineage branch\)"):
+        save(learner, tmp_path, step=3, lineage=branch)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-5", "step-6"]
+    assert (tmp_path / "step-3" / "meta.json").read_bytes() == ours
+
+
+GRPO_RUN = RunConfig(data=DataConfig(train_files=[]), model=ModelConfig(path="unused"))
+
+
+def names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_a_branch_keeps_the_later_checkpoints_of_the_run_it_branched_from(
+        random_model_dir: Path, tmp_path: Path) -> None:
+    """The issue's case: resume_from_path=step-50 while step-60 exists. Before lineages the
+    branch's first save removed step-60."""
+    learner = make_learner(random_model_dir)
+    for step in (50, 60):
+        save(learner, tmp_path, step=step, keep_last=5)
+    branch = run_lineage(tmp_path, tmp_path / "step-50")
+    assert branch.id != RUN.id
+    assert branch.parent == Branch(lineage=RUN.id, step=50, path=str(tmp_path / "step-50"))
+    save(learner, tmp_path, step=51, keep_last=1, lineage=branch)
+    assert names(tmp_path) == ["step-50", "step-51", "step-60"]
+    assert read_meta(tmp_path / "step-60").lineage == RUN
+
+    # the launcher refuses the branch if it would save where step-60 lies
+    assert overwritten_checkpoints(tmp_path, continued_lineage(tmp_path, tmp_path / "step-50"),
+                                   [55, 60]) == [(tmp_path / "step-60", "lineage run")]
+    # resuming from the newest continues the lineage; so does resuming past a damaged later
+    # checkpoint, which the run's own save then replaces
+    assert run_lineage(tmp_path, tmp_path / "step-60") == RUN
+    flip_a_byte(tmp_path / "step-60")
+    assert continued_lineage(tmp_path, tmp_path / "step-50") == RUN
+
+
+def flip_a_byte(checkpoint: Path) -> Path:
+    """Flip one bit in the middle of the checkpoint's largest DCP shard; that shard."""
+    shard = max((checkpoint / "dcp").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_auto_resumes_from_the_one_before(
+        random_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    learner = make_learner(random_model_dir)
+    for step in (1, 2):
+        save(learner, tmp_path, step=step)
+    meta = check_resumable(tmp_path / "step-2", GRPO_RUN)
+    assert {"meta.json", "writer.json"}.isdisjoint(meta.files)
+    assert {"buffer.rec", "dcp/.metadata", "hf/model.safetensors",
+            "rng/rank-0.json"} <= set(meta.files)
+    shard = flip_a_byte(tmp_path / "step-2")
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{shard}: its SHA-256 differs from the one {tmp_path / 'step-2'}'s meta.json "
+            "recorded: the checkpoint is damaged")):
+        check_resumable(tmp_path / "step-2", GRPO_RUN)
+    with caplog.at_level(logging.WARNING, logger="learner.checkpoint"):
+        assert resumable_checkpoint(tmp_path, GRPO_RUN) == tmp_path / "step-1"
+    assert f"skipping {tmp_path / 'step-2'}: {shard}: its SHA-256 differs" in caplog.text
+    assert (f"resuming from {tmp_path / 'step-1'}, the newest valid checkpoint: the newer "
+            "step-2 cannot be resumed") in caplog.text
+
+    # a cut shard fails to load: the error names it, not the model
+    shard.write_bytes(shard.read_bytes()[:-64])
+    with pytest.raises(CheckpointError, match=re.escape(f"{shard}: ")
+                       + r"\d+ bytes, but .*meta\.json recorded \d+: the checkpoint is damaged"):
+        load_checkpoint(make_learner(random_model_dir), tmp_path / "step-2")
+
+
+def test_leftovers_of_interrupted_saves_are_pruned_but_another_runs_are_kept(
+        random_model_dir: Path, tmp_path: Path) -> None:
+    learner = make_learner(random_model_dir)
+    save(learner, tmp_path, step=1)
+    writer = {"host": "h", "pid": 1}
+    for name, lineage in (("step-5.tmp", RUN.id), ("step-7.tmp", "other")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "writer.json").write_text(json.dumps({"lineage": lineage, **writer}))
+    shutil.copytree(tmp_path / "step-1", tmp_path / "step-1.replaced")  # this run's
+    (tmp_path / "step-0.tmp").mkdir()  # names no writer, older than the next save
+    save(learner, tmp_path, step=2)
+    assert names(tmp_path) == ["step-1", "step-2", "step-7.tmp"]
+
+
+def forge(checkpoint: Path, name: str, data: bytes) -> None:
+    """Put ``data`` in ``checkpoint/name`` and in its manifest, as whoever could write the
+    whole folder would: only the unpickler stands in the way then."""
+    (checkpoint / name).write_bytes(data)
+    meta = read_meta(checkpoint)
+    meta = msgspec.structs.replace(meta, files={**meta.files,
+                                                name: digest_file(checkpoint / name)})
+    (checkpoint / META_FILE).write_bytes(msgspec.json.encode(meta))
+
+
+def test_a_metadata_that_asks_to_run_code_is_refused_without_running_it(
+        random_model_dir: Path, tmp_path: Path) -> None:
+    saved = save(make_learner(random_model_dir), tmp_path, step=1)
+    marker = tmp_path / "ran"
+    forge(saved, "dcp/.metadata", pickle.dumps(Payload(marker)))
+    refused = re.escape(f"{saved / 'dcp' / '.metadata'}: refused: it asks to build "
+                        "tests.learner.test_safe_dcp.write_marker")
+    with pytest.raises(CheckpointError, match=refused):
+        check_resumable(saved, GRPO_RUN)
+    assert resumable_checkpoint(tmp_path, GRPO_RUN) is None
+    with pytest.raises(CheckpointError, match=refused):
+        load_checkpoint(make_learner(random_model_dir), saved)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_another_user_could_write_is_refused_naming_the_fix(
+        random_model_dir: Path, tmp_path: Path) -> None:
+    previous = os.umask(0o002)  # a shared-group umask: the save still writes 0644 / 0755
+    try:
+        saved = save(make_learner(random_model_dir), tmp_path, step=1)
+    finally:
+        os.umask(previous)
+    modes = [p.stat().st_mode for p in [saved, *saved.rglob("*")]]
+    assert not any(mode & (stat.S_IWGRP | stat.S_IWOTH) for mode in modes)
+    check_resumable(saved, GRPO_RUN)
+
+    (saved / "hf").chmod(0o775)
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{saved / 'hf'}: writable by its group or by others (mode 775)")
+            + f".*Fix: chmod -R go-w {re.escape(str(saved))}$"):
+        check_resumable(saved, GRPO_RUN)
+    assert resumable_checkpoint(tmp_path, GRPO_RUN) is None
+    (saved / "hf").chmod(0o755)
+    if os.geteuid() == 0:  # giving a file away needs root
+        os.chown(saved / "dcp" / ".metadata", 12345, 12345)
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"{saved / 'dcp' / '.metadata'}: owned by uid 12345, not by root")
+                + f".*chown -R root {re.escape(str(saved))}$"):
+            check_resumable(saved, GRPO_RUN)
 
 
 def test_a_checkpoint_of_another_algorithm_or_model_is_refused(
@@ -314,7 +486,7 @@ def save_from_ranks(rank: int, world: int, port: int, fsdp_size: int, model_dir:
         for _ in range(2):
             learner.step(torch.load(batch_file, weights_only=False))
         saved = save_checkpoint(learner, Path(folder), LoopState(step=2, version=2),
-                                keep_last=2, buffer=BUFFER if rank == 0 else None)
+                                lineage=RUN, keep_last=2, buffer=BUFFER if rank == 0 else None)
         resumed = make_learner(Path(model_dir), actor=ACTOR, fsdp_size=fsdp_size)
         load_checkpoint(resumed, saved)
         result = {name: {"weights": gather_full_weights(each.model, torch.float32),

@@ -4,12 +4,14 @@ whole tool runs end to end in tests/e2e/test_replay.py."""
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import msgspec
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
 
 from buffer.hub import with_admission
 from buffer.rollout_log import RolloutLogWriter, StepRecord
@@ -26,7 +28,8 @@ from configs.rundir import RunContext
 from configs.topology_schema import Topology
 from generators.torch_engine import TorchEngine
 from learner.batch import collate
-from learner.checkpoint import FORMAT, META_FILE, CheckpointMeta, LoopState, save_checkpoint
+from learner.checkpoint import CheckpointError, save_checkpoint
+from learner.checkpoint_meta import FORMAT, META_FILE, CheckpointMeta, Lineage, LoopState
 from learner.main import build_learner
 from learner.replay import (
     Replayer,
@@ -40,6 +43,8 @@ from transport.messages import Prompt
 from tests.buffer.conftest import make_group
 
 from ..conftest import free_port
+from .test_checkpoint import forge
+from .test_safe_dcp import Payload
 from .test_update import PROMPTS, rollouts
 
 
@@ -84,6 +89,8 @@ def checkpoint(folder: Path, step: int) -> None:
                           steps_done=step, world_size=1, parts=["policy"],
                           schedulers={"policy": {}})
     (path / META_FILE).write_bytes(msgspec.json.encode(meta))
+    (path / "dcp").mkdir()
+    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
 
 
 def test_the_replay_starts_from_the_newest_checkpoint_before_the_first_step(tmp_path) -> None:
@@ -93,6 +100,20 @@ def test_the_replay_starts_from_the_newest_checkpoint_before_the_first_step(tmp_
     assert starting_checkpoint(tmp_path, 5) == (4, tmp_path / "step-4")
     assert starting_checkpoint(tmp_path, 4) == (2, tmp_path / "step-2")
     assert starting_checkpoint(tmp_path, 2) == (0, None)
+
+
+def test_the_replay_skips_a_checkpoint_it_cannot_trust_for_the_one_before(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    for step in (2, 4, 6):
+        checkpoint(tmp_path, step)
+    marker = tmp_path / "ran"
+    (tmp_path / "step-4" / "dcp" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    (tmp_path / "step-6").chmod(0o777)
+    assert starting_checkpoint(tmp_path, 7) == (2, tmp_path / "step-2")
+    assert f"skipping {tmp_path / 'step-6'}: {tmp_path / 'step-6'}: writable by" in caplog.text
+    assert (f"skipping {tmp_path / 'step-4'}: {tmp_path / 'step-4' / 'dcp' / '.metadata'}: "
+            "refused: it asks to build tests.learner.test_safe_dcp.write_marker") in caplog.text
+    assert not marker.exists()
 
 
 def test_the_comparison_is_relative_and_absolute_near_zero() -> None:
@@ -127,7 +148,7 @@ def test_a_replay_with_an_edited_learning_rate_trains_with_it(random_model_dir: 
         live = build_learner(run_context(random_model_dir, tmp_path, 1e-3), torch.device("cpu"))
         live.step(batch)
         folder = save_checkpoint(live, tmp_path / "checkpoints", LoopState(step=1, version=1),
-                                 keep_last=1)
+                                 lineage=Lineage(id="live"), keep_last=1)
     finally:
         dist.destroy_process_group()
 
@@ -139,3 +160,23 @@ def test_a_replay_with_an_edited_learning_rate_trains_with_it(random_model_dir: 
         assert learner.step(batch).metrics["actor/lr"] == pytest.approx(4e-4 * 2 / 3)
     finally:
         replayer.close()
+
+
+def test_a_replay_refuses_a_checkpoint_whose_metadata_asks_to_run_code(
+        random_model_dir: Path, tmp_path: Path) -> None:
+    """``tools/replay-rollouts.py`` ends with this error (exit code 2): nothing ran."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        live = build_learner(run_context(random_model_dir, tmp_path, 1e-3), torch.device("cpu"))
+        folder = save_checkpoint(live, tmp_path / "checkpoints", LoopState(step=1, version=1),
+                                 lineage=Lineage(id="live"), keep_last=1)
+    finally:
+        dist.destroy_process_group()
+    marker = tmp_path / "ran"
+    forge(folder, "dcp/.metadata", pickle.dumps(Payload(marker)))  # with its manifest
+    with pytest.raises(CheckpointError, match=r"dcp/\.metadata: refused: it asks to build "
+                                              r"tests\.learner\.test_safe_dcp\.write_marker"):
+        Replayer(run_context(random_model_dir, tmp_path, 1e-3), folder)
+    assert not marker.exists()
+    assert not dist.is_initialized()  # the refused replay left no process group behind
