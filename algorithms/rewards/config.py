@@ -31,6 +31,12 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
       gets 0.0 with a ``timeout`` error and the worker is killed and replaced.
     - ``startup_timeout_s`` (*Relay*): limit for (re)starting the worker, including importing
       the custom function's module. Exceeding it raises ``RewardWorkerError``.
+    - ``worker_memory_gb`` (*Relay*; verl caps only its sandbox, with
+      ``reward_model.sandbox_fusion.memory_limit_mb``): the worker's memory cap in GiB, 0 for
+      none (``memory_cap``). A sample whose call allocates past it gets 0.0 with an error
+      naming this key, and the worker is replaced; the generator goes on scoring.
+    - ``max_concurrent`` (*Relay*): how many samples of one group an ``async def`` reward
+      function scores at once (each within ``timeout_s`` of its own start).
     - ``in_process_builtins`` (*Relay*): run the linear-time built-in rules (arithmetic,
       GSM8K) in the caller's process, with no time limit (they need none): 4-7x the
       throughput of the worker round-trip, and no worker process at all for a run that only
@@ -44,6 +50,8 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     name: Annotated[str, msgspec.Meta(min_length=1)] = "compute_score"
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
     startup_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    worker_memory_gb: Annotated[float, msgspec.Meta(ge=0)] = 8.0
+    max_concurrent: Annotated[int, msgspec.Meta(gt=0)] = 64
     in_process_builtins: bool = True
     gsm8k_method: gsm8k.Method = "strict"
     gsm8k_format_score: float = 0.0
@@ -54,6 +62,12 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             value = getattr(self, field)
             if not value > 0:
                 raise ValueError(f"RewardConfig.{field} must be > 0 seconds, got {value!r}")
+        if not 0 <= self.worker_memory_gb < float("inf"):
+            raise ValueError("RewardConfig.worker_memory_gb must be a finite number of GiB >= 0 "
+                             f"(0: no cap), got {self.worker_memory_gb!r}")
+        if self.max_concurrent < 1:
+            raise ValueError(
+                f"RewardConfig.max_concurrent must be >= 1, got {self.max_concurrent!r}")
         if self.gsm8k_method not in get_args(gsm8k.Method):
             raise ValueError(
                 f"RewardConfig.gsm8k_method must be one of {get_args(gsm8k.Method)}, "

@@ -108,19 +108,24 @@ def to_result(raw: object) -> RewardResult:
     return RewardResult(score=number, info=info, pred=pred)
 
 
+def call(fn: ScoreFn, item: RewardItem) -> Any:
+    """``fn``'s raw return for one item, called with keywords as verl calls it."""
+    return fn(
+        data_source=item.data_source,
+        solution_str=item.solution_str,
+        ground_truth=item.ground_truth,
+        extra_info=item.extra_info,
+    )
+
+
 def evaluate(fn: ScoreFn, item: RewardItem) -> RewardResult:
     """Call ``fn`` on one item; every failure becomes an error result, never an exception.
 
     ``SystemExit`` is caught too: a reward function calling ``sys.exit`` must not take the
-    worker (or, in-process, the generator) down with it.
+    worker (or, in-process, the generator) down with it. For the plain functions that run in
+    the caller's process; the worker calls through ``calls.RewardCalls``, which also awaits.
     """
     try:
-        raw = fn(
-            data_source=item.data_source,
-            solution_str=item.solution_str,
-            ground_truth=item.ground_truth,
-            extra_info=item.extra_info,
-        )
-        return to_result(raw)
+        return to_result(call(fn, item))
     except (Exception, SystemExit) as exc:  # isolation is the point
         return failure(describe(exc))

@@ -12,7 +12,10 @@ not, which is why only bounded rules qualify. An unknown data_source is a config
 error and raises ``UnknownDataSourceError``; call ``check_data_sources`` at start-up so it
 fails before the first generation. Everything a reward function does wrong becomes a
 ``RewardResult`` with score 0.0 and an ``error``; ``score`` itself raises only for
-configuration errors and for a worker that cannot be started at all.
+configuration errors and for a worker that cannot be started at all. A call in which more
+than ``FAILING_FRACTION`` of the samples fail is a warning in the log (the first at once,
+then at most one every ``WARN_EVERY_S``, counting the calls in between): a broken reward
+function shows as more than a metric.
 
 Typical use in a generator loop::
 
@@ -27,7 +30,11 @@ Typical use in a generator loop::
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
+import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 
@@ -35,6 +42,36 @@ from algorithms.rewards.config import RewardConfig, build_score_fn
 from algorithms.rewards.registry import check_data_sources, runs_in_process
 from algorithms.rewards.result import RewardItem, RewardResult, evaluate
 from algorithms.rewards.worker import RewardWorker
+
+logger = logging.getLogger(__name__)
+
+FAILING_FRACTION = 0.5  # more than this share of failed samples is a broken reward function
+WARN_EVERY_S = 60.0
+
+
+class FailureAlarm:
+    """Warns when more than ``FAILING_FRACTION`` of one call's samples failed: at once the
+    first time, then at most once every ``WARN_EVERY_S`` with the failing calls since."""
+
+    def __init__(self, every_s: float = WARN_EVERY_S) -> None:
+        self.every_s = every_s
+        self._last = -math.inf
+        self._failing_calls = 0
+
+    def check(self, results: Sequence[RewardResult]) -> None:
+        errors = [r.error for r in results if r.error]
+        if len(errors) <= FAILING_FRACTION * len(results):
+            return
+        self._failing_calls += 1
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return
+        common, times = Counter(errors).most_common(1)[0]
+        logger.warning(
+            "REWARD FUNCTION FAILING: %d of %d samples scored 0 with an error (%d such "
+            "calls since the last warning); the most common error (%d times): %s",
+            len(errors), len(results), self._failing_calls, times, common)
+        self._last, self._failing_calls = now, 0
 
 
 class RewardScorer:
@@ -53,6 +90,7 @@ class RewardScorer:
         self._worker = RewardWorker(self.config)
         self._lock = threading.Lock()
         self._closed = False
+        self._alarm = FailureAlarm()
         if self._custom:
             self._worker.start()
 
@@ -96,6 +134,7 @@ class RewardScorer:
                 remote_results = self._worker.score([items[i] for i in remote])
                 for position, result in zip(remote, remote_results, strict=True):
                     results[position] = result
+            self._alarm.check(results)  # type: ignore[arg-type]  # every slot is filled
         return results  # type: ignore[return-value]  # every slot is filled above
 
     def _check_open(self) -> None:

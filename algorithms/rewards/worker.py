@@ -18,6 +18,14 @@ to a fresh worker. Every reply is checked against the (job_id, index) it must an
 a result can never be attached to another sample. A worker that dies (killed from outside,
 segfault, ``os._exit``) costs only the item it was computing.
 
+An ``async def`` reward function scores a job's items concurrently and enforces each
+item's limit itself (``calls``); the caller's clock then runs ``REPORT_GRACE_S`` longer, a
+backstop for a coroutine that blocks the event loop. The worker runs under a memory cap
+(``memory_cap``, ``RewardConfig.worker_memory_gb``) set before the reward function is
+imported: an item whose call runs out of memory gets an error naming the cap, and its reply
+says ``retire``: the caller kills that worker and resends the items after it to a fresh
+one, so whatever the function leaked goes with the old process.
+
 The worker is a fresh interpreter (``python -c``) that imports only this package and
 the reward function: forking a process that holds torch or ZeroMQ threads is unsafe, and
 ``multiprocessing``'s spawn would re-import the caller's ``__main__`` (breaking scripts fed
@@ -47,13 +55,17 @@ from typing import TypeAlias
 
 import msgspec
 
+from algorithms.rewards.calls import RewardCalls
 from algorithms.rewards.config import RewardConfig, build_score_fn
 from algorithms.rewards.custom import RewardLoadError
+from algorithms.rewards.memory_cap import KEY as MEMORY_KEY
+from algorithms.rewards.memory_cap import apply_memory_cap, is_out_of_memory, over_cap
 from algorithms.rewards.registry import preload_builtins
-from algorithms.rewards.result import RewardItem, RewardResult, describe, evaluate, failure
+from algorithms.rewards.result import RewardItem, RewardResult, describe, failure
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _BOOT = "import sys; from algorithms.rewards.worker import serve; serve(*map(int, sys.argv[1:]))"
+REPORT_GRACE_S = 1.0  # an async function's worker reports its own timeouts; the caller waits this
 
 
 class RewardWorkerError(RuntimeError):
@@ -62,6 +74,7 @@ class RewardWorkerError(RuntimeError):
 
 class _Ready(msgspec.Struct, array_like=True):
     error: str = ""  # non-empty: loading the reward function failed, the worker exits
+    concurrent: bool = False  # an async function: items run at once, timed by the worker
 
 
 class _Job(msgspec.Struct, array_like=True):
@@ -73,6 +86,7 @@ class _Reply(msgspec.Struct, array_like=True):
     job_id: int
     index: int
     result: RewardResult
+    retire: bool = False  # the worker ran out of memory: replace it after this reply
 
 
 class _WorkerLost(Exception):
@@ -109,34 +123,70 @@ def _exit_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+class _MemoryWatch:
+    """Turns a call's exception into its sample's error, noting whether it ran out of memory
+    under the cap (then the worker retires)."""
+
+    def __init__(self, cap_gib: float) -> None:
+        self.cap_gib = cap_gib
+        self.exceeded = False
+
+    def explain(self, exc: BaseException) -> str:
+        if self.cap_gib > 0 and is_out_of_memory(exc):
+            self.exceeded = True
+            return over_cap(self.cap_gib, exc)
+        return describe(exc)
+
+
 def serve(fd: int, parent_pid: int) -> None:
-    """Worker entry point: load the reward function, then score jobs until EOF."""
+    """Worker entry point: cap memory, load the reward function, then score jobs until EOF."""
     _exit_with_parent(parent_pid)
     conn = Connection(fd)
     config = msgspec.msgpack.decode(conn.recv_bytes(), type=RewardConfig)
+    apply_memory_cap(config.worker_memory_gb)
+    watch = _MemoryWatch(config.worker_memory_gb)
     try:
         score_fn = build_score_fn(config)
     except RewardLoadError as exc:
-        conn.send_bytes(_encoder.encode(_Ready(error=str(exc))))
+        error = str(exc)
+        if config.worker_memory_gb > 0 and exc.__cause__ is not None \
+                and is_out_of_memory(exc.__cause__):
+            error += f" (under the worker's memory cap {MEMORY_KEY} = {config.worker_memory_gb:g})"
+        conn.send_bytes(_encoder.encode(_Ready(error=error)))
         return
     if not config.custom_function:
         preload_builtins()  # so no sample's time limit pays for importing SymPy
-    conn.send_bytes(_encoder.encode(_Ready()))
+    calls = RewardCalls(score_fn, timeout_s=config.timeout_s,
+                        max_concurrent=config.max_concurrent, explain=watch.explain)
+    conn.send_bytes(_encoder.encode(_Ready(concurrent=calls.concurrent)))
     job_decoder = msgspec.msgpack.Decoder(_Job)
-    item_decoder = msgspec.msgpack.Decoder(RewardItem)
     while True:
         try:
             job = job_decoder.decode(conn.recv_bytes())
         except EOFError:
             return
-        for index, raw in enumerate(job.items):
-            try:
-                item = item_decoder.decode(raw)
-            except msgspec.DecodeError as exc:
-                result = failure(f"bad item: {describe(exc)}")
-            else:
-                result = evaluate(score_fn, item)
-            conn.send_bytes(_encoder.encode(_Reply(job_id=job.job_id, index=index, result=result)))
+        _score_job(conn, job, calls, watch)
+
+
+def _score_job(conn: Connection, job: _Job, calls: RewardCalls, watch: _MemoryWatch) -> None:
+    """Send one reply per item of ``job``, in order, each as soon as it is known."""
+    item_decoder = msgspec.msgpack.Decoder(RewardItem)
+
+    def reply(index: int, result: RewardResult) -> None:
+        conn.send_bytes(_encoder.encode(_Reply(job_id=job.job_id, index=index, result=result,
+                                               retire=watch.exceeded)))
+
+    decoded: list[RewardItem | RewardResult] = []
+    for raw in job.items:
+        try:
+            decoded.append(item_decoder.decode(raw))
+        except msgspec.DecodeError as exc:
+            decoded.append(failure(f"bad item: {describe(exc)}"))
+    if calls.concurrent:
+        calls.many(decoded, reply)
+        return
+    for index, item in enumerate(decoded):
+        reply(index, item if isinstance(item, RewardResult) else calls.one(item))
 
 
 # ---------------------------------------------------------------------------------------
@@ -168,6 +218,7 @@ class RewardWorker:
         # Kills the worker if this handle is dropped unclosed, or at interpreter exit.
         self._reaper: _Reaper | None = None
         self._job_ids = itertools.count()
+        self._concurrent = False  # the worker times its own items (an async function)
 
     @property
     def pid(self) -> int | None:
@@ -211,11 +262,12 @@ class RewardWorker:
             code = self.stop()
             raise RewardWorkerError(
                 f"the reward worker exited during start-up (exit code {code}); "
-                "its traceback is on stderr"
+                f"its traceback is on stderr{self._cap_hint(code)}"
             ) from exc
         if ready.error:
             self.stop()
             raise RewardLoadError(ready.error)
+        self._concurrent = ready.concurrent
 
     def stop(self) -> int | None:
         """Kill the worker (and its process group) if one runs; its exit code."""
@@ -241,14 +293,19 @@ class RewardWorker:
         return results  # type: ignore[return-value]  # every slot is filled above
 
     def _run_job(self, raws: list[msgspec.Raw]) -> list[RewardResult]:
-        """Results for a prefix of ``raws`` (at least one); shorter when the worker is lost."""
+        """Results for a prefix of ``raws`` (at least one); shorter when the worker is lost
+        or retires."""
         self.start()
         job_id = next(self._job_ids)
         done: list[RewardResult] = []
         try:
             self._send(_encoder.encode(_Job(job_id=job_id, items=raws)))
             for index in range(len(raws)):
-                done.append(self._receive(job_id, index))
+                reply = self._receive(job_id, index)
+                done.append(reply.result)
+                if reply.retire:  # it ran out of memory: a fresh worker takes the rest
+                    self.stop()
+                    break
         except _WorkerLost as lost:
             self.stop()
             done.append(failure(lost.reason))
@@ -270,17 +327,17 @@ class RewardWorker:
         except OSError as exc:
             raise _WorkerLost(f"worker died before scoring: {describe(exc)}") from exc
 
-    def _receive(self, job_id: int, index: int) -> RewardResult:
+    def _receive(self, job_id: int, index: int) -> _Reply:
         assert self._conn is not None
         limit = self._config.timeout_s
-        if not self._conn.poll(limit):
+        if not self._conn.poll(limit + (REPORT_GRACE_S if self._concurrent else 0.0)):
             raise _WorkerLost(f"timeout: no result within {limit:g} s (worker killed)")
         try:
             reply = _reply_decoder.decode(self._conn.recv_bytes())
         except (EOFError, OSError):
             code = self.stop()
             raise _WorkerLost(
-                f"worker died while scoring this sample (exit code {code})"
+                f"worker died while scoring this sample (exit code {code}){self._cap_hint(code)}"
             ) from None
         except msgspec.DecodeError as exc:
             raise _WorkerLost(f"protocol error: {describe(exc)}") from exc
@@ -289,4 +346,12 @@ class RewardWorker:
                 f"protocol error: expected the result of item {index} of job {job_id}, "
                 f"got item {reply.index} of job {reply.job_id}"
             )
-        return reply.result
+        return reply
+
+    def _cap_hint(self, code: int | None) -> str:
+        """For a death by SIGABRT or SIGSEGV (how C code that cannot allocate often ends),
+        the memory cap that may have caused it."""
+        cap = self._config.worker_memory_gb
+        if cap <= 0 or code not in (-signal.SIGABRT, -signal.SIGSEGV):
+            return ""
+        return f"; if it ran out of memory: {MEMORY_KEY} = {cap:g} caps it"

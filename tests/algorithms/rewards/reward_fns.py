@@ -85,4 +85,9 @@ def compute_score(
         child = subprocess.Popen(["sleep", "600"])
         Path(arg).write_text(str(child.pid))
         _hang()
+    if kind == "alloc":  # arg: GiB to allocate (zero pages, never touched: no RSS uncapped)
+        block = bytearray(int(float(arg) * 2**30))
+        return float(len(block) > 0)
+    if kind == "pid":  # this worker's pid, as the score
+        return float(os.getpid())
     raise AssertionError(f"unknown test kind {kind!r}")
