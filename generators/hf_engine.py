@@ -1,9 +1,10 @@
 """The reference engine: transformers' own ``generate``.
 
 Sampling runs through ``generate``'s logits processors (temperature, top-k, top-p); the
-processed scores it returns (``output_scores``) give each sampled token's behavior
-log-prob under the distribution it was drawn from. Weights change only between
-``generate`` calls, so every token of a call carries the same version.
+raw logits it returns (``output_logits``) give each sampled token's behavior log-prob under
+the temperature-only distribution, log softmax(logits / T)[token], Relay's convention
+(``generators.sampling``). Weights change only between ``generate`` calls, so every token
+of a call carries the same version.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig
 
+from algorithms.logprobs import token_logprobs
 from generators.engine import Completion, ModelEngine, StepHook
 from generators.sampling import SamplingParams
 
@@ -42,14 +44,16 @@ class HFEngine(ModelEngine):
             top_p=params.top_p if sampled else None,
             top_k=params.top_k if sampled and params.top_k > 0 else None,
             eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id,
-            return_dict_in_generate=True, output_scores=True)
+            return_dict_in_generate=True, output_logits=True)
         torch.manual_seed(self.seed + self._calls)  # generate draws from the global RNG
         self._calls += 1
         out = self.model.generate(input_ids=input_ids, attention_mask=attention,
                                   generation_config=config)
         new_tokens = out.sequences[:, input_ids.shape[1]:]  # (B, S)
-        scores = torch.stack(out.scores, dim=1).float()  # (B, S, V), processed
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1))
-        logprobs = logprobs.squeeze(-1) if sampled else torch.zeros(new_tokens.shape)
+        if sampled:
+            logits = torch.stack(out.logits, dim=1)  # (B, S, V), before any processor
+            logprobs = token_logprobs(logits, new_tokens, params.temperature)
+        else:
+            logprobs = torch.zeros(new_tokens.shape, device=new_tokens.device)
         versions = torch.full(new_tokens.shape, self.version, dtype=torch.int32)
         return self.cut_at_eos(new_tokens, logprobs, versions)

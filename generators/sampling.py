@@ -1,10 +1,16 @@
 """Turning next-token logits into a sampled token and its behavior log-prob.
 
-The processed distribution is what the token was actually drawn from (vLLM's and AReaL's
-convention): logits / temperature, then top-k, then top-p (nucleus), renormalized. The
-behavior log-prob recorded for a token is its log-prob under that processed distribution,
-so the learner's importance weight pi_prox / pi_b compares against what was really sampled.
-Temperature 0 is greedy decoding (log-prob 0: a point mass).
+Tokens are drawn from the processed distribution: logits / temperature, then top-k, then
+top-p (nucleus), renormalized. The behavior log-prob recorded for a token is its log-prob
+under the temperature-only distribution, log softmax(logits / T)[token], the one the
+learner recomputes (``algorithms.logprobs.token_logprobs``): both sides of the importance
+weight pi_prox / pi_b then use one distribution, so equal weights give a weight of exactly 1
+at every token. Recording the processed log-prob instead makes every weight
+p_T(token) / p_processed(token) = (kept mass) < 1 under top-p / top-k (between 0.9 and 1 a
+token at top-p 0.9), which a sequence-level weight multiplies into nothing over a long
+response (0.97 a token over 300 tokens: 1e-4).
+Without top-k and top-p both distributions are the same. Temperature 0 is greedy decoding
+(log-prob 0: a point mass).
 
 Tokens are drawn by inverting the cumulative distribution: with c_j = sum_{i<=j} p_i and
 u ~ U[0, c_V), the token is the first j with c_j > u, which has probability p_j exactly
@@ -30,10 +36,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def filtered(self) -> bool:
+        """Whether top-k or top-p cuts the distribution tokens are drawn from."""
+        return self.top_k > 0 or self.top_p < 1.0
+
 
 def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Log-probs (B, V) of the processed distribution; filtered tokens get -inf."""
-    logits = logits.float() / params.temperature
+    return _filtered_logprobs(logits.float() / params.temperature, params)
+
+
+def _filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``processed_logprobs`` of logits already divided by the temperature (fp32)."""
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -50,13 +65,20 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
 
 def sample_next(logits: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row: (B, V) logits -> tokens (B,) int64, behavior log-probs (B,)."""
+    """Draw one token per row from the processed distribution: (B, V) logits -> tokens (B,)
+    int64 and their behavior log-probs (B,) fp32 under the temperature-only distribution,
+    z[token] - logsumexp(z) with z = logits / T (module docstring)."""
     if params.greedy:
         tokens = logits.argmax(dim=-1)
         return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
-    logprobs = processed_logprobs(logits, params)
-    tokens = draw(logprobs, generator)
-    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    scaled = logits.float() / params.temperature
+    if not params.filtered:
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        tokens = draw(logprobs, generator)
+        return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    tokens = draw(_filtered_logprobs(scaled, params), generator)
+    picked = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, picked - torch.logsumexp(scaled, dim=-1)
 
 
 def draw(logprobs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -13,10 +13,12 @@ What Relay needs from each completion, and where it comes from:
   which list every sampled token whether or not SGLang trimmed the stop token from
   ``output_ids``;
 - **behavior log-probs**: ``meta_info["output_token_logprobs"]`` holds each sampled token's
-  log-prob under the temperature-scaled distribution, without top-k / top-p. That is
-  Relay's convention (``generators.sampling``) only while those filters are off, so the
-  adapter refuses top_p < 1 and top_k > 0 (``request_params``) rather than record wrong
-  behavior log-probs. Greedy tokens get 0, as in Relay's engines;
+  log-prob under the temperature-scaled distribution, without top-k / top-p (SGLang's
+  sampler takes the log of its probabilities after the temperature and before the filters),
+  which is Relay's convention (``generators.sampling``): top-p and top-k are passed through.
+  SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB`` moves them before the temperature, which is
+  the learner's distribution only at temperature 1, so the adapter refuses that pairing
+  (``request_params``). Greedy tokens get 0, as in Relay's engines;
 - **per-token weight versions**: weights change only between calls (the caller applies
   staged weights before each ``step``), so every token of a call carries the version the
   engine held when the call began, as in ``generators.hf_engine``.
@@ -46,6 +48,7 @@ install it: ``import_sglang`` says how.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -110,20 +113,28 @@ def engine_arguments(path: str, *, dtype: str, device: str, seed: int, max_num_s
 
 def request_params(params: SamplingParams, seed: int, eos_ids: Sequence[int]) -> dict:
     """SGLang's sampling parameters (a dict) for one sequence under Relay's ``params``:
-    stop at any eos id and keep it, draw from ``sampling_seed`` ``seed``. Raises
-    ``ValueError`` naming the setting for top-p or top-k sampling, whose behavior log-probs
-    SGLang does not report (module docstring)."""
-    filters = [f"{name} = {getattr(params, name)}" for name, on in
-               (("top_p", params.top_p < 1.0), ("top_k", params.top_k > 0)) if on]
-    if filters and not params.greedy:
-        raise ValueError(
-            f"engine \"sglang\" cannot sample with {' and '.join(filters)}: SGLang reports "
-            "log-probs under the temperature-scaled distribution, not the filtered one tokens "
-            "are drawn from, so the behavior log-probs would be wrong. Set top_p = 1.0 and "
-            "top_k = -1 in the run config's rollout (or val_kwargs), or use engine \"vllm\"")
-    return dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+    stop at any eos id and keep it, draw from ``sampling_seed`` ``seed``, top-p and top-k
+    (-1: off) when sampling. Raises ``ValueError`` naming ``SGLANG_RETURN_ORIGINAL_LOGPROB``
+    when it is set and the temperature is not 1 (module docstring)."""
+    args = dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                 stop_token_ids=list(eos_ids), no_stop_trim=True,
                 sampling_seed=seed % SEED_RANGE)
+    if params.greedy:
+        return args
+    if params.temperature != 1.0 and returns_original_logprobs():
+        raise ValueError(
+            f"engine \"sglang\" cannot sample at temperature {params.temperature:g} with "
+            "SGLANG_RETURN_ORIGINAL_LOGPROB set: SGLang then reports log-probs before the "
+            "temperature, while the learner scores log softmax(logits / temperature), so "
+            "every importance weight would be off. Unset SGLANG_RETURN_ORIGINAL_LOGPROB in "
+            "the generator's environment, or set rollout.temperature = 1.0")
+    return args | dict(top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1)
+
+
+def returns_original_logprobs() -> bool:
+    """Whether SGLang reports pre-temperature log-probs: its ``SGLANG_RETURN_ORIGINAL_LOGPROB``
+    read as SGLang reads a boolean variable ("true" or "1", any case)."""
+    return os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").lower() in ("true", "1")
 
 
 def completion_of(output: Mapping[str, Any], greedy: bool, version: int) -> Completion:

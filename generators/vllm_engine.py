@@ -11,9 +11,13 @@ What Relay needs from each completion, and where it comes from:
   eos is given as ``stop_token_ids`` (the eos token ends the completion, as in Relay's
   engines);
 - **behavior log-probs**: ``logprobs_mode="processed_logprobs"`` makes vLLM return each
-  sampled token's log-prob under the distribution it was drawn from (temperature, top-k,
-  top-p applied), Relay's convention (``generators.sampling``). Greedy tokens get 0, as in
-  Relay's engines (vLLM reports the log-softmax there);
+  sampled token's log-prob after its temperature and its top-k / top-p filters (vLLM's
+  ``TopKTopPSampler`` takes the log-softmax of the filtered logits); none of vLLM's modes
+  gives the temperature-only log-prob, Relay's convention (``generators.sampling``), except
+  this one with the filters off. So the adapter refuses top_p < 1 and top_k > 0 when
+  sampling (``request_params``) rather than record log-probs the learner's recomputation
+  cannot match. Greedy tokens get 0, as in Relay's engines (vLLM reports the log-softmax
+  there);
 - **per-token weight versions**: ``LLMEngine.set_weight_version`` labels every step's
   tokens; a finished completion carries spans ``(version, start, end)`` that become one
   version per token, so a weight swap mid-response shows inside the response.
@@ -109,16 +113,32 @@ def engine_arguments(path: str, *, dtype: str, device: str, seed: int, max_num_s
     return args | dict(options.engine_kwargs)
 
 
+def filters_refused(top_p: float, top_k: int, section: str = "rollout") -> str:
+    """Why vLLM may not sample with ``top_p`` < 1 or ``top_k`` > 0 (module docstring),
+    naming the run config's keys under ``section``; "" when both filters are off."""
+    filters = [f"{name} = {value}" for name, value, on in
+               (("top_p", top_p, top_p < 1.0), ("top_k", top_k, top_k > 0)) if on]
+    if not filters:
+        return ""
+    return (f"engine \"vllm\" cannot sample with {' and '.join(filters)}: vLLM reports "
+            "log-probs of the top-k / top-p filtered distribution, not the temperature-only "
+            "one the learner recomputes, so every importance weight would sit below 1. Set "
+            f"{section}.top_p = 1.0 and {section}.top_k = -1, or use engine \"lean\", "
+            "\"torch\" or \"sglang\", which record the temperature-only log-prob")
+
+
 def request_params(params: SamplingParams, n: int, seed: int, eos_ids: Sequence[int]) -> Any:
     """vLLM's ``SamplingParams`` for ``n`` samples under Relay's ``params``: ids in and out
-    (no detokenizing), the sampled token's processed log-prob, stop at any eos id, one
-    output when all ``n`` are done, sample ``i`` drawn from the stream ``seed + i``."""
+    (no detokenizing), the sampled token's log-prob, stop at any eos id, one output when
+    all ``n`` are done, sample ``i`` drawn from the stream ``seed + i``. Raises
+    ``ValueError`` naming the setting for top-p or top-k sampling (module docstring)."""
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    sampling = {} if params.greedy else dict(top_p=params.top_p,
-                                              top_k=params.top_k if params.top_k > 0 else 0)
-    return VLLMSamplingParams(n=n, temperature=params.temperature, **sampling,
+    problem = "" if params.greedy else filters_refused(params.top_p, params.top_k)
+    if problem:
+        raise ValueError(problem)
+    return VLLMSamplingParams(n=n, temperature=params.temperature,
                               max_tokens=params.max_new_tokens, logprobs=0,
                               stop_token_ids=list(eos_ids), seed=seed, detokenize=False,
                               output_kind=RequestOutputKind.FINAL_ONLY)

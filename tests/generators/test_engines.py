@@ -3,6 +3,7 @@ weight loading."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from generators.engine import Engine, WeightMismatch, copy_device
+from algorithms.logprobs import token_logprobs
+from algorithms.off_policy import RolloutCorrectionConfig, off_policy_correction
+from generators.engine import Completion, Engine, WeightMismatch, copy_device
 from generators.hf_engine import HFEngine
 from generators.lean_engine import LeanEngine
 from generators.sampling import SamplingParams
@@ -48,25 +51,68 @@ def test_greedy_decoding_agrees_with_transformers_generate(kind: str,
         assert a.finish_reason == b.finish_reason
 
 
+FILTERED = SamplingParams(max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.9)
+
+
+def recomputed_logprobs(model: AutoModelForCausalLM, prompt: list[int],
+                        completion: Completion, temperature: float) -> torch.Tensor:
+    """The learner's log-probs of ``completion``'s tokens: log softmax(logits / T)[token] of
+    a teacher-forced forward (``algorithms.logprobs.token_logprobs``)."""
+    ids = torch.tensor([prompt + completion.token_ids.tolist()])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1]
+    return token_logprobs(logits, completion.token_ids, temperature)
+
+
 @pytest.mark.parametrize("kind", [*OURS, "hf"])
-def test_behavior_logprobs_are_transformers_processed_scores(kind: str,
-                                                             random_model_dir: Path) -> None:
-    """Each sampled token's behavior log-prob equals the log-softmax of transformers' own
-    forward logits after its temperature, top-k and top-p warpers (teacher-forced)."""
+def test_behavior_logprobs_are_the_temperature_only_ones_under_top_k_and_top_p(
+        kind: str, random_model_dir: Path) -> None:
+    """Tokens drawn after transformers' temperature, top-k and top-p warpers; each one's
+    behavior log-prob is log softmax(logits / T) of transformers' own forward, not the
+    warped distribution's (which is higher wherever the filters cut anything)."""
     engine = build(kind, random_model_dir)
     model = AutoModelForCausalLM.from_pretrained(str(random_model_dir), dtype=torch.float32)
-    params = SamplingParams(max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.9)
     warpers = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.9)]
-    for prompt, completion in zip(PROMPTS * 4, engine.generate(PROMPTS * 4, params),
+    cut = 0
+    for prompt, completion in zip(PROMPTS * 4, engine.generate(PROMPTS * 4, FILTERED),
                                   strict=True):
+        expected = recomputed_logprobs(model, prompt, completion, 0.7)
+        torch.testing.assert_close(completion.logprobs, expected, atol=1e-4, rtol=1e-4)
         ids = torch.tensor([prompt + completion.token_ids.tolist()])
         with torch.no_grad():
-            logits = model(ids).logits[0, len(prompt) - 1:-1]
+            warped = model(ids).logits[0, len(prompt) - 1:-1]
         for warp in warpers:
-            logits = warp(ids, logits)
-        expected = logits.log_softmax(-1).gather(-1, completion.token_ids[:, None].long())
-        torch.testing.assert_close(completion.logprobs, expected.squeeze(-1), atol=1e-4,
-                                   rtol=1e-4)
+            warped = warp(ids, warped)
+        assert (warped > -math.inf).gather(-1, completion.token_ids[:, None].long()).all()
+        filtered = warped.log_softmax(-1).gather(-1, completion.token_ids[:, None].long())
+        cut += int((filtered.squeeze(-1) > expected + 1e-3).sum())
+    assert cut > 0  # the filters did cut: the test tells the two log-probs apart
+
+
+@pytest.mark.parametrize("kind", [*OURS, "hf"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_at_equal_weights_every_importance_weight_is_one_under_top_p(
+        kind: str, level: str, random_model_dir: Path) -> None:
+    """Issue 30, item 20: sampled at top-p 0.9, the learner's recomputation with the same
+    weights gives pi_prox / pi_b = 1 at every token, so neither token- nor sequence-level
+    IS shrinks anything (with the filtered log-probs, 0.97 a token and ~0 a sequence)."""
+    engine = build(kind, random_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(random_model_dir), dtype=torch.float32)
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9)
+    completions = engine.generate(PROMPTS * 4, params)
+    width = max(len(c.token_ids) for c in completions)
+    behavior = torch.zeros(len(completions), width)
+    proximal = torch.zeros(len(completions), width)
+    mask = torch.zeros(len(completions), width)
+    for row, (prompt, completion) in enumerate(zip(PROMPTS * 4, completions, strict=True)):
+        length = len(completion.token_ids)
+        behavior[row, :length] = completion.logprobs
+        proximal[row, :length] = recomputed_logprobs(model, prompt, completion, 1.0)
+        mask[row, :length] = 1.0
+    correction = off_policy_correction(proximal, behavior, mask,
+                                       RolloutCorrectionConfig(rollout_is=level))
+    torch.testing.assert_close(correction.weight, torch.ones_like(mask), atol=1e-3, rtol=0)
+    assert correction.mask.equal(mask)
 
 
 @pytest.mark.parametrize("kind", OURS)

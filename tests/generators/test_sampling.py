@@ -1,4 +1,5 @@
-"""The processed sampling distribution: temperature, top-k, top-p, against hand values."""
+"""The processed sampling distribution (temperature, top-k, top-p) against hand values, and
+the behavior log-prob: the temperature-only one, whatever the filters."""
 
 import math
 
@@ -34,12 +35,25 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     assert probs(top_p=0.4) == pytest.approx([1.0, 0.0, 0.0, 0.0])
 
 
-def test_sampled_logprob_is_under_the_processed_distribution() -> None:
-    params = SamplingParams(max_new_tokens=1, top_k=2)
+@pytest.mark.parametrize("filters", [dict(top_k=2), dict(top_p=0.75), dict(top_k=3, top_p=0.75)])
+def test_sampled_logprob_is_the_temperature_only_one_under_filters(filters: dict) -> None:
+    """Drawn from the filtered distribution (tokens 0 and 1 only), recorded as
+    log softmax(logits)[token]: log 0.5 and log 0.3, not log(0.5 / 0.8) and log(0.3 / 0.8)."""
+    params = SamplingParams(max_new_tokens=1, **filters)
     tokens, logprobs = sample_next(LOGITS.repeat(200, 1), params, torch.Generator().manual_seed(0))
     assert set(tokens.tolist()) == {0, 1}
-    expected = torch.where(tokens == 0, math.log(0.5 / 0.8), math.log(0.3 / 0.8))
+    expected = torch.where(tokens == 0, math.log(0.5), math.log(0.3))
     torch.testing.assert_close(logprobs, expected.float())
+    assert logprobs.dtype == torch.float32
+
+
+def test_sampled_logprob_applies_the_temperature() -> None:
+    params = SamplingParams(max_new_tokens=1, temperature=2.0, top_p=0.5)
+    tokens, logprobs = sample_next(LOGITS.repeat(50, 1), params, torch.Generator().manual_seed(0))
+    root = [math.sqrt(p) for p in (0.5, 0.3, 0.15, 0.05)]
+    assert set(tokens.tolist()) == {0, 1}  # the flattened 0.33, 0.26 reach 0.5 together
+    expected = torch.tensor([math.log(root[t] / sum(root)) for t in tokens.tolist()])
+    torch.testing.assert_close(logprobs, expected)
 
 
 def test_greedy_takes_the_argmax_with_logprob_zero() -> None:

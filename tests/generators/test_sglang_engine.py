@@ -108,23 +108,36 @@ def test_engine_arguments_context_length_and_chunked_prefill_off() -> None:
 def test_request_params_stop_at_eos_keep_it_and_seed_each_sequence() -> None:
     params = request_params(SAMPLED, seed=2**31 + 7, eos_ids=[EOS, 9])
     assert params == dict(max_new_tokens=4, temperature=0.7, stop_token_ids=[EOS, 9],
-                          no_stop_trim=True, sampling_seed=7)
+                          no_stop_trim=True, sampling_seed=7, top_p=1.0, top_k=-1)
 
 
-@pytest.mark.parametrize("setting, field", [(dict(top_p=0.9), "top_p = 0.9"),
-                                            (dict(top_k=20), "top_k = 20")])
-def test_request_params_refuse_filters_sglang_reports_no_log_probs_for(setting, field) -> None:
-    with pytest.raises(ValueError, match=field):
-        request_params(SamplingParams(max_new_tokens=4, temperature=1.0, **setting), 0, [EOS])
+@pytest.mark.parametrize("setting, passed", [(dict(top_p=0.9), dict(top_p=0.9, top_k=-1)),
+                                             (dict(top_k=20), dict(top_p=1.0, top_k=20)),
+                                             (dict(top_k=0), dict(top_p=1.0, top_k=-1))])
+def test_request_params_pass_top_p_and_top_k_through(setting, passed) -> None:
+    """SGLang's log-probs are the temperature-only ones whatever the filters (module
+    docstring): issue 30, item 20 makes that Relay's convention, so top-p / top-k run."""
+    params = request_params(SamplingParams(max_new_tokens=4, temperature=0.7, **setting), 0,
+                            [EOS])
+    assert {key: params[key] for key in passed} == passed
 
 
-def test_request_params_accept_filters_off_and_greedy_with_filters() -> None:
-    for off in (dict(top_k=-1), dict(top_k=0), dict(top_p=1.0)):
-        params = request_params(SamplingParams(max_new_tokens=2, **off), 0, [EOS])
-        assert params["temperature"] == 1.0 and params["max_new_tokens"] == 2
+def test_greedy_request_params_carry_no_filters() -> None:
     greedy = request_params(SamplingParams(max_new_tokens=2, temperature=0.0, top_p=0.5,
                                            top_k=3), 0, [EOS])
     assert greedy["temperature"] == 0.0 and "top_p" not in greedy and "top_k" not in greedy
+
+
+@pytest.mark.parametrize("value", ["1", "True", "true"])
+def test_original_logprobs_are_refused_away_from_temperature_one(
+        monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", value)
+    with pytest.raises(ValueError, match="SGLANG_RETURN_ORIGINAL_LOGPROB.*rollout.temperature"):
+        request_params(SAMPLED, 0, [EOS])
+    assert request_params(SamplingParams(max_new_tokens=4), 0, [EOS])["temperature"] == 1.0
+    assert request_params(GREEDY, 0, [EOS])["temperature"] == 0.0
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "0")
+    assert request_params(SAMPLED, 0, [EOS])["temperature"] == 0.7
 
 
 @pytest.mark.parametrize("trim_stop", [False, True])
@@ -195,11 +208,13 @@ def test_greedy_completions_have_zero_log_probs() -> None:
     assert fake.generate_calls[0]["sampling_params"][0]["temperature"] == 0.0
 
 
-def test_top_p_sampling_is_refused_before_sglang_is_called() -> None:
+def test_top_p_sampling_reaches_sglang_and_keeps_its_log_probs() -> None:
     fake = FakeSGLang()
-    with pytest.raises(ValueError, match="top_p"):
-        adapter(fake).generate([[1, 4]], SamplingParams(max_new_tokens=4, top_p=0.95))
-    assert fake.generate_calls == []
+    fake.replies.append(sglang_output([11, EOS], [-0.7, -0.9], "stop"))
+    [completion] = adapter(fake).generate([[1, 4]], SamplingParams(max_new_tokens=4,
+                                                                   top_p=0.95))
+    assert fake.generate_calls[0]["sampling_params"][0]["top_p"] == 0.95
+    torch.testing.assert_close(completion.logprobs, torch.tensor([-0.7, -0.9]))
 
 
 def test_every_token_carries_the_version_held_when_the_call_began() -> None:

@@ -17,7 +17,7 @@ from algorithms.logprobs import token_logprobs
 from configs.topology_schema import VLLMOptions
 from generators.checkpoint import checkpoint_tensors
 from generators.engine import GroupRequest, WeightMismatch
-from generators.sampling import SamplingParams, processed_logprobs
+from generators.sampling import SamplingParams
 from generators.vllm_weights import (
     CudaIpcSender,
     DeviceReload,
@@ -31,6 +31,7 @@ from generators.vllm_engine import (
     completion_of,
     engine_arguments,
     import_vllm,
+    request_params,
     token_versions,
 )
 from ..conftest import save_random_model
@@ -257,8 +258,8 @@ def engine(model_dir: Path) -> VLLMEngine:
 @needs_vllm
 def test_behavior_logprobs_equal_the_learners_recomputed_logprobs(
         engine: VLLMEngine, model_dir: Path) -> None:
-    """At temperature T the learner scores log softmax(logits / T); with top-k / top-p the
-    behavior log-prob is the processed distribution's (``generators.sampling``)."""
+    """At temperature T the learner scores log softmax(logits / T), and so does vLLM's
+    ``processed_logprobs`` with top-k / top-p off (the only way the adapter samples)."""
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     plain = SamplingParams(max_new_tokens=10, temperature=0.8)
     for prompt, completion in zip(PROMPTS * 4, engine.generate(PROMPTS * 4, plain), strict=True):
@@ -266,14 +267,23 @@ def test_behavior_logprobs_equal_the_learners_recomputed_logprobs(
                                   completion.token_ids, temperature=0.8)
         torch.testing.assert_close(completion.logprobs, expected, atol=LOGPROB_TOLERANCE,
                                    rtol=LOGPROB_TOLERANCE)
-    filtered = SamplingParams(max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.9)
-    for prompt, completion in zip(PROMPTS * 4, engine.generate(PROMPTS * 4, filtered),
-                                  strict=True):
-        logits = recomputed(model, prompt, completion.token_ids)
-        expected = processed_logprobs(logits, filtered).gather(
-            -1, completion.token_ids[:, None].long()).squeeze(-1)
-        torch.testing.assert_close(completion.logprobs, expected, atol=LOGPROB_TOLERANCE,
-                                   rtol=LOGPROB_TOLERANCE)
+
+
+@needs_vllm
+@pytest.mark.parametrize("setting, named", [(dict(top_p=0.9), "top_p = 0.9"),
+                                            (dict(top_k=20), "top_k = 20"),
+                                            (dict(top_p=0.9, top_k=20), "top_p = 0.9 and top_k")])
+def test_top_p_and_top_k_sampling_are_refused_naming_the_key(setting, named) -> None:
+    """vLLM's log-probs are those of the filtered distribution and none of its modes gives
+    the temperature-only one (issue 30, item 20): refused, not recorded wrong."""
+    with pytest.raises(ValueError, match=f"{named}.*rollout.top_p = 1.0 and rollout.top_k"):
+        request_params(SamplingParams(max_new_tokens=4, temperature=0.7, **setting), 2, 0,
+                       [EOS])
+    greedy = request_params(SamplingParams(max_new_tokens=4, temperature=0.0, **setting), 1,
+                            0, [EOS])
+    assert greedy.temperature == 0.0
+    off = request_params(SamplingParams(max_new_tokens=4, top_p=1.0, top_k=0), 2, 0, [EOS])
+    assert off.top_p == 1.0 and off.n == 2
 
 
 @needs_vllm
