@@ -15,6 +15,13 @@ is empty, e.g. a padded or truncated one, is not a sequence and does not dilute 
 verl's ``agg_loss`` excludes such rows too) and L a constant horizon (the maximum response
 length, ``horizon``), so that no sequence's weight depends on its own length.
 
+Under an off-policy rejection the learner passes the kept tokens as m and the response's
+counts (before rejection) as ``num_tokens`` and ``num_seqs``. A sequence's mean is then over
+its kept tokens, as verl's rejection (which rewrites the response mask) gives it: a
+per-sequence objective is not shrunk by the share of the sequence that was rejected. The
+counts stay the response's, as AReaL's decoupled loss keeps its token count (verl's shrink
+with the rejection): rejecting tokens or whole sequences never up-weights what remains.
+
 ``seq-mean-token-sum-norm`` divides by B * L, as the Dr.GRPO paper's objective (Liu et al.,
 2025: (1/G) sum_i sum_t, with the sum normalized by the generation budget) and TRL's
 ``dr_grpo`` do. verl divides by L only (``agg_loss``'s ``loss_scale_factor``) and then scales
@@ -47,8 +54,9 @@ def aggregate_loss(
 ) -> torch.Tensor:
     """Aggregate per-token ``loss`` (B, T) under ``mask`` (B, T) into a scalar.
 
-    ``num_tokens`` and ``num_seqs`` default to this batch's counts (``count_sequences``);
-    pass the global batch's counts when this call sees only a micro-batch. ``horizon``
+    ``num_tokens`` and ``num_seqs`` default to the counts of ``mask`` (``count_sequences``);
+    pass the global batch's counts when this call sees only a micro-batch, and the
+    response's when ``mask`` holds only the kept tokens (module docstring). ``horizon``
     defaults to T.
     """
     mask = mask.to(loss.dtype)

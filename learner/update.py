@@ -11,15 +11,21 @@ of forward/backward passes (FSDP's collectives need it), and a rank with fewer r
 with a zero-weighted stand-in pass.
 
 Per token, the loss is the configured surrogate (``algorithms.policy_loss``, ratio current /
-proximal) under the off-policy correction (``algorithms.off_policy``: truncated importance
-weight proximal / behavior, rejection masks); the loss mode receives the rejection mask as
-its response mask and the weights, so a rejected token also leaves GSPO's sequence ratio and
-GMPO's geometric mean. Tokens a correction rejects contribute zero policy, entropy and
-KL-loss terms but still count in the aggregation's denominators, so rejecting never
-up-weights the tokens that remain (and the update stays independent of ranks and
-micro-batches). The policy loss of gspo, sapo and geo_mean is aggregated per sequence, as
-verl does (``algorithms.policy_loss.policy_loss_agg_mode``); ``actor.loss_agg_mode``
-aggregates everything else.
+proximal) under the off-policy correction (``algorithms.off_policy``: importance weight
+proximal / behavior, truncated or AReaL's token mask, and rejection masks); the loss mode
+receives the rejection mask as its response mask and the weights, so a rejected token also
+leaves GSPO's sequence ratio and GMPO's geometric mean. Tokens a correction rejects
+contribute zero policy, entropy and KL-loss terms. A per-sequence mean (seq-mean-token-mean,
+and so gspo's, sapo's and geo_mean's objectives) is over the sequence's kept tokens, as
+verl's rejection (which rewrites the response mask) gives it: half a sequence rejected
+leaves its objective whole, not halved. The batch's counts, token-mean's token count and the
+number of sequences B, stay those of the response, as AReaL's decoupled loss keeps them
+(verl counts the kept tokens): rejecting never up-weights the tokens or sequences that
+remain, and the counts, computed before the micro-batch loop, keep the update independent of
+ranks and micro-batches (``algorithms.aggregation``). The policy loss of gspo, sapo and
+geo_mean is aggregated per sequence, as verl does
+(``algorithms.policy_loss.policy_loss_agg_mode``); ``actor.loss_agg_mode`` aggregates
+everything else.
 
 Proximal log-probs are the policy's before this step's first optimizer step. With one
 update per step (one epoch, one mini-batch) they equal the detached log-probs of the same
@@ -438,17 +444,18 @@ class Learner:
                                 importance_weights=part_correction.weight)
             mask = part.response_mask * weight
             kept = part_correction.mask * weight
-            # rejected tokens add zero loss but stay in the denominators (aggregated under
-            # the response mask), so rejection never up-weights the tokens that remain
-            weighted = terms.loss * part_correction.mask * part.sample_weights[:, None]
-            loss = aggregate_loss(weighted, mask, self.pg_agg_mode, **totals)
+            # summed over the kept tokens, each sequence's mean over its kept tokens, but
+            # divided by the response's token and sequence counts (``totals``): rejection
+            # never up-weights the tokens or sequences that remain
+            weighted = terms.loss * part.sample_weights[:, None]
+            loss = aggregate_loss(weighted, kept, self.pg_agg_mode, **totals)
             if actor.entropy_coeff:
                 loss = loss - actor.entropy_coeff * aggregate_loss(
-                    entropy * part_correction.mask, mask, actor.loss_agg_mode, **totals)
+                    entropy, kept, actor.loss_agg_mode, **totals)
             if actor.use_kl_loss:
                 kl = kl_penalty(logprobs, reference[rows, :width], actor.kl_loss_type)
                 loss = loss + actor.kl_loss_coef * aggregate_loss(
-                    kl * part_correction.mask, mask, actor.loss_agg_mode, **totals)
+                    kl, kept, actor.loss_agg_mode, **totals)
                 sums.add("actor/kl_sum", (kl.detach() * mask).sum())
             (loss * self.micro.grad_scale).backward()
             with torch.no_grad():

@@ -52,6 +52,45 @@ def test_micro_batches_with_global_counts_sum_to_the_full_batch(mode: str) -> No
     assert parts.item() == pytest.approx(full.item())
 
 
+KEPT = torch.tensor([[1, 0, 1], [1, 0, 0]])  # row 0's middle token rejected
+
+
+@pytest.mark.parametrize("mode, expected, verl_counts, old_lengths", [
+    # AReaL's token count: the 4 response tokens, not the 3 kept (verl: 8 / 3)
+    ("token-mean", (1 + 3 + 4) / 4, (1 + 3 + 4) / 3, None),
+    ("seq-mean-token-sum", (4 + 4) / 2, None, None),
+    # verl's per-sequence mean over the kept tokens, 4 / 2; over the response's 3 tokens
+    # (the convention before issue 30) row 0 would count 4 / 3
+    ("seq-mean-token-mean", ((1 + 3) / 2 + 4 / 1) / 2, None, (4 / 3 + 4 / 1) / 2),
+    ("seq-mean-token-sum-norm", (4 + 4) / (2 * 3), None, None),
+])
+def test_kept_tokens_are_averaged_per_sequence_but_counted_as_the_response(
+        mode: str, expected: float, verl_counts: float | None,
+        old_lengths: float | None) -> None:
+    got = aggregate_loss(LOSS, KEPT, mode, num_tokens=4, num_seqs=2).item()
+    assert got == pytest.approx(expected)
+    if verl_counts is not None:  # the kept mask's own counts: verl's
+        assert aggregate_loss(LOSS, KEPT, mode).item() == pytest.approx(verl_counts)
+    if old_lengths is not None:
+        assert got != pytest.approx(old_lengths)
+
+
+def test_a_wholly_rejected_sequence_still_counts_as_a_sequence() -> None:
+    # row 1 rejected: B stays 2 (verl would take 1 and double row 0's weight)
+    kept = torch.tensor([[1, 1, 1], [0, 0, 0]])
+    got = aggregate_loss(LOSS, kept, "seq-mean-token-mean", num_tokens=4, num_seqs=2).item()
+    assert got == pytest.approx((6 / 3 + 0) / 2)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_micro_batches_of_kept_tokens_with_the_responses_counts_sum_to_the_batch(
+        mode: str) -> None:
+    full = aggregate_loss(LOSS, KEPT, mode, num_tokens=4, num_seqs=2)
+    parts = sum(aggregate_loss(LOSS[i:i + 1], KEPT[i:i + 1], mode, num_tokens=4, num_seqs=2,
+                               horizon=3) for i in range(2))
+    assert parts.item() == pytest.approx(full.item())
+
+
 def test_unknown_mode_is_named() -> None:
     with pytest.raises(ValueError, match="'mean'"):
         aggregate_loss(LOSS, MASK, "mean")  # type: ignore[arg-type]

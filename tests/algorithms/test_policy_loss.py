@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from algorithms.aggregation import aggregate_loss
 from algorithms.policy_loss import (
     LOSS_MODES,
     PolicyLossConfig,
@@ -276,6 +277,26 @@ def test_sequence_objectives_are_aggregated_per_sequence_as_verl_forces(mode: st
     for configured in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
         assert policy_loss_agg_mode(mode, configured) == "seq-mean-token-mean"
         assert policy_loss_agg_mode("vanilla", configured) == configured
+
+
+@pytest.mark.parametrize("mode, objective", [("gspo", -1.0), ("geo_mean", -1.0),
+                                             ("sapo", -2.0)])
+def test_half_a_rejected_sequence_keeps_its_whole_sequence_objective(mode: str,
+                                                                      objective: float) -> None:
+    # One sequence of 4 tokens, A = 1, on policy (ratio 1), its last 2 tokens rejected. Each
+    # kept token's loss is -A s = -1 (gspo), the sequence's -A exp(0) = -1 (geo_mean) or
+    # -A (4 / tau) sigmoid(0) = -2 (sapo, tau_pos = 1). The learner aggregates under the kept
+    # mask with the response's counts (1 sequence, 4 tokens): the mean over the kept tokens
+    # is the whole objective, verl's -1.0; the response's length would halve it (-0.5).
+    logprobs = torch.full((1, 4), -1.0, requires_grad=True)
+    kept = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    terms = policy_loss(logprobs, logprobs.detach(), torch.ones(1, 4), kept,
+                        PolicyLossConfig(loss_mode=mode), **CLIP)  # type: ignore[arg-type]
+    aggregation = policy_loss_agg_mode(mode, "token-mean")
+    loss = aggregate_loss(terms.loss, kept, aggregation, num_tokens=4, num_seqs=1)
+    assert loss.item() == pytest.approx(objective)
+    halved = aggregate_loss(terms.loss * kept, torch.ones(1, 4), aggregation)
+    assert halved.item() == pytest.approx(objective / 2)
 
 
 def test_gspo_sequence_log_ratio_is_bounded_at_ten() -> None:

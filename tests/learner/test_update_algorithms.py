@@ -177,37 +177,54 @@ def test_rejection_masks_are_counted(random_model_dir: Path, batch: TrainBatch) 
     assert metrics["actor/importance_weight_mean"] == pytest.approx(math.e, rel=1e-4)
 
 
-@pytest.mark.usefixtures("one_rank_group")
-def test_rejected_tokens_stay_in_each_sequences_denominator(random_model_dir: Path,
-                                                            batch: TrainBatch) -> None:
-    # Behavior log-probs shifted by -1 on the tail of each response: ratio e > 2 there, so
-    # token rejection drops those tokens; row i keeps its first ceil(L * (i % 4 + 1) / 4)
-    # tokens (on-policy). At the first update the PPO ratio is 1 and IS is off, so a kept
-    # token's loss is -A_s and seq-mean-token-mean over S sequences is
-    # sum_s -A_s * kept_s / L_s / S  (L_s: the whole response, rejected tokens included).
-    response = batch.response_mask
-    lengths = response.sum(-1)
+def rejected_quarters(batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor]:
+    """The batch with behavior log-probs 1 below on the tail of each response (ratio e > 2:
+    token rejection drops those tokens): row i keeps its first ceil(L_i (i % 4 + 1) / 4)
+    tokens. Returns it and the kept counts (B,)."""
+    lengths = batch.response_mask.sum(-1)
     kept = torch.ceil(lengths * (torch.arange(batch.rows) % 4 + 1) / 4)
-    tail = (response.cumsum(-1) > kept[:, None]) & response.bool()
-    shifted = TrainBatch(**{f: getattr(batch, f) for f in batch.__struct_fields__})
-    shifted.behavior_logprobs = batch.behavior_logprobs - tail.float()
-    actor = ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0),
-                        loss_agg_mode="seq-mean-token-mean")
-    correction = RolloutCorrectionConfig(rollout_is="none", rollout_rs="token")
-    learner = make_learner(random_model_dir, actor=actor,
-                           algorithm=AlgorithmConfig(rollout_correction=correction))
-    metrics = learner.step(shifted).metrics
+    return rejecting_tails(batch, kept)[0], kept
 
-    advantages = torch.zeros(batch.rows, dtype=torch.float64)
-    for group in batch.group_ids.unique():
-        rows = batch.group_ids == group
-        rewards = batch.rewards[rows].double()
-        advantages[rows] = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
-    expected = (-advantages * kept / lengths.clamp(min=1)).sum() / batch.rows
-    assert abs(expected) > 1e-3  # the rejected fractions differ, so the groups do not cancel
-    assert metrics["actor/rejected_frac"] == pytest.approx(float(tail.sum() / response.sum()),
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("mode", ["vanilla", "gspo", "sapo", "geo_mean"])
+def test_a_sequences_mean_is_over_its_kept_tokens(random_model_dir: Path, batch: TrainBatch,
+                                                 mode: str) -> None:
+    # At the first update the PPO ratio is 1 and IS is off, so every kept token of row i has
+    # the loss l_i = -A_i (vanilla, gspo, geo_mean) or -2 A_i / tau (sapo); aggregated with
+    # seq-mean-token-mean (configured for vanilla, forced for the others) the loss is
+    # (1/B) sum_i w_i l_i, as verl: the mean over row i's kept tokens. Over its whole
+    # response (before issue 30) it was (1/B) sum_i w_i l_i k_i / L_i: half a sequence
+    # rejected halved its objective.
+    shifted, kept = rejected_quarters(with_sample_weights(batch, ROW_WEIGHTS))
+    actor = ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0),
+                        loss_agg_mode="seq-mean-token-mean" if mode == "vanilla"
+                        else "token-mean", policy_loss=PolicyLossConfig(loss_mode=mode))
+    metrics = make_learner(random_model_dir, actor=actor,
+                           algorithm=TOKEN_REJECTION).step(shifted).metrics
+    advantages = grpo_by_hand(batch)
+    per_row = -advantages * (2 / torch.where(advantages > 0, 1.0, 1.05) if mode == "sapo" else 1)
+    weighted = ROW_WEIGHTS.double() * per_row
+    lengths = batch.response_mask.sum(-1).double()
+    expected = float(weighted.sum() / batch.rows)
+    assert abs(expected - float((weighted * kept / lengths).sum() / batch.rows)) > 1e-3
+    assert metrics["actor/loss"] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_rejected_tokens_stay_in_token_means_count(random_model_dir: Path,
+                                                   batch: TrainBatch) -> None:
+    # token-mean divides by the response's tokens, rejected ones included (AReaL's
+    # convention; verl divides by the kept tokens): at ratio 1 with IS off the loss is
+    # sum_i -w_i A_i k_i / sum_i L_i, not sum_i -w_i A_i k_i / sum_i k_i.
+    shifted, kept = rejected_quarters(with_sample_weights(batch, ROW_WEIGHTS))
+    metrics = make_learner(random_model_dir, algorithm=TOKEN_REJECTION).step(shifted).metrics
+    summed = float((-grpo_by_hand(batch) * ROW_WEIGHTS.double() * kept).sum())
+    lengths = batch.response_mask.sum(-1)
+    assert metrics["actor/rejected_frac"] == pytest.approx(float(1 - kept.sum() / lengths.sum()),
                                                            abs=1e-6)
-    assert metrics["actor/loss"] == pytest.approx(float(expected), abs=1e-5)
+    assert abs(summed / float(lengths.sum()) - summed / float(kept.sum())) > 1e-3
+    assert metrics["actor/loss"] == pytest.approx(summed / float(lengths.sum()), abs=1e-5)
 
 
 def copy_of(batch: TrainBatch) -> TrainBatch:
@@ -325,8 +342,8 @@ def test_rejection_enters_the_advantages(random_model_dir: Path, batch: TrainBat
     # OPO's baseline is weighted by response lengths; verl rejects before compute_advantage,
     # so the lengths are the kept ones: A_i = r_i - sum_g k_j r_j / sum_g k_j. Row i keeps
     # k_i = ceil(L_i (i % 4 + 1) / 4) tokens; with one update per step the proximal pass
-    # must now run up front. Loss (seq-mean-token-mean, IS off, ratio 1):
-    # (1/B) sum_i -w_i A_i k_i / L_i.
+    # must now run up front. Loss (seq-mean-token-mean over the kept tokens, IS off, ratio
+    # 1): (1/B) sum_i -w_i A_i.
     calls: list[int] = []
     original = Learner._no_grad_logprobs
     monkeypatch.setattr(Learner, "_no_grad_logprobs",
@@ -341,13 +358,19 @@ def test_rejection_enters_the_advantages(random_model_dir: Path, batch: TrainBat
     metrics = make_learner(random_model_dir, actor=actor, algorithm=algorithm).step(
         shifted).metrics
     assert calls == [1], "rejection needs the proximal log-probs before the advantages"
-    rewards, advantages = batch.rewards.double(), torch.zeros(batch.rows, dtype=torch.float64)
-    for group in batch.group_ids.unique():
-        rows = batch.group_ids == group
-        baseline = (kept[rows].double() * rewards[rows]).sum() / kept[rows].sum()
-        advantages[rows] = rewards[rows] - baseline
-    expected = float((-advantages * ROW_WEIGHTS.double() * kept / lengths).sum() / batch.rows)
+
+    def loss_with_baseline_weights(weights: torch.Tensor) -> float:
+        rewards = batch.rewards.double()
+        advantages = torch.zeros(batch.rows, dtype=torch.float64)
+        for group in batch.group_ids.unique():
+            rows = batch.group_ids == group
+            baseline = (weights[rows].double() * rewards[rows]).sum() / weights[rows].sum()
+            advantages[rows] = rewards[rows] - baseline
+        return float((-advantages * ROW_WEIGHTS.double()).sum() / batch.rows)
+
+    expected = loss_with_baseline_weights(kept)
     assert abs(expected) > 1e-3
+    assert abs(expected - loss_with_baseline_weights(lengths)) > 1e-3  # kept, not L
     assert metrics["actor/loss"] == pytest.approx(expected, abs=1e-5)
 
 
