@@ -41,7 +41,8 @@ def load_topology(path: str | Path, overrides: Iterable[str] = (),
     """Decode and check ``topology.toml`` (overrides given without the ``topology.`` prefix),
     with a run config's verl placement keys applied (``verl_keys.apply_placement``)."""
     topology = apply_placement(load(Topology, path, overrides,
-                                    path_keys=[("security", "keys_dir")]), placement)
+                                    path_keys=[("security", "keys_dir"),
+                                               ("security", "sockets_dir")]), placement)
     check_verl_ranks(topology, placement)
     check_topology(topology, str(path))
     return topology
@@ -71,6 +72,7 @@ def check_topology(topology: Topology, source: str) -> None:
     hosts = {"buffer.host": topology.buffer.host, "launcher.host": topology.launcher.host}
     hosts.update({f"learner.hosts[{i}]": h for i, h in enumerate(topology.learner.hosts)})
     hosts.update({f"generators[{i}].host": g.host for i, g in enumerate(topology.generators)})
+    hosts["evaluator.host"] = topology.evaluator.host
     security = topology.security
     if security.curve:
         keys = Path(security.keys_dir) if security.keys_dir else None

@@ -7,6 +7,13 @@ keys, the checkpoint folder and the checkpoint a run resumes from are derived fr
 configs in one place. This module reads files; it parses no command line and starts
 nothing.
 
+Addresses: with CURVE, ``tcp://host:port`` from the topology. Without CURVE every process
+is on this machine (``configs.checks``), and a loopback port would let any local user act
+as the learner, or read every pending prompt with its ground truth; so each address is an
+``ipc://`` file in the run's sockets folder (``Topology.security.sockets_dir``, by default
+``RUN_DIR/sockets``), which the launcher makes 0700 and this user's before any process
+starts (``launcher.plan``): only this user's processes can connect to, or bind, those files.
+
 Keys folder layout (``tools/make-curve-keys.py`` writes it): ``server.key`` /
 ``server.key_secret`` for every binding process, ``client.key`` / ``client.key_secret`` for
 every connecting one, and ``authorized/`` holding the public keys servers accept.
@@ -24,11 +31,14 @@ from configs.checks import load_run_config, load_topology
 from configs.loader import ConfigError
 from configs.run_schema import RunConfig
 from configs.topology_schema import Topology
-from transport.endpoints import tcp_endpoint
+from transport.endpoints import ipc_endpoint, is_loopback, tcp_endpoint
 from transport.security import ClientKeys, ServerKeys, load_keypair, load_public_key
 
 RESOLVED_TOPOLOGY = "topology.toml"  # file names inside a run directory
 RESOLVED_RUN = "run.toml"
+SOCKETS = "sockets"  # the default sockets folder, inside the run directory
+SOCKET_NAMES = ("buffer", "weights", "weights-stream", "metrics")
+"""The ipc socket files of a run without CURVE, one per bound address."""
 
 
 class RunContext(msgspec.Struct, kw_only=True, frozen=True):
@@ -40,22 +50,31 @@ class RunContext(msgspec.Struct, kw_only=True, frozen=True):
 
     @property
     def buffer_endpoint(self) -> str:
-        return tcp_endpoint(self.topology.buffer.host, self.topology.buffer.port)
+        return self._endpoint("buffer", self.topology.buffer.host, self.topology.buffer.port)
 
     @property
     def weights_endpoint(self) -> str:
         learner = self.topology.learner
-        return tcp_endpoint(learner.hosts[0], learner.weights_port)
+        return self._endpoint("weights", learner.hosts[0], learner.weights_port)
 
     @property
     def weights_stream_endpoint(self) -> str:
         learner = self.topology.learner
-        return tcp_endpoint(learner.hosts[0], learner.weights_stream_port)
+        return self._endpoint("weights-stream", learner.hosts[0], learner.weights_stream_port)
 
     @property
     def metrics_endpoint(self) -> str:
         launcher = self.topology.launcher
-        return tcp_endpoint(launcher.host, launcher.metrics_port)
+        return self._endpoint("metrics", launcher.host, launcher.metrics_port)
+
+    @property
+    def sockets_dir(self) -> Path | None:
+        """The private folder of the run's ipc sockets, or None when it talks over tcp."""
+        return sockets_dir(self.topology, self.run_dir)
+
+    def _endpoint(self, name: str, host: str, port: int) -> str:
+        folder = self.sockets_dir
+        return tcp_endpoint(host, port) if folder is None else ipc_endpoint(folder / name)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -89,6 +108,29 @@ class RunContext(msgspec.Struct, kw_only=True, frozen=True):
     def _keys_dir(self) -> Path | None:
         security = self.topology.security
         return Path(security.keys_dir) if security.curve else None
+
+
+def uses_ipc(topology: Topology) -> bool:
+    """Whether the run's addresses are ipc files (module docstring): no CURVE, and every
+    process (buffer, learner ranks, generators, evaluator, launcher) on this machine."""
+    hosts = [topology.buffer.host, *topology.learner.hosts, topology.evaluator.host,
+             topology.launcher.host, *(g.host for g in topology.generators)]
+    return not topology.security.curve and all(is_loopback(host) for host in hosts)
+
+
+def sockets_dir(topology: Topology, run_dir: Path) -> Path | None:
+    """The folder of the ipc sockets of a run that ``uses_ipc`` (else None):
+    ``security.sockets_dir`` (absolute once loaded: ``configs.checks`` resolves it against
+    the topology file), by default ``run_dir/sockets``."""
+    if not uses_ipc(topology):
+        return None
+    return run_dir.joinpath(topology.security.sockets_dir or SOCKETS)
+
+
+def longest_socket_path(folder: Path) -> int:
+    """The length of the longest socket path of a run in ``folder``; at most
+    ``IPC_PATH_MAX`` fits a Unix socket."""
+    return max(len(str(folder / name)) for name in SOCKET_NAMES)
 
 
 def checkpoint_dir(run: RunConfig, run_dir: Path) -> Path:

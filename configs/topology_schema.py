@@ -159,10 +159,19 @@ class Security(_Section):
     ``keys_dir`` holds ``server.key_secret`` and one ``*.key`` per authorized client
     (``tools/make-curve-keys.py`` writes them); relative paths are resolved against the
     topology file.
+
+    Without CURVE every process runs on this machine, and the run's sockets are not ports
+    but ``ipc://`` files in ``sockets_dir`` (default: the run directory's ``sockets/``),
+    which the launcher makes 0700: another user of the machine can neither connect to them
+    nor bind them (``configs.rundir``). Its path plus the longest socket name must fit a
+    Unix socket's 107 characters; set a short ``sockets_dir`` (a folder of your own) when
+    the run directory's path is too long. With CURVE the ports below are used, loopback
+    included.
     """
 
     curve: bool = False
     keys_dir: str = ""
+    sockets_dir: str = ""
 
 
 class LauncherSettings(_Section):

@@ -44,7 +44,7 @@ from generators.engine import Engine
 from generators.evaluate import eval_metrics, evaluate, write_generations
 from generators.sampling import SamplingParams
 from generators.weight_receiver import EvalWeights
-from transport.messages import EvalReport, EvalRequest, Shutdown, WeightManifest
+from transport.messages import ErrorReply, EvalReport, EvalRequest, Shutdown, WeightManifest
 from transport.security import ClientKeys
 from transport.sockets import Client, PeerTimeout
 
@@ -92,6 +92,10 @@ class Evaluator:
                 if isinstance(reply, Shutdown):
                     logger.info("the learner says: %s", reply.reason)
                     return
+                if isinstance(reply, ErrorReply):  # forbidden: not the evaluator's key
+                    raise RuntimeError(f"the learner refused an EvalRequest ({reply.code}): "
+                                       f"{reply.detail}; an evaluator host holds the "
+                                       "evaluator keys (tools/make-curve-keys.py)")
                 if not isinstance(reply, WeightManifest):
                     raise RuntimeError(f"the learner answered an EvalRequest with "
                                        f"{type(reply).__name__}")

@@ -7,10 +7,15 @@ weight stream, where an ``EvalOffer`` tells the evaluator to keep them. The weig
 thread answers the evaluator's ``EvalRequest``s from here (``handle``), oldest offer first,
 and queues the reports they carry for the loop (``take_reports``). An offer stays first in
 line until the evaluator asks for something after it, so a reply lost to a timeout is
-simply handed out again; a report is kept once (a resent one is ignored). Any peer that
-reaches the weight server can send a report, so one is kept only when it measured a step
-that was offered and its metric names are ones MLflow takes (``report_problem``); others
-are dropped with a warning, never handed to the learner's loop.
+simply handed out again; a report is kept once (a resent one is ignored). Only the
+evaluator's role may send ``EvalRequest``s (``WeightServer``, ``transport.roles``), and a
+request is still judged against what was handed out, since without CURVE that role is not
+proven: an ``after_step`` that reaches an offer never handed out is refused
+(``bad_request``, nothing leaves the queue), so only offers the evaluator was given can
+leave it; a report
+is kept only when it measured a step handed out and not yet reported, and its metric
+names are ones MLflow takes (``report_problem``); others are dropped with a warning, never
+handed to the learner's loop, and never shadow the report of a step still to come.
 
 The evaluator sends its first request once it has heard the weight stream (the loop streams
 ``StreamBeacon``s while it waits); the loop ``wait_for_evaluator`` before it streams its
@@ -34,6 +39,7 @@ from collections import deque
 from collections.abc import Callable
 
 from transport.messages import (
+    ErrorReply,
     EvalOffer,
     EvalReport,
     EvalRequest,
@@ -50,13 +56,13 @@ METRIC_NAME = re.compile(r"[\w./\- :@]{1,250}")
 ``@`` (verl's ``mean@4``), which the tracker spells ``_at_`` for MLflow."""
 
 
-def report_problem(report: EvalReport, offered_through: int) -> str:
+def report_problem(report: EvalReport, handed_through: int) -> str:
     """Why ``report`` is no report of this run's evaluations ("" when it is): its step
-    must lie between 0 and the latest step offered, ``offered_through``, and its metric
-    names must suit MLflow."""
-    if not 0 <= report.step <= offered_through:
-        return (f"step {report.step} was never offered for evaluation (the latest is "
-                f"{offered_through})")
+    must lie between 0 and the latest step handed out to the evaluator, ``handed_through``,
+    and its metric names must suit MLflow."""
+    if not 0 <= report.step <= handed_through:
+        return (f"step {report.step} was never handed out for evaluation (the latest is "
+                f"{handed_through})")
     bad = [name for name in report.metrics if not METRIC_NAME.fullmatch(name)]
     if bad:
         return f"metric name {bad[0][:60]!r} is not one MLflow takes"
@@ -70,7 +76,7 @@ class EvalQueue:
         self._waiting: deque[EvalOffer] = deque()
         self._reports: list[EvalReport] = []
         self._reported_through = -1  # the latest step a report measured
-        self._offered_through = -1  # the latest step offered
+        self._handed_through = -1  # the latest step handed out to the evaluator
         self._handed_at = 0.0
         self._longest_s = 0.0  # the longest evaluation so far
         self._over = False
@@ -83,7 +89,6 @@ class EvalQueue:
         """Queue ``offer``; the oldest offer of trained weights goes when too many wait."""
         with self._lock:
             self._waiting.append(offer)
-            self._offered_through = max(self._offered_through, offer.step)
             holding = [o for o in self._waiting if o.version > 0]
             for skipped in holding[:max(0, len(holding) - self.max_waiting)]:
                 self._waiting.remove(skipped)
@@ -137,12 +142,23 @@ class EvalQueue:
     # -- the weight server's thread ------------------------------------------------------
 
     def handle(self, msg: EvalRequest, current_version: int) -> Message:
-        """The reply to an ``EvalRequest`` (see ``transport.messages.EvalRequest``)."""
+        """The reply to an ``EvalRequest`` (see ``transport.messages.EvalRequest``), or
+        ``ErrorReply(bad_request)`` for one whose ``after_step`` would take an offer never
+        handed out out of the queue."""
         now = time.monotonic()
-        self._evaluator_joined.set()
         with self._lock:
+            unhanded = next((o.step for o in self._waiting if o.step > self._handed_through),
+                            None)
+            if unhanded is not None and msg.after_step >= unhanded:
+                logger.warning("refused an EvalRequest after step %d: step %d waits for "
+                               "evaluation and was never handed out", msg.after_step, unhanded)
+                return ErrorReply(code="bad_request", detail=(
+                    f"after_step {msg.after_step} would skip step {unhanded}, which was never "
+                    f"handed out for evaluation (the latest handed out is "
+                    f"{self._handed_through})"))
+            self._evaluator_joined.set()
             report = msg.report
-            problem = "" if report is None else report_problem(report, self._offered_through)
+            problem = "" if report is None else report_problem(report, self._handed_through)
             if problem:
                 logger.warning("dropped an evaluation report: %s", problem)
             elif report is not None and report.step > self._reported_through:
@@ -157,4 +173,5 @@ class EvalQueue:
                     return Shutdown(reason="the run is over")
                 return WeightManifest(version=current_version, step=msg.after_step)
             offer, self._handed_at = self._waiting[0], now
+            self._handed_through = max(self._handed_through, offer.step)
         return WeightManifest(version=offer.version, step=offer.step)

@@ -25,7 +25,9 @@ is still the newest version; otherwise the next publish brings everyone up to da
 
 The same server answers the evaluator's ``EvalRequest``s from the evaluation queue
 (``learner.eval_queue``); the offered weights themselves went by on the stream, followed
-by an ``EvalOffer`` naming them. A request frame over ``MAX_REQUEST_BYTES`` drops its
+by an ``EvalOffer`` naming them. Only a peer in the evaluator's role may send one
+(``transport.roles``: under CURVE, the evaluator's or the control hosts' key; others are
+answered ``forbidden``). A request frame over ``MAX_REQUEST_BYTES`` drops its
 sender's connection before it is read. Who may fetch weights is decided by CURVE
 (``transport.security``), on both sockets. When the server's thread dies, ``published``
 raises ``ThreadDied`` naming it: the learner stops rather than train on while no
@@ -57,8 +59,9 @@ from transport.messages import (
     WeightManifest,
     WeightRequest,
 )
+from transport.roles import PeerRoles
 from transport.security import ServerKeys
-from transport.sockets import Publisher, Server, ServerThread
+from transport.sockets import Peer, Publisher, Server, ServerThread
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +173,8 @@ class WeightServer:
         self._latest = WeightManifest(version=0)  # no buckets: a name for the version
         self._resend = threading.Event()
         self.evaluation = evaluation or EvalQueue()
+        self.roles = PeerRoles()
+        self.forbidden = 0  # EvalRequests refused: the sender is not the evaluator
         self._server = Server(endpoint, self._handle, keys=keys,
                               max_message_bytes=MAX_REQUEST_BYTES)
         self.endpoint = self._server.endpoint
@@ -206,8 +211,14 @@ class WeightServer:
 
     # -- the server thread ---------------------------------------------------------------
 
-    def _handle(self, msg: Message, _identity: bytes) -> Message:
+    def _handle(self, msg: Message, peer: Peer) -> Message:
         if isinstance(msg, EvalRequest):
+            refusal = self.roles.admit(peer, "evaluator")
+            if refusal:
+                self.forbidden += 1
+                logger.warning("refused an EvalRequest from connection %s: %s",
+                               peer.identity.hex(), refusal)
+                return ErrorReply(code="forbidden", detail=refusal)
             return self.evaluation.handle(msg, self.version)
         if not isinstance(msg, WeightRequest):
             return ErrorReply(code="unexpected", detail=f"the weight server does not take "

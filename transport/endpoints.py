@@ -11,6 +11,9 @@ import ipaddress
 import os
 
 LOCAL_TRANSPORTS = ("ipc", "inproc")  # reachable only from this machine / this process
+IPC_PATH_MAX = 107
+"""The longest path of an ``ipc://`` socket: Linux's ``sockaddr_un.sun_path`` holds 108
+bytes with the terminating NUL (ZeroMQ refuses a longer one at bind and connect)."""
 
 
 def tcp_endpoint(host: str, port: int | str = "*") -> str:

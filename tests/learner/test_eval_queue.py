@@ -1,6 +1,8 @@
 """learner.eval_queue: offers wait in order for the evaluator, a lost reply is handed out
 again, a report is kept once, too many waiting offers skip the oldest, and the end of the
-run waits for the last report and for the evaluator to hear that the run is over."""
+run waits for the last report and for the evaluator to hear that the run is over. A forged
+request (an ``after_step`` never handed out, a report of a step not handed out yet) takes
+nothing out of the queue and shadows no real report."""
 
 from __future__ import annotations
 
@@ -11,7 +13,14 @@ import time
 import pytest
 
 from learner.eval_queue import EvalQueue
-from transport.messages import EvalOffer, EvalReport, EvalRequest, Shutdown, WeightManifest
+from transport.messages import (
+    ErrorReply,
+    EvalOffer,
+    EvalReport,
+    EvalRequest,
+    Shutdown,
+    WeightManifest,
+)
 
 LONG_WAIT_S = 30.0  # an end() wait that a test must never sit through
 
@@ -130,6 +139,7 @@ def test_end_gives_up_after_its_budget_and_says_so(caplog: pytest.LogCaptureFixt
 def test_verls_at_names_are_kept() -> None:
     queue = EvalQueue()
     queue.offer(offer(10))
+    ask(queue, -1)
     verl = EvalReport(step=10, version=10, metrics={"val-core/src/acc/mean@4": 0.5})
     ask(queue, 10, verl)
     assert queue.take_reports() == [verl]
@@ -160,3 +170,47 @@ def test_waiting_for_the_evaluator_ends_at_its_first_request() -> None:
     began = time.monotonic()
     assert queue.wait_for_evaluator(timeout_s=10.0)
     assert time.monotonic() - began < 5.0
+
+
+def evaluate_all(queue: EvalQueue) -> list[int]:
+    """The honest evaluator: asks, reports each step it was handed, until nothing is new."""
+    handed, after, last = [], -1, None
+    while True:
+        reply = ask(queue, after, last)
+        assert isinstance(reply, WeightManifest), reply
+        if reply.step == after:
+            return handed
+        after, last = reply.step, report(reply.step)
+        handed.append(after)
+
+
+def test_a_request_after_a_step_never_handed_out_is_refused_and_drops_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    queue = EvalQueue()
+    for step in (0, 10, 20):
+        queue.offer(offer(step))
+    with caplog.at_level(logging.WARNING, logger="learner.eval_queue"):
+        for forged in (10**9, 0):  # 0 was offered, but not handed out yet
+            reply = ask(queue, forged)
+            assert isinstance(reply, ErrorReply) and reply.code == "bad_request", reply
+            assert f"after_step {forged} would skip step 0" in reply.detail
+    assert "refused an EvalRequest after step 1000000000" in caplog.text
+    assert not queue.wait_for_evaluator(timeout_s=0.0)  # no evaluator has asked yet
+    assert ask(queue, -1).step == 0
+    reply = ask(queue, 10**9)  # the evaluator was handed step 0, but not step 10
+    assert isinstance(reply, ErrorReply) and "would skip step 10" in reply.detail
+    assert evaluate_all(queue) == [0, 10, 20]
+    assert [r.step for r in queue.take_reports()] == [0, 10, 20]
+
+
+def test_a_forged_report_of_a_step_not_handed_out_shadows_no_real_report() -> None:
+    queue = EvalQueue()
+    for step in (0, 10, 20):
+        queue.offer(offer(step))
+    assert ask(queue, -1).step == 0
+    forged = EvalReport(step=20, version=20, metrics={"eval/accuracy": 12345.0})
+    assert ask(queue, -1, forged).step == 0  # dropped: step 20 was not handed out
+    assert ask(queue, 0, report(0)).step == 10
+    assert ask(queue, 10, report(10)).step == 20
+    ask(queue, 20, report(20))
+    assert queue.take_reports() == [report(0), report(10), report(20)]

@@ -1,9 +1,14 @@
 """learner.main.build_learner shards each model it loads by its own verl ``fsdp_size`` key
 (the policy by the actor's, the reference by the ref's, the critic by the critic's), and
-refuses one that does not divide the learner's ranks naming that key, before loading."""
+refuses one that does not divide the learner's ranks naming that key, before loading; a
+learner started without torchrun is a group of one that opens no rendezvous port."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +50,35 @@ def test_only_the_models_a_run_loads_are_sharded_by_their_key(random_model_dir: 
     meshes = {p.device_mesh for m in (learner.model, learner.reference, learner.critic.model)
               for p in m.parameters()}
     assert len(meshes) == 1 and next(iter(meshes)).shape == (1,)  # one mesh shared by all
+
+
+ALONE = """
+import os, subprocess
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from learner.main import init_learner_group
+init_learner_group(torch.device("cpu"), timedelta(seconds=60))
+ones = torch.ones(2)
+dist.all_reduce(ones)
+listening = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout
+print(dist.get_world_size(), ones.tolist(),
+      sorted(line.split()[3].rsplit(":", 1)[0] for line in listening.splitlines()
+             if f"pid={os.getpid()}," in line))
+"""
+
+
+def test_a_learner_started_alone_is_one_rank_on_no_rendezvous_port() -> None:
+    """``launcher.plan`` starts one rank on one host without torchrun (whose store listens
+    on every interface): no MASTER_ADDR, no store port; gloo's own socket is on loopback."""
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss (iproute2) to list listening sockets")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["GLOO_SOCKET_IFNAME"] = "lo"  # as launcher.plan sets it
+    done = subprocess.run([sys.executable, "-c", ALONE], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("[", 1)[0].strip() == "1"
+    assert "[1.0, 1.0]" in done.stdout
+    assert done.stdout.rstrip().endswith("['127.0.0.1']"), done.stdout  # gloo's only

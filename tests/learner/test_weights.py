@@ -1,14 +1,16 @@
 """learner.weights over loopback: a version streams once to every subscriber and arrives
 whole; a subscriber that missed it asks again and gets it; one that stops reading neither
 stalls the learner nor starves the others; the weight server names the newest version,
-takes resend wishes only from those behind, serves the evaluation queue and refuses
-everything else. (Buckets: test_weight_buckets.py; the generators' side:
+takes resend wishes only from those behind, serves the evaluation queue (to the evaluator's
+key only, under CURVE) and refuses everything else. (Buckets: test_weight_buckets.py; the generators' side:
 tests/generators/test_weight_receiver.py; the queue: test_eval_queue.py.)"""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ from transport.messages import (
     WeightManifest,
     WeightRequest,
 )
+from transport.security import ClientKeys, ServerKeys, create_keypair
 from transport.sockets import Client, Subscriber
 from transport.threads import ThreadDied
 
@@ -228,6 +231,35 @@ def test_the_server_answers_evaluation_requests_and_refuses_other_messages(
         assert reply == WeightManifest(version=0)  # and it goes on serving
     finally:
         client.close()
+
+
+def test_only_the_evaluator_key_may_ask_for_evaluations(tmp_path: Path) -> None:
+    """Under CURVE a generator key may fetch weights but not steer evaluation: its forged
+    ``EvalRequest`` is refused before it reaches the queue, which keeps every offer."""
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    held = {}
+    for name in ("generator", "evaluator"):
+        held[name] = create_keypair(tmp_path / name, "client")
+        shutil.copy(tmp_path / name / "client.key", authorized / f"{name}.key")
+    server_pair = create_keypair(tmp_path, "server")
+    server = WeightServer("tcp://127.0.0.1:*", keys=ServerKeys(server_pair, authorized)).start()
+    clients = {name: Client(server.endpoint, keys=ClientKeys(pair, server_pair.public))
+               for name, pair in held.items()}
+    try:
+        server.evaluation.offer(EvalOffer(step=10, version=2))
+        forged = clients["generator"].request(EvalRequest(after_step=10**9), TIMEOUT_S)
+        assert isinstance(forged, ErrorReply) and forged.code == "forbidden", forged
+        assert "'generator' may act as generator, not as the evaluator" in forged.detail
+        assert clients["generator"].request(
+            WeightRequest(generator_id="g0", have_version=0), TIMEOUT_S) == WeightManifest(version=0)
+        assert clients["evaluator"].request(EvalRequest(after_step=-1), TIMEOUT_S) == \
+            WeightManifest(version=2, step=10)
+        assert server.forbidden == 1
+    finally:
+        for client in clients.values():
+            client.close()
+        server.stop()
 
 
 def test_the_server_drops_an_oversize_request(learner: LearnerSide) -> None:

@@ -101,17 +101,20 @@ def client_keys(folder: Path) -> ClientKeys:
 
 
 def test_generator_hosts_get_no_secret_but_their_own(keys_dir: Path) -> None:
-    control, generator = keys_dir / "control", keys_dir / "generator"
-    assert sorted(p.name for p in generator.iterdir()) == \
-        ["client.key", "client.key_secret", "server.key"]
+    control = keys_dir / "control"
     assert sorted(p.name for p in (control / "authorized").iterdir()) == \
-        ["generator.key", "learner.key"]
-    assert load_public_key(control / "authorized" / "generator.key") == \
-        load_keypair(generator / "client.key_secret").public
+        ["evaluator.key", "generator.key", "learner.key"]
+    for host in ("generator", "evaluator"):
+        assert sorted(p.name for p in (keys_dir / host).iterdir()) == \
+            ["client.key", "client.key_secret", "server.key"]
+        assert load_public_key(control / "authorized" / f"{host}.key") == \
+            load_keypair(keys_dir / host / "client.key_secret").public
+        assert load_public_key(keys_dir / host / "server.key") == \
+            load_keypair(control / "server.key_secret").public
+    assert load_keypair(keys_dir / "generator" / "client.key_secret").public != \
+        load_keypair(keys_dir / "evaluator" / "client.key_secret").public
     assert load_public_key(control / "authorized" / "learner.key") == \
         load_keypair(control / "client.key_secret").public
-    assert load_public_key(generator / "server.key") == \
-        load_keypair(control / "server.key_secret").public
     assert runpy.run_path(str(MAKE_KEYS))["main"]([str(keys_dir)]) == 1  # never overwrites
 
 
@@ -122,7 +125,8 @@ def curve_server(keys_dir: Path) -> Iterator[Server]:
         yield server
 
 
-@pytest.mark.parametrize("host, name", [("control", "learner"), ("generator", "generator")])
+@pytest.mark.parametrize("host, name", [("control", "learner"), ("generator", "generator"),
+                                        ("evaluator", "evaluator")])
 def test_the_server_hears_which_key_each_peer_holds(curve_server: Server, keys_dir: Path,
                                                     host: str, name: str) -> None:
     client = Client(curve_server.endpoint, keys=client_keys(keys_dir / host))

@@ -247,5 +247,6 @@ def test_make_curve_keys_writes_private_folders_and_files(tmp_path: Path) -> Non
         str(p.relative_to(tmp_path)): 0o700 if p.is_dir() else 0o600 for p in made}
     assert {p.name for p in keys.rglob("*.key_secret")} == {"server.key_secret",
                                                             "client.key_secret"}
-    assert len(made) == 13  # keys, control/{4 key files, authorized/{2}}, generator/{3}
+    # keys, control/{4 key files, authorized/{3}}, generator/{3}, evaluator/{3}
+    assert len(made) == 18
 

@@ -9,13 +9,24 @@ Each process's ``env`` is what the launcher sets for it on top of what it inheri
 it imports torch: ``CUDA_VISIBLE_DEVICES`` from its topology ``gpus``, PyTorch's
 expandable-segments allocator on CUDA, and, for a process behind ssh (which forwards no
 environment), the launcher's own ``NCCL_*``, ``CUDA_*`` and allocator settings.
+
+The learner of one host opens no rendezvous port to the network where torch lets it: one
+rank starts without torchrun, on a store inside its process (``learner.main``); several
+ranks start under torchrun with its c10d rendezvous named at ``127.0.0.1`` (torch's
+TCPStore still listens on every interface: it has no option to bind one, see the README's
+Security section). Either way its ranks' gloo and NCCL sockets are bound to the loopback
+interface (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` = ``lo``, unless set). Learners
+of several hosts meet at ``hosts[0]:master_port``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import stat
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,9 +37,17 @@ import msgspec
 from configs.gpu_placement import on_cuda
 from configs.loader import to_toml
 from configs.run_schema import RunConfig
-from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY
-from configs.topology_schema import Topology
-from transport.endpoints import is_loopback
+from configs.loader import ConfigError
+from configs.rundir import (
+    RESOLVED_RUN,
+    RESOLVED_TOPOLOGY,
+    SOCKET_NAMES,
+    longest_socket_path,
+    sockets_dir,
+)
+from configs.topology_schema import LearnerPlacement, Topology
+from transport.endpoints import IPC_PATH_MAX, is_loopback
+from transport.security import private_dir
 
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 ALLOC_CONF = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -45,6 +64,10 @@ FORWARDED_PREFIXES = ("NCCL_", "CUDA_")
 NOT_FORWARDED = ("CUDA_HOME", "CUDA_PATH", "CUDA_VERSION", "NCCL_VERSION")
 """What this machine has installed (NVIDIA's images set them), not how the run uses it: a
 remote host has its own."""
+LOOPBACK_INTERFACE = "lo"
+ONE_HOST_SOCKETS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""torch's and NCCL's choice of network interface: the ranks of one host talk over the
+loopback one."""
 
 
 class ProcessSpec(msgspec.Struct, kw_only=True, frozen=True):
@@ -116,25 +139,20 @@ def build_plan(topology: Topology, run: RunConfig, run_dir: Path,
     def py(host: str) -> str:
         return local_py if is_loopback(host) else remote_py
 
+    check_sockets_dir(topology, run_dir)
     common = ["--run-dir", str(run_dir)]
     plan = [ProcessSpec(name="buffer", role="buffer", host=topology.buffer.host,
                         argv=[py(topology.buffer.host), "-m", "buffer.main", *common],
                         env=process_env(topology.buffer.host, "cpu", None, environ=environ))]
     learner = topology.learner
     for node_rank, host in enumerate(learner.hosts):
+        env = process_env(host, learner.device, learner.gpus, environ=environ)
         if len(learner.hosts) == 1:
-            rendezvous = ["--standalone"]
-        else:
-            rendezvous = [f"--nnodes={len(learner.hosts)}", f"--node-rank={node_rank}",
-                          f"--master-addr={learner.hosts[0]}",
-                          f"--master-port={learner.master_port}"]
-        torchrun = [py(host), "-m", "torch.distributed.run", *rendezvous,
-                    f"--nproc-per-node={learner.nproc_per_node}"]
+            env |= {name: LOOPBACK_INTERFACE for name in ONE_HOST_SOCKETS if name not in environ}
         name = "learner" if len(learner.hosts) == 1 else f"learner@{host}"
-        plan.append(ProcessSpec(name=name, role="learner", host=host,
-                                argv=[*torchrun, "-m", "learner.main", *common],
-                                env=process_env(host, learner.device, learner.gpus,
-                                                environ=environ)))
+        plan.append(ProcessSpec(name=name, role="learner", host=host, env=env, argv=[
+            py(host), *learner_launcher(learner, node_rank, run_id=run_dir.name),
+            "-m", "learner.main", *common]))
     for gen in topology.generators:
         plan.append(ProcessSpec(name=gen.name, role="generator", host=gen.host, essential=False,
                                 argv=[py(gen.host), "-m", "generators.main", *common,
@@ -152,8 +170,80 @@ def build_plan(topology: Topology, run: RunConfig, run_dir: Path,
     return plan
 
 
-def write_resolved(topology: Topology, run: RunConfig, run_dir: Path) -> None:
-    """Write the resolved configs every process of the run reads."""
+def learner_launcher(learner: LearnerPlacement, node_rank: int, run_id: str) -> list[str]:
+    """What comes between ``python`` and ``-m learner.main`` for the learner of node
+    ``node_rank`` (module docstring): nothing for one rank on one host, else torchrun."""
+    hosts = learner.hosts
+    if len(hosts) == 1 and learner.nproc_per_node == 1:
+        return []
+    if len(hosts) == 1:
+        rendezvous = ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+                      f"--rdzv-id={run_id}"]
+    else:
+        rendezvous = [f"--nnodes={len(hosts)}", f"--node-rank={node_rank}",
+                      f"--master-addr={hosts[0]}", f"--master-port={learner.master_port}"]
+    return ["-m", "torch.distributed.run", *rendezvous,
+            f"--nproc-per-node={learner.nproc_per_node}"]
+
+
+def check_sockets_dir(topology: Topology, run_dir: Path) -> None:
+    """``ConfigError`` when the ``security.sockets_dir`` a user set is too long for the
+    run's socket paths (the default folder falls back: ``private_sockets``)."""
+    folder = sockets_dir(topology, run_dir)
+    if folder is None or not topology.security.sockets_dir:
+        return
+    if longest_socket_path(folder) > IPC_PATH_MAX:
+        raise ConfigError("the topology", "security.sockets_dir", (
+            f"{folder} is too long for the run's sockets: their paths would be "
+            f"{longest_socket_path(folder)} characters, more than a Unix socket takes "
+            f"({IPC_PATH_MAX}); name a shorter folder, or leave it empty"))
+
+
+def private_sockets(topology: Topology, run_dir: Path) -> Topology:
+    """Make the run's sockets folder (``configs.rundir.sockets_dir``; nothing to do for a
+    run over tcp) 0700 and check that it is this user's and open to no one else
+    (``ConfigError`` otherwise). The default folder, ``RUN_DIR/sockets``, gives way to a new
+    one from ``tempfile.mkdtemp`` when its socket paths would not fit a Unix socket; the
+    topology returned names it (``security.sockets_dir``) for every process to read."""
+    check_sockets_dir(topology, run_dir)
+    folder = sockets_dir(topology, run_dir)
+    if folder is None:
+        return topology
+    if longest_socket_path(folder) > IPC_PATH_MAX:
+        folder = Path(tempfile.mkdtemp(prefix="relay-"))  # 0700, a name nobody held
+        topology = msgspec.structs.replace(topology, security=msgspec.structs.replace(
+            topology.security, sockets_dir=str(folder)))
+    try:
+        private_dir(folder)
+        owner, mode = folder.stat().st_uid, stat.S_IMODE(folder.stat().st_mode)
+        problem = "" if owner == os.getuid() and not mode & 0o077 else \
+            f"it is owned by uid {owner} with mode {mode:04o}"
+    except OSError as exc:
+        problem = str(exc)
+    if problem:
+        raise ConfigError(str(run_dir / RESOLVED_TOPOLOGY), "security.sockets_dir", (
+            f"the run's sockets folder {folder} must be this user's and open to no one "
+            f"else, but {problem}: remove it, or name another with "
+            "topology.security.sockets_dir"))
+    return topology
+
+
+def remove_sockets(folder: Path) -> None:
+    """Remove a sockets folder the launcher made outside the run directory
+    (``private_sockets``) once the run is over: its socket files, then the folder, which
+    is left where anything else is in it."""
+    for name in SOCKET_NAMES:
+        if (folder / name).is_socket():
+            (folder / name).unlink()
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
+def write_resolved(topology: Topology, run: RunConfig, run_dir: Path) -> Topology:
+    """Write the resolved configs every process of the run reads, with the run's private
+    sockets folder made (``private_sockets``); returns the topology written."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    topology = private_sockets(topology, run_dir)
     (run_dir / RESOLVED_TOPOLOGY).write_bytes(to_toml(topology))
     (run_dir / RESOLVED_RUN).write_bytes(to_toml(run))
+    return topology

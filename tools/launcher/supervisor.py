@@ -3,9 +3,10 @@
 Order of events:
 
 1. prepare: build and cache a ``builtin:`` model if missing, pick free ports for port 0,
-   write the resolved configs into the run directory;
-2. start the buffer, the learner (torchrun), the generators and the evaluator, each in its
-   own process group with its output in ``RUN_DIR/logs/<name>.log``;
+   write the resolved configs into the run directory and make its private sockets folder
+   (a run without CURVE: ``launcher.plan.private_sockets``);
+2. start the buffer, the learner (torchrun, or one rank alone), the generators and the
+   evaluator, each in its own process group with its output in ``RUN_DIR/logs/<name>.log``;
 3. watch: a live status line from the metrics the processes push; a generator may die
    (the run goes on while one is attached), and so may the evaluator (the run goes on
    without held-out evaluation, and the launcher says so), an essential process may not,
@@ -42,7 +43,7 @@ import msgspec
 from configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
 from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, RunContext
 from configs.topology_schema import Topology
-from launcher.plan import ProcessSpec, build_plan, write_resolved
+from launcher.plan import ProcessSpec, build_plan, remove_sockets, write_resolved
 from launcher.resolve import ResolvedLaunch
 from launcher.status import StatusBoard
 from launcher.watchdog import ProgressWatchdog
@@ -315,11 +316,11 @@ class Supervisor:
                                     batch_groups=self.run.data.train_batch_size,
                                     started=time.monotonic())
         while True:
-            message = metrics.receive(0.25)
-            while message is not None:
-                if isinstance(message, Metrics):
-                    self.board.update(message)
-                message = metrics.receive(0.0)
+            received = metrics.receive_from(0.25)
+            while received is not None:
+                if isinstance(received.message, Metrics):
+                    self.board.update(received.message, key=received.key)
+                received = metrics.receive_from(0.0)
             self.board.render()
             now = time.monotonic()
             for proc in self.processes:
@@ -377,7 +378,7 @@ def launch(resolved: ResolvedLaunch) -> int:
     """Run the launch to its end; returns the launcher's exit code."""
     run = builtin_model(resolved.run)
     topology = assign_ports(resolved.topology)
-    write_resolved(topology, run, resolved.run_dir)
+    topology = write_resolved(topology, run, resolved.run_dir)
     supervisor = Supervisor(resolved, topology, run)
     # SIGINT too: a launcher started in the background by a script inherits SIGINT ignored,
     # and an operator's `kill -INT` must still stop the run
@@ -388,6 +389,8 @@ def launch(resolved: ResolvedLaunch) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if topology.security.sockets_dir != resolved.topology.security.sockets_dir:
+            remove_sockets(Path(topology.security.sockets_dir))  # private_sockets made it
     stream = sys.stdout if outcome.code == 0 else sys.stderr
     print(f"launch-cluster: {outcome.reason}", file=stream, flush=True)
     return outcome.code

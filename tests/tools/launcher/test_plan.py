@@ -1,34 +1,60 @@
-"""The process plan: what runs where, with which command."""
+"""The process plan: what runs where, with which command; the run directory the launcher
+writes, whose sockets folder (a run without CURVE) is private."""
 
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import msgspec
+import pytest
 
+from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
+from configs.checks import load_run_config, load_topology
+from configs.rundir import RunContext, load_run_dir, longest_socket_path
 from configs.run_schema import DataConfig, ModelConfig, RunConfig, TrainerConfig
 from configs.topology_schema import (
     EvaluatorPlacement,
     GeneratorPlacement,
     LearnerPlacement,
+    Security,
     Topology,
 )
-from launcher.plan import build_plan
+from launcher.plan import build_plan, private_sockets, remove_sockets, write_resolved
+from transport.endpoints import IPC_PATH_MAX, split_endpoint
+from transport.messages import Ack, Heartbeat, Message
+from transport.sockets import Client, Peer, Server, ServerThread
 
 NO_VALIDATION = RunConfig(data=DataConfig(train_files="train.jsonl"), model=ModelConfig(path="m"))
 
 
-def test_local_plan_is_buffer_torchrun_and_generators() -> None:
+def test_local_plan_is_buffer_learner_and_generators() -> None:
     topology = Topology(generators=[GeneratorPlacement(name="a"), GeneratorPlacement(name="b")])
     plan = build_plan(topology, NO_VALIDATION, Path("/runs/x"), python="py")
     assert [(p.name, p.role, p.essential) for p in plan] == [
         ("buffer", "buffer", True), ("learner", "learner", True),
         ("a", "generator", False), ("b", "generator", False)]
     assert plan[0].command_line() == ["py", "-m", "buffer.main", "--run-dir", "/runs/x"]
-    assert plan[1].argv[:5] == ["py", "-m", "torch.distributed.run", "--standalone",
-                                "--nproc-per-node=1"]
-    assert plan[1].argv[-3:] == ["learner.main", "--run-dir", "/runs/x"]
+    assert plan[1].argv == ["py", "-m", "learner.main", "--run-dir", "/runs/x"]  # one rank
     assert plan[3].argv[-2:] == ["--name", "b"]
+
+
+def test_one_hosts_ranks_meet_on_loopback_and_never_by_standalone() -> None:
+    """``--standalone`` names its store ``localhost:0``, found by host name; Relay names
+    127.0.0.1 and binds the ranks' own gloo and NCCL sockets to the loopback interface."""
+    topology = Topology(learner=LearnerPlacement(nproc_per_node=4))
+    (learner,) = [p for p in build_plan(topology, NO_VALIDATION, Path("/runs/x"), python="py",
+                                        environ={}) if p.role == "learner"]
+    assert learner.argv == ["py", "-m", "torch.distributed.run", "--nnodes=1",
+                            "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+                            "--rdzv-id=x", "--nproc-per-node=4", "-m", "learner.main",
+                            "--run-dir", "/runs/x"]
+    assert learner.env == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    (mine,) = [p for p in build_plan(topology, NO_VALIDATION, Path("/runs/x"), python="py",
+                                     environ={"NCCL_SOCKET_IFNAME": "ib0"})
+               if p.role == "learner"]
+    assert mine.env == {"GLOO_SOCKET_IFNAME": "lo"}  # the user's choice is inherited
 
 
 def test_remote_hosts_go_through_ssh_with_multi_node_torchrun() -> None:
@@ -72,6 +98,7 @@ EVALUATES = RunConfig(data=DataConfig(train_files="train.jsonl", val_files="test
                       model=ModelConfig(path="m"))
 EXPANDABLE = {"PYTORCH_ALLOC_CONF": "expandable_segments:True",
               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+ONE_HOST = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}  # a one-host learner
 
 
 def test_each_process_sees_only_its_gpus_and_cuda_ones_grow_their_segments() -> None:
@@ -80,7 +107,7 @@ def test_each_process_sees_only_its_gpus_and_cuda_ones_grow_their_segments() -> 
     assert env == {
         "buffer": {},
         # torchrun's ranks inherit it: local rank i takes cuda:i, which is gpus[i]
-        "learner": {"CUDA_VISIBLE_DEVICES": "2,3", **EXPANDABLE},
+        "learner": {"CUDA_VISIBLE_DEVICES": "2,3", **EXPANDABLE, **ONE_HOST},
         "lean0": {"CUDA_VISIBLE_DEVICES": "0", **EXPANDABLE},
         "vllm0": {"CUDA_VISIBLE_DEVICES": "4,5"},  # vLLM's memory pool refuses expandable
         "cpu0": {},
@@ -94,28 +121,29 @@ def test_a_users_allocator_setting_is_kept() -> None:
         plan = build_plan(GPU_TOPOLOGY, NO_VALIDATION, Path("/runs/x"), python="py",
                           environ={name: "max_split_size_mb:128"})
         learner = next(p for p in plan if p.role == "learner")
-        assert learner.env == {"CUDA_VISIBLE_DEVICES": "2,3"}  # inherited, not replaced
+        assert learner.env == {"CUDA_VISIBLE_DEVICES": "2,3", **ONE_HOST}  # not replaced
 
 
 def test_cuda_without_gpus_sets_the_allocator_but_no_visible_devices() -> None:
     topology = Topology(learner=LearnerPlacement(device="auto"),
                         generators=[GeneratorPlacement(name="g", device="cuda:1")])
     plan = build_plan(topology, NO_VALIDATION, Path("/runs/x"), python="py", environ={})
-    assert [p.env for p in plan] == [{}, EXPANDABLE, EXPANDABLE]
+    assert [p.env for p in plan] == [{}, EXPANDABLE | ONE_HOST, EXPANDABLE]
 
 
 def test_the_cpu_default_topology_starts_as_before() -> None:
-    """No environment of its own for any process, whatever the launcher's holds, and the
-    command lines of before."""
+    """No environment of its own for any process but the learner's loopback sockets,
+    whatever the launcher's holds, and the command lines of before but the learner's: one
+    rank, started without torchrun."""
     from configs import DEFAULT_TOPOLOGY, load_topology
 
     topology = load_topology(DEFAULT_TOPOLOGY)
     launcher_env = {"NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": "0", "PATH": "/usr/bin"}
     plan = build_plan(topology, EVALUATES, Path("/runs/x"), python="py", environ=launcher_env)
     assert [p.name for p in plan] == ["buffer", "learner", "gen0", "evaluator"]
-    assert all(p.env == {} and p.command_line() == p.argv for p in plan)
-    assert plan[1].argv == ["py", "-m", "torch.distributed.run", "--standalone",
-                            "--nproc-per-node=1", "-m", "learner.main", "--run-dir", "/runs/x"]
+    assert [p.env for p in plan] == [{}, ONE_HOST, {}, {}]
+    assert all(p.command_line() == p.argv for p in plan)
+    assert plan[1].argv == ["py", "-m", "learner.main", "--run-dir", "/runs/x"]
 
 
 def test_ssh_forwards_nccl_cuda_and_allocator_variables_but_not_the_cuda_install() -> None:
@@ -155,3 +183,64 @@ def test_a_remote_process_gets_its_environment_through_the_fake_ssh(tmp_path: Pa
                             timeout=60, check=True)
     assert result.stdout.strip() == str(["3", "WARN", "expandable_segments:True", None])
     assert (tmp_path / "ssh.log").read_text().startswith("gen-host.example\tenv ")
+
+
+def say_who(_msg: Message, peer: Peer) -> Message:
+    return Ack(detail="heard")
+
+
+def test_a_run_directory_the_launcher_wrote_serves_in_a_private_folder(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    topology = write_resolved(load_topology(DEFAULT_TOPOLOGY), load_run_config(DEFAULT_RUN),
+                              run_dir)
+    folder = run_dir / "sockets"
+    assert topology.security.sockets_dir == ""  # the default folder fits: nothing to name
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and folder.stat().st_uid == os.getuid()
+    ctx = load_run_dir(run_dir)  # what every process of the run reads back
+    server = Server(ctx.buffer_endpoint, say_who)
+    with ServerThread(server, poll_s=0.01):
+        client = Client(ctx.buffer_endpoint)
+        try:
+            assert client.request(Heartbeat(generator_id="g", version=0), 5.0) == \
+                Ack(detail="heard")
+        finally:
+            client.close()
+    assert split_endpoint(server.endpoint)[0] == "ipc"
+
+
+def test_a_folder_open_to_others_is_tightened_and_a_foreign_one_refused(
+        tmp_path: Path) -> None:
+    topology = load_topology(DEFAULT_TOPOLOGY)
+    open_folder = tmp_path / "open" / "sockets"
+    open_folder.mkdir(parents=True)
+    open_folder.chmod(0o777)
+    private_sockets(topology, tmp_path / "open")
+    assert stat.S_IMODE(open_folder.stat().st_mode) == 0o700
+    foreign = tmp_path / "foreign" / "sockets"
+    foreign.mkdir(parents=True)
+    if os.getuid() != 0:
+        pytest.skip("making a folder another user's needs root")
+    os.chown(foreign, 4242, 4242)
+    with pytest.raises(ConfigError) as caught:
+        private_sockets(topology, tmp_path / "foreign")
+    assert caught.value.key == "security.sockets_dir"
+    assert "owned by uid 4242" in str(caught.value) and str(foreign) in str(caught.value)
+
+
+def test_a_run_directory_too_deep_for_a_unix_socket_gets_a_private_folder_of_its_own(
+        tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 100)
+    topology = private_sockets(load_topology(DEFAULT_TOPOLOGY), deep)
+    folder = Path(topology.security.sockets_dir)
+    assert folder.is_dir() and folder != deep / "sockets"
+    assert longest_socket_path(folder) <= IPC_PATH_MAX
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    ctx = RunContext(run_dir=deep, topology=topology, run=load_run_config(DEFAULT_RUN))
+    assert ctx.buffer_endpoint == f"ipc://{folder}/buffer"
+    Server(ctx.buffer_endpoint, say_who).close()  # ZeroMQ leaves the socket file behind
+    assert (folder / "buffer").is_socket()
+    remove_sockets(folder)  # what the launcher does at the end of the run
+    assert not folder.exists()
+    named = msgspec.structs.replace(topology, security=Security(sockets_dir=str(deep)))
+    with pytest.raises(ConfigError, match="too long for the run's sockets"):
+        private_sockets(named, deep)  # a folder the user named is never replaced
