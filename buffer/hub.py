@@ -3,7 +3,9 @@
 ``Hub.handle`` answers every request of the buffer's conversation (see
 ``transport.messages``): generators attach, heartbeat, lease prompts, return rollout groups
 and detach; the learner reports versions, asks for batches and for the buffer's state when
-it writes a checkpoint (``buffer.main``: resuming), and ends the run. ``Hub.tick``
+it writes a checkpoint (``buffer.main``: resuming), and ends the run; ``Hub.stop`` ends it
+from outside. Once the run is over, each generator's next request is answered with
+``Shutdown`` and the reason, and the generator is forgotten. ``Hub.tick``
 expires leases and silent generators. ``buffer.main`` puts a socket around it.
 
 Counters in ``Hub.stats()`` (``buffer/...``) say where every prompt and group went:
@@ -16,10 +18,14 @@ left (``prompts/returned``), expired, or still in flight (``running_prompts``). 
 answering group is admitted to the store (``groups/accepted``), dropped by a replay filter,
 refused as stale on arrival or as unsound (both return its prompt to the pool), fails the
 run, or meets a store error (its prompt back in the pool). Every admitted group is trained
-on (``groups/trained``: its first batch), dropped as stale inside the store (its prompt
-back in the pool, like a group stale on arrival), or stored and never trained yet
-(``groups/stored``). ``Hub.accounting_problems`` checks these sums; ``stats`` reports how
-many fail (``accounting_problems``, 0 while all is well).
+on (``groups/trained``: its first batch), dropped as stale inside the store
+(``dropped/stale``: its prompt back in the pool, like a group stale on arrival, except
+that a group a prioritized store evicted by age after its draws passed it over, counted
+also as ``dropped/evicted``, sends its prompt to the back of the epoch: generated again at
+once it would most likely be passed over again), or stored and never trained yet
+(``groups/stored``). ``evicted_frac`` is ``dropped/evicted`` over ``groups/accepted``.
+``Hub.accounting_problems`` checks these sums; ``stats`` reports how many fail
+(``accounting_problems``, 0 while all is well).
 
 Authorization: ``SENDERS`` names the role (``transport.roles``) that may send each request;
 a request from a connection in another role, or whose CURVE key may not take that role,
@@ -35,9 +41,12 @@ what they did in ``metadata["buffer_admission"]``, and every batch served goes t
 (``learner.replay``) sees everything the generators produced and knows what each step
 trained on. The log is synced to disk whenever the learner writes a checkpoint. A batch
 request repeated for the step last served (the learner's retry after a lost reply) gets
-the same batch again, so a lost reply loses no groups. A dropped group is not accepted: it
-frees its admission slot, so a replacement is leased. A filter that cannot go on
-(``ReplayFilterError``) ends the run: ``Hub.failure`` says why and ``buffer.main`` exits 1.
+the same batch again, so a lost reply loses no groups; a lease request asked again (its
+``request_id``) gets the lease granted for it, and a lease no heartbeat names is not renewed
+(``buffer.leases``), so no prompt stays parked with a generator that never heard of it. A
+dropped group is not accepted: it frees its admission slot, so a replacement is leased. A
+filter that cannot go on (``ReplayFilterError``) ends the run: ``Hub.failure`` says why and
+``buffer.main`` exits 1.
 """
 
 from __future__ import annotations
@@ -50,12 +59,13 @@ from collections.abc import Callable
 import msgspec
 
 from buffer.dynamic_sampling import ReplayFilterError
-from buffer.leases import LeaseBook
+from buffer.fingerprint import Fingerprint
+from buffer.leases import Lease, LeaseBook
 from buffer.prompt_source import PromptSource
 from buffer.registry import Registry
 from buffer.rollout_log import RolloutLogWriter, StepRecord
 from buffer.staleness import LearnerPosition, lease_capacity, lease_min_version, staleness
-from buffer.store import Admission, ReplayStore, Taken
+from buffer.store import Admission, PriorityError, ReplayStore, Taken
 from buffer.validation import (
     GroupLimits,
     group_problem,
@@ -104,11 +114,11 @@ ANSWER_OUTCOMES = ("groups/failed", "groups/store_errors",
                    *(REFUSALS[v] for v in ("malformed", "stale", "zero_variance")))
 # Counters reported from the start (as 0) so that dashboards always have the series.
 COUNTERS = ("groups/accepted", "groups/served", "groups/trained", "groups/failed",
-            "groups/store_errors", "dropped/stale", *REFUSALS.values(), "prompts/leased",
-            "prompts/completed", "prompts/expired", "prompts/returned", "samples/reward_errors",
-            "samples/filtered", "rejected/unexpected_message", "rejected/forbidden",
-            "rejected/bad_request", "rejected/name_in_use", "requests/bad_priorities",
-            "rollout_log/write_errors")
+            "groups/store_errors", "dropped/stale", "dropped/evicted", *REFUSALS.values(),
+            "prompts/leased", "prompts/completed", "prompts/expired", "prompts/returned",
+            "samples/reward_errors", "samples/filtered", "rejected/unexpected_message",
+            "rejected/forbidden", "rejected/bad_request", "rejected/name_in_use",
+            "requests/bad_priorities", "rollout_log/write_errors")
 SENDERS: dict[type[Message], Role] = {
     Attach: "generator", Heartbeat: "generator", Detach: "generator",
     LeaseRequest: "generator", LeaseReturn: "generator", RolloutGroup: "generator",
@@ -152,6 +162,8 @@ class Hub:
         self.accepted = 0  # groups admitted to the store and not dropped
         self.finished = False
         self.failure = ""  # why the run must end with an error ("" while all is well)
+        self.stopped = ""  # why the run was stopped from outside (``stop``; "": it was not)
+        self.fingerprint: Fingerprint = {}  # what the checkpoints' state holds under
         self.counts: Counter[str] = Counter({name: 0 for name in COUNTERS})
         self.roles = PeerRoles()
         self._untrained: dict[str, Prompt] = {}  # groups stored, never trained: prompts
@@ -216,7 +228,8 @@ class Hub:
         if known:  # an engine that stepped since the last heartbeat is making progress
             self.leases.renew(msg.generator_id, now,
                               progressed=msg.generation_seconds > busy_before,
-                              learner_version=self.learner_version)
+                              learner_version=self.learner_version,
+                              held=None if msg.leases is None else set(msg.leases))
         return HeartbeatAck(known=known)
 
     def _detach(self, msg: Detach) -> Message:
@@ -233,13 +246,15 @@ class Hub:
         now = self.clock()
         if not self.registry.touch(msg.generator_id, now):
             return ErrorReply(code="not_attached", detail=f"{msg.generator_id} must attach first")
+        granted = self.leases.asked_again(msg.generator_id, msg.request_id, now)
+        if granted is not None:  # asked again: the reply to the first try was lost
+            logger.info("generator %s asked again for lease %s (request %s): sent again",
+                        msg.generator_id, granted.lease_id, msg.request_id)
+            return self._lease_reply(granted)
         if not self._enough_generators() or self._yields(msg.generator_id, now):
             return self._refuse_lease(msg.generator_id, now)
         max_staleness = self.config.max_staleness
-        learner = LearnerPosition(version=self.learner_version,
-                                  published_step=self.learner_step,
-                                  requested_step=self.requested_step,
-                                  steps_per_version=self.steps_per_version)
+        learner = self._learner_position()
         capacity = lease_capacity(learner, max_staleness=max_staleness, batch_size=self.batch_size,
                                   accepted=self.accepted, running=self.leases.running)
         count = min(msg.max_prompts, self.prompts_per_lease, capacity)
@@ -249,12 +264,15 @@ class Hub:
         min_version = lease_min_version(learner, max_staleness=max_staleness,
                                         batch_size=self.batch_size, accepted=self.accepted,
                                         running=self.leases.running, count=len(prompts))
-        lease = self.leases.grant(msg.generator_id, prompts, now, min_version)
+        lease = self.leases.grant(msg.generator_id, prompts, now, min_version, msg.request_id)
         self._idle_refused.pop(msg.generator_id, None)
         self.counts["leases/granted"] += 1
         self.counts["prompts/leased"] += len(prompts)
+        return self._lease_reply(lease)
+
+    def _lease_reply(self, lease: Lease) -> PromptLease:
         return PromptLease(lease_id=lease.lease_id, prompts=list(lease.outstanding.values()),
-                           n=self.limits.n, min_version=min_version,
+                           n=self.limits.n, min_version=lease.min_version,
                            expires_in_s=self.config.lease_timeout_s,
                            greedy_baseline=self.limits.greedy_baseline)
 
@@ -361,18 +379,20 @@ class Hub:
         if msg.priorities:
             try:
                 self.store.update_priorities(msg.priorities)
-            except ValueError as exc:
+            except PriorityError as exc:  # refused whole: nothing was applied
                 self.counts["requests/bad_priorities"] += 1
+                logger.warning("refused the learner's priorities: %s", exc)
                 return ErrorReply(code="bad_priorities", detail=str(exc))
-        taken = self.store.take(msg.num_groups, self.learner_version, self.config.max_staleness)
+        run_fraction = min(1.0, self.requested_step / max(1, self.total_steps))
+        taken = self.store.take(msg.num_groups, self.learner_version, self.config.max_staleness,
+                                run_fraction=run_fraction)
         self.source.settle(g.prompt_id for g in taken.groups)
         self.counts["groups/trained"] += sum(
             self._untrained.pop(g.rollout_id, None) is not None for g in taken.groups)
-        if taken.dropped_stale:
-            self.accepted -= len(taken.dropped_stale)  # they never train: free their slots
-            self.counts["dropped/stale"] += len(taken.dropped_stale)
-            self.source.give_back([prompt for g in taken.dropped_stale  # regenerate them
-                                   if (prompt := self._untrained.pop(g.rollout_id, None))])
+        self._drop_untrained(taken)
+        if not taken.groups and (stuck := self._gate_stuck(msg.num_groups)):
+            logger.error("the run cannot go on: %s", stuck)
+            self.failure, self.finished = stuck, True
         batch = SampleBatch(groups=taken.groups, weights=taken.weights, buffer_stats=self.stats(),
                             retry_after_s=0.0 if taken.groups else RETRY_AFTER_S)
         if taken.groups:
@@ -380,6 +400,23 @@ class Hub:
             self._served = (msg.step, batch)
             self._log_step(msg.step, taken)
         return batch
+
+    def _drop_untrained(self, taken: Taken) -> None:
+        """Groups that left the store never trained on free their admission slots, so
+        replacements are leased; a stale group's prompt is generated again first (with
+        fresher weights), an evicted group's after the rest of the epoch."""
+        dropped = len(taken.dropped_stale) + len(taken.evicted)
+        if not dropped:
+            return
+        self.accepted -= dropped
+        self.counts["dropped/stale"] += dropped
+        self.counts["dropped/evicted"] += len(taken.evicted)
+        self.source.give_back(self._stored_prompts(taken.dropped_stale))
+        self.source.defer(self._stored_prompts(taken.evicted))
+
+    def _stored_prompts(self, groups: list[RolloutGroup]) -> list[Prompt]:
+        """The prompts of these untrained groups, which leave ``_untrained``."""
+        return [prompt for g in groups if (prompt := self._untrained.pop(g.rollout_id, None))]
 
     def _log_step(self, step: int, taken: Taken) -> None:
         """Record what learner ``step`` is served (a learner that does not say its step,
@@ -403,21 +440,48 @@ class Hub:
         self.learner_version, self.learner_step = msg.version, msg.step
         return Ack()
 
+    def _learner_position(self) -> LearnerPosition:
+        return LearnerPosition(version=self.learner_version, published_step=self.learner_step,
+                               requested_step=self.requested_step,
+                               steps_per_version=self.steps_per_version)
+
+    def _gate_stuck(self, wanted: int) -> str:
+        """Why the learner's batch of ``wanted`` groups, which the store cannot fill, can
+        never be formed, or "". With no prompt in flight only a lease can add groups, and a
+        healthy gate always admits the batch the learner asks for (``buffer.staleness``:
+        the groups counted are at most those of the steps before it, plus fewer than a
+        batch stored); a count that fills it was resumed under another batch size."""
+        learner = self._learner_position()
+        if self.requested_step == 0 or self.leases.running or lease_capacity(
+                learner, max_staleness=self.config.max_staleness, batch_size=self.batch_size,
+                accepted=self.accepted, running=0) > 0:
+            return ""
+        return (f"the lease gate is shut for good: the learner waits for step "
+                f"{self.requested_step}'s {wanted} groups, the store holds {len(self.store)}, "
+                f"no prompt is in flight, and the {self.accepted} groups counted as admitted "
+                f"fill every batch up to step {learner.last_batch(self.config.max_staleness)} "
+                f"at data.train_batch_size = {self.batch_size}. The count came from the "
+                "checkpoint this run resumed from: was it written with another "
+                "data.train_batch_size? Resume with that one")
+
     def _checkpoint(self, msg: BufferCheckpointRequest) -> Message:
         """What a restarted buffer needs (``buffer.prompt_source``, resuming). The groups
         stored and never trained on are discarded on resume (their prompts are pending), so
         they leave the count of accepted groups that the lease gate starts from."""
-        self._sync_log()
+        self._sync_log(msg.step)
         return BufferCheckpoint(step=msg.step, source=self.source.state(),
-                                accepted=self.accepted - len(self._untrained))
+                                accepted=self.accepted - len(self._untrained),
+                                fingerprint=self.fingerprint)
 
-    def _sync_log(self) -> None:
-        """Make the rollout log durable up to this checkpoint; a failure is counted and
-        logged (the checkpoint itself does not depend on it)."""
+    def _sync_log(self, step: int) -> None:
+        """Make the rollout log durable up to the checkpoint after ``step`` and keep it
+        within its size budget (``RolloutLogWriter.checkpointed``); a failure is counted
+        and logged (the checkpoint itself does not depend on it)."""
         if self.log is None:
             return
         try:
             self.log.sync()
+            self.log.checkpointed(step, self.learner_version)
         except OSError as exc:
             self.counts["rollout_log/write_errors"] += 1
             logger.error("rollout log: could not be synced to disk at a checkpoint: %s", exc)
@@ -426,6 +490,14 @@ class Hub:
         logger.info("the learner ended the run: %s", msg.reason)
         self.finished = True
         return Ack()
+
+    def stop(self, why: str) -> None:
+        """An orderly stop from outside the conversation (``buffer.main``: a signal from the
+        launcher or the operator): the run is over, and each generator's next request is
+        answered with ``Shutdown`` saying ``why``, as when the learner ends the run."""
+        if not self.finished:
+            logger.info("stopping: %s; every generator is told at its next request", why)
+            self.stopped, self.finished = why, True
 
     # -- timers, bookkeeping ------------------------------------------------------------
 
@@ -535,7 +607,9 @@ class Hub:
 
     @property
     def end_reason(self) -> str:
-        return f"the run failed: {self.failure}" if self.failure else "the run has finished"
+        if self.failure:
+            return f"the run failed: {self.failure}"
+        return f"the run was stopped: {self.stopped}" if self.stopped else "the run has finished"
 
     @property
     def generators(self) -> int:
@@ -551,7 +625,10 @@ class Hub:
             "buffer/accounting_problems": float(len(self.accounting_problems())),
             "buffer/running_prompts": float(self.leases.running),
             "buffer/pool_prompts": float(self.source.returned),
+            "buffer/deferred_prompts": float(self.source.deferred),
             "buffer/accepted_live": float(self.accepted),
+            "buffer/evicted_frac": self.counts["dropped/evicted"] / max(
+                1, self.counts["groups/accepted"]),
             "buffer/generators": float(self.generators),
             "buffer/generator_tokens_total": float(self.registry.generated_tokens),
             "buffer/generator_tokens_per_s": self.generator_tokens_per_s(),

@@ -5,13 +5,17 @@ Prompts not answered by the lease's deadline, given back, or held by a generator
 left or died return to the pool (the caller re-leases them first). A lease's deadline is
 ``timeout_s`` after it was granted or last renewed: its generator's heartbeats renew it while
 the generator makes progress or waits for weights the learner has not published yet
-(``renew``), so a long generation never loses its lease, and a stuck generator does. This module knows
-leases and clocks; it knows nothing of sockets, datasets or staleness.
+(``renew``), so a long generation never loses its lease, and a stuck generator does. Only the
+leases a heartbeat names are renewed: a lease whose reply never reached its generator is held
+by nobody and expires. A request asked again (a retry after a lost reply, the same
+``request_id``) is answered with the lease granted for it (``asked_again``), not a second one.
+This module knows leases and clocks; it knows nothing of sockets, datasets or staleness.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection
 
 import msgspec
 
@@ -26,6 +30,7 @@ class Lease(msgspec.Struct, kw_only=True):
     outstanding: dict[str, Prompt]
     deadline: float
     min_version: int = 0  # the weights version the lease's samples need
+    request_id: str = ""  # the LeaseRequest it answers ("": not named)
 
 
 class LeaseBook:
@@ -47,11 +52,25 @@ class LeaseBook:
                    if lease.generator_id == generator_id)
 
     def grant(self, generator_id: str, prompts: list[Prompt], now: float,
-              min_version: int = 0) -> Lease:
+              min_version: int = 0, request_id: str = "") -> Lease:
         lease = Lease(lease_id=next(self._ids), generator_id=generator_id,
                       outstanding={p.prompt_id: p for p in prompts},
-                      deadline=now + self.timeout_s, min_version=min_version)
+                      deadline=now + self.timeout_s, min_version=min_version,
+                      request_id=request_id)
         self._leases[lease.lease_id] = lease
+        return lease
+
+    def asked_again(self, generator_id: str, request_id: str, now: float) -> Lease | None:
+        """The open lease granted to ``generator_id`` for its request ``request_id`` (a
+        retry of a request whose reply was lost), its deadline counted from ``now``, when
+        its generator first hears of it; None for an unnamed or a new request."""
+        if not request_id:
+            return None
+        lease = next((lease for lease in self._leases.values()
+                      if lease.request_id == request_id
+                      and lease.generator_id == generator_id), None)
+        if lease is not None:
+            lease.deadline = now + self.timeout_s
         return lease
 
     def peek(self, lease_id: str, prompt_id: str, generator_id: str) -> Prompt | None:
@@ -77,13 +96,15 @@ class LeaseBook:
                 if (p := self.complete(lease_id, pid, generator_id)) is not None]
 
     def renew(self, generator_id: str, now: float, *, progressed: bool,
-              learner_version: int) -> int:
-        """Push back the deadlines of ``generator_id``'s leases to ``now + timeout_s``: all of
-        them when it ``progressed`` (its engine stepped since its last heartbeat), else those
-        still waiting for a version the learner has not published. Returns how many."""
+              learner_version: int, held: Collection[str] | None = None) -> int:
+        """Push back the deadlines of the leases ``generator_id`` says it ``held`` (None: all
+        of its leases) to ``now + timeout_s``: all of those when it ``progressed`` (its engine
+        stepped since its last heartbeat), else those still waiting for a version the
+        learner has not published. Returns how many."""
         renewed = 0
         for lease in self._leases.values():
             if lease.generator_id == generator_id and (
+                    held is None or lease.lease_id in held) and (
                     progressed or lease.min_version > learner_version):
                 lease.deadline = now + self.timeout_s
                 renewed += 1

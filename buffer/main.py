@@ -2,12 +2,22 @@
 
 Serves the hub (``buffer.hub``) on the topology's buffer address, expires leases on a
 timer, pushes its gauges to the launcher's status line, and exits once the learner has
-ended the run and the generators have been told (or after a grace period). When a replay
-filter cannot go on (``Hub.failure``) it exits 1 at once, naming the cause: the launcher
-then ends the run as failed. The hub checks rollout groups against the run's limits
+ended the run and the generators have been told (or after a grace period). On SIGTERM or
+SIGINT (the launcher stops every run this way: Ctrl-C, the learner done, the watchdog, an
+essential process that died) it answers each attached generator's next request with
+``Shutdown`` and the reason, for up to two heartbeat intervals (``DRAIN_S``), so that a
+generator attached by hand leaves within seconds instead of retrying a vanished buffer for
+``buffer.client_patience_s``. When a replay filter cannot go on (``Hub.failure``) it tells
+the generators the same way and exits 1, naming the cause: the launcher then ends the run
+as failed. The hub checks rollout groups against the run's limits
 (``buffer.validation``): the model's vocabulary (``buffer.vocab_size``, or ``model.path``'s
 ``config.json``), ``rollout.response_length``, ``rollout.n``; the socket refuses frames over
 ``buffer.max_message_bytes`` and hands the hub each request's sender, whose role it checks.
+Memory: the socket queues at most ``REQUEST_HWM`` requests per connection, decoded by
+``request_decoder`` (the hub's requests only, at most one group's tensors, none in an
+``Any`` field), so that what peers' frames hold in the buffer is about ``(REQUEST_HWM + 2)
+x buffer.max_message_bytes`` per connection for requests of one body frame (ZeroMQ bounds
+frames and queued messages, not the frames of one message: see ``transport.sockets``).
 
 Resuming (``trainer.resume_mode = "resume_path"``, which the launcher resolves ``auto`` and
 ``--resume`` into): the buffer restarts from the state the learner saved in the checkpoint
@@ -21,6 +31,15 @@ groups trained on (``BufferCheckpoint.accepted``) and the learner's version arri
 always, by ``VersionUpdate`` (the learner publishes the checkpoint's weights when it
 resumes). The replay store starts empty: replay priorities, reuse counts and the replay
 filters' counters (DAPO's generation cap, PF-PPO's draws) start afresh.
+
+The checkpoint also holds the config it was written under (``buffer.fingerprint``). The
+launcher refuses a resume that changes it unless the user allowed the change by name; an
+allowed change is logged here and handled so that the run goes on: other training rows, seed
+or shuffle start their rows afresh at the next epoch, after the prompts not trained on; another
+``data.train_batch_size`` rebases the gate's count (``resumed_accepted``). A gate that can
+still never open (a checkpoint too old to say its batch size) ends the run with the reason at
+the learner's first request (``Hub.failure``), and a saved stream the rows cannot continue is
+a ``PromptStreamError`` naming the keys, before the buffer serves anything.
 """
 
 from __future__ import annotations
@@ -33,20 +52,26 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Union
+
+import msgspec
+import torch
 
 from buffer.dataset import PromptDataset, chat_token_counter, fit_prompts, load_prompt_rows
 from buffer.dynamic_sampling import DynamicSampling
-from buffer.hub import Hub
+from buffer.fingerprint import BATCH_KEY, STREAM_KEYS, buffer_fingerprint, changes
+from buffer.hub import SENDERS, Hub
 from buffer.pf_ppo import PolicyFiltration
 from buffer.prioritized import PrioritizedStore
+from buffer.registry import HEARTBEAT_EVERY_S
 from buffer.prompt_source import PromptSource, read_buffer_checkpoint
 from buffer.rollout_log import RolloutLogWriter
 from buffer.store import FifoStore, FilteredStore, GroupFilter, ReplayStore
 from buffer.validation import GroupLimits
 from configs.run_schema import RunConfig
 from configs.rundir import RunContext, configure_logging, load_run_dir
-from transport.messages import Metrics
+from transport.codec import Decoder
+from transport.messages import BufferCheckpoint, Metrics, Sample
 from transport.sockets import Pusher, Server
 
 if TYPE_CHECKING:
@@ -60,6 +85,21 @@ TICK_S = 0.25
 STALL_S = 5.0
 METRICS_EVERY_S = 1.0
 SHUTDOWN_GRACE_S = 10.0  # after the learner ends the run, wait this long for generators
+# after a stop signal or a failure: every live generator heartbeats within this time, so
+# hears that the run is over (``Shutdown``) instead of retrying a vanished buffer
+DRAIN_S = 2 * HEARTBEAT_EVERY_S
+STOP_REASON = "the buffer got a stop signal (the launcher ends the run, or an operator)"
+# once every generator has been told: a request a generator sent meanwhile (a lease, a
+# group) still gets its answer, and the last replies leave the socket (closed without linger)
+LINGER_S = HEARTBEAT_EVERY_S / 2
+REQUEST_HWM = 16
+"""Requests ZeroMQ queues per connection while the buffer is busy (its receive high-water
+mark; a client has one request in flight), and replies it queues to a peer that does not
+read them: a connection holds at most REQUEST_HWM + 1 requests (the one being read) in the
+buffer's memory, each of frames up to ``buffer.max_message_bytes``; the default, 1000,
+let one peer park a message per 64 MiB up to 64 GiB."""
+TENSORS_PER_SAMPLE = sum(f.type is torch.Tensor for f in msgspec.structs.fields(Sample))
+"""Tensor fields of a ``Sample``: a sound group holds ``rollout.n`` times as many tensors."""
 
 
 def build_store(run: RunConfig) -> ReplayStore:
@@ -93,6 +133,7 @@ def build_hub(ctx: RunContext) -> Hub:
               limits=limits, prompts_per_lease=run.rollout.prompts_per_lease,
               total_steps=run.trainer.total_training_steps,
               steps_per_version=run.trainer.publish_every)
+    hub.fingerprint = buffer_fingerprint(run, dataset)
     if ctx.resume_from is not None:
         resume(hub, ctx.resume_from)
     return hub
@@ -140,25 +181,60 @@ def vocab_size(run: RunConfig) -> int:
 
 
 def resume(hub: Hub, checkpoint: Path) -> None:
-    """Continue the prompt stream saved in ``checkpoint`` (module docstring)."""
+    """Continue the prompt stream saved in ``checkpoint`` under ``hub.fingerprint``, the
+    config now (module docstring)."""
     saved = read_buffer_checkpoint(checkpoint)
-    hub.source.restore(saved.source)
-    hub.accepted = saved.accepted
+    changed = changes(saved.fingerprint, hub.fingerprint)
+    for change in changed:
+        logger.warning("resuming under a changed config (allowed at launch): %s", change)
+    same_rows = not any(change.key in STREAM_KEYS for change in changed)
+    hub.source.restore(saved.source, same_rows=same_rows)
+    hub.accepted = resumed_accepted(saved, hub.batch_size)
     logger.info("resuming from %s (after step %d): %d prompts not trained on by then are "
                 "leased again first, epoch %d", checkpoint, saved.step,
                 len(saved.source.pending), saved.source.epoch)
 
 
+def resumed_accepted(saved: BufferCheckpoint, batch_size: int) -> int:
+    """The lease gate's count of groups trained, under ``batch_size``. The checkpoint after
+    step S counted A groups at its batch size B; the gate compares that count with steps x
+    batch size, so under B' it starts from
+
+        max(0, A + S * (B' - B))
+
+    (A - S * B, at most 0, is what replay reuse saved), as if every step had had B' groups."""
+    before = saved.fingerprint.get(BATCH_KEY)
+    if not isinstance(before, int) or before == batch_size:
+        return saved.accepted
+    return max(0, saved.accepted + saved.step * (batch_size - before))
+
+
+def request_decoder(run: RunConfig) -> Decoder[Any]:
+    """The buffer's decoder: only the requests the hub takes (``buffer.hub.SENDERS``; any
+    other message is a ``schema`` error), tensors only in their tensor fields (one in an
+    ``Any`` field, such as a group's ``metadata``, is a ``tensor`` error and never built) and
+    at most those of one sound group, ``TENSORS_PER_SAMPLE`` x ``rollout.n``: what a message
+    can make the buffer allocate is then bounded by its bytes, not by how many tensors a
+    few bytes can name (1M one-byte tensors in 15 MB took 526 MiB and 4 s to decode)."""
+    requests = Union[tuple(SENDERS)]  # type: ignore[valid-type]
+    return Decoder(requests, max_tensors=TENSORS_PER_SAMPLE * run.rollout.n,
+                   tensors_in_any=False)
+
+
 def serve(ctx: RunContext, hub: Hub, stop: threading.Event) -> None:
-    """Serve until the run ends, ``stop`` is set, or the hub fails (see ``Hub.failure``)."""
-    server = Server(ctx.buffer_endpoint, hub.handle, keys=ctx.server_keys(),
+    """Serve until the run is over and every attached generator has been told so (and
+    ``LINGER_S`` more), for at most ``SHUTDOWN_GRACE_S`` once the learner ended the run, or
+    ``DRAIN_S`` once ``stop`` is set (``Hub.stop``) or the hub failed (``Hub.failure``)."""
+    server = Server(ctx.buffer_endpoint, hub.handle, decoder=request_decoder(ctx.run),
+                    keys=ctx.server_keys(), hwm=REQUEST_HWM,
                     max_message_bytes=ctx.run.buffer.max_message_bytes)
     metrics = Pusher(ctx.metrics_endpoint, keys=ctx.client_keys())
     logger.info("buffer serving on %s", server.endpoint)
     next_tick = next_metrics = time.monotonic()
     finished_at: float | None = None
+    told_all_at: float | None = None  # every generator has been told that the run is over
     try:
-        while not stop.is_set():
+        while True:
             began = time.monotonic()
             server.serve_once(TICK_S)
             now = time.monotonic()
@@ -170,11 +246,14 @@ def serve(ctx: RunContext, hub: Hub, stop: threading.Event) -> None:
             if now >= next_metrics:
                 metrics.send(Metrics(source="buffer", step=0, values=hub.stats()))
                 next_metrics = now + METRICS_EVERY_S
-            if hub.failure:
-                break
+            if stop.is_set():
+                hub.stop(STOP_REASON)
             if hub.finished:
                 finished_at = finished_at or now
-                if hub.generators == 0 or now - finished_at > SHUTDOWN_GRACE_S:
+                told_all_at = (told_all_at or now) if hub.generators == 0 else None
+                grace = DRAIN_S if stop.is_set() or hub.failure else SHUTDOWN_GRACE_S
+                all_told = told_all_at is not None and now - told_all_at > LINGER_S
+                if all_told or now - finished_at > grace:
                     break
     finally:
         if server.errors:

@@ -4,8 +4,8 @@
 kept (``Admission``), and a store drops groups that became too stale to train on, and says
 how many. ``FifoStore`` serves groups in arrival order, each once;
 ``buffer.prioritized.PrioritizedStore`` draws them by priority, possibly more than once,
-with importance weights. ``FilteredStore`` puts
-group filters in front of another store: DAPO dynamic sampling
+with importance weights, and evicts by age the groups its draws passed over.
+``FilteredStore`` puts group filters in front of another store: DAPO dynamic sampling
 (``buffer.dynamic_sampling``) drops whole groups, PF-PPO (``buffer.pf_ppo``) keeps some
 samples of each.
 """
@@ -25,14 +25,23 @@ DropReason = Literal["zero_variance"]
 """Why a group filter dropped a whole group (a ``RolloutVerdict`` of the wire)."""
 
 
+class PriorityError(ValueError):
+    """The learner's priorities were refused whole (the message names the rollout ids and
+    values): none of them was applied."""
+
+
 class Taken(msgspec.Struct, frozen=True):
-    """A batch for the learner (empty when not enough groups are ready), the groups dropped
-    as stale before they were ever trained on, and each group's importance weight (empty:
-    all 1)."""
+    """A batch for the learner (empty when not enough groups are ready), each group's
+    importance weight (empty: all 1), and the groups that left the store before they were
+    ever trained on: ``dropped_stale``, too stale by the time a batch could take them (their
+    prompts are generated again, with fresher weights), and ``evicted``, aged out while the
+    store's draws preferred others (their prompts go to the back of the epoch: generated
+    again at once, they would most likely be passed over again)."""
 
     groups: list[RolloutGroup]
     dropped_stale: list[RolloutGroup]
     weights: list[float] = []
+    evicted: list[RolloutGroup] = []
 
 
 class Admission(msgspec.Struct, frozen=True):
@@ -54,10 +63,14 @@ def keep_all(group: RolloutGroup) -> Admission:
 class ReplayStore(Protocol):
     def add(self, group: RolloutGroup) -> Admission: ...
 
-    def take(self, num_groups: int, learner_version: int, max_staleness: int) -> Taken: ...
+    def take(self, num_groups: int, learner_version: int, max_staleness: int, *,
+             run_fraction: float) -> Taken:
+        """A batch of ``num_groups``; ``run_fraction`` is how far the run is (the learner
+        step asked for over ``trainer.total_training_steps``, in [0, 1]), for schedules."""
 
     def update_priorities(self, priorities: Mapping[str, float]) -> None:
-        """Priorities by rollout id that the learner measured while training."""
+        """Priorities by rollout id that the learner measured while training; all of them
+        or, with ``PriorityError``, none."""
 
     def stats(self) -> dict[str, float]:
         """The store's own gauges and counters (``buffer/`` is prefixed by the hub)."""
@@ -75,8 +88,10 @@ class FifoStore:
         self._groups.append(group)
         return keep_all(group)
 
-    def take(self, num_groups: int, learner_version: int, max_staleness: int) -> Taken:
-        """Drop groups staler than ``max_staleness``, then the oldest ``num_groups`` or none."""
+    def take(self, num_groups: int, learner_version: int, max_staleness: int, *,
+             run_fraction: float) -> Taken:
+        """Drop groups staler than ``max_staleness``, then the oldest ``num_groups`` or none
+        (``run_fraction`` does not matter to FIFO)."""
         fresh = [g for g in self._groups if staleness(g, learner_version) <= max_staleness]
         dropped = [g for g in self._groups if staleness(g, learner_version) > max_staleness]
         if len(fresh) < num_groups:
@@ -86,7 +101,7 @@ class FifoStore:
         return Taken(groups=fresh[:num_groups], dropped_stale=dropped)
 
     def update_priorities(self, priorities: Mapping[str, float]) -> None:
-        raise ValueError("the FIFO store has no priorities; buffer.replay.priority is 'fifo'")
+        raise PriorityError("the FIFO store has no priorities; buffer.replay.priority is 'fifo'")
 
     def stats(self) -> dict[str, float]:
         return {}
@@ -121,8 +136,10 @@ class FilteredStore:
         return Admission(kept_samples=tuple(i for i, s in enumerate(group.samples)
                                             if id(s) in ids))
 
-    def take(self, num_groups: int, learner_version: int, max_staleness: int) -> Taken:
-        return self.inner.take(num_groups, learner_version, max_staleness)
+    def take(self, num_groups: int, learner_version: int, max_staleness: int, *,
+             run_fraction: float) -> Taken:
+        return self.inner.take(num_groups, learner_version, max_staleness,
+                               run_fraction=run_fraction)
 
     def update_priorities(self, priorities: Mapping[str, float]) -> None:
         self.inner.update_priorities(priorities)

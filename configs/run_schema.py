@@ -46,6 +46,10 @@ VERL_ALIASES = {("algorithm", "filter_groups"): ("buffer", "filter_groups"),
                 ("actor_rollout_ref", "ref"): ("ref",)}
 PfPpoMode = Literal["best", "best_random", "best_worst"]  # buffer.pf_ppo
 ReplayPriority = Literal["fifo", "uniform", "advantage", "pass_rate", "td_error"]  # buffer.*
+# trainer.resume_allow_changes: the keys whose values the buffer's saved state holds under
+# (buffer.fingerprint), in the order a refused resume names them
+FingerprintKey = Literal["data.train_files", "data.seed", "data.shuffle",
+                         "data.train_batch_size", "rollout.n", "model.path"]
 BUILTIN_MODEL_PREFIX = "builtin:"  # model.path = "builtin:tiny-arith": built and cached on demand
 
 
@@ -111,8 +115,9 @@ class ValKwargs(_Section):
 
 
 class RolloutConfig(_Section):
-    """Sampling on the generators. Behavior log-probs are taken under this processed
-    distribution (temperature, then top-k, then top-p)."""
+    """Sampling on the generators: tokens are drawn from the processed distribution
+    (temperature, then top-k, then top-p), and their behavior log-probs are the
+    temperature-only ones the learner recomputes (``generators.sampling``)."""
 
     n: Positive = 8
     temperature: PositiveFloat = 1.0
@@ -386,14 +391,18 @@ class ReplayConfig(_Section):
     mean|; ``pass_rate``: 4 q (1 - q) with q the fraction of samples whose reward is >=
     ``pass_threshold``; ``td_error``: mean |GAE return - value| reported by the learner,
     needs ``algorithm.adv_estimator = "gae"``), weights each group's loss by the
-    importance weight ``(N P)^-beta`` normalized to max 1, trains on a group at most
-    ``max_reuse`` times and evicts it once its staleness exceeds ``max_age`` versions
+    importance weight ``(N P)^-beta``, over the largest among the batch's groups with
+    priority > 0 and at most 1, with beta annealed linearly from ``beta`` at the start to
+    ``beta_final`` at the last step (``buffer.prioritized``; 1 undoes the draws' bias fully,
+    as Schaul et al. 2016 end; set both equal for a constant beta), trains on a group at
+    most ``max_reuse`` times and evicts it once its staleness exceeds ``max_age`` versions
     (-1: ``buffer.max_staleness``; never more).
     """
 
     priority: ReplayPriority = "fifo"
     alpha: NonNegativeFloat = 0.6
     beta: Fraction = 0.4
+    beta_final: Fraction = 1.0  # Relay: beta at the last step, annealed linearly from beta
     epsilon: PositiveFloat = 1e-3
     max_reuse: Positive = 1
     max_age: Annotated[int, msgspec.Meta(ge=-1)] = -1
@@ -419,6 +428,12 @@ class BufferConfig(_Section):
     ``client_patience_s`` (Relay): how long the generators and the learner keep asking a
     buffer that does not answer (a stall) before they give up (``transport.retry``).
 
+    ``rollout_log_max_gb`` (Relay): at each checkpoint, while the rollout log's segments
+    hold more than this many GB (1e9 bytes), the oldest that no kept checkpoint's replay can
+    read are deleted (``buffer.rollout_log``: older than the oldest kept checkpoint by more
+    than ``max_staleness`` versions); what is still over is logged once. 0: no cap. A replay
+    from the start of the run (no checkpoint) then lacks the deleted groups.
+
     ``min_generators`` (Relay): no prompt is leased before this many generators have
     attached at once; after that the run goes on with whoever is attached. It keeps a fast
     engine from running the first steps alone while a slower one starts (vLLM takes ~15 s
@@ -434,6 +449,7 @@ class BufferConfig(_Section):
     lease_timeout_s: PositiveFloat = 120.0
     heartbeat_timeout_s: PositiveFloat = 30.0
     rollout_log: bool = True  # Relay: append every group received to run_dir/rollouts/
+    rollout_log_max_gb: NonNegativeFloat = 0.0  # Relay: the log's segments, at most; 0: no cap
     vocab_size: NonNegative = 0  # Relay: token ids must be below it; 0: the model's
     max_message_bytes: Annotated[int, msgspec.Meta(ge=1 << 16)] = 64 << 20  # Relay
     client_patience_s: PositiveFloat = 300.0  # Relay: retrying a silent buffer, at most
@@ -461,6 +477,13 @@ class TrainerConfig(_Section):
     folder) or ``disable``; ``tools/launch-cluster.py --resume RUN_DIR`` is ``auto`` on a
     run directory. A resumed run continues at the checkpoint's step + 1 with its weight
     version (``learner.checkpoint``).
+
+    ``resume_allow_changes`` (Relay): the buffer's saved state means something only under
+    the config that wrote it (``buffer.fingerprint``: the training rows, ``data.seed``,
+    ``data.shuffle``, ``data.train_batch_size``, ``rollout.n``, ``model.path``), so the
+    launcher refuses a resume that changes one of them, naming it, unless it is listed
+    here: ``trainer.resume_allow_changes=data.train_batch_size``, or a TOML list for
+    several. It applies to the launch that names it (``--resume`` does not carry it over).
     """
 
     total_training_steps: Positive | None = None
@@ -484,6 +507,14 @@ class TrainerConfig(_Section):
     progress_timeout_s: NonNegativeFloat = 3600.0
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: str = ""  # the checkpoint folder of resume_mode = "resume_path"
+    resume_allow_changes: FingerprintKey | list[FingerprintKey] = msgspec.field(
+        default_factory=list)
+
+    @property
+    def allowed_resume_changes(self) -> frozenset[str]:
+        """``resume_allow_changes`` as a set of keys (one key, or a list of them)."""
+        allowed = self.resume_allow_changes
+        return frozenset([allowed] if isinstance(allowed, str) else allowed)
 
 
 TrackerName = Literal["console", "mlflow", "wandb", "tensorboard", "swanlab"]

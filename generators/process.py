@@ -5,8 +5,10 @@ engine admits new prompts as others finish). Between steps it leases more prompt
 whole lease fits in the engine's free slots (``rollout.max_num_seqs``), applies staged
 weights at that safe point, and hands every finished prompt, decoded to text, to the
 ``GroupSender`` thread, which scores and sends it while generation goes on. A
-``Heartbeater`` thread keeps the membership alive; a ``WeightReceiver`` thread stages new
-weights.
+``Heartbeater`` thread keeps the membership alive and names the leases the generator holds
+(until their last group is sent): the buffer renews only those, so a lease whose reply was
+lost expires back into the pool; a lease request is named (``request_id``), so its retry
+gets the lease granted for it. A ``WeightReceiver`` thread stages new weights.
 
 A lease that starts on an idle engine first restarts the engine's random stream at a seed
 drawn from the generator's seed and the lease's first prompt id (``lease_seed``): what a
@@ -17,7 +19,10 @@ where each step's leases start together on an idle engine).
 A lease waits, beside the work in flight, until the weights it needs (``min_version``)
 have arrived; if they never do, or generation fails, its unsent prompts are returned to
 the buffer so they go to another generator. A generator stopped by a signal sends what
-it finished and returns the rest.
+it finished and returns the rest. One that the buffer tells the run is over (``Shutdown``,
+the answer to its next heartbeat or lease request once the run ends or is stopped) logs the
+reason and leaves within seconds; one that finds the buffer gone without that word keeps
+asking for ``buffer.client_patience_s``.
 """
 
 from __future__ import annotations
@@ -25,16 +30,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
-
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import msgspec
 
 from algorithms.rewards.scorer import RewardScorer
 from buffer.dataset import CutSide, truncate_prompt
+from buffer.registry import HEARTBEAT_EVERY_S
 from configs.run_schema import OverlongBufferConfig, RolloutConfig
 from generators.engine import Engine, FinishedGroup
 from generators.leases import HeldLease, LeaseBook
@@ -66,7 +73,6 @@ REQUEST_TIMEOUT_S = 30.0
 # sent, a heartbeat, a weight poll) may take before the process leaves without it: the
 # peers may be gone already, and the threads are daemons
 RUN_OVER_WAIT_S = 2.0
-HEARTBEAT_EVERY_S = 1.0
 REPORT_EVERY_S = 30.0  # how often the loop logs its throughput and batch occupancy
 _KEPT: dict[CutSide, str] = {"left": "last", "right": "first", "middle": "first and last"}
 
@@ -89,12 +95,15 @@ def lease_seed(base: int, prompt_id: str) -> int:
 
 
 class Heartbeater:
-    """Sends heartbeats; notices a forgotten membership and the end of the run."""
+    """Sends heartbeats, naming the leases ``held`` returns (the buffer renews only those);
+    notices a forgotten membership and the end of the run."""
 
     def __init__(self, generator_id: str, buffer_endpoint: str, engine: Engine,
-                 counters: Counters, keys: ClientKeys | None) -> None:
+                 counters: Counters, keys: ClientKeys | None,
+                 held: Callable[[], Sequence[str]]) -> None:
         self._generator_id, self._buffer_endpoint = generator_id, buffer_endpoint
         self._engine, self._counters, self._keys = engine, counters, keys
+        self._held = held
         self.stop_requested = threading.Event()
         self.reattach = threading.Event()
         self._done = threading.Event()
@@ -118,14 +127,15 @@ class Heartbeater:
                 beat = Heartbeat(generator_id=self._generator_id,
                                  version=self._engine.version,
                                  generated_tokens=self._counters.tokens,
-                                 generation_seconds=self._counters.seconds)
+                                 generation_seconds=self._counters.seconds,
+                                 leases=list(self._held()))
                 try:
                     reply = client.request(beat, REQUEST_TIMEOUT_S)
                 except PeerTimeout:
                     logger.warning("the buffer did not answer a heartbeat")
                     continue
                 if isinstance(reply, Shutdown):
-                    logger.info("buffer says: %s", reply.reason)
+                    logger.info("the buffer ended the run: %s; leaving", reply.reason)
                     self.stop_requested.set()
                     return  # the buffer is about to go: a later heartbeat would hang
                 if isinstance(reply, HeartbeatAck) and not reply.known:
@@ -170,7 +180,13 @@ class GeneratorLoop:
         self._weights = WeightReceiver(weights_endpoint, weights_stream_endpoint,
                                        generator_id, keys=keys,
                                        staging_device=engine.staging_device)
-        self._heart = Heartbeater(generator_id, buffer_endpoint, engine, self.counters, keys)
+        # the leases the heartbeats name: updated by the compute loop, read by the heartbeat
+        # thread (a tuple, replaced whole); a lease stays held until its last group is sent
+        self._held: tuple[str, ...] = ()
+        self._sending: dict[str, int] = {}  # lease id: groups handed on when its last went
+        self._handed_on = 0
+        self._heart = Heartbeater(generator_id, buffer_endpoint, engine, self.counters, keys,
+                                  held=lambda: self._held)
         self.sender = GroupSender(generator_id=generator_id, buffer_endpoint=buffer_endpoint,
                                   scorer=scorer, counters=self.counters,
                                   max_new_tokens=rollout.response_length, overlong=overlong,
@@ -201,6 +217,7 @@ class GeneratorLoop:
                 self._heart.raise_if_died()
                 self._weights.raise_if_died()
                 self._work_once(stop)
+                self._held = self.held_lease_ids()
         except BaseException:
             self._give_back_all("generation failed")
             raise
@@ -292,12 +309,13 @@ class GeneratorLoop:
                 return
 
     def _lease(self, max_prompts: int) -> bool:
-        """One lease request; True when prompts came."""
-        reply = patient_request(self._buffer, LeaseRequest(generator_id=self.generator_id,
-                                                           max_prompts=max_prompts),
-                                REQUEST_TIMEOUT_S, self.patience_s)
+        """One lease request, named so that a retry after a lost reply gets the lease the
+        buffer granted for it; True when prompts came."""
+        request = LeaseRequest(generator_id=self.generator_id, max_prompts=max_prompts,
+                               request_id=secrets.token_hex(8))
+        reply = patient_request(self._buffer, request, REQUEST_TIMEOUT_S, self.patience_s)
         if isinstance(reply, Shutdown):
-            logger.info("buffer says: %s", reply.reason)
+            logger.info("the buffer ended the run: %s; leaving", reply.reason)
             self._heart.stop_requested.set()
         elif isinstance(reply, ErrorReply) and reply.code == "not_attached":
             self._heart.reattach.set()
@@ -307,6 +325,7 @@ class GeneratorLoop:
             self._sequences_per_prompt = reply.n + (1 if reply.greedy_baseline else 0)
             self._lease_sequences = self._sequences_per_prompt * len(reply.prompts)
             self.leases.hold(HeldLease(reply, [self._tokenize(p) for p in reply.prompts]))
+            self._held = self.held_lease_ids()
             return True
         elif isinstance(reply, PromptLease):
             self._next_lease_at = time.monotonic() + reply.retry_after_s
@@ -356,6 +375,17 @@ class GeneratorLoop:
             prompt=prompt, prompt_ids=held.prompt_ids[index], completions=completions,
             texts=decode_all(self.tokenizer, completions), greedy=greedy,
             greedy_text=decode_all(self.tokenizer, [greedy])[0] if greedy else ""))
+        self._handed_on += 1
+        if held.done:
+            self._sending[lease.lease_id] = self._handed_on
+
+    def held_lease_ids(self) -> tuple[str, ...]:
+        """The leases this generator holds: waiting for weights, generating, or with a
+        group the sender has not sent yet (it sends in order, counting each group it is
+        done with as sent or refused)."""
+        done = self.counters.groups_sent + self.counters.groups_rejected
+        self._sending = {lid: last for lid, last in self._sending.items() if last > done}
+        return (*(h.lease.lease_id for h in self.leases.all()), *self._sending)
 
     def _report(self) -> None:
         now = time.monotonic()

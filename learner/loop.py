@@ -30,6 +30,7 @@ waits (bounded) for the last offer's report.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -40,12 +41,13 @@ from transformers import PreTrainedTokenizerBase
 from configs.run_schema import TrainerConfig
 from learner.batch import TrainBatch, collate
 from learner.checkpoint import BufferStateLink, LoopState, save_checkpoint
+from learner.checkpoint_lineage import Lineage, saves_at
 from learner.rollouts import BufferLink, broadcast_batch
 from learner.tracking import Tracker
 from learner.update import Learner
 from learner.weight_buckets import plan_buckets
 from learner.weights import WeightServer, WeightStream, publish_weights
-from transport.messages import EvalOffer, EvalReport, Metrics, SampleBatch
+from transport.messages import EvalOffer, EvalReport, Metrics, RolloutGroup, SampleBatch
 from transport.sockets import Pusher
 
 logger = logging.getLogger(__name__)
@@ -112,22 +114,35 @@ def batch_metrics(batch: SampleBatch, train: TrainBatch, version: int,
     return metrics
 
 
+def finite_priorities(groups: list[RolloutGroup], td_errors: list[float]
+                      ) -> tuple[dict[str, float], int]:
+    """Each group's TD-error priority by rollout id, leaving out those that are not finite
+    (a diverging critic's NaN or inf), and how many were left out. The buffer refuses a
+    request whose priorities hold any such value, applying none of them
+    (``buffer.prioritized``), which the learner could not survive; a group left out keeps
+    the priority it had."""
+    priorities = {group.rollout_id: error for group, error in zip(groups, td_errors)
+                  if math.isfinite(error)}
+    return priorities, len(td_errors) - len(priorities)
+
+
 class TrainLoop:
     """Runs ``trainer``'s steps. From other sections it needs the groups per step
     (``data.train_batch_size``), eta (``buffer.max_staleness``, for the staleness metrics),
     whether the buffer wants TD-error priorities back (``buffer.replay.priority``), whether
-    the run evaluates (``RunConfig.evaluates``) and how many checkpoints to keep."""
+    the run evaluates (``RunConfig.evaluates``), how many checkpoints to keep and the
+    lineage they carry (``learner.checkpoint_lineage.run_lineage``)."""
 
     def __init__(self, trainer: TrainerConfig, learner: Learner, *, batch_size: int,
                  max_staleness: int, send_td_errors: bool, evaluates: bool, keep_last: int,
                  pad_id: int, publish_dtype: torch.dtype, bucket_bytes: int,
-                 checkpoint_dir: Path, rank0: RankZero | None,
+                 checkpoint_dir: Path, lineage: Lineage, rank0: RankZero | None,
                  group: dist.ProcessGroup | None = None) -> None:
         self.trainer, self.learner = trainer, learner
         self.batch_size, self.max_staleness = batch_size, max_staleness
         self.send_td_errors, self.evaluates, self.keep_last = send_td_errors, evaluates, keep_last
         self.pad_id, self.publish_dtype, self.checkpoint_dir = pad_id, publish_dtype, checkpoint_dir
-        self.rank0, self.group = rank0, group
+        self.lineage, self.rank0, self.group = lineage, rank0, group
         self.plan = plan_buckets(learner.model, publish_dtype, bucket_bytes)
         self.version = 0
         self.published_step = 0  # the step after which self.version was taken
@@ -155,7 +170,7 @@ class TrainLoop:
             self._step(step)
             if trainer.test_freq > 0 and (step % trainer.test_freq == 0 or step == last):
                 self._offer_evaluation()
-            if trainer.save_freq > 0 and (step % trainer.save_freq == 0 or step == last):
+            if saves_at(step, trainer.save_freq, last):
                 self._save(step)
         if self.rank0 is not None:
             self.rank0.link.end_run(f"trained {last} steps")
@@ -174,8 +189,12 @@ class TrainLoop:
         metrics = result.metrics
         train_seconds = time.monotonic() - trained_at
         if self.send_td_errors:
-            self.priorities = {g.rollout_id: error
-                               for g, error in zip(batch.groups, result.td_errors)}
+            self.priorities, nonfinite = finite_priorities(batch.groups, result.td_errors)
+            metrics["replay/nonfinite_td_errors"] = float(nonfinite)
+            if nonfinite:
+                logger.warning("step %d: %d of %d TD-error priorities are not finite (the "
+                               "critic diverges?); those groups keep their priority", step,
+                               nonfinite, len(result.td_errors))
         self.unpublished_update |= result.policy_updated
         if step % self.trainer.publish_every == 0 and self.unpublished_update:
             self._publish(step)  # not while the critic warms up: the policy is unchanged
@@ -257,7 +276,7 @@ class TrainLoop:
         save_checkpoint(self.learner, self.checkpoint_dir,
                         LoopState(step=step, version=self.version,
                                   unpublished_update=self.unpublished_update),
-                        keep_last=self.keep_last,
+                        lineage=self.lineage, keep_last=self.keep_last,
                         tokenizer=rank0.tokenizer if rank0 else None,
                         buffer=rank0.buffer_state.state(step) if rank0 else None,
                         mlflow_run_id=rank0.reporter.tracker.run_id if rank0 else "",

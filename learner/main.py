@@ -34,6 +34,7 @@ from learner.checkpoint import (
     check_shared_checkpoints,
     load_checkpoint,
 )
+from learner.checkpoint_lineage import run_lineage
 from learner.critic import Critic, load_value_model
 from learner.eval_queue import EvalQueue
 from learner.implicit_prm import ImplicitPRM
@@ -153,11 +154,17 @@ def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase,
 
 def init_learner_group(device: torch.device, timeout: timedelta) -> None:
     """The learner's default process group: on a GPU, gloo for CPU tensors' collectives and
-    NCCL for CUDA tensors', bound to ``device`` (as verl does); on the CPU, gloo."""
+    NCCL for CUDA tensors', bound to ``device`` (as verl does); on the CPU, gloo. Under
+    torchrun (``WORLD_SIZE`` set) the ranks meet through its store; a learner started alone
+    (one rank on one host: ``launcher.plan``) is a group of one on a store in its own
+    memory, so that no rendezvous port is opened."""
+    alone = {} if "WORLD_SIZE" in os.environ else {
+        "store": dist.HashStore(), "rank": 0, "world_size": 1}
     if device.type == "cuda":
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timeout)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timeout,
+                                **alone)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **alone)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         resumed = load_checkpoint(learner, ctx.resume_from)
         logger.info("resumed from %s: step %d, weights version %d", ctx.resume_from,
                     resumed.loop.step, resumed.loop.version)
+    lineage = run_lineage(ctx.checkpoint_dir, ctx.resume_from, group=cpu_group)
     rank0 = build_rank_zero(ctx, tokenizer, resumed) if rank == 0 else None
     loop = TrainLoop(run.trainer, learner, batch_size=run.data.train_batch_size,
                      max_staleness=run.buffer.max_staleness,
@@ -195,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                      evaluates=run.evaluates, keep_last=run.checkpoint.keep_last, pad_id=pad,
                      publish_dtype=getattr(torch, run.model.dtype),
                      bucket_bytes=run.rollout.update_weights_bucket_megabytes << 20,
-                     checkpoint_dir=ctx.checkpoint_dir, rank0=rank0, group=cpu_group)
+                     checkpoint_dir=ctx.checkpoint_dir, lineage=lineage, rank0=rank0,
+                     group=cpu_group)
     if resumed is not None:
         loop.resume(resumed.loop)
     ok = False

@@ -89,12 +89,15 @@ class AttachAck(Message):
 
 
 class Heartbeat(Message):
-    """Periodic liveness signal, carrying the generator's throughput counters."""
+    """Periodic liveness signal, carrying the generator's throughput counters and the ids
+    of the leases it holds (``leases``: only those are renewed; None, from a generator that
+    does not say, renews all of its leases)."""
 
     generator_id: str
     version: int
     generated_tokens: int = 0  # cumulative since attach
     generation_seconds: float = 0.0  # cumulative busy time since attach
+    leases: list[str] | None = None
 
 
 class HeartbeatAck(Message):
@@ -126,10 +129,13 @@ class Prompt(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True, 
 
 
 class LeaseRequest(Message):
-    """A generator asks for up to ``max_prompts`` prompts."""
+    """A generator asks for up to ``max_prompts`` prompts. ``request_id`` names the request
+    across its retries: asked again after a lost reply, the buffer sends the lease it
+    granted (``""``: every request is new)."""
 
     generator_id: str
     max_prompts: int
+    request_id: str = ""
 
 
 class PromptLease(Message):
@@ -277,11 +283,13 @@ class BufferCheckpoint(Message):
     """The buffer's answer to ``BufferCheckpointRequest``: its prompt stream, and
     ``accepted``, the groups it admitted less those still waiting in its store (a restarted
     buffer discards stored groups and leases their prompts again): the count its lease gate
-    starts from on resume."""
+    starts from on resume. ``fingerprint``: the config values both mean something under, by
+    key (``buffer.fingerprint``; empty in a checkpoint written before it existed)."""
 
     step: int
     source: PromptSourceState
     accepted: int = 0
+    fingerprint: dict[str, str | int | bool] = {}
 
 
 # ---------------------------------------------------------------------------------------

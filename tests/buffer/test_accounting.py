@@ -154,7 +154,8 @@ def test_groups_drawn_again_are_trained_once(make_hub) -> None:
 class LosingStore(FifoStore):
     """Forgets one group without saying so."""
 
-    def take(self, num_groups: int, learner_version: int, max_staleness: int) -> Taken:
+    def take(self, num_groups: int, learner_version: int, max_staleness: int, *,
+             run_fraction: float) -> Taken:
         self._groups.popleft()
         return Taken(groups=[], dropped_stale=[])
 

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from buffer.hub import COUNTERS, REFUSALS, Hub
-from buffer.rollout_log import RolloutLogWriter, read_steps
+from buffer.rollout_log import LogBudget, RolloutLogWriter, read_steps
 from transport.messages import (
     Ack,
     Attach,
     AttachAck,
+    BufferCheckpointRequest,
     Detach,
     ErrorReply,
     Heartbeat,
@@ -309,6 +310,23 @@ def test_a_generator_told_the_run_is_over_is_forgotten_with_its_leases(make_hub)
     assert hub.generators == 0 and hub.accounting_problems() == []
 
 
+def test_a_stopped_run_tells_each_generator_why_at_its_next_request(make_hub) -> None:
+    """``Hub.stop`` (the buffer's stop signal) ends the run as the learner's ``Shutdown``
+    does, and the generators hear why; a second stop keeps the first reason."""
+    hub = make_hub()
+    granted = lease(hub)  # attaches g0
+    hub.handle(Attach(generator_id="g1", engine="torch", device="cpu"))
+    hub.stop("Ctrl-C")
+    hub.stop("later")
+    told = hub.handle(Heartbeat(generator_id="g0", version=0, leases=[granted.lease_id]))
+    assert told == Shutdown(reason="the run was stopped: Ctrl-C")
+    assert hub.generators == 1 and hub.counts["prompts/returned"] == len(granted.prompts)
+    assert hub.handle(LeaseRequest(generator_id="g1", max_prompts=1, request_id="r")) == told
+    late = hub.handle(Attach(generator_id="g9", engine="torch", device="cpu"))
+    assert late == AttachAck(accepted=False, reason="the run was stopped: Ctrl-C")
+    assert hub.generators == 0 and hub.accounting_problems() == []
+
+
 def test_generator_throughput_over_a_window(make_hub, clock) -> None:
     hub = make_hub()
     for second, tokens in ((0, 0), (10, 500), (20, 1500)):
@@ -434,6 +452,25 @@ def test_each_served_step_is_recorded_in_the_rollout_log(make_hub, tmp_path) -> 
     assert steps[2].rollout_ids == [g.rollout_id for g in served.groups]
 
 
+def test_a_checkpoint_deletes_the_log_segments_its_kept_checkpoints_cannot_need(
+        make_hub, tmp_path) -> None:
+    """One group per segment, one checkpoint kept, eta = 0: at the checkpoint after step 2
+    (version 2) segment 0, closed when the learner held version 1, goes; segment 1, still
+    being written then, stays."""
+    log = RolloutLogWriter(tmp_path, segment_bytes=1,
+                           budget=LogBudget(max_bytes=1, keep_last=1, max_staleness=0))
+    hub = make_hub(batch_size=2, per_lease=2, max_staleness=1, log=log)
+    answer(hub, lease(hub))
+    segments = []
+    for step in (1, 2):
+        hub.handle(VersionUpdate(version=step, step=step))
+        hub.handle(BufferCheckpointRequest(step=step))
+        segments.append(sorted(p.name for p in tmp_path.glob("segment-*.rlog")))
+    log.close()
+    assert segments == [["segment-000000.rlog", "segment-000001.rlog"], ["segment-000001.rlog"]]
+    assert hub.counts["rollout_log/write_errors"] == 0
+
+
 def test_a_batch_request_for_a_step_past_the_run_is_refused(make_hub) -> None:
     hub = make_hub()
     reply = hub.handle(SampleRequest(num_groups=1, step=10**9))
@@ -457,3 +494,45 @@ def test_a_second_process_under_a_live_name_is_refused_not_let_take_over(make_hu
     clock.now += 31.0  # the first process died: its name is free once it falls silent
     taken = hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="b", pid=2))
     assert taken.accepted and hub.registry.generators["gen"].pid == 2
+
+
+def test_a_lease_its_generator_never_heard_of_expires_while_the_generator_progresses(
+        make_hub, clock) -> None:
+    """The reply granting ``lost`` never reached the generator: its heartbeats name only the
+    lease it got, so ``lost`` expires after its timeout and its prompts go back to the pool,
+    while the named lease is renewed all along."""
+    hub = make_hub(batch_size=8, per_lease=2, lease_timeout_s=10.0)
+    lost, held = lease(hub), lease(hub)
+    busy = 0.0
+    for _ in range(5):  # 40 s of generation, four times the timeout
+        clock.now += 8.0
+        busy += 1.0
+        hub.handle(Heartbeat(generator_id="g0", version=0, generation_seconds=busy,
+                             leases=[held.lease_id]))
+        hub.tick()
+    assert hub.counts["prompts/expired"] == len(lost.prompts)
+    assert hub.leases.running == len(held.prompts)
+    assert all(a.accepted for a in answer(hub, held))
+    assert [a.verdict for a in answer(hub, lost)] == ["unknown_lease"] * len(lost.prompts)
+    assert hub.accounting_problems() == []
+
+
+def test_a_lease_request_asked_again_gets_the_lease_granted_for_it(make_hub, clock) -> None:
+    """A retry after a lost reply (the same request id) leases nothing more, and the lease's
+    time counts from the retry, when its generator first has it; a new request leases
+    more."""
+    hub = make_hub(batch_size=8, per_lease=2, lease_timeout_s=25.0)
+    ask = LeaseRequest(generator_id="g0", max_prompts=2, request_id="r1")
+    first = hub.handle(ask)
+    clock.now += 20.0
+    again = hub.handle(ask)
+    clock.now += 20.0
+    hub.tick()
+    assert hub.counts["prompts/expired"] == 0
+    assert isinstance(again, PromptLease) and again.lease_id == first.lease_id
+    assert [p.prompt_id for p in again.prompts] == [p.prompt_id for p in first.prompts]
+    assert hub.counts["prompts/leased"] == 2 and hub.leases.running == 2
+    other = hub.handle(LeaseRequest(generator_id="g0", max_prompts=2, request_id="r2"))
+    assert other.lease_id != first.lease_id and hub.leases.running == 4
+    unnamed = [lease(hub, max_prompts=2).lease_id for _ in range(2)]
+    assert len(set(unnamed)) == 2 and hub.counts["prompts/leased"] == 8

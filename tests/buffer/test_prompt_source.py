@@ -1,5 +1,6 @@
-"""The prompt source cycles epochs, hands returned prompts out first, and resumes: a
-restored source hands out what was not settled, then continues the stream exactly."""
+"""The prompt source cycles epochs, hands returned prompts out first and deferred ones at
+the epoch's end, and resumes: a restored source hands out what was not settled, then
+continues the stream exactly."""
 
 from pathlib import Path
 
@@ -44,6 +45,32 @@ def test_returned_prompts_come_first() -> None:
 
 def ids(prompts) -> list[str]:
     return [p.prompt_id for p in prompts]
+
+
+def test_deferred_prompts_come_after_the_rest_of_the_epoch_and_once_only() -> None:
+    """A prompt whose group the replay evicted unused used to come back first, to be
+    generated and passed over again at once; deferred, it waits for the epoch's end."""
+    source = PromptSource(make_dataset(4), shuffle=False)
+    first = source.take(2)  # e0-0, e0-1
+    source.defer([first[0]])
+    assert source.deferred == 1 and source.returned == 0
+    assert ids(source.take(5)) == ["e0-2", "e0-3", "e0-0", "e1-0", "e1-1"]
+    assert source.deferred == 0 and source.epoch == 1
+    assert "e0-0" in ids(source.state().pending)  # pending until settled
+    source.defer([first[0]])  # evicted again: done with (e1-0 is its row's new visit)
+    assert source.deferred == 0 and "e0-0" not in ids(source.state().pending)
+    assert ids(source.take(3)) == ["e1-2", "e1-3", "e2-0"]
+
+
+def test_a_restored_source_hands_out_deferred_prompts_first() -> None:
+    """The state does not tell deferred prompts from returned ones (module docstring)."""
+    source = PromptSource(make_dataset(4), shuffle=False)
+    first = source.take(2)
+    source.settle([first[1].prompt_id])
+    source.defer([first[0]])
+    restored = PromptSource(make_dataset(4), shuffle=False)
+    restored.restore(source.state())
+    assert ids(restored.take(3)) == ["e0-0", "e0-2", "e0-3"]
 
 
 @pytest.mark.parametrize("taken", [0, 3, 5, 7, 10, 12])

@@ -1,25 +1,34 @@
 """The buffer's part of a checkpoint: asked after a learner step, it holds every prompt not
-trained on yet (leased, returned, or answered by a group still in the store) and the
-groups trained on; a buffer restarted from it leases those prompts again first, in order,
-under the same staleness gate, and discards the groups that were stored."""
+trained on yet (leased, returned, or answered by a group still in the store), the groups
+trained on and the config's fingerprint; a buffer restarted from it leases those prompts
+again first, in order, under the same staleness gate, and discards the groups that were
+stored. A config changed since (allowed at launch) does not wedge or kill it: another batch
+size rebases the gate's count, other rows start afresh at the next epoch, and what it
+cannot resume from is a clear error, not a hang or a bare StopIteration."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from buffer.dynamic_sampling import DynamicSampling
+from buffer.fingerprint import buffer_fingerprint, dataset_digest
 from buffer.hub import Hub
-from buffer.main import resume
-from buffer.prompt_source import write_buffer_checkpoint
+from buffer.main import resume, resumed_accepted
+from buffer.prompt_source import PromptSource, PromptStreamError, write_buffer_checkpoint
 from buffer.store import FifoStore, FilteredStore
+from configs.run_schema import DataConfig, ModelConfig, RunConfig
 from transport.messages import (
     BufferCheckpoint,
     BufferCheckpointRequest,
     LeaseReturn,
+    SampleBatch,
     SampleRequest,
     VersionUpdate,
 )
 
+from .conftest import make_dataset
 from .test_hub import answer, lease
 
 
@@ -67,3 +76,130 @@ def test_groups_dropped_for_good_are_not_leased_again(make_hub) -> None:
     answer(hub, granted)  # every sample scores 1.0: zero variance, dropped
     assert hub.counts["dropped/zero_variance"] == 2
     assert checkpoint(hub, step=0).source.pending == []
+
+
+def fingerprinted(hub: Hub, *, batch_size: int, rows: int = 100) -> Hub:
+    """``hub`` with the fingerprint ``buffer.main.build_hub`` gives it (its rows: the
+    fixture's ``make_dataset(rows)``)."""
+    run = RunConfig(data=DataConfig(train_files=[], train_batch_size=batch_size),
+                    model=ModelConfig(path="/models/policy"))
+    hub.fingerprint = buffer_fingerprint(run, make_dataset(rows))
+    return hub
+
+
+def train(hub: Hub, steps: int, batch_size: int) -> None:
+    """``steps`` synchronous learner steps: lease and answer a batch, serve it, publish."""
+    for step in range(1, steps + 1):
+        while hub.accepted < step * batch_size:
+            answer(hub, lease(hub), version=step - 1)
+        assert len(hub.handle(SampleRequest(num_groups=batch_size, step=step)).groups) == \
+            batch_size
+        hub.handle(VersionUpdate(version=step, step=step))
+
+
+def test_the_buffers_checkpoint_carries_the_fingerprint_of_its_config(make_hub) -> None:
+    hub = fingerprinted(make_hub(batch_size=4), batch_size=4)
+    assert checkpoint(hub, step=0).fingerprint == {
+        "data.train_files": dataset_digest(make_dataset(100)), "data.seed": 0,
+        "data.shuffle": True, "data.train_batch_size": 4, "rollout.n": 8,
+        "model.path": "/models/policy"}
+    assert dataset_digest(make_dataset(100)).startswith("100 rows, sha256 ")
+    rows = make_dataset(3)
+    swapped = type(rows)([rows[1], rows[0], rows[2]])
+    assert len({dataset_digest(rows), dataset_digest(swapped), dataset_digest(make_dataset(4))}) \
+        == 3  # content, order and length each change it
+
+
+def test_a_smaller_batch_size_after_resume_rebases_the_lease_gate(make_hub,
+                                                                   tmp_path: Path) -> None:
+    """data.train_batch_size 4 -> 2 after 3 steps: the gate counted 12 groups trained, which
+    under 2 per step would fill every batch up to step 6 and hold leases back for good."""
+    hub = fingerprinted(make_hub(batch_size=4, max_staleness=0), batch_size=4)
+    train(hub, steps=3, batch_size=4)
+    write_buffer_checkpoint(tmp_path, checkpoint(hub, step=3))
+
+    smaller = fingerprinted(make_hub(batch_size=2, max_staleness=0), batch_size=2)
+    resume(smaller, tmp_path)
+    assert smaller.accepted == 3 * 2  # step 3 of 2 groups each
+    smaller.handle(VersionUpdate(version=3, step=3))  # the learner publishes its checkpoint
+    granted = lease(smaller)
+    assert len(granted.prompts) == 2 and granted.min_version == 3
+    answer(smaller, granted, version=3)
+    assert len(smaller.handle(SampleRequest(num_groups=2, step=4)).groups) == 2
+    assert not smaller.failure
+
+
+def test_a_resumed_gate_that_can_never_open_ends_the_run_naming_the_batch_size(
+        make_hub, tmp_path: Path) -> None:
+    """A checkpoint written before fingerprints cannot say its batch size: the gate it
+    resumes stays shut, and the learner's first request ends the run instead of a silent
+    wait for the watchdog."""
+    hub = make_hub(batch_size=4, max_staleness=0)
+    train(hub, steps=3, batch_size=4)
+    saved = checkpoint(hub, step=3)
+    assert saved.fingerprint == {}
+    write_buffer_checkpoint(tmp_path, saved)
+
+    smaller = make_hub(batch_size=2, max_staleness=0)
+    resume(smaller, tmp_path)
+    smaller.handle(VersionUpdate(version=3, step=3))
+    assert lease(smaller).prompts == []
+    reply = smaller.handle(SampleRequest(num_groups=2, step=4))
+    assert isinstance(reply, SampleBatch) and reply.groups == []
+    assert smaller.finished and "the lease gate is shut for good" in smaller.failure
+    assert "data.train_batch_size" in smaller.failure and "12 groups" in smaller.failure
+
+
+def test_other_training_rows_after_resume_start_afresh_at_the_next_epoch(
+        make_hub, tmp_path: Path) -> None:
+    """The loader stood 8 rows into epoch 0 of 100 rows; the new data has 5: its rows start
+    at epoch 1 after the prompts not trained on, so no id names two prompts (and torchdata's
+    restore, which raised a bare StopIteration here, is not asked to)."""
+    hub = fingerprinted(make_hub(batch_size=4, max_staleness=0), batch_size=4)
+    train(hub, steps=1, batch_size=4)
+    pending = lease(hub).prompts + lease(hub).prompts
+    write_buffer_checkpoint(tmp_path, checkpoint(hub, step=1))
+
+    other = make_hub(batch_size=4, max_staleness=0, rows=5)
+    other.source = PromptSource(make_dataset(5), seed=0)
+    fingerprinted(other, batch_size=4, rows=5)
+    resume(other, tmp_path)
+    other.handle(VersionUpdate(version=1, step=1))
+    again = lease(other).prompts + lease(other).prompts
+    assert again == pending
+    other.handle(VersionUpdate(version=2, step=2))
+    fresh = [p.prompt_id for p in other.source.take(5)]
+    assert sorted(fresh) == [f"e1-{row}" for row in range(5)]
+
+
+def test_a_loader_position_the_rows_do_not_have_is_a_clear_error(tmp_path: Path) -> None:
+    """Without a fingerprint to tell, a saved stream 60 rows into an epoch cannot restore
+    over 20 rows: the buffer says so, naming the keys, rather than die of StopIteration."""
+    saved = PromptSource(make_dataset(100), seed=0)
+    saved.take(60)
+    for shuffle in (True, False):
+        with pytest.raises(PromptStreamError) as error:
+            PromptSource(make_dataset(20), shuffle=shuffle, seed=0).restore(saved.state())
+        assert "60 rows into epoch 0" in str(error.value)
+        assert "does not fit these 20 training rows" in str(error.value)
+        assert "data.train_files" in str(error.value)
+    unshuffled = PromptSource(make_dataset(100), shuffle=False, seed=0)
+    with pytest.raises(PromptStreamError, match="data.shuffle"):
+        unshuffled.restore(saved.state())  # torchdata: AssertionError
+
+
+def test_the_resumed_gate_count_follows_the_new_batch_size() -> None:
+    """max(0, A + S (B' - B)): after S = 3 steps of B = 4, A = 10 groups counted (2 steps
+    reused a replayed group instead of a new one)."""
+    source = PromptSource(make_dataset(5)).state()
+
+    def saved(accepted: int, fingerprint: dict) -> BufferCheckpoint:
+        return BufferCheckpoint(step=3, source=source, accepted=accepted,
+                                fingerprint=fingerprint)
+
+    batch_4 = saved(10, {"data.train_batch_size": 4})
+    assert resumed_accepted(batch_4, 4) == 10
+    assert resumed_accepted(batch_4, 2) == 10 + 3 * (2 - 4) == 4
+    assert resumed_accepted(batch_4, 8) == 10 + 3 * (8 - 4) == 22
+    assert resumed_accepted(saved(2, {"data.train_batch_size": 4}), 2) == 0  # 2 - 6 < 0
+    assert resumed_accepted(saved(10, {}), 2) == 10  # no fingerprint: nothing to rebase by

@@ -1,13 +1,102 @@
-"""generators.process: the loop's settings come from the run's sections."""
+"""generators.process: the loop's settings come from the run's sections; its heartbeats
+name the leases it holds, and a lease whose reply was lost parks no prompt."""
 
 from __future__ import annotations
 
-from configs.run_schema import RolloutConfig
+import threading
+import time
+
+import msgspec
+import pytest
+
+from buffer.hub import Hub
+from configs.run_schema import BufferConfig, RolloutConfig
+from generators import process
 from generators.process import sampling_params
 from generators.sampling import SamplingParams
+from transport.messages import Heartbeat, LeaseRequest, Message, PromptLease
+from transport.sockets import Peer
+
+from .test_attach import loop, make_hub, serve
+from .test_attach import weights as weights  # noqa: F401 - the fixture
 
 
 def test_sampling_params_come_from_the_rollout_section() -> None:
     rollout = RolloutConfig(temperature=0.7, top_p=0.9, top_k=20, response_length=64)
     assert sampling_params(rollout) == SamplingParams(max_new_tokens=64, temperature=0.7,
                                                       top_p=0.9, top_k=20)
+
+
+# -- leases over real sockets: the heartbeats name them, a lost reply parks nothing ---------
+
+LEASE_TIMEOUT_S = 2.5
+
+
+def leasing_hub() -> Hub:
+    """A hub whose leases expire after ``LEASE_TIMEOUT_S`` unless a heartbeat renews them."""
+    hub = make_hub()
+    hub.config = BufferConfig(lease_timeout_s=LEASE_TIMEOUT_S, heartbeat_timeout_s=30.0)
+    hub.leases.timeout_s = LEASE_TIMEOUT_S
+    hub.registry.heartbeat_timeout_s = 30.0
+    return hub
+
+
+class LosesOneLeaseReply:
+    """The buffer's handler, but the reply to the first granted lease is sent too late: the
+    generator's request timed out, and its retry (``patient_request``) is what it hears.
+    ``honour_request_ids=False`` is a buffer that takes the retry for a new request; every
+    heartbeat's named leases are kept, and leases expire as the buffer's timer would."""
+
+    def __init__(self, hub: Hub, honour_request_ids: bool) -> None:
+        self.hub, self.honour_request_ids = hub, honour_request_ids
+        self.lost: PromptLease | None = None
+        self.named: list[list[str]] = []
+
+    def __call__(self, msg: Message, peer: Peer) -> Message:
+        if isinstance(msg, Heartbeat) and msg.leases is not None:
+            self.named.append(list(msg.leases))
+        if isinstance(msg, LeaseRequest) and not self.honour_request_ids:
+            msg = msgspec.structs.replace(msg, request_id="")
+        reply = self.hub.handle(msg, peer)
+        if isinstance(reply, PromptLease) and reply.prompts and self.lost is None:
+            self.lost = reply
+            time.sleep(REPLY_LATE_S)
+        self.hub.tick()
+        return reply
+
+
+REQUEST_TIMEOUT_S = 0.3  # the generator's, here
+REPLY_LATE_S = 0.6
+
+
+@pytest.mark.parametrize("honour_request_ids", [True, False])
+def test_a_lease_whose_reply_was_lost_parks_no_prompt_past_the_lease_timeout(
+        weights: str, monkeypatch: pytest.MonkeyPatch, honour_request_ids: bool) -> None:
+    """The retry of a lease request whose reply was lost gets the same lease; a buffer that
+    grants a second one instead lets the first expire within the lease timeout, since the
+    generator's heartbeats never name it, while the leases it holds stay renewed."""
+    monkeypatch.setattr(process, "REQUEST_TIMEOUT_S", REQUEST_TIMEOUT_S)
+    hub = leasing_hub()
+    handler = LosesOneLeaseReply(hub, honour_request_ids)
+    stop = threading.Event()
+    with serve(handler) as endpoint:
+        generator = loop(endpoint, weights)
+        worker = threading.Thread(target=generator.run, args=(stop,))
+        worker.start()
+        try:
+            time.sleep(REPLY_LATE_S + 2 * LEASE_TIMEOUT_S)  # renewed twice over
+            held = set(generator.held_lease_ids())
+            open_leases = {lid for lid, lease in hub.leases._leases.items()
+                           if lease.generator_id == "gen0"}
+            expired = hub.counts["prompts/expired"]
+        finally:
+            stop.set()
+            worker.join(30.0)
+    assert handler.lost is not None and not worker.is_alive()
+    assert open_leases == held  # nothing parked with the buffer that the generator lacks
+    assert handler.named and set(handler.named[-1]) == held
+    if honour_request_ids:
+        assert handler.lost.lease_id in held and expired == 0
+    else:
+        assert handler.lost.lease_id not in held
+        assert expired == len(handler.lost.prompts)  # the lost lease's, and only those

@@ -5,10 +5,15 @@
 directory; ``dry_run_report`` prints the result for ``tools/launch-cluster.py --dry-run``.
 
 Resuming is decided here, once, for every process of the run: ``trainer.resume_mode =
-"auto"`` becomes ``"resume_path"`` with the newest complete checkpoint of the checkpoint dir
-(``learner.checkpoint.latest_checkpoint``), or ``"disable"`` when there is none; a
-checkpoint to resume from must be complete, hold the buffer's state and the trained parts
-of this run's algorithm, or the launch is refused naming it.
+"auto"`` becomes ``"resume_path"`` with the newest checkpoint of the checkpoint dir that can
+be resumed (``learner.checkpoint.resumable_checkpoint``: newer ones are skipped with a
+warning saying why), or ``"disable"`` when there is none; a checkpoint to resume from must
+be complete, this user's and not writable by others, intact by its checksums, hold the
+buffer's state and the trained parts of this run's algorithm, or the launch is refused
+naming it (or the file that differs). A run that would write a checkpoint over another
+run's (another lineage's ``step-<N>`` in a shared checkpoint dir) is refused too, and so is
+a resume under a config that changes what the buffer's saved state means
+(``buffer.fingerprint``), naming each key, unless ``trainer.resume_allow_changes`` lists it.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import msgspec
 from transformers import AutoConfig
 
 from algorithms.rewards.registry import UnknownDataSourceError, check_data_sources
-from buffer.dataset import DatasetError, load_prompt_rows
+from buffer.dataset import DatasetError, PromptDataset, load_prompt_rows
+from buffer.fingerprint import buffer_fingerprint, changes
 from buffer.main import training_prompts
-from buffer.prompt_source import BufferCheckpointError
+from buffer.prompt_source import BufferCheckpointError, read_buffer_checkpoint
 from configs.checks import load_run_config, load_topology
 from configs.gpu_placement import check_gpu_placement, topology_claims
 from configs.loader import COMMAND_LINE, ConfigError, to_toml
@@ -32,8 +38,11 @@ from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, checkpoint_dir, is_r
 from configs.topology_schema import Topology
 from configs.verl_keys import ROLLOUT_NAME, Placement
 from generators.build import missing_engine
+from generators.vllm_engine import filters_refused
 from launcher.plan import ProcessSpec, build_plan, new_run_dir
-from learner.checkpoint import CheckpointError, check_resumable, latest_checkpoint
+from learner.checkpoint import CheckpointError, check_resumable, resumable_checkpoint
+from learner.checkpoint_lineage import continued_lineage, overwritten_checkpoints, saves_at
+from learner.checkpoint_meta import read_meta
 from learner.ulysses import KEY, check_heads
 from transport.endpoints import is_loopback
 
@@ -77,9 +86,13 @@ def resolve_resume(run_dir: str | Path, topology_overrides: Sequence[str] = (),
     topology_file, run_file = str(run_dir / RESOLVED_TOPOLOGY), str(run_dir / RESOLVED_RUN)
     topology, run, notes = load_checked(topology_file, run_file, topology_overrides,
                                         run_overrides)
-    if not any(o.startswith("trainer.resume_") for o in run_overrides):
+    if not overridden(run_overrides, "trainer.resume_mode", "trainer.resume_from_path"):
         auto = msgspec.structs.replace(run.trainer, resume_mode="auto", resume_from_path="")
         run = msgspec.structs.replace(run, trainer=auto)
+    if not overridden(run_overrides, "trainer.resume_allow_changes"):
+        # an allowance is for the launch that names it, not for every later --resume
+        run = msgspec.structs.replace(run, trainer=msgspec.structs.replace(
+            run.trainer, resume_allow_changes=[]))
     if run.trainer.resume_mode == "disable":
         raise ConfigError(COMMAND_LINE, "trainer.resume_mode",
                           "'disable' with --resume would start the run afresh; drop it")
@@ -91,6 +104,11 @@ def resolve_resume(run_dir: str | Path, topology_overrides: Sequence[str] = (),
     return ResolvedLaunch(topology_file=topology_file, run_file=run_file, topology=topology,
                           run=run, run_dir=run_dir, processes=build_plan(topology, run, run_dir),
                           verl_notes=notes)
+
+
+def overridden(run_overrides: Sequence[str], *keys: str) -> bool:
+    """Whether ``run_overrides`` (``key=value``, Hydra's ``+key=value`` too) set one of ``keys``."""
+    return any(o.split("=", 1)[0].strip().lstrip("+") in keys for o in run_overrides)
 
 
 def load_checked(topology_file: str, run_file: str, topology_overrides: Sequence[str],
@@ -106,25 +124,90 @@ def load_checked(topology_file: str, run_file: str, topology_overrides: Sequence
     check_sequence_parallel(topology, run, run_file)
     check_fsdp_sizes(topology, run, run_file)
     check_local_engines(topology, run, topology_file, placement)
+    check_engine_sampling(topology, run, run_file)
     return topology, run, notes
 
 
 def resolve_resume_mode(run: RunConfig, run_dir: Path, source: str) -> RunConfig:
     """``run`` with ``trainer.resume_mode`` decided (module docstring)."""
     trainer = run.trainer
-    if trainer.resume_mode == "disable":
-        return run
-    checkpoint = Path(trainer.resume_from_path) if trainer.resume_mode == "resume_path" \
-        else latest_checkpoint(checkpoint_dir(run, run_dir))  # logs what it skips
+    folder = checkpoint_dir(run, run_dir)
+    checkpoint = None
+    if trainer.resume_mode == "resume_path":
+        checkpoint = Path(trainer.resume_from_path)
+        try:
+            check_resumable(checkpoint, run)
+        except (CheckpointError, BufferCheckpointError) as exc:
+            raise ConfigError(source, "trainer.resume_from_path", str(exc)) from exc
+    elif trainer.resume_mode == "auto":
+        checkpoint = resumable_checkpoint(folder, run)  # checked; logs what it skips, and why
+    check_overwrites(run, folder, checkpoint, source)
     if checkpoint is None:
         return msgspec.structs.replace(run, trainer=msgspec.structs.replace(
             trainer, resume_mode="disable"))
-    try:
-        check_resumable(checkpoint, run)
-    except (CheckpointError, BufferCheckpointError) as exc:
-        raise ConfigError(source, "trainer.resume_from_path", str(exc)) from exc
+    check_fingerprint(run, checkpoint, source)
     return msgspec.structs.replace(run, trainer=msgspec.structs.replace(
         trainer, resume_mode="resume_path", resume_from_path=str(checkpoint)))
+
+
+def check_fingerprint(run: RunConfig, checkpoint: Path, source: str) -> None:
+    """Refuse to resume from ``checkpoint`` under a config that changes a key of the buffer
+    state's fingerprint (``buffer.fingerprint``) that ``trainer.resume_allow_changes`` does
+    not list: the buffer would wait for a batch its lease gate never admits, or mix other
+    rows under the ids of prompts already trained on. A checkpoint written before
+    fingerprints has none to compare (the buffer then names what it cannot resume)."""
+    saved = read_buffer_checkpoint(checkpoint).fingerprint
+    if not saved:
+        return
+    served = msgspec.structs.replace(run, model=msgspec.structs.replace(
+        run.model, path=served_model_path(run)))
+    now = buffer_fingerprint(served, launch_prompts(run))
+    allowed = run.trainer.allowed_resume_changes
+    refused = [change for change in changes(saved, now) if change.key not in allowed]
+    if not refused:
+        return
+    keys = [change.key for change in refused]
+    allow = keys[0] if len(keys) == 1 else "'[" + ", ".join(f'"{k}"' for k in keys) + "]'"
+    rows = (" (data.train_files: the rows as loaded, after data.prompt_key and "
+            "data.filter_overlong_prompts)") if "data.train_files" in keys else ""
+    raise ConfigError(source, ", ".join(keys), (
+        f"resuming from {checkpoint} under a config that changes what the buffer's saved "
+        f"state means: {'; '.join(map(str, refused))}{rows}. Resume with the checkpoint's "
+        "values, start afresh (trainer.resume_mode=disable), or allow the change: "
+        f"trainer.resume_allow_changes={allow} (README, Resuming: what the buffer then "
+        "does)"))
+
+
+def check_overwrites(run: RunConfig, folder: Path, checkpoint: Path | None,
+                     source: str) -> None:
+    """Refuse a run, resuming from ``checkpoint`` (None: a fresh start; checked already),
+    that would save a checkpoint where another run's lies in ``folder``: the learner never
+    writes over one (``learner.checkpoint_lineage``), so it would die at that save."""
+    trainer = run.trainer
+    first = read_meta(checkpoint).loop.step + 1 if checkpoint else 1
+    last = trainer.total_training_steps or 0
+    steps = [s for s in range(first, last + 1) if saves_at(s, trainer.save_freq, last)]
+    if not steps:
+        return
+    clashes = overwritten_checkpoints(folder, continued_lineage(folder, checkpoint), steps)
+    if clashes:
+        raise ConfigError(source, "checkpoint.dir", (
+            f"{folder} holds checkpoints of other runs where this run would save one "
+            f"(trainer.save_freq={trainer.save_freq}, steps {first} to {last}): "
+            + "; ".join(f"{path.name} ({whose})" for path, whose in clashes)
+            + ". Relay never removes another run's checkpoints: give this run a "
+              "checkpoint.dir of its own, or move those folders away"))
+
+
+def served_model_path(run: RunConfig) -> str:
+    """``model.path`` as the run's processes get it, the buffer's fingerprint among them: a
+    ``builtin:`` model's cache folder, where the launcher builds it and points the config
+    (``launcher.supervisor.builtin_model``)."""
+    if not run.model.path.startswith(BUILTIN_MODEL_PREFIX):
+        return run.model.path
+    from learner.tiny_model.build import default_model_dir
+
+    return str(default_model_dir())
 
 
 def epoch_rows(run: RunConfig) -> int:
@@ -133,12 +216,17 @@ def epoch_rows(run: RunConfig) -> int:
     tokenizes the training prompts for it, as the buffer does again when it loads them
     (``buffer.main.training_prompts``); a ``builtin:`` model's tokenizer is built here, the
     same on every build, since the model itself is built only at launch."""
+    return len(launch_prompts(run))
+
+
+def launch_prompts(run: RunConfig) -> PromptDataset:
+    """The training rows as the buffer will load them (``epoch_rows``)."""
     tokenizer = None
     if run.model.path.startswith(BUILTIN_MODEL_PREFIX):
         from learner.tiny_model.tokenizer import build_tokenizer
 
         tokenizer = build_tokenizer()
-    return len(training_prompts(run, tokenizer))
+    return training_prompts(run, tokenizer)
 
 
 def check_validation_data(run: RunConfig, source: str) -> None:
@@ -210,6 +298,22 @@ def check_local_engines(topology: Topology, run: RunConfig, source: str,
                               f"every generator and the evaluator: give another engine there "
                               f"(e.g. {ROLLOUT_NAME}=lean, Relay's own).")
         if problem:
+            raise ConfigError(source, key, problem)
+
+
+def check_engine_sampling(topology: Topology, run: RunConfig, source: str) -> None:
+    """A vLLM generator (or evaluator) asked for top-p or top-k sampling is refused before
+    anything starts, naming the run config's key: vLLM cannot report the temperature-only
+    behavior log-prob under them (``generators.vllm_engine.filters_refused``)."""
+    uses = [(run.rollout.top_p, run.rollout.top_k, "rollout")
+            for g in topology.generators if g.engine == "vllm"]
+    val = run.rollout.val_kwargs
+    if run.evaluates and topology.evaluator.engine == "vllm" and val.sampling_temperature > 0:
+        uses.append((val.top_p, val.top_k, "rollout.val_kwargs"))
+    for top_p, top_k, section in uses:
+        problem = filters_refused(top_p, top_k, section)
+        if problem:
+            key = f"{section}.top_p" if top_p < 1.0 else f"{section}.top_k"
             raise ConfigError(source, key, problem)
 
 

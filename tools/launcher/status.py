@@ -1,11 +1,16 @@
 """The launcher's live status line, built from the metrics the processes push.
 
 Interactive terminals get one line rewritten in place; logs (no tty) get the same line
-every ``LOG_EVERY_S`` seconds. Notes (a generator died...) always get a line of their own.
+every ``LOG_EVERY_S`` seconds. Notes (a generator died, the buffer's first failed rollout
+log write...) always get a line of their own.
 Any process on the metrics address may send anything a ``Metrics`` message can hold, so
 every value is shown through ``count`` or ``number``: NaN, infinities and absurd magnitudes
 read as "?" and never raise; a learner step outside the run's steps is no step of this run
 and is ignored, values and all (one would otherwise freeze the step the watchdog waits past).
+A message is taken only from a sender that may act as its ``source`` (``transport.roles``):
+under CURVE the control hosts' key for ``learner`` and ``buffer``, so a generator or
+evaluator key can neither move the step the watchdog waits past nor fake the buffer's
+gauges; others are counted (``refused``) and noted once per key and source.
 """
 
 from __future__ import annotations
@@ -15,10 +20,14 @@ import sys
 import time
 
 from transport.messages import Metrics
+from transport.roles import PeerRoles
 
 LOG_EVERY_S = 10.0
 RENDER_EVERY_S = 0.5
 MAX_SHOWN = 1e15  # larger magnitudes are no metric of a real run: shown as "?"
+ROLLOUT_LOG_ERRORS = "buffer/rollout_log/write_errors"  # noted once, at the first
+REWARD_ERRORS = "rollout/reward_error_frac"  # of the learner's batch
+FAILING_REWARDS = 0.5  # a larger share of samples whose reward function failed: a warning
 
 
 def count(value: float) -> int:
@@ -41,13 +50,59 @@ class StatusBoard:
         self.started = time.monotonic()
         self._last_render = 0.0
         self._width = 0
+        self.refused = 0  # messages from a sender that may not act as their source
+        self._roles = PeerRoles()
+        self._noted: set[tuple[str, str]] = set()
+        self._rollout_log_errors_noted = False
+        self._rewards_failing_noted = False
 
-    def update(self, message: Metrics) -> None:
+    def update(self, message: Metrics, key: str = "") -> None:
+        """Take ``message``, which came with the CURVE key named ``key`` ("" without
+        CURVE), unless that key may not act as its ``source`` (module docstring)."""
+        refusal = self._roles.may_act_as(key, message.source)
+        if refusal:
+            self.refused += 1
+            if (key, message.source) not in self._noted:
+                self._noted.add((key, message.source))
+                self.note(f"ignored metrics claiming to come from the {message.source[:40]!r}"
+                          f": {refusal[:200]} (noted once per key and source)")
+            return
         if message.source == "learner" and 0 <= message.step <= self.total_steps:
             self.step = max(self.step, message.step)
             self.learner.update(message.values)
+            self._note_failing_rewards(message.step)
         elif message.source == "buffer":
             self.buffer.update(message.values)
+            self._note_rollout_log_errors()
+
+    def _note_rollout_log_errors(self) -> None:
+        """Say once that the buffer could not write its rollout log: a full disk shows
+        here first, before the learner's next checkpoint fails on it."""
+        errors = count(self.buffer.get(ROLLOUT_LOG_ERRORS, 0.0))
+        if errors and not self._rollout_log_errors_noted:
+            self._rollout_log_errors_noted = True
+            self.note(f"the buffer could not write its rollout log ({errors} failed writes so "
+                      "far; the first is in logs/buffer.log): is the run directory's disk "
+                      "full? Training goes on, but the learner's next checkpoint may fail "
+                      "and a replay will lack these groups (buffer.rollout_log_max_gb caps "
+                      "the log)")
+
+    def rewards_failing(self) -> float | None:
+        """The share of the last batch's samples whose reward function failed, when more
+        than ``FAILING_REWARDS`` (a broken reward function: they all score 0); else None."""
+        share = self.learner.get(REWARD_ERRORS, 0.0)
+        return share if math.isfinite(share) and FAILING_REWARDS < share <= 1.0 else None
+
+    def _note_failing_rewards(self, step: int) -> None:
+        """A line of its own when a batch's rewards start failing (again); the status line
+        says so for as long as they do."""
+        share = self.rewards_failing()
+        if share is not None and not self._rewards_failing_noted:
+            self.note(f"WARNING: the reward function failed on {share:.0%} of step {step}'s "
+                      f"samples ({REWARD_ERRORS}), which all score 0: the generators' logs "
+                      "name the most common error (\"REWARD FUNCTION FAILING\"); check "
+                      "custom_reward_function")
+        self._rewards_failing_noted = share is not None
 
     def generators_attached(self) -> int:
         return count(self.buffer.get("buffer/generators", 0.0))
@@ -63,6 +118,9 @@ class StatusBoard:
                  ("perf/learner_tokens_per_s", "learn {} tok/s", ".0f"))
         parts += [text.format(number(learner[key], spec)) for key, text, spec in shown
                   if key in learner]
+        failing = self.rewards_failing()
+        if failing is not None:
+            parts.append(f"REWARD FN FAILING {failing:.0%}")
         parts.append(f"generators {self.generators_attached()}")
         parts.append(f"buffered {count(buffer.get('buffer/occupancy', 0.0))}")
         return " | ".join(parts)

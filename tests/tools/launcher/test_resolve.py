@@ -1,16 +1,39 @@
 """launcher.resolve: held-out data the evaluator could not use is refused before launch; an
-epoch is counted after data.filter_overlong_prompts."""
+epoch is counted after data.filter_overlong_prompts; a resume that changes the buffer
+state's fingerprint is refused naming the keys, unless trainer.resume_allow_changes lists
+them; resume_mode=auto skips a damaged newest checkpoint, saying so, and a run that would
+save over another run's checkpoint is refused."""
 
 import importlib.util
 import json
+import logging
+import pickle
 from pathlib import Path
 
+import msgspec
 import pytest
+from torch.distributed.checkpoint.metadata import Metadata
 
 from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
 from configs.checks import load_run_config
+from buffer.dataset import PromptDataset
+from buffer.fingerprint import buffer_fingerprint
+from buffer.prompt_source import PromptSource, write_buffer_checkpoint
+from configs.run_schema import RunConfig
 from configs.topology_schema import GeneratorPlacement, Topology
-from launcher.resolve import check_local_engines, dry_run_report, resolve_launch
+from learner.checkpoint_files import listed_files, manifest
+from learner.checkpoint_meta import FORMAT, META_FILE, CheckpointMeta, Lineage, LoopState
+from learner.tiny_model.build import default_model_dir
+from launcher.resolve import (
+    check_engine_sampling,
+    check_fingerprint,
+    check_local_engines,
+    dry_run_report,
+    launch_prompts,
+    resolve_launch,
+    resolve_resume_mode,
+)
+from transport.messages import BufferCheckpoint
 
 
 def test_a_held_out_data_source_without_a_reward_is_refused_before_launch(
@@ -151,3 +174,167 @@ def test_the_dry_run_shows_each_local_processs_gpus(tmp_path: Path) -> None:
     assert " CUDA_VISIBLE_DEVICES=0,1 " in learner and "torch.distributed.run" in learner
     assert " CUDA_VISIBLE_DEVICES=2 " in generator and "generators.main" in generator
     assert resolved.topology.learner.gpus == [0, 1]
+
+
+def fingerprinted_checkpoint(folder: Path, run: RunConfig, step: int) -> Path:
+    """A checkpoint folder holding the buffer state ``run`` writes after ``step``: the
+    buffer's config names the built-in model by the folder the launcher built it in."""
+    folder.mkdir(parents=True)
+    state = PromptSource(launch_prompts(run), seed=run.data.seed).state()
+    served = msgspec.structs.replace(run, model=msgspec.structs.replace(
+        run.model, path=str(default_model_dir())))
+    write_buffer_checkpoint(folder, BufferCheckpoint(
+        step=step, source=state, accepted=step * run.data.train_batch_size,
+        fingerprint=buffer_fingerprint(served, launch_prompts(run))))
+    return folder
+
+
+def test_a_resume_that_changes_the_buffers_fingerprint_is_refused_naming_the_keys(
+        tmp_path: Path) -> None:
+    """The issue's two cases: data.train_batch_size 32 -> 16 after 100 steps, and other
+    training rows. Each is refused naming the key and the override that allows it; the
+    override allows that key only."""
+    other_rows = tmp_path / "other.jsonl"
+    other_rows.write_text("".join(DEFAULT_RUN.parent.joinpath(
+        "data/arithmetic-train.jsonl").read_text().splitlines(keepends=True)[:5]))
+
+    def run(*extra: str) -> RunConfig:
+        return load_run_config(DEFAULT_RUN, ["data.train_batch_size=32", *extra])
+
+    checkpoint = fingerprinted_checkpoint(tmp_path / "step-100", run(), step=100)
+    assert run().model.path == "builtin:tiny-arith"
+    check_fingerprint(run(), checkpoint, "run.toml")  # the same config: no change
+    check_fingerprint(run("trainer.total_training_steps=500", "actor.optim.lr=1e-5"),
+                      checkpoint, "run.toml")  # not in the fingerprint: free to change
+
+    with pytest.raises(ConfigError) as error:
+        check_fingerprint(run("data.train_batch_size=16"), checkpoint, "run.toml")
+    assert error.value.key == "data.train_batch_size"
+    assert "data.train_batch_size: 32 in the checkpoint, 16 now" in error.value.problem
+    assert "trainer.resume_allow_changes=data.train_batch_size " in error.value.problem
+    check_fingerprint(run("data.train_batch_size=16",
+                          "trainer.resume_allow_changes=data.train_batch_size"),
+                      checkpoint, "run.toml")
+
+    with pytest.raises(ConfigError) as error:
+        check_fingerprint(run(f"data.train_files={other_rows}", "data.train_batch_size=16",
+                              "trainer.resume_allow_changes=data.train_batch_size"),
+                          checkpoint, "run.toml")
+    assert error.value.key == "data.train_files"
+    assert ", 5 rows, sha256 " in error.value.problem and " now " in error.value.problem
+    with pytest.raises(ConfigError) as error:
+        check_fingerprint(run(f"data.train_files={other_rows}", "data.seed=7", "rollout.n=4"),
+                          checkpoint, "run.toml")
+    assert error.value.key == "data.train_files, data.seed, rollout.n"
+    assert ('trainer.resume_allow_changes=\'["data.train_files", "data.seed", "rollout.n"]\''
+            in error.value.problem)
+    check_fingerprint(run(f"data.train_files={other_rows}", "data.seed=7", "rollout.n=4",
+                          'trainer.resume_allow_changes=["data.train_files", "data.seed", '
+                          '"rollout.n"]'), checkpoint, "run.toml")
+    other_model = tmp_path / "other-model"
+    other_model.mkdir()
+    (other_model / "config.json").write_text('{"model_type": "qwen2", "vocab_size": 64}')
+    with pytest.raises(ConfigError) as error:
+        check_fingerprint(run(f"model.path={other_model}"), checkpoint, "run.toml")
+    assert error.value.key == "model.path"
+    assert f"model.path: {default_model_dir()} in the checkpoint, {other_model} now" in str(
+        error.value)
+
+
+def test_a_checkpoint_without_a_fingerprint_is_not_refused(tmp_path: Path) -> None:
+    """Written before fingerprints: nothing to compare (the buffer names what it cannot
+    resume, tests/buffer/test_resume.py)."""
+    run = load_run_config(DEFAULT_RUN, [])
+    folder = tmp_path / "step-3"
+    folder.mkdir()
+    write_buffer_checkpoint(folder, BufferCheckpoint(
+        step=3, source=PromptSource(launch_prompts(run)).state()))
+    check_fingerprint(load_run_config(DEFAULT_RUN, ["data.train_batch_size=2"]), folder, "x")
+
+
+def test_only_fingerprint_keys_may_be_allowed_to_change() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_run_config(DEFAULT_RUN, ["trainer.resume_allow_changes=actor.optim.lr"])
+    assert error.value.key == "trainer.resume_allow_changes"
+
+
+def lineage_checkpoint(folder: Path, step: int, lineage: str) -> Path:
+    """A checkpoint of ``lineage`` as far as the launcher reads one: ``meta.json`` with its
+    manifest, the buffer's state and the DCP metadata (of no tensors here)."""
+    folder.mkdir(parents=True)
+    write_buffer_checkpoint(folder, BufferCheckpoint(
+        step=step, source=PromptSource(PromptDataset([]), shuffle=False).state()))
+    (folder / "dcp").mkdir()
+    (folder / "dcp" / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
+    meta = CheckpointMeta(format=FORMAT, loop=LoopState(step=step, version=step),
+                          steps_done=step, world_size=1, parts=["policy"],
+                          schedulers={"policy": {}}, lineage=Lineage(id=lineage),
+                          saved_at=1e9 + step, files=manifest(folder, listed_files(folder)))
+    (folder / META_FILE).write_bytes(msgspec.json.encode(meta))
+    return folder
+
+
+def test_auto_resume_skips_a_damaged_newest_checkpoint_and_no_run_saves_over_anothers(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "checkpoints"
+    for step in (2, 4):
+        lineage_checkpoint(folder / f"step-{step}", step, "a")
+
+    def trainer(*extra: str) -> tuple[str, str]:
+        run = load_run_config(DEFAULT_RUN, [f"checkpoint.dir={folder}", "trainer.save_freq=2",
+                                            "trainer.total_training_steps=6", *extra])
+        decided = resolve_resume_mode(run, tmp_path, "run.toml").trainer
+        return decided.resume_mode, decided.resume_from_path
+
+    assert trainer() == ("resume_path", str(folder / "step-4"))
+    # a branch from step-2 would save at step 4, a fresh run at steps 2 and 4: both refused
+    for extra, clashes in [(["trainer.resume_mode=resume_path",
+                             f"trainer.resume_from_path={folder / 'step-2'}"],
+                            "steps 3 to 6): step-4 (lineage a)."),
+                           (["trainer.resume_mode=disable"],
+                            "steps 1 to 6): step-2 (lineage a); step-4 (lineage a).")]:
+        with pytest.raises(ConfigError) as error:
+            trainer(*extra)
+        assert error.value.key == "checkpoint.dir"
+        assert f"{folder} holds checkpoints of other runs where this run would save one " \
+               f"(trainer.save_freq=2, {clashes} Relay never removes" in error.value.problem
+
+    record = folder / "step-4" / "buffer.rec"
+    damaged = bytearray(record.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x01
+    record.write_bytes(bytes(damaged))
+    with caplog.at_level(logging.WARNING, logger="learner.checkpoint"):
+        # its lineage goes on from step-2, and its save at step 4 replaces the damaged one
+        assert trainer() == ("resume_path", str(folder / "step-2"))
+    assert (f"skipping {folder / 'step-4'}: {record}: its SHA-256 differs from the one "
+            f"{folder / 'step-4'}'s meta.json recorded") in caplog.text
+    assert (f"resuming from {folder / 'step-2'}, the newest valid checkpoint: the newer "
+            "step-4 cannot be resumed") in caplog.text
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["rollout.top_p=0.9"], "rollout.top_p"),
+    (["rollout.top_k=50"], "rollout.top_k"),
+    (["rollout.val_kwargs.top_p=0.9", "rollout.val_kwargs.temperature=0.6"],
+     "rollout.val_kwargs.top_p"),
+])
+def test_vllm_asked_for_top_p_or_top_k_is_refused_at_launch_naming_the_key(
+        overrides: list[str], key: str) -> None:
+    """Issue 30, item 20: vLLM cannot report the temperature-only behavior log-prob under
+    top-p / top-k, so the launch stops before anything starts; Relay's engines take them."""
+    run = load_run_config(str(DEFAULT_RUN), overrides)
+    vllm_everywhere = Topology(generators=[GeneratorPlacement(name="g", engine="vllm")])
+    vllm_everywhere.evaluator.engine = "vllm"
+    with pytest.raises(ConfigError) as error:
+        check_engine_sampling(vllm_everywhere, run, "run.toml")
+    assert error.value.key == key and error.value.source == "run.toml"
+    section = key.rsplit(".", 1)[0]
+    assert f"Set {section}.top_p = 1.0 and {section}.top_k = -1" in str(error.value)
+    check_engine_sampling(Topology(), run, "run.toml")  # the lean engine records it
+
+
+def test_vllm_with_filters_for_greedy_evaluation_only_is_not_refused() -> None:
+    run = load_run_config(str(DEFAULT_RUN), ["rollout.val_kwargs.top_p=0.9"])  # temperature 0
+    topology = Topology(generators=[GeneratorPlacement(name="g", engine="vllm")])
+    topology.evaluator.engine = "vllm"
+    check_engine_sampling(topology, run, "run.toml")
