@@ -2,8 +2,10 @@
 TensorBoard and SwanLab (``tracking.loggers``).
 
 The default tracking URI is a SQLite store inside the run directory
-(``sqlite:///RUN_DIR/mlflow.db``); any MLflow URI works (``http://host:5000``, a
-``file:`` store, a database). A run records the flattened run config as params, the
+(``sqlite:///RUN_DIR/mlflow.db``), whose artifacts go to ``RUN_DIR/mlartifacts`` (MLflow's own
+default for a database store is ``./mlruns`` under the working directory: the user's project
+folder); any MLflow URI works (``http://host:5000``, a ``file:`` store, a database), with the
+artifact location its experiment or server decides. A run records the flattened run config as params, the
 resolved configs as artifacts, and per-step metrics with step = learner step.
 
 A resumed run logs into the MLflow run of the run it resumes (the checkpoint names it), from
@@ -50,6 +52,16 @@ replay, ``learner.replay``, finds the live metrics by it)."""
 
 def default_uri(run_dir: Path) -> str:
     return f"sqlite:///{run_dir / 'mlflow.db'}"
+
+
+def experiment_for(experiment: str, artifacts: Path | None) -> str:
+    """The id of MLflow experiment ``experiment`` in the current store, created with its
+    artifacts under ``artifacts`` (None: where the store decides) if it does not exist."""
+    found = mlflow.get_experiment_by_name(experiment)
+    if found is not None:
+        return found.experiment_id
+    location = None if artifacts is None else artifacts.resolve().as_uri()
+    return mlflow.create_experiment(experiment, artifact_location=location)
 
 
 def flatten(config: msgspec.Struct) -> dict[str, str]:
@@ -208,7 +220,8 @@ class Tracker:
         self.uri = uri or default_uri(run_dir)
         self.resumed = resumed
         mlflow.set_tracking_uri(self.uri)
-        experiment_id = mlflow.set_experiment(experiment).experiment_id
+        experiment_id = mlflow.set_experiment(experiment_id=experiment_for(
+            experiment, None if uri else run_dir / "mlartifacts")).experiment_id
         name = run_name or run_dir.name
         self.continued = resumed is not None and self._continuable(resumed.run_id,
                                                                    experiment_id)

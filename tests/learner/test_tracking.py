@@ -86,3 +86,24 @@ def test_held_out_generations_are_an_mlflow_table(tmp_path: Path) -> None:
     table = mlflow.load_table("val_generations/step-000004.json", run_ids=[tracker.run_id])
     assert table.to_dict("list") == {"step": [4, 4], "input": ["2+2=", "3+3="],
                                      "output": ["it is 4", "it is 7"], "score": [1.0, 0.0]}
+
+
+def test_the_default_store_keeps_its_artifacts_in_the_run_dir(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow's database stores put artifacts in ./mlruns of the working directory: a
+    user's project folder collected every run's configs."""
+    run_dir, project = tmp_path / "run", tmp_path / "project"
+    run_dir.mkdir()
+    project.mkdir()
+    monkeypatch.chdir(project)
+    config = run_dir / "run.toml"
+    config.write_text("[trainer]\n")
+    tracker = Tracker(uri="", experiment="artifacts", run_name="", run_dir=run_dir)
+    try:
+        tracker.log_config(TrackingConfig(), [config])
+    finally:
+        tracker.close(ok=True)
+    assert list(project.iterdir()) == []
+    assert [p.name for p in (run_dir / "mlartifacts").rglob("run.toml")] == ["run.toml"]
+    artifacts = MlflowClient(tracker.uri).list_artifacts(tracker.run_id, "config")
+    assert [a.path for a in artifacts] == ["config/run.toml"]
