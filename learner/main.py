@@ -155,10 +155,11 @@ def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase,
 def init_learner_group(device: torch.device, timeout: timedelta) -> None:
     """The learner's default process group: on a GPU, gloo for CPU tensors' collectives and
     NCCL for CUDA tensors', bound to ``device`` (as verl does); on the CPU, gloo. Under
-    torchrun (``WORLD_SIZE`` set) the ranks meet through its store; a learner started alone
-    (one rank on one host: ``launcher.plan``) is a group of one on a store in its own
-    memory, so that no rendezvous port is opened."""
-    alone = {} if "WORLD_SIZE" in os.environ else {
+    torchrun (``WORLD_SIZE`` > 1) the ranks meet through its store; a learner of one rank
+    (started alone on one host: ``launcher.plan``) is a group of one on a store in its own
+    memory, so that no rendezvous port is opened, whatever ``MASTER_PORT`` it inherited (a
+    parent running a process group of its own holds that port)."""
+    alone = {} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {
         "store": dist.HashStore(), "rank": 0, "world_size": 1}
     if device.type == "cuda":
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timeout,

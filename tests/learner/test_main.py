@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -68,16 +69,25 @@ print(dist.get_world_size(), ones.tolist(),
 """
 
 
-def test_a_learner_started_alone_is_one_rank_on_no_rendezvous_port() -> None:
+@pytest.mark.parametrize("inherited", ["nothing", "a_parents_group"])
+def test_a_learner_started_alone_is_one_rank_on_no_rendezvous_port(inherited: str) -> None:
     """``launcher.plan`` starts one rank on one host without torchrun (whose store listens
-    on every interface): no MASTER_ADDR, no store port; gloo's own socket is on loopback."""
+    on every interface): no store port, whatever it inherited (``tools/gpu-check.py`` runs
+    a process group of its own, whose WORLD_SIZE=1 and MASTER_PORT, a port it holds, reach
+    the launcher's children); gloo's own socket is on loopback."""
     if shutil.which("ss") is None:
         pytest.skip("needs ss (iproute2) to list listening sockets")
     env = {k: v for k, v in os.environ.items()
            if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["GLOO_SOCKET_IFNAME"] = "lo"  # as launcher.plan sets it
-    done = subprocess.run([sys.executable, "-c", ALONE], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=Path(__file__).parents[2])
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        if inherited == "a_parents_group":
+            env.update(WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(held.getsockname()[1]))
+        done = subprocess.run([sys.executable, "-c", ALONE], capture_output=True, text=True,
+                              env=env, timeout=120, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("[", 1)[0].strip() == "1"
     assert "[1.0, 1.0]" in done.stdout
