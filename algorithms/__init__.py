@@ -3,7 +3,7 @@
 It owns advantage estimators, policy-loss modes, value loss, KL estimators and
 controllers, loss aggregation, off-policy corrections, reward shaping, PRIME's implicit
 rewards, the verifiable reward functions and the bundled tasks, and the config structs
-of those knobs (composed by ``configs.run_schema``). It knows nothing of Relay's
+of those knobs (composed by ``relay.configs.run_schema``). It knows nothing of Relay's
 processes, sockets, config files, models or ``torch.distributed``: tensors in, tensors out
 (the one process it starts is the reward functions' sandbox, ``rewards.worker``).
 """

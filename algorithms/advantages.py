@@ -323,7 +323,7 @@ AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus",
                        "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk", "remax",
                        "prime"]
 """verl's ``algorithm.adv_estimator``: the keys of ``ESTIMATORS``, ``gae`` (with the
-learner's critic: ``gae_advantages``) and ``prime`` (``algorithms.prime``)."""
+learner's critic: ``gae_advantages``) and ``prime`` (``relay.algorithms.prime``)."""
 
 ESTIMATORS: dict[str, Estimator] = {
     "grpo": grpo,

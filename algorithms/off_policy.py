@@ -73,7 +73,7 @@ class RolloutCorrectionConfig(msgspec.Struct, kw_only=True, frozen=True,
     accepting ratios in [``rollout_rs_threshold_lower``, ``rollout_rs_threshold``]; an absent
     lower bound means 1 / ``rollout_rs_threshold`` (verl's default), 0 means none.
     ``m2po`` (*Relay*): M2PO second-moment masking with bound ``m2po_tau``.
-    ``configs.checks`` refuses a lower bound above the upper one.
+    ``relay.configs.checks`` refuses a lower bound above the upper one.
     """
 
     rollout_is: RolloutIS = "token"

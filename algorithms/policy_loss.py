@@ -5,7 +5,7 @@ input that carries gradient), the proximal log-probs ``proximal_logprobs`` (log 
 learner's weights before this update), the per-token ``advantages`` A and the float
 ``response_mask`` m, all (B, T), and returns a per-token loss (B, T) plus detached diagnostics.
 The ratio is r = pi_theta / pi_prox. The off-policy correction between the behavior policy
-and pi_prox is computed elsewhere (``algorithms.off_policy``); its rejection mask is the
+and pi_prox is computed elsewhere (``relay.algorithms.off_policy``); its rejection mask is the
 ``response_mask`` given here (so a rejected token leaves GSPO's sequence ratio, GMPO's
 geometric mean and the covariance statistics of Clip-Cov / KL-Cov, as in verl, where the
 rejection rewrites the response mask), and its importance weights w are
@@ -47,7 +47,7 @@ from typing import Annotated, Literal, NamedTuple
 import msgspec
 import torch
 
-from algorithms.aggregation import LossAggMode, masked_mean
+from relay.algorithms.aggregation import LossAggMode, masked_mean
 
 LOG_RATIO_CLAMP = 20.0
 GSPO_LOG_RATIO_MAX = 10.0  # verl's bound on GSPO's log s_i, for numerical stability

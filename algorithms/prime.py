@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from algorithms.advantages import group_index, group_sum, masked_whiten
+from relay.algorithms.advantages import group_index, group_sum, masked_whiten
 
 
 def implicit_process_rewards(prm_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
@@ -89,7 +89,7 @@ def prime_advantages(process_rewards: torch.Tensor, outcome_rewards: torch.Tenso
                      kept_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages whitened over the batch's trained tokens, returns), both (B, T) float32
     and 0 off the response; see the module docstring. ``kept_mask``: the tokens the
-    off-policy correction kept (None: all); as in ``algorithms.advantages``, only the
+    off-policy correction kept (None: all); as in ``relay.algorithms.advantages``, only the
     whitening statistics see it, and rejected tokens get advantage 0."""
     mask = response_mask.to(torch.float64)
     total = torch.zeros_like(mask)

@@ -1,4 +1,4 @@
-"""The buffer: the hub process between generators and the learner (``-m buffer.main``).
+"""The buffer: the hub process between generators and the learner (``-m relay.buffer.main``).
 
 It owns prompt leasing from verl-schema datasets, the staleness gate (eta), admission of
 rollout groups, the replay stores and filters (FIFO, prioritized replay, DAPO dynamic

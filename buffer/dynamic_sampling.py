@@ -20,8 +20,8 @@ raises ``ReplayFilterError`` and the run ends with that error, as verl does.
 
 from __future__ import annotations
 
-from buffer.store import DropReason
-from transport.messages import RolloutGroup, Sample
+from relay.buffer.store import DropReason
+from relay.transport.messages import RolloutGroup, Sample
 
 SCORE = "score"  # the metric that means the sample's reward itself
 

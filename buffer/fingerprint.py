@@ -17,7 +17,7 @@ that wrote it:
 
 ``buffer_fingerprint`` records them with the buffer's state; the launcher refuses a resumed
 config that changes one, unless the user allows it by name (``trainer.resume_allow_changes``,
-checked by ``launcher.resolve``). Nothing else is recorded: learning rates, clip ratios,
+checked by ``relay.launcher.resolve``). Nothing else is recorded: learning rates, clip ratios,
 ``trainer.test_freq``, a longer run or another staleness bound may change on resume.
 """
 
@@ -28,8 +28,8 @@ from typing import get_args
 
 import msgspec
 
-from buffer.dataset import PromptDataset
-from configs.run_schema import FingerprintKey, RunConfig
+from relay.buffer.dataset import PromptDataset
+from relay.configs.run_schema import FingerprintKey, RunConfig
 
 Fingerprint = dict[str, str | int | bool]
 STREAM_KEYS = ("data.train_files", "data.seed", "data.shuffle")

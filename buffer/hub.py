@@ -1,12 +1,12 @@
 """The hub's logic: one reply per request, plus timers; no sockets.
 
 ``Hub.handle`` answers every request of the buffer's conversation (see
-``transport.messages``): generators attach, heartbeat, lease prompts, return rollout groups
+``relay.transport.messages``): generators attach, heartbeat, lease prompts, return rollout groups
 and detach; the learner reports versions, asks for batches and for the buffer's state when
-it writes a checkpoint (``buffer.main``: resuming), and ends the run; ``Hub.stop`` ends it
+it writes a checkpoint (``relay.buffer.main``: resuming), and ends the run; ``Hub.stop`` ends it
 from outside. Once the run is over, each generator's next request is answered with
 ``Shutdown`` and the reason, and the generator is forgotten. ``Hub.tick``
-expires leases and silent generators. ``buffer.main`` puts a socket around it.
+expires leases and silent generators. ``relay.buffer.main`` puts a socket around it.
 
 Counters in ``Hub.stats()`` (``buffer/...``) say where every prompt and group went:
 accepted, rejected by reason (duplicate, unknown lease, malformed), dropped as stale or by a
@@ -27,26 +27,26 @@ once it would most likely be passed over again), or stored and never trained yet
 ``Hub.accounting_problems`` checks these sums; ``stats`` reports how many fail
 (``accounting_problems``, 0 while all is well).
 
-Authorization: ``SENDERS`` names the role (``transport.roles``) that may send each request;
+Authorization: ``SENDERS`` names the role (``relay.transport.roles``) that may send each request;
 a request from a connection in another role, or whose CURVE key may not take that role,
 is refused (``ErrorReply(code="forbidden")``) and counted (``rejected/forbidden``). A
 generator's name belongs to one live process: another process attaching under it is
 refused, with the time after which the name may be free (``rejected/name_in_use``). Values
-no honest learner sends (``buffer.validation``) are refused as ``bad_request``, and a
+no honest learner sends (``relay.buffer.validation``) are refused as ``bad_request``, and a
 rollout group is judged whole before its prompt leaves the lease.
 
 Every sound, fresh group goes to the rollout log whole, before the store's filters, with
 what they did in ``metadata["buffer_admission"]``, and every batch served goes there as a
 ``StepRecord`` under the learner step it was asked for: an offline replay
-(``learner.replay``) sees everything the generators produced and knows what each step
+(``relay.learner.replay``) sees everything the generators produced and knows what each step
 trained on. The log is synced to disk whenever the learner writes a checkpoint. A batch
 request repeated for the step last served (the learner's retry after a lost reply) gets
 the same batch again, so a lost reply loses no groups; a lease request asked again (its
 ``request_id``) gets the lease granted for it, and a lease no heartbeat names is not renewed
-(``buffer.leases``), so no prompt stays parked with a generator that never heard of it. A
+(``relay.buffer.leases``), so no prompt stays parked with a generator that never heard of it. A
 dropped group is not accepted: it frees its admission slot, so a replacement is leased. A
 filter that cannot go on (``ReplayFilterError``) ends the run: ``Hub.failure`` says why and
-``buffer.main`` exits 1.
+``relay.buffer.main`` exits 1.
 """
 
 from __future__ import annotations
@@ -58,22 +58,22 @@ from collections.abc import Callable
 
 import msgspec
 
-from buffer.dynamic_sampling import ReplayFilterError
-from buffer.fingerprint import Fingerprint
-from buffer.leases import Lease, LeaseBook
-from buffer.prompt_source import PromptSource
-from buffer.registry import Registry
-from buffer.rollout_log import RolloutLogWriter, StepRecord
-from buffer.staleness import LearnerPosition, lease_capacity, lease_min_version, staleness
-from buffer.store import Admission, PriorityError, ReplayStore, Taken
-from buffer.validation import (
+from relay.buffer.dynamic_sampling import ReplayFilterError
+from relay.buffer.fingerprint import Fingerprint
+from relay.buffer.leases import Lease, LeaseBook
+from relay.buffer.prompt_source import PromptSource
+from relay.buffer.registry import Registry
+from relay.buffer.rollout_log import RolloutLogWriter, StepRecord
+from relay.buffer.staleness import LearnerPosition, lease_capacity, lease_min_version, staleness
+from relay.buffer.store import Admission, PriorityError, ReplayStore, Taken
+from relay.buffer.validation import (
     GroupLimits,
     group_problem,
     sample_request_problem,
     version_problem,
 )
-from configs.run_schema import BufferConfig
-from transport.messages import (
+from relay.configs.run_schema import BufferConfig
+from relay.transport.messages import (
     Ack,
     Attach,
     AttachAck,
@@ -96,8 +96,8 @@ from transport.messages import (
     Shutdown,
     VersionUpdate,
 )
-from transport.roles import PeerRoles, Role
-from transport.sockets import Peer
+from relay.transport.roles import PeerRoles, Role
+from relay.transport.sockets import Peer
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class Hub:
     # -- the conversation ---------------------------------------------------------------
 
     def handle(self, msg: Message, peer: Peer | None = None) -> Message:
-        """Answer one request. ``peer`` is its sender (``transport.sockets.Peer``), who must
+        """Answer one request. ``peer`` is its sender (``relay.transport.sockets.Peer``), who must
         hold the role ``SENDERS`` names for it; None for a caller in this process (tests,
         tools), trusted with every role."""
         handler = self._handlers.get(type(msg))
@@ -448,7 +448,7 @@ class Hub:
     def _gate_stuck(self, wanted: int) -> str:
         """Why the learner's batch of ``wanted`` groups, which the store cannot fill, can
         never be formed, or "". With no prompt in flight only a lease can add groups, and a
-        healthy gate always admits the batch the learner asks for (``buffer.staleness``:
+        healthy gate always admits the batch the learner asks for (``relay.buffer.staleness``:
         the groups counted are at most those of the steps before it, plus fewer than a
         batch stored); a count that fills it was resumed under another batch size."""
         learner = self._learner_position()
@@ -465,7 +465,7 @@ class Hub:
                 "data.train_batch_size? Resume with that one")
 
     def _checkpoint(self, msg: BufferCheckpointRequest) -> Message:
-        """What a restarted buffer needs (``buffer.prompt_source``, resuming). The groups
+        """What a restarted buffer needs (``relay.buffer.prompt_source``, resuming). The groups
         stored and never trained on are discarded on resume (their prompts are pending), so
         they leave the count of accepted groups that the lease gate starts from."""
         self._sync_log(msg.step)
@@ -492,7 +492,7 @@ class Hub:
         return Ack()
 
     def stop(self, why: str) -> None:
-        """An orderly stop from outside the conversation (``buffer.main``: a signal from the
+        """An orderly stop from outside the conversation (``relay.buffer.main``: a signal from the
         launcher or the operator): the run is over, and each generator's next request is
         answered with ``Shutdown`` saying ``why``, as when the learner ends the run."""
         if not self.finished:

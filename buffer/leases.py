@@ -19,7 +19,7 @@ from collections.abc import Collection
 
 import msgspec
 
-from transport.messages import Prompt
+from relay.transport.messages import Prompt
 
 
 class Lease(msgspec.Struct, kw_only=True):

@@ -1,6 +1,6 @@
-"""The buffer process: ``python -m buffer.main --run-dir RUN_DIR`` (started by the launcher).
+"""The buffer process: ``python -m relay.buffer.main --run-dir RUN_DIR`` (started by the launcher).
 
-Serves the hub (``buffer.hub``) on the topology's buffer address, expires leases on a
+Serves the hub (``relay.buffer.hub``) on the topology's buffer address, expires leases on a
 timer, pushes its gauges to the launcher's status line, and exits once the learner has
 ended the run and the generators have been told (or after a grace period). On SIGTERM or
 SIGINT (the launcher stops every run this way: Ctrl-C, the learner done, the watchdog, an
@@ -10,18 +10,18 @@ generator attached by hand leaves within seconds instead of retrying a vanished 
 ``buffer.client_patience_s``. When a replay filter cannot go on (``Hub.failure``) it tells
 the generators the same way and exits 1, naming the cause: the launcher then ends the run
 as failed. The hub checks rollout groups against the run's limits
-(``buffer.validation``): the model's vocabulary (``buffer.vocab_size``, or ``model.path``'s
+(``relay.buffer.validation``): the model's vocabulary (``buffer.vocab_size``, or ``model.path``'s
 ``config.json``), ``rollout.response_length``, ``rollout.n``; the socket refuses frames over
 ``buffer.max_message_bytes`` and hands the hub each request's sender, whose role it checks.
 Memory: the socket queues at most ``REQUEST_HWM`` requests per connection, decoded by
 ``request_decoder`` (the hub's requests only, at most one group's tensors, none in an
 ``Any`` field), so that what peers' frames hold in the buffer is about ``(REQUEST_HWM + 2)
 x buffer.max_message_bytes`` per connection for requests of one body frame (ZeroMQ bounds
-frames and queued messages, not the frames of one message: see ``transport.sockets``).
+frames and queued messages, not the frames of one message: see ``relay.transport.sockets``).
 
 Resuming (``trainer.resume_mode = "resume_path"``, which the launcher resolves ``auto`` and
 ``--resume`` into): the buffer restarts from the state the learner saved in the checkpoint
-(``buffer.prompt_source.BUFFER_CHECKPOINT_FILE``, asked of the buffer when the checkpoint
+(``relay.buffer.prompt_source.BUFFER_CHECKPOINT_FILE``, asked of the buffer when the checkpoint
 was written, after its step). The prompt stream continues from the saved loader position,
 and every prompt that had not been trained on by then (leased, in the return pool, or
 answered by a group still waiting in the store) is leased again first, in the order it was
@@ -32,7 +32,7 @@ always, by ``VersionUpdate`` (the learner publishes the checkpoint's weights whe
 resumes). The replay store starts empty: replay priorities, reuse counts and the replay
 filters' counters (DAPO's generation cap, PF-PPO's draws) start afresh.
 
-The checkpoint also holds the config it was written under (``buffer.fingerprint``). The
+The checkpoint also holds the config it was written under (``relay.buffer.fingerprint``). The
 launcher refuses a resume that changes it unless the user allowed the change by name; an
 allowed change is logged here and handled so that the run goes on: other training rows, seed
 or shuffle start their rows afresh at the next epoch, after the prompts not trained on; another
@@ -57,22 +57,22 @@ from typing import TYPE_CHECKING, Any, Union
 import msgspec
 import torch
 
-from buffer.dataset import PromptDataset, chat_token_counter, fit_prompts, load_prompt_rows
-from buffer.dynamic_sampling import DynamicSampling
-from buffer.fingerprint import BATCH_KEY, STREAM_KEYS, buffer_fingerprint, changes
-from buffer.hub import SENDERS, Hub
-from buffer.pf_ppo import PolicyFiltration
-from buffer.prioritized import PrioritizedStore
-from buffer.registry import HEARTBEAT_EVERY_S
-from buffer.prompt_source import PromptSource, read_buffer_checkpoint
-from buffer.rollout_log import RolloutLogWriter
-from buffer.store import FifoStore, FilteredStore, GroupFilter, ReplayStore
-from buffer.validation import GroupLimits
-from configs.run_schema import RunConfig
-from configs.rundir import RunContext, configure_logging, load_run_dir
-from transport.codec import Decoder
-from transport.messages import BufferCheckpoint, Metrics, Sample
-from transport.sockets import Pusher, Server
+from relay.buffer.dataset import PromptDataset, chat_token_counter, fit_prompts, load_prompt_rows
+from relay.buffer.dynamic_sampling import DynamicSampling
+from relay.buffer.fingerprint import BATCH_KEY, STREAM_KEYS, buffer_fingerprint, changes
+from relay.buffer.hub import SENDERS, Hub
+from relay.buffer.pf_ppo import PolicyFiltration
+from relay.buffer.prioritized import PrioritizedStore
+from relay.buffer.registry import HEARTBEAT_EVERY_S
+from relay.buffer.prompt_source import PromptSource, read_buffer_checkpoint
+from relay.buffer.rollout_log import RolloutLogWriter
+from relay.buffer.store import FifoStore, FilteredStore, GroupFilter, ReplayStore
+from relay.buffer.validation import GroupLimits
+from relay.configs.run_schema import RunConfig
+from relay.configs.rundir import RunContext, configure_logging, load_run_dir
+from relay.transport.codec import Decoder
+from relay.transport.messages import BufferCheckpoint, Metrics, Sample
+from relay.transport.sockets import Pusher, Server
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -145,7 +145,7 @@ def training_prompts(run: RunConfig,
     ``data.max_prompt_length`` when ``data.filter_overlong_prompts`` (counted and logged), or
     refusing them when ``data.truncation = "error"``; lengths count the chat template's
     tokens with ``tokenizer``, by default ``model.path``'s, loaded only for these two
-    settings. The launcher counts an epoch with it too (``launcher.resolve.epoch_rows``)."""
+    settings. The launcher counts an epoch with it too (``relay.launcher.resolve.epoch_rows``)."""
     data = run.data
     rows = load_prompt_rows(data.train_files, prompt_key=data.prompt_key)
     if data.filter_overlong_prompts or data.truncation == "error":
@@ -210,7 +210,7 @@ def resumed_accepted(saved: BufferCheckpoint, batch_size: int) -> int:
 
 
 def request_decoder(run: RunConfig) -> Decoder[Any]:
-    """The buffer's decoder: only the requests the hub takes (``buffer.hub.SENDERS``; any
+    """The buffer's decoder: only the requests the hub takes (``relay.buffer.hub.SENDERS``; any
     other message is a ``schema`` error), tensors only in their tensor fields (one in an
     ``Any`` field, such as a group's ``metadata``, is a ``tensor`` error and never built) and
     at most those of one sound group, ``TENSORS_PER_SAMPLE`` x ``rollout.n``: what a message
@@ -266,7 +266,7 @@ def serve(ctx: RunContext, hub: Hub, stop: threading.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m buffer.main")
+    parser = argparse.ArgumentParser(prog="python -m relay.buffer.main")
     parser.add_argument("--run-dir", required=True, help="run directory written by the launcher")
     args = parser.parse_args(argv)
     configure_logging()

@@ -24,8 +24,8 @@ import random
 from collections.abc import Sequence
 import msgspec
 
-from configs.run_schema import PfPpoMode as Mode
-from transport.messages import RolloutGroup
+from relay.configs.run_schema import PfPpoMode as Mode
+from relay.transport.messages import RolloutGroup
 
 
 def _best(rewards: Sequence[float]) -> int:

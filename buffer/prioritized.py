@@ -58,10 +58,10 @@ from typing import get_args
 import msgspec
 import torch
 
-from buffer.staleness import staleness
-from buffer.store import Admission, PriorityError, Taken, keep_all
-from configs.run_schema import ReplayConfig, ReplayPriority
-from transport.messages import RolloutGroup
+from relay.buffer.staleness import staleness
+from relay.buffer.store import Admission, PriorityError, Taken, keep_all
+from relay.configs.run_schema import ReplayConfig, ReplayPriority
+from relay.transport.messages import RolloutGroup
 
 PRIORITIES: tuple[str, ...] = tuple(p for p in get_args(ReplayPriority) if p != "fifo")
 

@@ -17,7 +17,7 @@ plus every pending prompt in the order first handed out; ``restore`` puts those 
 the return pool, so a restored source hands them out again, in that order, before new rows.
 Deferred prompts are pending too, and the state does not tell them apart: a restored
 source hands them out first. The buffer's whole checkpoint (``BufferCheckpoint``: this state
-and the hub's count of groups trained) is one ``transport.records`` record in the learner's
+and the hub's count of groups trained) is one ``relay.transport.records`` record in the learner's
 checkpoint folder, ``BUFFER_CHECKPOINT_FILE``, written by the learner
 (``write_buffer_checkpoint``) and read by a restarted buffer (``read_buffer_checkpoint``).
 """
@@ -33,10 +33,10 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from buffer.dataset import PromptDataset, PromptRow
-from transport.codec import Decoder, WireError, encode
-from transport.messages import BufferCheckpoint, Prompt, PromptSourceState
-from transport.records import RecordError, pack, unpack
+from relay.buffer.dataset import PromptDataset, PromptRow
+from relay.transport.codec import Decoder, WireError, encode
+from relay.transport.messages import BufferCheckpoint, Prompt, PromptSourceState
+from relay.transport.records import RecordError, pack, unpack
 
 # torchdata 0.11 calls a deprecated torch hook on every new iterator; the warning is noise.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
@@ -136,7 +136,7 @@ class PromptSource:
         """Continue from ``state``: its pending prompts first, then the loader's rows from
         where it stood, on a source built from the same dataset, shuffle and seed; a
         position these rows do not have is a ``PromptStreamError``. ``same_rows=False``
-        (the rows, their seed or their shuffle changed since: ``buffer.fingerprint``): the
+        (the rows, their seed or their shuffle changed since: ``relay.buffer.fingerprint``): the
         rows start afresh at the next epoch instead, so that no prompt id names two
         prompts."""
         self.epoch = state.epoch if same_rows else state.epoch + 1

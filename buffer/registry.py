@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import msgspec
 
-from transport.messages import Attach, Heartbeat
+from relay.transport.messages import Attach, Heartbeat
 
 HEARTBEAT_EVERY_S = 1.0
-"""How often a generator heartbeats (``generators.process``): the buffer's stop drains for
+"""How often a generator heartbeats (``relay.generators.process``): the buffer's stop drains for
 two of these, so that every attached generator asks once more and hears the run is over."""
 
 

@@ -2,7 +2,7 @@
 was served, on disk, for offline replay (``tools/replay-rollouts.py``).
 
 A log is a folder. Groups go to segment files ``segment-000000.rlog``,
-``segment-000001.rlog``, ...: ``transport.records`` records back to back, one per
+``segment-000001.rlog``, ...: ``relay.transport.records`` records back to back, one per
 ``RolloutGroup``, encoded with the wire codec (msgspec + raw tensor frames), so a reader
 needs nothing but Relay. A segment is closed and a new one begun past ``segment_bytes``, and
 every writer (a restarted buffer) begins a new one. What each learner step consumed goes to
@@ -47,9 +47,9 @@ from typing import BinaryIO
 
 import msgspec
 
-from transport.codec import Decoder, WireError, encode
-from transport.messages import RolloutGroup
-from transport.records import RecordError, pack, unpack_from
+from relay.transport.codec import Decoder, WireError, encode
+from relay.transport.messages import RolloutGroup
+from relay.transport.records import RecordError, pack, unpack_from
 
 logger = logging.getLogger(__name__)
 

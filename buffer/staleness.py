@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import msgspec
 
-from transport.messages import RolloutGroup
+from relay.transport.messages import RolloutGroup
 
 
 class LearnerPosition(msgspec.Struct, frozen=True):

@@ -3,10 +3,10 @@
 ``ReplayStore`` is the seam that replay policies plug into: ``add`` says whether a group was
 kept (``Admission``), and a store drops groups that became too stale to train on, and says
 how many. ``FifoStore`` serves groups in arrival order, each once;
-``buffer.prioritized.PrioritizedStore`` draws them by priority, possibly more than once,
+``relay.buffer.prioritized.PrioritizedStore`` draws them by priority, possibly more than once,
 with importance weights, and evicts by age the groups its draws passed over.
 ``FilteredStore`` puts group filters in front of another store: DAPO dynamic sampling
-(``buffer.dynamic_sampling``) drops whole groups, PF-PPO (``buffer.pf_ppo``) keeps some
+(``relay.buffer.dynamic_sampling``) drops whole groups, PF-PPO (``relay.buffer.pf_ppo``) keeps some
 samples of each.
 """
 
@@ -18,8 +18,8 @@ from typing import Literal, Protocol
 
 import msgspec
 
-from buffer.staleness import staleness
-from transport.messages import RolloutGroup
+from relay.buffer.staleness import staleness
+from relay.transport.messages import RolloutGroup
 
 DropReason = Literal["zero_variance"]
 """Why a group filter dropped a whole group (a ``RolloutVerdict`` of the wire)."""

@@ -22,13 +22,13 @@ import math
 import msgspec
 import torch
 
-from buffer.staleness import oldest_version
-from transport.messages import RolloutGroup, Sample, SampleRequest, VersionUpdate
+from relay.buffer.staleness import oldest_version
+from relay.transport.messages import RolloutGroup, Sample, SampleRequest, VersionUpdate
 
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "prompt_ids": torch.int32, "response_ids": torch.int32,
     "logprobs": torch.float32, "versions": torch.int32}
-"""The dtype of each tensor of a ``Sample`` (``transport.messages.Sample``)."""
+"""The dtype of each tensor of a ``Sample`` (``relay.transport.messages.Sample``)."""
 TOKEN_FIELDS = ("prompt_ids", "response_ids")
 FLOAT32_MAX = torch.finfo(torch.float32).max  # |reward| above it is inf in the learner
 LOGPROB_SLACK = 1e-4  # log-probs a little above 0 are rounding, not a bug

@@ -15,10 +15,10 @@ loopback) and ``arithmetic-grpo.toml`` (GRPO on the bundled arithmetic task).
 
 from pathlib import Path
 
-from configs.checks import load_run_config, load_topology
-from configs.loader import ConfigError
-from configs.run_schema import RunConfig
-from configs.topology_schema import Topology
+from relay.configs.checks import load_run_config, load_topology
+from relay.configs.loader import ConfigError
+from relay.configs.run_schema import RunConfig
+from relay.configs.topology_schema import Topology
 
 CONFIG_DIR = Path(__file__).resolve().parent
 DEFAULT_TOPOLOGY = CONFIG_DIR / "topology.toml"

@@ -16,19 +16,19 @@ from pathlib import Path
 import msgspec
 import pyarrow.parquet as pq
 
-from configs.gpu_placement import check_process_gpus
-from configs.loader import ConfigError, load
-from configs.run_schema import BUILTIN_MODEL_PREFIX, VERL_ALIASES, RunConfig
-from configs.topology_schema import Topology
-from configs.verl_keys import Placement, VerlKeys, apply_placement
-from transport.endpoints import is_loopback
+from relay.configs.gpu_placement import check_process_gpus
+from relay.configs.loader import ConfigError, load
+from relay.configs.run_schema import BUILTIN_MODEL_PREFIX, VERL_ALIASES, RunConfig
+from relay.configs.topology_schema import Topology
+from relay.configs.verl_keys import Placement, VerlKeys, apply_placement
+from relay.transport.endpoints import is_loopback
 
 BUILTIN_MODELS = ("tiny-arith",)
 DEFAULT_TRAINING_STEPS = 100  # neither trainer.total_training_steps nor total_epochs set
 EpochRows = Callable[[RunConfig], int]
 """The training rows an epoch passes over once ``data.filter_overlong_prompts`` dropped the
 long ones: their count needs the model's tokenizer, which this package does not load (the
-launcher's ``launcher.resolve.epoch_rows`` does). A ``ValueError`` it raises (rows that do
+launcher's ``relay.launcher.resolve.epoch_rows`` does). A ``ValueError`` it raises (rows that do
 not load, or that ``data.truncation = "error"`` refuses) is reported against
 ``data.train_files``."""
 # Advantage estimators whose baseline comes from the other samples of the same prompt.
@@ -97,7 +97,7 @@ def load_run_config(path: str | Path, overrides: Iterable[str] = (),
 
     ``trainer.total_epochs`` on the command line (without ``trainer.total_training_steps``)
     sets the length even where the file sets ``trainer.total_training_steps``.
-    verl's keys are accepted as ``configs.verl_keys`` says; its placement keys
+    verl's keys are accepted as ``relay.configs.verl_keys`` says; its placement keys
     (``trainer.n_gpus_per_node``...) are appended to ``placement`` for the caller to apply to
     the topology (``verl_keys.apply_placement``), or refused when it is None. ``notes``
     receives one line per verl key translated or without effect. ``epoch_rows`` counts an
@@ -235,7 +235,7 @@ def training_steps(run: RunConfig, source: str, epoch_rows: EpochRows | None = N
 
 def count_rows(path: Path) -> int:
     """Rows in a prompt file: a parquet file's row count, a JSONL file's non-blank lines
-    (``buffer.dataset`` validates them when the buffer loads them)."""
+    (``relay.buffer.dataset`` validates them when the buffer loads them)."""
     if path.suffix == ".parquet":
         return pq.read_metadata(path).num_rows
     with path.open(encoding="utf-8") as lines:
@@ -256,7 +256,7 @@ def check_timeouts(run: RunConfig, source: str) -> None:
 def check_resume(run: RunConfig, source: str) -> None:
     """``trainer.resume_from_path`` goes with ``trainer.resume_mode = "resume_path"`` and
     only with it. Whether the folder holds a complete checkpoint is checked at launch
-    (``launcher.resolve``): a running job may prune it later."""
+    (``relay.launcher.resolve``): a running job may prune it later."""
     trainer = run.trainer
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         raise ConfigError(source, "trainer.resume_from_path",

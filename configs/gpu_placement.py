@@ -1,7 +1,7 @@
 """Which process of a topology owns which GPU of its host (the topology's ``gpus`` lists).
 
 A process with ``gpus`` is started with ``CUDA_VISIBLE_DEVICES`` set to them
-(``launcher.plan``) and sees them as ``cuda:0..k-1``, so its ``device`` is plain ``"cuda"``.
+(``relay.launcher.plan``) and sees them as ``cuda:0..k-1``, so its ``device`` is plain ``"cuda"``.
 The invariant checked here: on one host, no GPU is listed by two processes. Accounting is per
 host and all or nothing: where one process lists its GPUs, every process there on CUDA must
 (one without a list would take ``cuda:0..`` of the whole machine, unaccounted). A topology
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import msgspec
 
-from configs.loader import ConfigError
-from configs.topology_schema import EvaluatorPlacement, GeneratorPlacement, Topology
-from transport.endpoints import is_loopback
+from relay.configs.loader import ConfigError
+from relay.configs.topology_schema import EvaluatorPlacement, GeneratorPlacement, Topology
+from relay.transport.endpoints import is_loopback
 
 OWN_PARALLEL_ENGINES = ("vllm", "sglang")  # spread over tensor_model_parallel_size GPUs
 THIS_MACHINE = "this machine"  # how a loopback host is named in messages
@@ -123,7 +123,7 @@ def _engine_placements(topology: Topology) -> list[tuple[str, EnginePlacement]]:
 
 def topology_claims(topology: Topology, evaluates: bool) -> list[GpuClaim]:
     """The GPUs each process the launcher starts takes (the evaluator only when the run
-    ``evaluates``), named as ``launcher.plan`` names the processes."""
+    ``evaluates``), named as ``relay.launcher.plan`` names the processes."""
     learner = topology.learner
     several = len(learner.hosts) > 1
     claims = [GpuClaim(process=f"learner@{host}" if several else "learner", key="learner.gpus",

@@ -8,25 +8,30 @@ directory.
 
 A schema may accept another project's name for a section (an alias, e.g. verl's
 ``algorithm.filter_groups`` for ``buffer.filter_groups``), in the file and on the command
-line, and another project's keys that it lacks (``ForeignKeys``, e.g. ``configs.verl_keys``):
+line, and another project's keys that it lacks (``ForeignKeys``, e.g. ``relay.configs.verl_keys``):
 each such key, in the file or on the command line, is translated into the keys it stands for,
 dropped, or refused by the translator; one of its keys that the schema has, given ``null`` on
 the command line, takes the schema's default. Hydra's ``+key=value`` and ``++key=value`` read
 as ``key=value``. This module knows TOML and the schemas' shapes; it does not know what the keys
-mean beyond the few cross-key checks in ``configs.checks``.
+mean beyond the few cross-key checks in ``relay.configs.checks``.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import msgspec
-import tomllib
 from msgspec import inspect as mi
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, as a package (a dependency there)
+    import tomli as tomllib
 
 T = TypeVar("T", bound=msgspec.Struct)
 KeyPath = tuple[str, ...]

@@ -2,15 +2,15 @@
 
 Section and key names follow verl's (``data.train_batch_size``, ``actor.clip_ratio_high``,
 ``algorithm.adv_estimator``...) so that its users feel at home; Relay-only keys are marked.
-Every struct forbids unknown keys; ``configs.loader`` turns decoding failures into errors that
+Every struct forbids unknown keys; ``relay.configs.loader`` turns decoding failures into errors that
 name the file and the key. Paths are resolved against the config file's folder by the loader.
 
 A section that configures one piece of ``algorithms`` is defined beside that code and
 composed here, so each knob is defined once: ``actor.policy_loss``
-(``algorithms.policy_loss.PolicyLossConfig``), ``algorithm.kl_ctrl``
-(``algorithms.kl.KLControlConfig``), ``algorithm.rollout_correction``
-(``algorithms.off_policy.RolloutCorrectionConfig``) and ``custom_reward_function``
-(``algorithms.rewards.config.RewardConfig``).
+(``relay.algorithms.policy_loss.PolicyLossConfig``), ``algorithm.kl_ctrl``
+(``relay.algorithms.kl.KLControlConfig``), ``algorithm.rollout_correction``
+(``relay.algorithms.off_policy.RolloutCorrectionConfig``) and ``custom_reward_function``
+(``relay.algorithms.rewards.config.RewardConfig``).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from algorithms.advantages import AdvEstimator
-from algorithms.aggregation import LossAggMode
-from algorithms.kl import KLControlConfig, KLType
-from algorithms.off_policy import RolloutCorrectionConfig
-from algorithms.policy_loss import PolicyLossConfig
-from algorithms.rewards.config import RewardConfig
+from relay.algorithms.advantages import AdvEstimator
+from relay.algorithms.aggregation import LossAggMode
+from relay.algorithms.kl import KLControlConfig, KLType
+from relay.algorithms.off_policy import RolloutCorrectionConfig
+from relay.algorithms.policy_loss import PolicyLossConfig
+from relay.algorithms.rewards.config import RewardConfig
 
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -34,11 +34,11 @@ Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
 FsdpSize = Annotated[int, msgspec.Meta(ge=-1)]
 """verl's ``fsdp_size``: -1 shards a model over every learner rank; k, a divisor of the W
 ranks, shards it within groups of k and replicates it across the W / k groups (HSDP,
-``learner.model.sharding_mesh``; the learner refuses any other value naming the key)."""
+``relay.learner.model.sharding_mesh``; the learner refuses any other value naming the key)."""
 
 # verl's names for sections that live elsewhere here, accepted in files and overrides. PF-PPO
 # has none: verl's algorithm.pf_ppo reweights batch-wide, buffer.pf_ppo filters per group.
-# verl's other keys, and what Relay does with each: configs.verl_keys.
+# verl's other keys, and what Relay does with each: relay.configs.verl_keys.
 VERL_ALIASES = {("algorithm", "filter_groups"): ("buffer", "filter_groups"),
                 ("actor_rollout_ref", "actor"): ("actor",),
                 ("actor_rollout_ref", "rollout"): ("rollout",),
@@ -47,7 +47,7 @@ VERL_ALIASES = {("algorithm", "filter_groups"): ("buffer", "filter_groups"),
 PfPpoMode = Literal["best", "best_random", "best_worst"]  # buffer.pf_ppo
 ReplayPriority = Literal["fifo", "uniform", "advantage", "pass_rate", "td_error"]  # buffer.*
 # trainer.resume_allow_changes: the keys whose values the buffer's saved state holds under
-# (buffer.fingerprint), in the order a refused resume names them
+# (relay.buffer.fingerprint), in the order a refused resume names them
 FingerprintKey = Literal["data.train_files", "data.seed", "data.shuffle",
                          "data.train_batch_size", "rollout.n", "model.path"]
 BUILTIN_MODEL_PREFIX = "builtin:"  # model.path = "builtin:tiny-arith": built and cached on demand
@@ -62,11 +62,11 @@ class DataConfig(_Section):
 
     ``train_batch_size`` counts prompts per learner step; each prompt yields ``rollout.n``
     samples (verl's meaning). ``prompt_key`` names the column that holds each row's chat
-    messages (``buffer.dataset``). A prompt longer than ``max_prompt_length`` tokens (after
+    messages (``relay.buffer.dataset``). A prompt longer than ``max_prompt_length`` tokens (after
     the chat template) is, by ``truncation``: ``error``, refused when the buffer loads the
     data, naming the row; ``left``, cut to its last ``max_prompt_length`` tokens (Relay's
     default; verl's is ``error``); ``right``, cut to its first; ``middle``, to its first and
-    last halves (``buffer.dataset.truncate_prompt``). ``filter_overlong_prompts``
+    last halves (``relay.buffer.dataset.truncate_prompt``). ``filter_overlong_prompts``
     drops such rows from the training data when the buffer loads it, and logs how many.
     ``shuffle``: a new permutation of the rows each epoch, seeded by ``seed``.
     """
@@ -117,7 +117,7 @@ class ValKwargs(_Section):
 class RolloutConfig(_Section):
     """Sampling on the generators: tokens are drawn from the processed distribution
     (temperature, then top-k, then top-p), and their behavior log-probs are the
-    temperature-only ones the learner recomputes (``generators.sampling``)."""
+    temperature-only ones the learner recomputes (``relay.generators.sampling``)."""
 
     n: Positive = 8
     temperature: PositiveFloat = 1.0
@@ -167,21 +167,21 @@ class ActorConfig(_Section):
     """The policy update (verl's ``actor_rollout_ref.actor``).
 
     ``clip_ratio_low`` / ``clip_ratio_high`` / ``clip_ratio_c`` clip the ratio of every
-    ``policy_loss.loss_mode`` that clips (``algorithms.policy_loss``). ``loss_agg_mode``
+    ``policy_loss.loss_mode`` that clips (``relay.algorithms.policy_loss``). ``loss_agg_mode``
     aggregates the policy loss, except for the per-sequence objectives gspo, sapo and
     geo_mean, which are always aggregated per sequence as verl does (the learner logs it),
     and the entropy and KL-loss terms. ``ppo_mini_batch_size`` counts prompts per optimizer
     step; ``ppo_micro_batch_size_per_gpu`` counts sequences per forward/backward, or with
     ``use_dynamic_bsz`` each pass holds rows of like length up to
-    ``ppo_max_token_len_per_gpu`` padded tokens (``learner.micro_batches``).
+    ``ppo_max_token_len_per_gpu`` padded tokens (``relay.learner.micro_batches``).
     ``skip_zero_advantage`` (Relay) skips the forward and backward passes of rows whose
     advantages are all zero (a GRPO group whose samples all scored the same) when their
     loss and gradient are exactly zero: a loss mode in
-    ``algorithms.policy_loss.ADVANTAGE_PROPORTIONAL``, no entropy bonus, no KL loss. The
+    ``relay.algorithms.policy_loss.ADVANTAGE_PROPORTIONAL``, no entropy bonus, no KL loss. The
     loss keeps its denominators, so the update is the same; the actor's diagnostics then
     describe the rows trained on.
     ``share_prompts`` (Relay) runs the samples of a prompt group as one sequence, the prompt
-    computed once and each response attending to it (``learner.shared_prompts``; the same
+    computed once and each response attending to it (``relay.learner.shared_prompts``; the same
     log-probs and gradients for fewer tokens) in the Llama, Qwen2, Qwen3 and Mistral
     families without sliding windows; other models run rows. With it, passes hold whole
     groups and ``ppo_max_token_len_per_gpu`` counts packed tokens.
@@ -191,7 +191,7 @@ class ActorConfig(_Section):
     (A-3PO) and skips it, unless the batch needs them before the first update anyway (KL in
     the reward, rejection by ``algorithm.rollout_correction``), when they are recomputed.
     ``ulysses_sequence_parallel_size`` (verl's key) is the number of learner ranks that
-    split the tokens of each pass (Ulysses sequence parallelism, ``learner.ulysses``): it
+    split the tokens of each pass (Ulysses sequence parallelism, ``relay.learner.ulysses``): it
     must divide the learner's ranks and the model's attention heads, and it applies to every
     model the learner runs (the policy, the reference, the critic and the PRM). Under it
     passes run rows packed without padding (``share_prompts`` is not applied).
@@ -235,7 +235,7 @@ class RefConfig(_Section):
     ``algorithm.use_kl_in_reward``) or PRIME's PRM shares it. Its passes run once per step
     over the whole batch, without gradients, so they may be cut larger than the actor's:
     ``log_prob_micro_batch_size_per_gpu`` rows a pass, or with ``log_prob_use_dynamic_bsz``
-    up to ``log_prob_max_token_len_per_gpu`` padded tokens a pass (``learner.micro_batches``).
+    up to ``log_prob_max_token_len_per_gpu`` padded tokens a pass (``relay.learner.micro_batches``).
     Every key left unset (None) takes the actor's value, as verl's interpolations do
     (``ppo_micro_batch_size_per_gpu``, ``use_dynamic_bsz``, ``ppo_max_token_len_per_gpu``,
     ``fsdp_config.param_offload``, ``fsdp_config.fsdp_size``).
@@ -332,7 +332,7 @@ class PrmModelConfig(_Section):
 class OverlongBufferConfig(_Section):
     """DAPO's soft overlong punishment (verl's ``reward_model.overlong_buffer``): a response
     longer than ``rollout.response_length - len`` tokens loses up to ``penalty_factor``
-    reward, linearly over the last ``len`` tokens (``algorithms.reward_shaping``). Applied by
+    reward, linearly over the last ``len`` tokens (``relay.algorithms.reward_shaping``). Applied by
     the generators, so the buffer's filters and the learner see the shaped reward; each
     sample's ``reward_info["overlong_reward"]`` holds its penalty."""
 
@@ -346,7 +346,7 @@ class RewardModelConfig(_Section):
     ``reward_model``), used when ``algorithm.adv_estimator = "prime"``: a causal LM trained
     each step on the batch's outcome rewards (labels in [0, 1]) with the cross-entropy of
     ``beta_train * sum_t log(pi_phi / pi_ref)``, before (``update = "before"``) or after it
-    scores the batch; ``learner.implicit_prm``. ``overlong_buffer``: DAPO's length penalty
+    scores the batch; ``relay.learner.implicit_prm``. ``overlong_buffer``: DAPO's length penalty
     on every reward.
     """
 
@@ -370,7 +370,7 @@ class FilterGroupsConfig(_Section):
 
 
 class PfPpoConfig(_Section):
-    """PF-PPO policy filtration per prompt group (Shen et al. 2025; ``buffer.pf_ppo``).
+    """PF-PPO policy filtration per prompt group (Shen et al. 2025; ``relay.buffer.pf_ppo``).
 
     ``mode`` says which samples of each group are kept, ranked by reward: ``best`` (best of
     n), ``best_random`` (the best and one other drawn at random, seeded by ``seed`` and the
@@ -383,7 +383,7 @@ class PfPpoConfig(_Section):
 
 
 class ReplayConfig(_Section):
-    """How the buffer serves stored groups to the learner (*Relay*; ``buffer.prioritized``).
+    """How the buffer serves stored groups to the learner (*Relay*; ``relay.buffer.prioritized``).
 
     ``priority = "fifo"`` (the default) serves groups in arrival order, each once. Any
     other value draws groups by priority ``p`` with probability proportional to
@@ -393,7 +393,7 @@ class ReplayConfig(_Section):
     needs ``algorithm.adv_estimator = "gae"``), weights each group's loss by the
     importance weight ``(N P)^-beta``, over the largest among the batch's groups with
     priority > 0 and at most 1, with beta annealed linearly from ``beta`` at the start to
-    ``beta_final`` at the last step (``buffer.prioritized``; 1 undoes the draws' bias fully,
+    ``beta_final`` at the last step (``relay.buffer.prioritized``; 1 undoes the draws' bias fully,
     as Schaul et al. 2016 end; set both equal for a constant beta), trains on a group at
     most ``max_reuse`` times and evicts it once its staleness exceeds ``max_age`` versions
     (-1: ``buffer.max_staleness``; never more).
@@ -413,7 +413,7 @@ class ReplayConfig(_Section):
 class BufferConfig(_Section):
     """The hub's policies. ``max_staleness`` is eta: samples more than eta versions behind the
     learner are never leased for nor trained on; eta = 0 is synchronous on-policy training.
-    ``filter_groups`` and ``pf_ppo`` are the replay filters (``buffer.store.FilteredStore``):
+    ``filter_groups`` and ``pf_ppo`` are the replay filters (``relay.buffer.store.FilteredStore``):
     dynamic sampling judges each whole group first, then PF-PPO picks the samples of those
     kept; ``replay`` says how the kept groups are served. The rollout log gets every sound
     group whole, before the filters.
@@ -426,11 +426,11 @@ class BufferConfig(_Section):
     frame is one tensor of a response or the group's texts and small tensors.
 
     ``client_patience_s`` (Relay): how long the generators and the learner keep asking a
-    buffer that does not answer (a stall) before they give up (``transport.retry``).
+    buffer that does not answer (a stall) before they give up (``relay.transport.retry``).
 
     ``rollout_log_max_gb`` (Relay): at each checkpoint, while the rollout log's segments
     hold more than this many GB (1e9 bytes), the oldest that no kept checkpoint's replay can
-    read are deleted (``buffer.rollout_log``: older than the oldest kept checkpoint by more
+    read are deleted (``relay.buffer.rollout_log``: older than the oldest kept checkpoint by more
     than ``max_staleness`` versions); what is still over is logged once. 0: no cap. A replay
     from the start of the run (no checkpoint) then lacks the deleted groups.
 
@@ -442,7 +442,7 @@ class BufferConfig(_Section):
     ``weights_timeout_s`` (Relay): how long a generator holds a lease whose weights
     (``min_version``) have not arrived before it returns the prompts; 0: ``lease_timeout_s``.
     It may not exceed ``lease_timeout_s``: an idle generator's lease is renewed only while
-    the learner has not published the version it waits for (``buffer.leases``), so past
+    the learner has not published the version it waits for (``relay.buffer.leases``), so past
     ``lease_timeout_s`` the buffer has already expired and re-leased it."""
 
     max_staleness: NonNegative = 1
@@ -466,7 +466,7 @@ class TrainerConfig(_Section):
     Length, as in verl: ``total_training_steps`` learner steps when set, else
     ``total_epochs`` passes over the training rows (``total_epochs x (rows //
     data.train_batch_size)`` steps, the rows ``data.filter_overlong_prompts`` keeps, as verl
-    counts them), else 100 steps. ``configs.checks`` resolves it, so a loaded config always
+    counts them), else 100 steps. ``relay.configs.checks`` resolves it, so a loaded config always
     has ``total_training_steps``.
 
     ``resume_mode`` (verl's): ``auto`` continues from the newest complete checkpoint in the
@@ -476,10 +476,10 @@ class TrainerConfig(_Section):
     anything starts, so the run directory's ``run.toml`` says ``resume_path`` (with the
     folder) or ``disable``; ``tools/launch-cluster.py --resume RUN_DIR`` is ``auto`` on a
     run directory. A resumed run continues at the checkpoint's step + 1 with its weight
-    version (``learner.checkpoint``).
+    version (``relay.learner.checkpoint``).
 
     ``resume_allow_changes`` (Relay): the buffer's saved state means something only under
-    the config that wrote it (``buffer.fingerprint``: the training rows, ``data.seed``,
+    the config that wrote it (``relay.buffer.fingerprint``: the training rows, ``data.seed``,
     ``data.shuffle``, ``data.train_batch_size``, ``rollout.n``, ``model.path``), so the
     launcher refuses a resume that changes one of them, naming it, unless it is listed
     here: ``trainer.resume_allow_changes=data.train_batch_size``, or a TOML list for
@@ -494,7 +494,7 @@ class TrainerConfig(_Section):
     val_before_train: bool = True
     log_val_generations: NonNegative = 0  # held-out responses logged per evaluation (a table)
     # every held-out response of an evaluation as <dir>/<step>.jsonl, written on the
-    # evaluator's host (verl's dump; generators.evaluate.write_generations); "": none
+    # evaluator's host (verl's dump; relay.generators.evaluate.write_generations); "": none
     validation_data_dir: str = ""
     critic_warmup: NonNegative = 0  # steps that train only the critic (adv_estimator = gae)
     # Relay: published versions that may wait for a busy evaluator, each a CPU copy of the
@@ -503,7 +503,7 @@ class TrainerConfig(_Section):
     seed: int = 0
     run_dir: str = "runs"  # Relay: each run writes to run_dir/<experiment>-<time>/
     # Relay: the launcher ends a run that makes no learner step for this long, naming the
-    # stage that holds it up (launcher.watchdog); 0: never
+    # stage that holds it up (relay.launcher.watchdog); 0: never
     progress_timeout_s: NonNegativeFloat = 3600.0
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: str = ""  # the checkpoint folder of resume_mode = "resume_path"
@@ -521,7 +521,7 @@ TrackerName = Literal["console", "mlflow", "wandb", "tensorboard", "swanlab"]
 
 
 class TrackingConfig(_Section):
-    """Where the learner's metrics go (``learner.tracking``).
+    """Where the learner's metrics go (``relay.learner.tracking``).
 
     MLflow always: resuming and the offline replay find the run in it. An empty ``uri``
     means a local store under the run directory; ``experiment`` and ``run_name`` (empty:

@@ -8,11 +8,11 @@ configs in one place. This module reads files; it parses no command line and sta
 nothing.
 
 Addresses: with CURVE, ``tcp://host:port`` from the topology. Without CURVE every process
-is on this machine (``configs.checks``), and a loopback port would let any local user act
+is on this machine (``relay.configs.checks``), and a loopback port would let any local user act
 as the learner, or read every pending prompt with its ground truth; so each address is an
 ``ipc://`` file in the run's sockets folder (``Topology.security.sockets_dir``, by default
 ``RUN_DIR/sockets``), which the launcher makes 0700 and this user's before any process
-starts (``launcher.plan``): only this user's processes can connect to, or bind, those files.
+starts (``relay.launcher.plan``): only this user's processes can connect to, or bind, those files.
 
 Keys folder layout (``tools/make-curve-keys.py`` writes it): ``server.key`` /
 ``server.key_secret`` for every binding process, ``client.key`` / ``client.key_secret`` for
@@ -27,12 +27,12 @@ from pathlib import Path
 
 import msgspec
 
-from configs.checks import load_run_config, load_topology
-from configs.loader import ConfigError
-from configs.run_schema import RunConfig
-from configs.topology_schema import Topology
-from transport.endpoints import ipc_endpoint, is_loopback, tcp_endpoint
-from transport.security import ClientKeys, ServerKeys, load_keypair, load_public_key
+from relay.configs.checks import load_run_config, load_topology
+from relay.configs.loader import ConfigError
+from relay.configs.run_schema import RunConfig
+from relay.configs.topology_schema import Topology
+from relay.transport.endpoints import ipc_endpoint, is_loopback, tcp_endpoint
+from relay.transport.security import ClientKeys, ServerKeys, load_keypair, load_public_key
 
 RESOLVED_TOPOLOGY = "topology.toml"  # file names inside a run directory
 RESOLVED_RUN = "run.toml"
@@ -120,7 +120,7 @@ def uses_ipc(topology: Topology) -> bool:
 
 def sockets_dir(topology: Topology, run_dir: Path) -> Path | None:
     """The folder of the ipc sockets of a run that ``uses_ipc`` (else None):
-    ``security.sockets_dir`` (absolute once loaded: ``configs.checks`` resolves it against
+    ``security.sockets_dir`` (absolute once loaded: ``relay.configs.checks`` resolves it against
     the topology file), by default ``run_dir/sockets``."""
     if not uses_ipc(topology):
         return None

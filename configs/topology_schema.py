@@ -1,7 +1,7 @@
 """Typed schema of ``topology.toml``: where Relay's processes run and how they reach each other.
 
-A topology says nothing about *what* is trained (that is the run config, ``configs.run_schema``).
-Every struct forbids unknown keys; ``configs.loader`` turns decoding failures into errors that
+A topology says nothing about *what* is trained (that is the run config, ``relay.configs.run_schema``).
+Every struct forbids unknown keys; ``relay.configs.loader`` turns decoding failures into errors that
 name the file and the key.
 """
 
@@ -55,7 +55,7 @@ class LearnerPlacement(_Section):
 
 
 EngineName = Literal["lean", "torch", "hf", "vllm", "sglang"]
-"""The inference engines (``generators.build``): Relay's own (lean, torch, hf), vLLM and
+"""The inference engines (``relay.generators.build``): Relay's own (lean, torch, hf), vLLM and
 SGLang."""
 
 
@@ -73,7 +73,7 @@ class EngineOptions(_Section):
 
 
 class VLLMOptions(EngineOptions):
-    """Engine options of a generator whose engine is ``vllm`` (``generators.vllm_engine``),
+    """Engine options of a generator whose engine is ``vllm`` (``relay.generators.vllm_engine``),
     under verl's names (``actor_rollout_ref.rollout.*``). The batch (``max_num_seqs``) is
     the run's ``rollout.max_num_seqs``; the context length defaults to the run's
     ``data.max_prompt_length + rollout.response_length``.
@@ -86,7 +86,7 @@ class VLLMOptions(EngineOptions):
 
 
 class SGLangOptions(EngineOptions):
-    """Engine options of a generator whose engine is ``sglang`` (``generators.sglang_engine``),
+    """Engine options of a generator whose engine is ``sglang`` (``relay.generators.sglang_engine``),
     under verl's names (``actor_rollout_ref.rollout.*``), each turned into SGLang's server
     argument: ``gpu_memory_utilization`` is ``mem_fraction_static``,
     ``tensor_model_parallel_size`` is ``tp_size``, ``enforce_eager`` is
@@ -102,11 +102,11 @@ class SGLangOptions(EngineOptions):
 
 
 class LeanOptions(_Section):
-    """Engine options of a generator whose engine is ``lean`` (``generators.lean_engine``),
+    """Engine options of a generator whose engine is ``lean`` (``relay.generators.lean_engine``),
     under verl's names: on a GPU its KV cache takes what ``gpu_memory_utilization`` of the
     memory free at start leaves after the weights, the next version's copy of them and a
     step's workspace (every sequence at full length when that fits, else a paged pool:
-    ``generators.kv_cache``); on the CPU every sequence at full length. A prefill takes at most max(``max_num_batched_tokens``, the
+    ``relay.generators.kv_cache``); on the CPU every sequence at full length. A prefill takes at most max(``max_num_batched_tokens``, the
     context length) padded prompt tokens on every device.
     """
 
@@ -123,7 +123,7 @@ class GeneratorPlacement(_Section):
     engines run on ``gpus[0]`` (one GPU), vLLM and SGLang on the first
     ``tensor_model_parallel_size`` of them. Unset (None): ``CUDA_VISIBLE_DEVICES`` is left
     as it is and ``device`` names the GPU (``"cuda:1"``). Two processes on one host never
-    share a GPU they list (``configs.checks.check_gpu_placement``).
+    share a GPU they list (``relay.configs.checks.check_gpu_placement``).
     """
 
     name: str
@@ -138,7 +138,7 @@ class GeneratorPlacement(_Section):
 
 
 class EvaluatorPlacement(_Section):
-    """The evaluator process (``generators.evaluator``): held-out evaluation of the weights
+    """The evaluator process (``relay.generators.evaluator``): held-out evaluation of the weights
     the learner offers, with its own engine. Started only when the run config has
     validation data to evaluate on (``RunConfig.evaluates``). ``gpus`` as a generator's
     (``GeneratorPlacement``)."""
@@ -163,7 +163,7 @@ class Security(_Section):
     Without CURVE every process runs on this machine, and the run's sockets are not ports
     but ``ipc://`` files in ``sockets_dir`` (default: the run directory's ``sockets/``),
     which the launcher makes 0700: another user of the machine can neither connect to them
-    nor bind them (``configs.rundir``). Its path plus the longest socket name must fit a
+    nor bind them (``relay.configs.rundir``). Its path plus the longest socket name must fit a
     Unix socket's 107 characters; set a short ``sockets_dir`` (a folder of your own) when
     the run directory's path is too long. With CURVE the ports below are used, loopback
     included.

@@ -14,7 +14,7 @@ of four groups, defined once in ``TABLE``.
 verl's long section names are Relay's short ones (``VERL_PREFIXES``):
 ``actor_rollout_ref.actor.X`` is ``actor.X``, ``.rollout.X`` is ``rollout.X``, ``.model.X``
 is ``model.X`` and ``.ref.X`` is ``ref.X``; both spellings work in files and on the command
-line. ``VerlKeys`` is the translator ``configs.loader`` calls for a key the run schema lacks;
+line. ``VerlKeys`` is the translator ``relay.configs.loader`` calls for a key the run schema lacks;
 it records what it did (``notes``) for the launcher to print, and the placement keys
 (``placement``) for the launcher to apply to the topology. ``markdown_table`` renders
 ``TABLE`` for ``configs/verl-keys.md`` (``tools/gen-verl-keys-doc.py``).
@@ -31,9 +31,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from configs.loader import ConfigError, KeyPath, format_key, parse_key, type_at
-from configs.run_schema import VERL_ALIASES, RunConfig
-from configs.topology_schema import (EngineName, EvaluatorPlacement, GeneratorPlacement,
+from relay.configs.loader import ConfigError, KeyPath, format_key, parse_key, type_at
+from relay.configs.run_schema import VERL_ALIASES, RunConfig
+from relay.configs.topology_schema import (EngineName, EvaluatorPlacement, GeneratorPlacement,
                                      LeanOptions, SGLangOptions, Topology, VLLMOptions)
 
 logger = logging.getLogger("relay.configs")
@@ -109,7 +109,7 @@ _NO_COMPILE = ("the frozen reference is not compiled (actor.use_torch_compile co
                "policy's norms and MLPs); no effect")
 _ENTROPY_MEM = ("a verl memory saving for the entropy; Relay computes the entropy per pass "
                 "only where the loss or the logs use it; no effect")
-_WRAP = ("FSDP2 shards each transformer block as one unit (learner.model); verl's wrap "
+_WRAP = ("FSDP2 shards each transformer block as one unit (relay.learner.model); verl's wrap "
          "policy, prefetch and resharding knobs have no effect")
 _PROFILER = "Relay has no built-in profiler (use torch.profiler around a process); no effect"
 ENGINE_KNOBS = ("gpu_memory_utilization", "tensor_model_parallel_size", "enforce_eager",
@@ -175,12 +175,12 @@ TABLE: tuple[VerlKey, ...] = tuple([
                                                        "actor.clip_ratio_high"),
             note="verl's default for both clip bounds; sets each one not set explicitly"),
     *_same(f"{A}.use_torch_compile"),
-    *_inert("Relay's mini-batches are whole prompt groups in order (learner.micro_batches); "
+    *_inert("Relay's mini-batches are whole prompt groups in order (relay.learner.micro_batches); "
             "only false", f"{A}.shuffle", accept=(False,)),
     *_inert(_CKPT, f"{A}.checkpoint.save_contents", f"{A}.checkpoint.load_contents"),
     *_inert("set by the trainer from trainer.total_training_steps, in Relay too; no effect",
             f"{A}.optim.total_training_steps"),
-    *_inert("Relay's cosine schedule is half a cycle (learner.optim); only 0.5",
+    *_inert("Relay's cosine schedule is half a cycle (relay.learner.optim); only 0.5",
             f"{A}.optim.num_cycles", accept=(0.5,)),
     *_inert(_ENTROPY_MEM, f"{A}.entropy_from_logits_with_chunking", f"{A}.entropy_checkpointing"),
     *_inert(_WRAP, f"{A}.fsdp_config.wrap_policy.min_num_params",
@@ -283,7 +283,7 @@ TABLE: tuple[VerlKey, ...] = tuple([
     *_inert(_PROFILER, "trainer.npu_profile.*", "trainer.controller_nsight_options.*",
             "trainer.worker_nsight_options.*"),
     *_inert(_PROFILER.replace("no effect", "only null"), "trainer.profile_steps", accept=(None,)),
-    *_inert("each learner rank's passes are balanced by length (learner.micro_batches); "
+    *_inert("each learner rank's passes are balanced by length (relay.learner.micro_batches); "
             "no effect", "trainer.balance_batch"),
     VerlKey(key="trainer.total_epochs", group="differs",
             note="trainer.total_training_steps, when set, overrides it, as in verl; an epoch "
@@ -303,7 +303,7 @@ TABLE: tuple[VerlKey, ...] = tuple([
     VerlKey(key="trainer.log_val_generations", group="same",
             note="verl's seeded sample of N held-out responses (sorted by prompt, shuffled "
                  "with seed 42) with their rewards, a table per evaluation in every tracker"),
-    *_inert("every run directory keeps its rollout log in rollouts/ (buffer.rollout_log); "
+    *_inert("every run directory keeps its rollout log in rollouts/ (relay.buffer.rollout_log); "
             "a path given here is not used", "trainer.rollout_data_dir"),
     VerlKey(key="trainer.validation_data_dir", group="same",
             note="each evaluation's responses as DIR/STEP.jsonl (input, output, gts, "
@@ -447,7 +447,7 @@ TABLE: tuple[VerlKey, ...] = tuple([
            "algorithm.kl_ctrl.target_kl"),
     *_inert("verl's PF-PPO reweights samples batch-wide; Relay's filters each prompt group "
             "(buffer.pf_ppo.enable); only false", "algorithm.use_pf_ppo", accept=(False,)),
-    *_inert("used only with algorithm.use_pf_ppo (see buffer.pf_ppo); no effect",
+    *_inert("used only with algorithm.use_pf_ppo (see relay.buffer.pf_ppo); no effect",
             "algorithm.pf_ppo.reweight_method", "algorithm.pf_ppo.weight_pow"),
     # ---- keys of verl's DAPO scripts (not in ppo_trainer.yaml) ---------------------------
     *[VerlKey(key=f"reward_model.reward_kwargs.overlong_buffer_cfg.{name}", group="mapped",
@@ -468,7 +468,7 @@ def _index() -> dict[KeyPath, VerlKey]:
     index: dict[KeyPath, VerlKey] = {}
     for entry in TABLE:
         if entry.short in index:
-            raise AssertionError(f"{entry.key} is in configs.verl_keys.TABLE twice")
+            raise AssertionError(f"{entry.key} is in relay.configs.verl_keys.TABLE twice")
         index[entry.short] = entry
     return index
 
@@ -506,7 +506,7 @@ class Placement(msgspec.Struct, frozen=True):
 
 
 class VerlKeys:
-    """The translator ``configs.loader`` calls for each key the run schema lacks.
+    """The translator ``relay.configs.loader`` calls for each key the run schema lacks.
 
     ``placement``: the placement keys seen, in order; None refuses them (a caller that
     cannot apply them to a topology). ``notes``: one line per verl key translated or

@@ -1,4 +1,4 @@
-"""The generators: processes that decode with the current weights (``-m generators.main``).
+"""The generators: processes that decode with the current weights (``-m relay.generators.main``).
 
 It owns the inference engines behind one interface (``engine``: the ``lean`` engine, a lean
 Llama/Qwen2/Qwen3 forward with continuous batching and the default; Relay's ``torch``

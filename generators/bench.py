@@ -4,10 +4,10 @@ Every contender decodes the same batch: ``batch`` sequences, ``batch / samples_p
 distinct prompts of ``prompt_len`` random token ids each repeated ``samples_per_prompt``
 times (a GRPO group's samples: 1 gives all-distinct prompts), exactly ``new_tokens`` new
 tokens each (nothing stops early), sampled at temperature 1, on one model in this process.
-The contenders: the lean engine (``generators.lean_engine``: lean forward, static cache,
+The contenders: the lean engine (``relay.generators.lean_engine``: lean forward, static cache,
 one prefill per distinct prompt), the torch engine (transformers' forward in Relay's decode
 loop), transformers' ``generate``, and, when given one, any other engine (vLLM's CPU build:
-``generators.vllm_engine``, which holds its own copy of the model). The floor is transformers' bare decode loop: one
+``relay.generators.vllm_engine``, which holds its own copy of the model). The floor is transformers' bare decode loop: one
 prefill and ``new_tokens - 1`` single-token forward passes with a KV cache, greedy, with no
 sampling, no log-probs and no bookkeeping. Each is timed ``repeats`` times after one warm-up
 run; the median is reported as generated tokens per second.
@@ -38,10 +38,10 @@ import msgspec
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from generators.engine import Engine, GroupRequest
-from generators.lean_engine import LeanEngine
-from generators.sampling import SamplingParams
-from generators.torch_engine import TorchEngine
+from relay.generators.engine import Engine, GroupRequest
+from relay.generators.lean_engine import LeanEngine
+from relay.generators.sampling import SamplingParams
+from relay.generators.torch_engine import TorchEngine
 
 
 class EngineComparison(msgspec.Struct, frozen=True):

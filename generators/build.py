@@ -1,9 +1,9 @@
 """Building an inference engine and its tokenizer from a run's model section.
 
-Shared by the generator process (``generators.main``) and the evaluator
-(``generators.evaluator``). ``eos_and_pad`` collects every id that ends a response: the
+Shared by the generator process (``relay.generators.main``) and the evaluator
+(``relay.generators.evaluator``). ``eos_and_pad`` collects every id that ends a response: the
 tokenizer's eos and the model's ``generation_config.json`` eos ids. The lean engine sizes
-its KV cache up front from the placement's ``lean`` options (``generators.kv_cache``).
+its KV cache up front from the placement's ``lean`` options (``relay.generators.kv_cache``).
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import importlib.util
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from configs.run_schema import ModelConfig
-from configs.topology_schema import EvaluatorPlacement, GeneratorPlacement
-from generators.engine import Engine
-from generators.hf_engine import HFEngine
-from generators.lean_engine import LeanEngine
-from generators.lean_model import CacheMemory, UnsupportedModel
-from generators.sglang_engine import INSTALL_HINT as SGLANG_INSTALL_HINT
-from generators.sglang_engine import SGLangEngine
-from generators.torch_engine import TorchEngine
-from generators.vllm_engine import INSTALL_HINT as VLLM_INSTALL_HINT
-from generators.vllm_engine import VLLMEngine
+from relay.configs.run_schema import ModelConfig
+from relay.configs.topology_schema import EvaluatorPlacement, GeneratorPlacement
+from relay.generators.engine import Engine
+from relay.generators.hf_engine import HFEngine
+from relay.generators.lean_engine import LeanEngine
+from relay.generators.lean_model import CacheMemory, UnsupportedModel
+from relay.generators.sglang_engine import INSTALL_HINT as SGLANG_INSTALL_HINT
+from relay.generators.sglang_engine import SGLangEngine
+from relay.generators.torch_engine import TorchEngine
+from relay.generators.vllm_engine import INSTALL_HINT as VLLM_INSTALL_HINT
+from relay.generators.vllm_engine import VLLMEngine
 
 ENGINES: dict[str, type[Engine]] = {"lean": LeanEngine, "torch": TorchEngine, "hf": HFEngine}
 """Relay's own engines; ``vllm`` and ``sglang`` (``build_engine``) take engine options."""

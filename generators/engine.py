@@ -1,7 +1,7 @@
 """The interface every inference engine implements, and what it returns.
 
 An engine turns token-id prompts into completions with, per generated token, its
-behavior log-prob (``generators.sampling``) and the weight version that produced it. It
+behavior log-prob (``relay.generators.sampling``) and the weight version that produced it. It
 loads new weight versions whole (a version is applied completely or not at all). Engines
 know models and tokens; they know nothing of sockets, leases or rewards.
 
@@ -10,7 +10,7 @@ done. ``submit`` / ``step`` is continuous batching: a caller submits groups (a p
 its ``n`` samples) whenever it has them, and each ``step`` advances the work in flight and
 returns the groups that finished. The base class runs ``submit`` / ``step`` on top of
 ``generate`` (one ``step`` generates everything submitted since the last); the lean engine
-(``generators.lean_engine``) admits new groups into free sequence slots between decode steps.
+(``relay.generators.lean_engine``) admits new groups into free sequence slots between decode steps.
 
 ``ModelEngine`` is the shared base of the engines that run a transformers model in this
 process (``torch``, ``hf``): loading, padding, weight updates, cutting at eos.
@@ -25,7 +25,7 @@ import msgspec
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from generators.sampling import SamplingParams
+from relay.generators.sampling import SamplingParams
 
 StepHook = Callable[[], None]
 """Called between decode steps: the safe point to apply staged weights."""
@@ -116,7 +116,7 @@ class Engine(abc.ABC):
     def staging_device(self) -> torch.device | None:
         """Where the weight receiver assembles this engine's next version: a second copy of
         the weights on that device, which ``load_weights`` gets at a safe point
-        (``generators.weight_receiver``); None: whole versions in host memory. None here;
+        (``relay.generators.weight_receiver``); None: whole versions in host memory. None here;
         an engine whose weights are on a device of this process says ``copy_device``."""
         return None
 

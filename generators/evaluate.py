@@ -1,7 +1,7 @@
 """Held-out evaluation: decode the validation prompts with an engine and score them.
 
 The prompts are decoded with ``rollout.val_kwargs`` (greedy by default) and scored with the
-task's reward function. The evaluator process (``generators.evaluator``) runs it on the
+task's reward function. The evaluator process (``relay.generators.evaluator``) runs it on the
 weights the learner hands out for evaluation.
 
     accuracy = mean over samples of info["acc"] when the reward function reports one
@@ -24,13 +24,13 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from algorithms.rewards.result import RewardItem, RewardResult
-from algorithms.rewards.scorer import RewardScorer
-from buffer.dataset import CutSide, PromptRow, truncate_prompt
-from generators.engine import Engine
-from generators.sampling import SamplingParams
-from generators.val_metrics import ScoredResponse, validation_metrics
-from transport.messages import ValGeneration
+from relay.algorithms.rewards.result import RewardItem, RewardResult
+from relay.algorithms.rewards.scorer import RewardScorer
+from relay.buffer.dataset import CutSide, PromptRow, truncate_prompt
+from relay.generators.engine import Engine
+from relay.generators.sampling import SamplingParams
+from relay.generators.val_metrics import ScoredResponse, validation_metrics
+from relay.transport.messages import ValGeneration
 
 EVAL_BATCH = 256
 GENERATIONS_SEED = 42  # verl's, for the sample of logged held-out responses
@@ -42,7 +42,7 @@ class EvalResult(msgspec.Struct, frozen=True):
     response_length_mean: float
     samples: int
     by_source: dict[str, float]  # accuracy per data_source
-    verl: dict[str, float] = {}  # verl's val-core/... and val-aux/... (generators.val_metrics)
+    verl: dict[str, float] = {}  # verl's val-core/... and val-aux/... (relay.generators.val_metrics)
     generations: list[ValGeneration] = []  # sample_generations' pick of the responses
     records: list[dict[str, Any]] = []  # with record: every response (write_generations)
 

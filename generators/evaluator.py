@@ -1,4 +1,4 @@
-"""The evaluator: ``python -m generators.evaluator --run-dir RUN_DIR``.
+"""The evaluator: ``python -m relay.generators.evaluator --run-dir RUN_DIR``.
 
 Held-out evaluation as a job of its own, so that no learner step ever waits for it. The
 launcher starts it when the run has validation data (``RunConfig.evaluates``), where the
@@ -6,14 +6,14 @@ topology's ``evaluator`` section says. At each evaluation step (step 0 with
 ``trainer.val_before_train``, every ``trainer.test_freq`` steps, the last step) the
 learner's rank 0 offers its newest published version: the version went by on the weight
 stream, which this process subscribes to like a generator, and an ``EvalOffer`` after it
-tells this process to keep it (``generators.weight_receiver.EvalWeights``). This process
+tells this process to keep it (``relay.generators.weight_receiver.EvalWeights``). This process
 asks for the next offer (``EvalRequest``; the first only once it has heard the stream: the
 learner streams ``StreamBeacon``s until that first request and nothing else before it, so
 no offered version goes by before this process listens), loads the kept
-version into its own engine, decodes the validation prompts (``generators.evaluate``) and
+version into its own engine, decodes the validation prompts (``relay.generators.evaluate``) and
 hands the metrics back with its next request. The learner logs them against the step
 whose weights they measured. When evaluation is slower than the offers come, they wait
-(in the learner's queue, ``learner.eval_queue``, and as copies here), the oldest skipped
+(in the learner's queue, ``relay.learner.eval_queue``, and as copies here), the oldest skipped
 past ``trainer.max_waiting_evals``. Weights that never arrived are reported as not
 evaluated (empty metrics). The evaluator exits when the learner says the run is over.
 """
@@ -30,23 +30,23 @@ from pathlib import Path
 
 import torch
 
-from algorithms.rewards.scorer import RewardScorer
-from buffer.dataset import (
+from relay.algorithms.rewards.scorer import RewardScorer
+from relay.buffer.dataset import (
     CutSide,
     PromptRow,
     chat_token_counter,
     fit_prompts,
     load_prompt_rows,
 )
-from configs.rundir import configure_logging, load_run_dir
-from generators.build import build_engine
-from generators.engine import Engine
-from generators.evaluate import eval_metrics, evaluate, write_generations
-from generators.sampling import SamplingParams
-from generators.weight_receiver import EvalWeights
-from transport.messages import ErrorReply, EvalReport, EvalRequest, Shutdown, WeightManifest
-from transport.security import ClientKeys
-from transport.sockets import Client, PeerTimeout
+from relay.configs.rundir import configure_logging, load_run_dir
+from relay.generators.build import build_engine
+from relay.generators.engine import Engine
+from relay.generators.evaluate import eval_metrics, evaluate, write_generations
+from relay.generators.sampling import SamplingParams
+from relay.generators.weight_receiver import EvalWeights
+from relay.transport.messages import ErrorReply, EvalReport, EvalRequest, Shutdown, WeightManifest
+from relay.transport.security import ClientKeys
+from relay.transport.sockets import Client, PeerTimeout
 
 logger = logging.getLogger("relay.evaluator")
 
@@ -156,7 +156,7 @@ class Evaluator:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m generators.evaluator")
+    parser = argparse.ArgumentParser(prog="python -m relay.generators.evaluator")
     parser.add_argument("--run-dir", required=True, help="run directory written by the launcher")
     args = parser.parse_args(argv)
     configure_logging()

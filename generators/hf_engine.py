@@ -3,7 +3,7 @@
 Sampling runs through ``generate``'s logits processors (temperature, top-k, top-p); the
 raw logits it returns (``output_logits``) give each sampled token's behavior log-prob under
 the temperature-only distribution, log softmax(logits / T)[token], Relay's convention
-(``generators.sampling``). Weights change only between ``generate`` calls, so every token
+(``relay.generators.sampling``). Weights change only between ``generate`` calls, so every token
 of a call carries the same version.
 """
 
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig
 
-from algorithms.logprobs import token_logprobs
-from generators.engine import Completion, ModelEngine, StepHook
-from generators.sampling import SamplingParams
+from relay.algorithms.logprobs import token_logprobs
+from relay.generators.engine import Completion, ModelEngine, StepHook
+from relay.generators.sampling import SamplingParams
 
 
 class HFEngine(ModelEngine):

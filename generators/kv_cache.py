@@ -1,6 +1,6 @@
 """Where the lean engine keeps each sequence's keys and values, and how decode reads them.
 
-The engine's sequences in flight sit in rows 0..active-1 (``generators.lean_engine``). Two
+The engine's sequences in flight sit in rows 0..active-1 (``relay.generators.lean_engine``). Two
 layouts serve them behind one interface:
 
 - ``SlotCache``: (layers, rows, kv_heads, max_len, head_dim). Row r's positions are one
@@ -36,7 +36,7 @@ BLOCK_SIZE = 16
 SAMPLING_BUFFERS = 8
 """(rows, vocab) fp32 tensors alive at once while a step's tokens are drawn: the logits in
 fp32, the tempered and filtered logits, top-p's sorted logits, order (int64: two) and
-cumulative mass, the log-softmax and the inverse CDF (``generators.sampling``)."""
+cumulative mass, the log-softmax and the inverse CDF (``relay.generators.sampling``)."""
 
 
 @dataclass(frozen=True)

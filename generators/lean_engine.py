@@ -3,7 +3,7 @@
 The engine owns ``max_num_seqs`` sequence rows. Each ``step``:
 
 1. **Admit** queued groups, in order, while free rows remain, the KV cache has room for
-   each sample's prompt plus its ``max_new_tokens`` (``generators.kv_cache``: a paged
+   each sample's prompt plus its ``max_new_tokens`` (``relay.generators.kv_cache``: a paged
    pool reserves those blocks now, so no sequence runs out of room mid-decode and none is
    preempted or truncated) and one prefill stays within its token bound. The group's
    prompt is prefilled once, its keys and values written to the rows of all ``n`` samples
@@ -19,7 +19,7 @@ The engine owns ``max_num_seqs`` sequence rows. Each ``step``:
 
 The bookkeeping (who owns a row, what it generated) lives on the host: a step brings its
 drawn tokens and log-probs to the host in one transfer, its only device sync.
-Sampling is ``generators.sampling.sample_next`` on the same logits a transformers forward
+Sampling is ``relay.generators.sampling.sample_next`` on the same logits a transformers forward
 gives (up to float rounding), so the distribution and behavior log-probs are unchanged.
 ``occupancy`` records the mean number of sequences in flight over the decode steps taken
 while groups were queued (when a full batch was possible).
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from generators.engine import (
+from relay.generators.engine import (
     Completion,
     Engine,
     FinishedGroup,
@@ -44,8 +44,8 @@ from generators.engine import (
     check_weights,
     copy_device,
 )
-from generators.lean_model import CacheMemory, LeanDecoder
-from generators.sampling import SamplingParams, sample_next
+from relay.generators.lean_model import CacheMemory, LeanDecoder
+from relay.generators.sampling import SamplingParams, sample_next
 
 
 @dataclass
@@ -112,9 +112,9 @@ class LeanEngine(Engine):
                         trust_remote_code: bool = False, max_num_seqs: int = 256,
                         max_len: int = 2048, memory: CacheMemory | None = None) -> LeanEngine:
         """Load a Hugging Face checkpoint with transformers and copy its weights in; the KV
-        cache as ``memory`` allows (``generators.lean_model.CacheMemory``).
+        cache as ``memory`` allows (``relay.generators.lean_model.CacheMemory``).
 
-        Raises ``generators.lean_model.UnsupportedModel`` for architectures the lean
+        Raises ``relay.generators.lean_model.UnsupportedModel`` for architectures the lean
         forward does not implement (before loading any weights).
         """
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

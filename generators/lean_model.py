@@ -4,7 +4,7 @@ Transformers' forward is built for every model and every feature; for a small mo
 CPU its per-call overhead costs far more than its arithmetic. ``LeanDecoder`` is the same
 computation written as a handful of tensor ops per layer: fused QKV and gate-up matmuls,
 ``rms_norm``, rotary embeddings from a precomputed table, and attention over a
-preallocated cache of ``slots`` rows (``generators.kv_cache``: every row at full length,
+preallocated cache of ``slots`` rows (``relay.generators.kv_cache``: every row at full length,
 or, when the memory does not hold that, a paged pool sized from the device's free memory).
 It reads the Hugging Face checkpoint's own parameter names, so weights from the learner
 load unchanged.
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
-from generators.kv_cache import (
+from relay.generators.kv_cache import (
     CacheShape,
     CachePlan,
     KVCache,
@@ -134,7 +134,7 @@ class LeanDecoder:
                                         prefill_tokens=prefill_tokens, dtype=self.dtype,
                                         cache_dtype=self.cache_dtype)
             # the weight receiver assembles the next version in a second copy of the
-            # checkpoint's weights on this device (generators.weight_receiver.DeviceCopy)
+            # checkpoint's weights on this device (relay.generators.weight_receiver.DeviceCopy)
             next_version = self.checkpoint_bytes()
             budget = budget_from_free_memory(free_bytes, memory.gpu_memory_utilization,
                                              self.weights_bytes() + next_version, workspace)

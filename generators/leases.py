@@ -12,9 +12,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from generators.engine import Completion, FinishedGroup, GroupRequest
-from generators.sampling import SamplingParams
-from transport.messages import PromptLease
+from relay.generators.engine import Completion, FinishedGroup, GroupRequest
+from relay.generators.sampling import SamplingParams
+from relay.transport.messages import PromptLease
 
 SAMPLED, GREEDY = "sampled", "greedy"
 

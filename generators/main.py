@@ -1,7 +1,7 @@
-"""A generator process: ``python -m generators.main --run-dir RUN_DIR --name gen0``.
+"""A generator process: ``python -m relay.generators.main --run-dir RUN_DIR --name gen0``.
 
 Builds the engine named by the topology for this generator, the tokenizer and the reward
-scorer, then runs ``generators.process.GeneratorLoop`` until the run ends. Started by the
+scorer, then runs ``relay.generators.process.GeneratorLoop`` until the run ends. Started by the
 launcher under a topology name, or with ``--attached`` (``tools/attach-generator.py``) as an
 extra generator joining a running job under a name of its own: its engine, device and
 threads come from the command line, else from the topology's first generator.
@@ -23,12 +23,12 @@ import zlib
 import msgspec
 import torch
 
-from algorithms.rewards.scorer import RewardScorer
-from buffer.dataset import load_prompt_rows
-from configs.rundir import RunContext, configure_logging, load_run_dir
-from configs.topology_schema import GeneratorPlacement
-from generators.build import build_engine
-from generators.process import GeneratorLoop, NameInUse
+from relay.algorithms.rewards.scorer import RewardScorer
+from relay.buffer.dataset import load_prompt_rows
+from relay.configs.rundir import RunContext, configure_logging, load_run_dir
+from relay.configs.topology_schema import GeneratorPlacement
+from relay.generators.build import build_engine
+from relay.generators.process import GeneratorLoop, NameInUse
 
 logger = logging.getLogger("relay.generator")
 
@@ -36,7 +36,7 @@ EXIT_NAME_IN_USE = 3
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m generators.main")
+    parser = argparse.ArgumentParser(prog="python -m relay.generators.main")
     parser.add_argument("--run-dir", required=True, help="run directory written by the launcher")
     parser.add_argument("--name", required=True,
                         help="the generator's name in the topology, or with --attached a name "
@@ -56,12 +56,12 @@ def placement_and_seed(ctx: RunContext, args: argparse.Namespace) -> tuple[Gener
     base = ctx.run.trainer.seed * 1000
     if not args.attached:
         if args.name not in placements:
-            raise SystemExit(f"generators.main: no generator named {args.name!r} in the "
+            raise SystemExit(f"relay.generators.main: no generator named {args.name!r} in the "
                              f"topology (have: {', '.join(placements)}); an extra generator "
                              "takes --attached")
         return placements[args.name], base + list(placements).index(args.name)
     if args.name in placements:
-        raise SystemExit(f"generators.main: {args.name!r} is a topology name; an attached "
+        raise SystemExit(f"relay.generators.main: {args.name!r} is a topology name; an attached "
                          "generator needs a name of its own")
     return (attached_placement(ctx.topology.generators[0], args),
             attached_seed(args.name, base, len(placements)))
@@ -78,7 +78,7 @@ def attached_placement(first: GeneratorPlacement, args: argparse.Namespace) -> G
     try:
         return msgspec.convert(fields, GeneratorPlacement)
     except msgspec.ValidationError as exc:
-        raise SystemExit(f"generators.main: attached generator {args.name!r}: {exc}") from None
+        raise SystemExit(f"relay.generators.main: attached generator {args.name!r}: {exc}") from None
 
 
 def attached_seed(name: str, base: int, topology_size: int) -> int:

@@ -1,16 +1,16 @@
 """What one GPU of a generator holds, planned from the model's config alone (no weights):
 its share of the engine's weights, its KV cache and the workspace of a step.
 
-Relay's engines size their cache as ``generators.kv_cache`` does at start: the lean engine
+Relay's engines size their cache as ``relay.generators.kv_cache`` does at start: the lean engine
 every row at full length when ``gpu_memory_utilization`` of the GPU holds that, else a paged
 pool of what it leaves after the weights and the workspace (``plan_cache``); the torch and
 hf engines grow transformers' cache up to every row at full length. On CUDA each of them
 also assembles the next weight version in a second copy of its weights on the device
-(``generators.weight_receiver.DeviceCopy``), made at the first version, after the cache
+(``relay.generators.weight_receiver.DeviceCopy``), made at the first version, after the cache
 was sized: outside ``gpu_memory_utilization``'s share. vLLM and SGLang claim
 ``gpu_memory_utilization`` of the GPU and give the cache what their weights and their
 profiled activations leave; the lean engine's workspace bound stands in for the latter. The
-caller counts the parameters (``learner.memory_plan.count_parameters``: generators do not
+caller counts the parameters (``relay.learner.memory_plan.count_parameters``: generators do not
 import the learner).
 """
 
@@ -22,7 +22,7 @@ import msgspec
 import torch
 from transformers import PretrainedConfig
 
-from generators.kv_cache import (
+from relay.generators.kv_cache import (
     BLOCK_SIZE,
     CacheShape,
     budget_from_free_memory,

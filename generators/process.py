@@ -39,16 +39,16 @@ from typing import Literal
 
 import msgspec
 
-from algorithms.rewards.scorer import RewardScorer
-from buffer.dataset import CutSide, truncate_prompt
-from buffer.registry import HEARTBEAT_EVERY_S
-from configs.run_schema import OverlongBufferConfig, RolloutConfig
-from generators.engine import Engine, FinishedGroup
-from generators.leases import HeldLease, LeaseBook
-from generators.sampling import SamplingParams
-from generators.sender import Counters, FinishedPrompt, GroupSender, decode_all
-from generators.weight_receiver import StagedWeights, WeightReceiver
-from transport.messages import (
+from relay.algorithms.rewards.scorer import RewardScorer
+from relay.buffer.dataset import CutSide, truncate_prompt
+from relay.buffer.registry import HEARTBEAT_EVERY_S
+from relay.configs.run_schema import OverlongBufferConfig, RolloutConfig
+from relay.generators.engine import Engine, FinishedGroup
+from relay.generators.leases import HeldLease, LeaseBook
+from relay.generators.sampling import SamplingParams
+from relay.generators.sender import Counters, FinishedPrompt, GroupSender, decode_all
+from relay.generators.weight_receiver import StagedWeights, WeightReceiver
+from relay.transport.messages import (
     Attach,
     AttachAck,
     Detach,
@@ -61,10 +61,10 @@ from transport.messages import (
     PromptLease,
     Shutdown,
 )
-from transport.retry import patient_request
-from transport.security import ClientKeys
-from transport.sockets import Client, PeerTimeout
-from transport.threads import WatchedThread
+from relay.transport.retry import patient_request
+from relay.transport.security import ClientKeys
+from relay.transport.sockets import Client, PeerTimeout
+from relay.transport.threads import WatchedThread
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class GeneratorLoop:
         self.greedy_params = msgspec.structs.replace(self.params, temperature=0.0)
         self.max_num_seqs = rollout.max_num_seqs
         self.max_prompt_length = max_prompt_length
-        # "error": the buffer refused overlong prompts when it loaded them (buffer.main), so
+        # "error": the buffer refused overlong prompts when it loaded them (relay.buffer.main), so
         # one seen here was measured with another tokenizer: keep its end, as "left" does
         self.truncation_side: CutSide = "left" if truncation == "error" else truncation
         self.weights_timeout_s = weights_timeout_s

@@ -3,7 +3,7 @@
 Tokens are drawn from the processed distribution: logits / temperature, then top-k, then
 top-p (nucleus), renormalized. The behavior log-prob recorded for a token is its log-prob
 under the temperature-only distribution, log softmax(logits / T)[token], the one the
-learner recomputes (``algorithms.logprobs.token_logprobs``): both sides of the importance
+learner recomputes (``relay.algorithms.logprobs.token_logprobs``): both sides of the importance
 weight pi_prox / pi_b then use one distribution, so equal weights give a weight of exactly 1
 at every token. Recording the processed log-prob instead makes every weight
 p_T(token) / p_processed(token) = (kept mass) < 1 under top-p / top-k (between 0.9 and 1 a

@@ -17,15 +17,15 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from algorithms.reward_shaping import overlong_penalty
-from algorithms.rewards.result import RewardItem
-from algorithms.rewards.scorer import RewardScorer
-from configs.run_schema import OverlongBufferConfig
-from generators.engine import Completion
-from transport.messages import Prompt, RolloutAck, RolloutGroup, Sample
-from transport.retry import patient_request
-from transport.security import ClientKeys
-from transport.sockets import Client
+from relay.algorithms.reward_shaping import overlong_penalty
+from relay.algorithms.rewards.result import RewardItem
+from relay.algorithms.rewards.scorer import RewardScorer
+from relay.configs.run_schema import OverlongBufferConfig
+from relay.generators.engine import Completion
+from relay.transport.messages import Prompt, RolloutAck, RolloutGroup, Sample
+from relay.transport.retry import patient_request
+from relay.transport.security import ClientKeys
+from relay.transport.sockets import Client
 
 logger = logging.getLogger(__name__)
 

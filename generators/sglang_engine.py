@@ -15,13 +15,13 @@ What Relay needs from each completion, and where it comes from:
 - **behavior log-probs**: ``meta_info["output_token_logprobs"]`` holds each sampled token's
   log-prob under the temperature-scaled distribution, without top-k / top-p (SGLang's
   sampler takes the log of its probabilities after the temperature and before the filters),
-  which is Relay's convention (``generators.sampling``): top-p and top-k are passed through.
+  which is Relay's convention (``relay.generators.sampling``): top-p and top-k are passed through.
   SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB`` moves them before the temperature, which is
   the learner's distribution only at temperature 1, so the adapter refuses that pairing
   (``request_params``). Greedy tokens get 0, as in Relay's engines;
 - **per-token weight versions**: weights change only between calls (the caller applies
   staged weights before each ``step``), so every token of a call carries the version the
-  engine held when the call began, as in ``generators.hf_engine``.
+  engine held when the call began, as in ``relay.generators.hf_engine``.
 
 Each sampled sequence is its own SGLang request (a group's prompt is repeated ``n`` times)
 with its own ``sampling_seed``: SGLang honours that seed only when started with
@@ -54,11 +54,11 @@ from typing import Any
 
 import torch
 
-from configs.topology_schema import SGLangOptions
-from generators.checkpoint import checkpoint_tensors, parameter_shapes
-from generators.engine import Completion, Engine, StepHook, check_weights
-from generators.sampling import SamplingParams
-from generators.weight_chunks import chunks_of
+from relay.configs.topology_schema import SGLangOptions
+from relay.generators.checkpoint import checkpoint_tensors, parameter_shapes
+from relay.generators.engine import Completion, Engine, StepHook, check_weights
+from relay.generators.sampling import SamplingParams
+from relay.generators.weight_chunks import chunks_of
 
 SEED_RANGE = 2**31
 """Some SGLang versions hold ``sampling_seed`` as int32."""
@@ -93,7 +93,7 @@ def engine_arguments(path: str, *, dtype: str, device: str, seed: int, max_num_s
     """The keyword arguments of ``sglang.Engine`` (SGLang's ``ServerArgs``) for a Relay
     generator: the model, Relay's settings (dtype, seed, batch, context length) and the
     topology's engine options, with verl's names turned into SGLang's
-    (``configs.topology_schema.SGLangOptions``); a device ``cuda:<i>`` becomes device
+    (``relay.configs.topology_schema.SGLangOptions``); a device ``cuda:<i>`` becomes device
     ``cuda`` and ``base_gpu_id`` i. ``options.engine_kwargs`` are passed through last."""
     kind, _, index = device.partition(":")
     args: dict[str, Any] = dict(

@@ -8,7 +8,7 @@ cache of earlier tokens is kept, so in-flight prompts are never lost (PipelineRL
 in-flight updates; the per-token versions tell the learner exactly what happened).
 
 It runs any transformers causal LM; for the Llama, Qwen2 and Qwen3 families the lean
-engine (``generators.lean_engine``) is faster: a lean forward, a static cache, one prefill
+engine (``relay.generators.lean_engine``) is faster: a lean forward, a static cache, one prefill
 per prompt's samples and continuous batching.
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from generators.engine import Completion, ModelEngine, StepHook
-from generators.sampling import SamplingParams, sample_next
+from relay.generators.engine import Completion, ModelEngine, StepHook
+from relay.generators.sampling import SamplingParams, sample_next
 
 
 class TorchEngine(ModelEngine):

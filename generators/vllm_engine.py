@@ -13,7 +13,7 @@ What Relay needs from each completion, and where it comes from:
 - **behavior log-probs**: ``logprobs_mode="processed_logprobs"`` makes vLLM return each
   sampled token's log-prob after its temperature and its top-k / top-p filters (vLLM's
   ``TopKTopPSampler`` takes the log-softmax of the filtered logits); none of vLLM's modes
-  gives the temperature-only log-prob, Relay's convention (``generators.sampling``), except
+  gives the temperature-only log-prob, Relay's convention (``relay.generators.sampling``), except
   this one with the filters off. So the adapter refuses top_p < 1 and top_k > 0 when
   sampling (``request_params``) rather than record log-probs the learner's recomputation
   cannot match. Greedy tokens get 0, as in Relay's engines (vLLM reports the log-softmax
@@ -23,7 +23,7 @@ What Relay needs from each completion, and where it comes from:
   version per token, so a weight swap mid-response shows inside the response.
 
 Weights go in checkpoint format (Hugging Face names; vLLM's ``load_weights`` fuses q/k/v and
-gate/up itself) by the way ``generators.vllm_weights`` picks for where vLLM's workers run:
+gate/up itself) by the way ``relay.generators.vllm_weights`` picks for where vLLM's workers run:
 its in-place reload (``collective_rpc("reload_weights")``) with host tensors on the CPU or
 with each tensor copied to the GPU when the worker is in this process, and vLLM's CUDA-IPC
 weight transfer (``weight_transfer_config``) when tensor parallel workers run in processes
@@ -50,9 +50,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from configs.topology_schema import VLLMOptions
-from generators.checkpoint import checkpoint_tensors, parameter_shapes
-from generators.engine import (
+from relay.configs.topology_schema import VLLMOptions
+from relay.generators.checkpoint import checkpoint_tensors, parameter_shapes
+from relay.generators.engine import (
     Completion,
     Engine,
     FinishedGroup,
@@ -61,8 +61,8 @@ from generators.engine import (
     check_request,
     check_weights,
 )
-from generators.sampling import SamplingParams
-from generators.vllm_weights import weight_sender
+from relay.generators.sampling import SamplingParams
+from relay.generators.vllm_weights import weight_sender
 
 
 class VLLMUnavailable(RuntimeError):
@@ -92,7 +92,7 @@ def engine_arguments(path: str, *, dtype: str, device: str, seed: int, max_num_s
     settings (dtype, seed, batch, context length) and the topology's engine options, with
     verl's names turned into vLLM's (``tensor_model_parallel_size`` is
     ``tensor_parallel_size``); on a GPU with ``weight_transfer`` (this vLLM has the API),
-    the CUDA-IPC weight transfer (``generators.vllm_weights``). ``options.engine_kwargs`` are
+    the CUDA-IPC weight transfer (``relay.generators.vllm_weights``). ``options.engine_kwargs`` are
     passed through last."""
     args: dict[str, Any] = dict(
         model=path, skip_tokenizer_init=True, dtype=dtype, seed=seed,
@@ -291,7 +291,7 @@ class VLLMEngine(Engine):
 
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Load every weight in place through vLLM's ``load_weights`` (by the way
-        ``generators.vllm_weights`` chose) and label the tokens of the following steps with
+        ``relay.generators.vllm_weights`` chose) and label the tokens of the following steps with
         ``version``."""
         check_weights(self._shapes, tensors)
         self._sender.send(checkpoint_tensors(tensors, self._tied))

@@ -1,10 +1,10 @@
 """How a weight version reaches vLLM's workers, chosen by where they run.
 
-Relay keeps vLLM's engine core in the generator's process (``generators.vllm_engine``); its
+Relay keeps vLLM's engine core in the generator's process (``relay.generators.vllm_engine``); its
 workers are in this process too when vLLM runs one of them (``distributed_executor_backend``
 "uni", vLLM's choice for one device), and processes of their own otherwise (tensor or
 pipeline parallel: "mp", "ray"). A version arrives here in host memory, in Hugging Face
-names (``generators.checkpoint.checkpoint_tensors``); vLLM's ``load_weights`` fuses and
+names (``relay.generators.checkpoint.checkpoint_tensors``); vLLM's ``load_weights`` fuses and
 shards it itself.
 
 - ``HostReload`` (CPU): ``collective_rpc("reload_weights")`` with the host tensors, passed by
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from generators.weight_chunks import chunks_of
+from relay.generators.weight_chunks import chunks_of
 
 IPC_CHUNK_BYTES = 1 << 29
 """Bytes of a version copied to each worker's GPU per ``update_weights`` call (0.5 GiB

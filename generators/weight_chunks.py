@@ -1,5 +1,5 @@
 """A weight version cut into chunks of bounded size, for engines in other processes that
-take it piece by piece (``generators.vllm_weights``, ``generators.sglang_engine``): each
+take it piece by piece (``relay.generators.vllm_weights``, ``relay.generators.sglang_engine``): each
 chunk is copied to the GPU and handed over, then freed, so a version never sits whole on
 the GPU twice."""
 

@@ -1,7 +1,7 @@
 """Receiving weight versions from the learner's stream in the background, staged for the
 engine.
 
-A daemon thread subscribes to the learner's weight stream (``learner.weights``) and builds
+A daemon thread subscribes to the learner's weight stream (``relay.learner.weights``) and builds
 each version from its ``WeightManifest`` and ``WeightBucket``s (``VersionAssembler``); a
 version is staged only when every row of every parameter arrived, in order, with the
 announced dtype and shape, so the engine applies a version whole or not at all. Every
@@ -50,7 +50,7 @@ from typing import Protocol
 import msgspec
 import torch
 
-from transport.messages import (
+from relay.transport.messages import (
     EvalOffer,
     Message,
     StreamBeacon,
@@ -59,9 +59,9 @@ from transport.messages import (
     WeightManifest,
     WeightRequest,
 )
-from transport.security import ClientKeys
-from transport.sockets import Client, PeerTimeout, RemoteError, Subscriber
-from transport.threads import WatchedThread
+from relay.transport.security import ClientKeys
+from relay.transport.sockets import Client, PeerTimeout, RemoteError, Subscriber
+from relay.transport.threads import WatchedThread
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""The learner: the process that trains the policy (``torchrun -m learner.main``).
+"""The learner: the process that trains the policy (``torchrun -m relay.learner.main``).
 
 It owns the trained models (the policy, and where the algorithm has them the reference, the
 critic and PRIME's implicit PRM), FSDP2 sharding, the update of each step, publishing
 weight versions to the generators and offering them for evaluation, checkpoints and the
-MLflow run. Batches come from the buffer (``learner.rollouts``); the loss formulas come from
+MLflow run. Batches come from the buffer (``relay.learner.rollouts``); the loss formulas come from
 ``algorithms``. It knows nothing of engines, decoding or leases: it never generates, and
-held-out evaluation runs in the evaluator process (``generators.evaluator``).
+held-out evaluation runs in the evaluator process (``relay.generators.evaluator``).
 """

@@ -2,12 +2,12 @@
 
 Models the learner runs use ``relay`` (registered with transformers' ``AttentionInterface``,
 and its mask, ``relay_mask``, with ``AttentionMaskInterface``), chosen once, when a model is
-loaded (``from_pretrained(..., attn_implementation=ATTENTION)``: ``learner.model.load_sharded``,
-``learner.critic.load_value_model``): a forward given ``ulysses`` runs Ulysses attention
-(``learner.ulysses``), one given ``shared_prompt_rows`` runs shared-prompt rows
-(``learner.shared_prompts``), any other runs padded rows: transformers' SDPA attention, or
+loaded (``from_pretrained(..., attn_implementation=ATTENTION)``: ``relay.learner.model.load_sharded``,
+``relay.learner.critic.load_value_model``): a forward given ``ulysses`` runs Ulysses attention
+(``relay.learner.ulysses``), one given ``shared_prompt_rows`` runs shared-prompt rows
+(``relay.learner.shared_prompts``), any other runs padded rows: transformers' SDPA attention, or
 on CUDA in bf16/fp16 the rows with their padding taken out through a variable-length kernel
-(``learner.varlen``), since a mask passed to SDPA rules out its flash kernels. The choice
+(``relay.learner.varlen``), since a mask passed to SDPA rules out its flash kernels. The choice
 rides on the forward's own inputs, not on a setting swapped around the call, so
 gradient checkpointing, which runs each block's forward again during the backward with
 the same inputs, recomputes exactly what the forward computed.
@@ -19,7 +19,7 @@ where the real tokens sit among the (rows x length) positions and where each row
 among them, computed once a forward. Each layer gathers its queries, keys and values there,
 attends with the kernel and scatters the result back (transformers' flash-attention path
 does the same); the rows' tokens must be contiguous (right or left padding, as
-``learner.batch.collate`` pads). Packed forwards (Ulysses, shared-prompt rows) pass none and
+``relay.learner.batch.collate`` pads). Packed forwards (Ulysses, shared-prompt rows) pass none and
 mask by their own layout; transformers would still build one from their restarting
 position ids (a q x kv bool tensor per forward, the slice's length squared under Ulysses),
 so ``relay_mask`` builds none for them, as transformers' flash-attention mask does.
@@ -34,9 +34,9 @@ from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from learner import varlen
-from learner.shared_prompts import shared_prompt_attention, unsupported
-from learner.ulysses import ulysses_attention
+from relay.learner import varlen
+from relay.learner.shared_prompts import shared_prompt_attention, unsupported
+from relay.learner.ulysses import ulysses_attention
 
 ATTENTION = "relay"
 
@@ -115,7 +115,7 @@ def relay_mask(attention_mask: torch.Tensor | None = None,
 def unpads(device: object, dtype: object, config: object) -> bool:
     """Whether a padded forward on ``device`` in ``dtype`` attends over its real tokens with
     the variable-length kernel: where there is one, for models whose attention is plain
-    causal attention (``learner.shared_prompts.unsupported``)."""
+    causal attention (``relay.learner.shared_prompts.unsupported``)."""
     return (isinstance(device, torch.device | str) and isinstance(dtype, torch.dtype)
             and isinstance(config, PretrainedConfig)
             and varlen.varlen_kernel(torch.device(device), dtype) is not None
@@ -134,4 +134,4 @@ def check_relay_attention(model: nn.Module) -> None:
     if found != ATTENTION:
         raise ValueError(f"a packed forward needs the model to attend with {ATTENTION!r}, not "
                          f"{found!r}: load it with from_pretrained(..., attn_implementation="
-                         f"{ATTENTION!r}) (learner.attention.ATTENTION)")
+                         f"{ATTENTION!r}) (relay.learner.attention.ATTENTION)")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from transport.messages import RolloutGroup
+from relay.transport.messages import RolloutGroup
 
 
 class TrainBatch(msgspec.Struct, kw_only=True):
@@ -33,7 +33,7 @@ class TrainBatch(msgspec.Struct, kw_only=True):
     group_ids: torch.Tensor  # (B,) long: samples of one prompt share an id
     response_lengths: torch.Tensor  # (B,) long
     # (B,) float32: the importance weight of each row's group under prioritized replay
-    # (``buffer.prioritized``), multiplying every token loss of the row; 1 otherwise
+    # (``relay.buffer.prioritized``), multiplying every token loss of the row; 1 otherwise
     sample_weights: torch.Tensor
     # (B,) float32: ReMax's baseline, the reward of the greedy response to the row's prompt
     # (``RolloutGroup.baseline_reward``); NaN when the group has none

@@ -8,27 +8,27 @@ needs to go on after step N:
   world size: the policy under ``model`` and ``optim``, and, where the algorithm has them,
   the critic (PPO) under ``critic`` and the implicit PRM (PRIME) under ``prm``;
 - ``hf/``: the policy (in float32) and its tokenizer in Hugging Face format, written by
-  rank 0 one shard at a time (``learner.hf_export``), so the trained model loads with
+  rank 0 one shard at a time (``relay.learner.hf_export``), so the trained model loads with
   ``AutoModelForCausalLM.from_pretrained`` like any other;
 - ``rng/rank-<r>.json``: each rank's random states (torch's CPU generator, the CUDA one on a
   GPU, Python's ``random``);
 - ``buffer.rec``: the buffer's prompt stream after step N, asked of the buffer while the
-  checkpoint is written (``buffer.prompt_source``; the buffer restarts from it);
+  checkpoint is written (``relay.buffer.prompt_source``; the buffer restarts from it);
 - ``meta.json``, written last (``CheckpointMeta``): the train loop's step, weight version
   and whether the policy changed since that version was published; the learner's step
   count; the learning-rate schedules; the KL controller's coefficient; the world size; the
   trained parts; the MLflow run; the lineage; when it was written; the size and SHA-256 of
-  every other file (``learner.checkpoint_meta``).
+  every other file (``relay.learner.checkpoint_meta``).
 
 Atomicity. Everything is written into ``step-<N>.tmp`` (claimed for the run's lineage:
-``learner.checkpoint_lineage``); once every rank's files are in place the ranks hash them,
+``relay.learner.checkpoint_lineage``); once every rank's files are in place the ranks hash them,
 rank 0 fsyncs them, writes ``meta.json`` (to a temporary name, fsync, ``os.replace``),
 clears the group and other write bits of everything, renames the folder to ``step-<N>``
 (then fsyncs the checkpoint dir) and prunes the lineage's old checkpoints and leftovers.
-What makes a folder a complete checkpoint, and finding them: ``learner.checkpoint_meta``.
+What makes a folder a complete checkpoint, and finding them: ``relay.learner.checkpoint_meta``.
 
 Verifying. ``check_resumable`` (the launcher's check of the checkpoint a run resumes from)
-refuses a checkpoint that is not intact (``learner.checkpoint_meta.check_intact``: not this
+refuses a checkpoint that is not intact (``relay.learner.checkpoint_meta.check_intact``: not this
 user's, writable by the group or others, a file whose size or SHA-256 differs from the
 manifest, DCP metadata that asks to run code), naming the folder or file;
 ``resumable_checkpoint`` (``trainer.resume_mode = "auto"``) takes the most recently written
@@ -37,12 +37,12 @@ checkpoint that passes, saying which newer ones it skipped and why.
 Resuming (``load_checkpoint``) puts every piece back; ``dcp`` reshards, so the world size
 may differ (rank r takes the random state of saved rank r mod the saved world size). The
 optimizers' learning rates, betas and weight decays are the run config's, not the
-checkpoint's (``learner.optim.reapply_configured``: each that differs is logged), so an
+checkpoint's (``relay.learner.optim.reapply_configured``: each that differs is logged), so an
 edited ``run.toml`` takes effect on a resume or a replay; the schedules keep their step. A
 checkpoint whose trained parts differ from the run's (a critic, but the run is GRPO) or
 whose tensors do not fit the run's models is refused with a ``CheckpointError`` naming it
 (the damaged file first, when the manifest shows one). The sharded state is read without
-running any pickle it holds (``learner.safe_dcp``).
+running any pickle it holds (``relay.learner.safe_dcp``).
 
 Several hosts. Every rank writes its own shards into the checkpoint folder and rank 0
 commits it, so a learner on several hosts needs that folder on a filesystem they all see;
@@ -71,14 +71,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from buffer.prompt_source import (
+from relay.buffer.prompt_source import (
     BufferCheckpointError,
     read_buffer_checkpoint,
     write_buffer_checkpoint,
 )
-from configs.run_schema import RunConfig
-from learner import safe_dcp
-from learner.checkpoint_files import (
+from relay.configs.run_schema import RunConfig
+from relay.learner import safe_dcp
+from relay.learner.checkpoint_files import (
     CheckpointError,
     FileDigest,
     fsync_dir,
@@ -87,8 +87,8 @@ from learner.checkpoint_files import (
     tighten_modes,
     write_durably,
 )
-from learner.checkpoint_lineage import WRITER_FILE, Lineage, claim, claim_name, prune
-from learner.checkpoint_meta import (
+from relay.learner.checkpoint_lineage import WRITER_FILE, Lineage, claim, claim_name, prune
+from relay.learner.checkpoint_meta import (
     FORMAT,
     META_FILE,
     PARTIAL_SUFFIX,
@@ -100,13 +100,13 @@ from learner.checkpoint_meta import (
     read_meta,
     verify_files,
 )
-from learner.update import Learner
-from learner.hf_export import save_hf
-from learner.optim import ConfiguredValues, configured_values, reapply_configured
-from transport.messages import BufferCheckpoint, BufferCheckpointRequest
-from transport.retry import patient_request
-from transport.security import ClientKeys
-from transport.sockets import Client
+from relay.learner.update import Learner
+from relay.learner.hf_export import save_hf
+from relay.learner.optim import ConfiguredValues, configured_values, reapply_configured
+from relay.transport.messages import BufferCheckpoint, BufferCheckpointRequest
+from relay.transport.retry import patient_request
+from relay.transport.security import ClientKeys
+from relay.transport.sockets import Client
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def trained_parts(learner: Learner) -> list[str]:
 
 
 def expected_parts(run: RunConfig) -> list[str]:
-    """The trained models of a learner built for ``run`` (``learner.main.build_learner``)."""
+    """The trained models of a learner built for ``run`` (``relay.learner.main.build_learner``)."""
     extra = {"gae": ["critic"], "prime": ["prm"]}.get(run.algorithm.adv_estimator, [])
     return ["policy", *extra]
 
@@ -447,7 +447,7 @@ def _reapply_configured(optimizers: dict[str, torch.optim.Optimizer],
                         schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler],
                         configured: dict[str, ConfiguredValues], checkpoint: Path) -> None:
     """The config's learning rates, betas and weight decays over the checkpoint's
-    (``learner.optim.reapply_configured``); rank 0 logs each that differs."""
+    (``relay.learner.optim.reapply_configured``); rank 0 logs each that differs."""
     for name, scheduler in schedulers.items():
         changes = reapply_configured(optimizers[name], scheduler, configured[name],
                                      OPTIM_KEYS[name])
@@ -477,7 +477,7 @@ def _tensor(encoded: str) -> torch.Tensor:
 
 class BufferStateLink:
     """Rank 0's request for the buffer's state when it writes a checkpoint, on a connection
-    of its own beside ``learner.rollouts.BufferLink``, retried through a buffer stall for up
+    of its own beside ``relay.learner.rollouts.BufferLink``, retried through a buffer stall for up
     to ``patience_s`` (``buffer.client_patience_s``) like that link's requests."""
 
     def __init__(self, endpoint: str, patience_s: float, keys: ClientKeys | None = None) -> None:

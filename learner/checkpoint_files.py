@@ -1,7 +1,7 @@
 """A checkpoint folder's files: whose they are, who may write them, and whether they are
 still the bytes the learner wrote.
 
-A checkpoint is code the learner trusts (``learner.safe_dcp`` refuses the pickles it does not
+A checkpoint is code the learner trusts (``relay.learner.safe_dcp`` refuses the pickles it does not
 expect, but a folder another user can write could still swap in other weights), so a run
 resumes only from a folder that belongs to its user and that neither the group nor others
 can write (``check_owner_and_mode``; ``tighten_modes`` makes every checkpoint so, whatever

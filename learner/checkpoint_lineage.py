@@ -2,7 +2,7 @@
 
 A checkpoint dir (``checkpoint.dir``) may hold several runs' checkpoints: a fresh run in a
 reused folder, or a branch resumed from an earlier checkpoint of the same run. So each
-checkpoint records its ``Lineage`` in ``meta.json`` (``learner.checkpoint_meta``): a fresh
+checkpoint records its ``Lineage`` in ``meta.json`` (``relay.learner.checkpoint_meta``): a fresh
 start makes a new one; a resume continues its checkpoint's, unless that lineage already has a
 later intact checkpoint (then the run is a branch: a new lineage that names its parent).
 Checkpoints written before lineages existed have none: they belong to no run, so they are
@@ -32,8 +32,8 @@ from pathlib import Path
 import msgspec
 import torch.distributed as dist
 
-from learner.checkpoint_files import CheckpointError, write_durably
-from learner.checkpoint_meta import (
+from relay.learner.checkpoint_files import CheckpointError, write_durably
+from relay.learner.checkpoint_meta import (
     COMPLETE_NAME,
     META_FILE,
     PARTIAL_SUFFIX,

@@ -1,15 +1,15 @@
 """What a checkpoint folder says about itself, and finding the ones that can be resumed.
 
-A checkpoint ``step-<N>`` (``learner.checkpoint``) is complete when its ``meta.json``
+A checkpoint ``step-<N>`` (``relay.learner.checkpoint``) is complete when its ``meta.json``
 (``CheckpointMeta``, written last) reads and names step N in this ``FORMAT``; any other
 ``step-*`` folder (a ``.tmp`` left by a crash, a folder without ``meta.json``, one of an
 older format) is skipped with a warning naming it. ``meta.json`` also records the lineage of
-the run that wrote it (``learner.checkpoint_lineage``), when it was written, and the size and
-SHA-256 of every other file (``learner.checkpoint_files``).
+the run that wrote it (``relay.learner.checkpoint_lineage``), when it was written, and the size and
+SHA-256 of every other file (``relay.learner.checkpoint_files``).
 
 A complete checkpoint is intact (``check_intact``) when it is this user's and neither the
 group nor others can write it, every file matches the manifest, and its DCP metadata reads
-without running code (``learner.safe_dcp``); a checkpoint written before the manifest is
+without running code (``relay.learner.safe_dcp``); a checkpoint written before the manifest is
 taken unverified, with a warning.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
-from learner import safe_dcp
-from learner.checkpoint_files import (
+from relay.learner import safe_dcp
+from relay.learner.checkpoint_files import (
     CheckpointError,
     FileDigest,
     check_owner_and_mode,
@@ -59,7 +59,7 @@ class Branch(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class Lineage(msgspec.Struct, kw_only=True, frozen=True):
-    """The run a checkpoint belongs to (``learner.checkpoint_lineage``): ``id`` is made by a
+    """The run a checkpoint belongs to (``relay.learner.checkpoint_lineage``): ``id`` is made by a
     fresh start or a branch and carried on by every resume that continues it; ``parent``:
     the checkpoint a branch started from (None for a fresh start)."""
 

@@ -8,8 +8,8 @@ to token t). The body loads with ``AutoModel`` from the policy checkpoint (or
 live on the learner's shifted grid (entry j is the value of the state before token j + 1,
 as log-probs are), and are computed by the learner in the very step whose advantages use
 them, so a stale value never enters GAE. Training follows the actor's mini-batches with
-the clipped value loss (``algorithms.value_loss``), and its passes (under Ulysses sequence
-parallelism too: ``learner.ulysses``).
+the clipped value loss (``relay.algorithms.value_loss``), and its passes (under Ulysses sequence
+parallelism too: ``relay.learner.ulysses``).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoModel, PretrainedConfig
 
-from algorithms.aggregation import aggregate_loss
-from algorithms.value_loss import clipped_value_loss
-from configs.run_schema import CriticConfig
-from learner.attention import ATTENTION, check_relay_attention
-from learner.batch import TrainBatch
-from learner.micro_batches import MicroBatches, mini_batch_totals
-from learner.model import (
+from relay.algorithms.aggregation import aggregate_loss
+from relay.algorithms.value_loss import clipped_value_loss
+from relay.configs.run_schema import CriticConfig
+from relay.learner.attention import ATTENTION, check_relay_attention
+from relay.learner.batch import TrainBatch
+from relay.learner.micro_batches import MicroBatches, mini_batch_totals
+from relay.learner.model import (
     block_classes,
     enable_activation_checkpointing,
     hf_config,
@@ -35,8 +35,8 @@ from learner.model import (
     shard,
     sharding_mesh,
 )
-from learner.ulysses import gather_tokens, packed_forward
-from learner.optim import build_optimizer, build_scheduler, clipped_step
+from relay.learner.ulysses import gather_tokens, packed_forward
+from relay.learner.optim import build_optimizer, build_scheduler, clipped_step
 
 
 class ValueModel(nn.Module):
@@ -53,7 +53,7 @@ class ValueModel(nn.Module):
     def config(self) -> PretrainedConfig:
         """The body's transformers config (a ``LlamaConfig``, ``Qwen2Config``, ...): the very
         object its attention layers read ``_attn_implementation`` from, read here by
-        ``learner.attention.check_relay_attention`` before a packed forward."""
+        ``relay.learner.attention.check_relay_attention`` before a packed forward."""
         return self.body.config
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -67,9 +67,9 @@ class ValueModel(nn.Module):
 def load_value_model(path: str, *, compute_dtype: torch.dtype, device: torch.device,
                      trust_remote_code: bool = False, gradient_checkpointing: bool = False,
                      mesh: DeviceMesh | None = None) -> ValueModel:
-    """The body of the causal LM at ``path`` (fp32, attending with ``learner.attention``) plus
+    """The body of the causal LM at ``path`` (fp32, attending with ``relay.learner.attention``) plus
     a zero value head, FSDP2-sharded over ``mesh`` (default: every rank) and loaded from
-    rank 0, as the policy is (``learner.model.load_sharded``)."""
+    rank 0, as the policy is (``relay.learner.model.load_sharded``)."""
     options = dict(dtype=torch.float32, attn_implementation=ATTENTION,
                    trust_remote_code=trust_remote_code)
     model, full_state = read_on_rank0(

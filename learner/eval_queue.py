@@ -1,6 +1,6 @@
 """Weights waiting for the evaluator, and the reports it sends back (thread-safe).
 
-Held-out evaluation runs in its own process (``generators.evaluator``) so that no learner
+Held-out evaluation runs in its own process (``relay.generators.evaluator``) so that no learner
 step waits for it. The loop ``offer``s each published version due for evaluation (before
 any, the initial checkpoint, which the evaluator loads itself); the weights went by on the
 weight stream, where an ``EvalOffer`` tells the evaluator to keep them. The weight server's
@@ -8,7 +8,7 @@ thread answers the evaluator's ``EvalRequest``s from here (``handle``), oldest o
 and queues the reports they carry for the loop (``take_reports``). An offer stays first in
 line until the evaluator asks for something after it, so a reply lost to a timeout is
 simply handed out again; a report is kept once (a resent one is ignored). Only the
-evaluator's role may send ``EvalRequest``s (``WeightServer``, ``transport.roles``), and a
+evaluator's role may send ``EvalRequest``s (``WeightServer``, ``relay.transport.roles``), and a
 request is still judged against what was handed out, since without CURVE that role is not
 proven: an ``after_step`` that reaches an offer never handed out is refused
 (``bad_request``, nothing leaves the queue), so only offers the evaluator was given can
@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from transport.messages import (
+from relay.transport.messages import (
     ErrorReply,
     EvalOffer,
     EvalReport,
@@ -142,7 +142,7 @@ class EvalQueue:
     # -- the weight server's thread ------------------------------------------------------
 
     def handle(self, msg: EvalRequest, current_version: int) -> Message:
-        """The reply to an ``EvalRequest`` (see ``transport.messages.EvalRequest``), or
+        """The reply to an ``EvalRequest`` (see ``relay.transport.messages.EvalRequest``), or
         ``ErrorReply(bad_request)`` for one whose ``after_step`` would take an offer never
         handed out out of the queue."""
         now = time.monotonic()

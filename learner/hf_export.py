@@ -1,7 +1,7 @@
 """The policy as a Hugging Face model folder, written one shard at a time.
 
 ``save_hf`` is a collective: the policy is gathered bucket by bucket
-(``learner.weight_buckets``, buckets of ``shard_bytes``) and rank 0 writes each parameter
+(``relay.learner.weight_buckets``, buckets of ``shard_bytes``) and rank 0 writes each parameter
 into the safetensors shard of the bucket in which its last rows arrive, so that rank 0
 holds one shard (and the parameter split across buckets that it is completing), never the
 whole model. The folder reads like ``save_pretrained``'s: ``model.safetensors`` when there
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from learner.weight_buckets import BucketPlan, gather_buckets, plan_buckets
+from relay.learner.weight_buckets import BucketPlan, gather_buckets, plan_buckets
 
 DEFAULT_SHARD_BYTES = 1 << 30
 SINGLE_FILE = "model.safetensors"

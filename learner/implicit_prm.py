@@ -1,4 +1,4 @@
-"""PRIME's implicit process reward model, trained online by the learner (``algorithms.prime``).
+"""PRIME's implicit process reward model, trained online by the learner (``relay.algorithms.prime``).
 
 A causal LM pi_phi, loaded like the policy (from ``reward_model.model.path`` or the policy
 checkpoint) and FSDP2-sharded, scored against pi_ref, a frozen copy of the checkpoint it
@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from algorithms.prime import implicit_prm_loss
-from configs.run_schema import RewardModelConfig
-from learner.batch import TrainBatch
-from learner.micro_batches import MicroBatches
-from learner.model import forward_logprobs
-from learner.optim import build_optimizer, build_scheduler, clipped_step
+from relay.algorithms.prime import implicit_prm_loss
+from relay.configs.run_schema import RewardModelConfig
+from relay.learner.batch import TrainBatch
+from relay.learner.micro_batches import MicroBatches
+from relay.learner.model import forward_logprobs
+from relay.learner.optim import build_optimizer, build_scheduler, clipped_step
 
 
 class ImplicitPRM:

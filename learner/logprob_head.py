@@ -1,6 +1,6 @@
 """A causal LM's log-probs (and entropies) of given next tokens at given positions, from its
 final hidden states through the LM head chunk by chunk: never (positions x vocabulary)
-logits whole, forward or backward (``algorithms.logprobs.head_logprobs``).
+logits whole, forward or backward (``relay.algorithms.logprobs.head_logprobs``).
 
 The model's body (``get_decoder()``) runs on a pass's inputs; the hidden states at the
 positions asked for go through the head's weight (``get_output_embeddings()``: with tied
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 
-from algorithms.logprobs import entropy_from_logits, head_logprobs, token_logprobs
+from relay.algorithms.logprobs import entropy_from_logits, head_logprobs, token_logprobs
 
 # model types whose causal-LM forward is ``logits = lm_head(body(...).last_hidden_state)``
 # and nothing more (read in transformers' modeling files)
@@ -57,7 +57,7 @@ def linear_head(model: nn.Module) -> bool:
 def _forward_method(model: nn.Module):
     """``_body_then_head`` bound to ``model``, registered (once) as an FSDP2 forward of the
     root: a no-op registration for a model that is not sharded, so a model must be sharded
-    before its first pass, as ``learner.model.load_sharded`` does."""
+    before its first pass, as ``relay.learner.model.load_sharded`` does."""
     method = model.__dict__.get(FORWARD_METHOD)
     if method is None:
         setattr(model, FORWARD_METHOD, MethodType(_body_then_head, model))

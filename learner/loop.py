@@ -6,7 +6,7 @@ learner starts at version 0 (the checkpoint the generators loaded) and publishes
 v + 1 every ``trainer.publish_every`` steps, skipping a publish when the policy has not
 changed since the last one (the critic's warm-up).
 
-Checkpoints (``learner.checkpoint``) are written after every ``trainer.save_freq``-th step
+Checkpoints (``relay.learner.checkpoint``) are written after every ``trainer.save_freq``-th step
 and the last, with the buffer's state asked of it at that moment. A resumed loop
 (``TrainLoop.resume``) goes on at the checkpoint's step + 1 with its version: before the
 first step it publishes the loaded weights under that version (version + 1 when the policy
@@ -21,7 +21,7 @@ meanwhile: the evaluator asks only once it has heard one, so its subscription to
 stream has reached this process; then at each evaluation step (step 0 with
 ``trainer.val_before_train``, every ``trainer.test_freq`` steps, the last step) the loop
 offers the newest published version (before any, the initial checkpoint) to the evaluator
-process through the weight server's evaluation queue (``learner.eval_queue``) and goes on
+process through the weight server's evaluation queue (``relay.learner.eval_queue``) and goes on
 training; the evaluator's reports come back later and are logged against the step after
 which the version was published, the step whose weights they measured. At the end the loop
 waits (bounded) for the last offer's report.
@@ -38,17 +38,17 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from configs.run_schema import TrainerConfig
-from learner.batch import TrainBatch, collate
-from learner.checkpoint import BufferStateLink, LoopState, save_checkpoint
-from learner.checkpoint_lineage import Lineage, saves_at
-from learner.rollouts import BufferLink, broadcast_batch
-from learner.tracking import Tracker
-from learner.update import Learner
-from learner.weight_buckets import plan_buckets
-from learner.weights import WeightServer, WeightStream, publish_weights
-from transport.messages import EvalOffer, EvalReport, Metrics, RolloutGroup, SampleBatch
-from transport.sockets import Pusher
+from relay.configs.run_schema import TrainerConfig
+from relay.learner.batch import TrainBatch, collate
+from relay.learner.checkpoint import BufferStateLink, LoopState, save_checkpoint
+from relay.learner.checkpoint_lineage import Lineage, saves_at
+from relay.learner.rollouts import BufferLink, broadcast_batch
+from relay.learner.tracking import Tracker
+from relay.learner.update import Learner
+from relay.learner.weight_buckets import plan_buckets
+from relay.learner.weights import WeightServer, WeightStream, publish_weights
+from relay.transport.messages import EvalOffer, EvalReport, Metrics, RolloutGroup, SampleBatch
+from relay.transport.sockets import Pusher
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def finite_priorities(groups: list[RolloutGroup], td_errors: list[float]
     """Each group's TD-error priority by rollout id, leaving out those that are not finite
     (a diverging critic's NaN or inf), and how many were left out. The buffer refuses a
     request whose priorities hold any such value, applying none of them
-    (``buffer.prioritized``), which the learner could not survive; a group left out keeps
+    (``relay.buffer.prioritized``), which the learner could not survive; a group left out keeps
     the priority it had."""
     priorities = {group.rollout_id: error for group, error in zip(groups, td_errors)
                   if math.isfinite(error)}
@@ -131,7 +131,7 @@ class TrainLoop:
     (``data.train_batch_size``), eta (``buffer.max_staleness``, for the staleness metrics),
     whether the buffer wants TD-error priorities back (``buffer.replay.priority``), whether
     the run evaluates (``RunConfig.evaluates``), how many checkpoints to keep and the
-    lineage they carry (``learner.checkpoint_lineage.run_lineage``)."""
+    lineage they carry (``relay.learner.checkpoint_lineage.run_lineage``)."""
 
     def __init__(self, trainer: TrainerConfig, learner: Learner, *, batch_size: int,
                  max_staleness: int, send_td_errors: bool, evaluates: bool, keep_last: int,
@@ -217,7 +217,7 @@ class TrainLoop:
     def _next_batch(self, step: int) -> tuple[SampleBatch, float]:
         """The batch for ``step`` on every rank, and the seconds rank 0 waited for it.
         While waiting, rank 0 may stop to stream the newest version again for subscribers
-        that missed it (``learner.weights``): then every rank streams, and waits again."""
+        that missed it (``relay.learner.weights``): then every rank streams, and waits again."""
         waited = 0.0
         priorities = self.priorities  # sent with the first request only
         while True:

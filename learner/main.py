@@ -1,11 +1,11 @@
-"""The learner: ``torchrun ... -m learner.main --run-dir RUN_DIR`` (started by the launcher).
+"""The learner: ``torchrun ... -m relay.learner.main --run-dir RUN_DIR`` (started by the launcher).
 
 Parse, build, run, close: the process group (gloo on CPU; on a GPU NCCL for CUDA tensors
 and gloo for CPU ones), the FSDP2 policy and optional reference, the optimizer and
 schedule; rank 0 also builds its link to the buffer, the weight server and the MLflow
 run. A resumed run (``trainer.resume_mode``, resolved by the launcher) then loads its
-checkpoint (``learner.checkpoint``) into all of them and continues the MLflow run it names.
-Then ``learner.loop``.
+checkpoint (``relay.learner.checkpoint``) into all of them and continues the MLflow run it names.
+Then ``relay.learner.loop``.
 """
 
 from __future__ import annotations
@@ -21,38 +21,38 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from configs.rundir import (
+from relay.configs.rundir import (
     RESOLVED_RUN,
     RESOLVED_TOPOLOGY,
     RunContext,
     configure_logging,
     load_run_dir,
 )
-from learner.checkpoint import (
+from relay.learner.checkpoint import (
     BufferStateLink,
     CheckpointMeta,
     check_shared_checkpoints,
     load_checkpoint,
 )
-from learner.checkpoint_lineage import run_lineage
-from learner.critic import Critic, load_value_model
-from learner.eval_queue import EvalQueue
-from learner.implicit_prm import ImplicitPRM
-from learner.loop import RankZero, Reporter, TrainLoop
-from learner.model import learner_device, load_sharded, sharding_mesh
-from learner.optim import build_optimizer, build_scheduler
-from learner.rollouts import BufferLink
-from learner.tracking import Resumed, Tracker
-from learner.ulysses import Parallelism, check_heads, learner_parallelism
-from learner.update import Learner
-from learner.weights import WeightServer, WeightStream
-from transport.sockets import Pusher
+from relay.learner.checkpoint_lineage import run_lineage
+from relay.learner.critic import Critic, load_value_model
+from relay.learner.eval_queue import EvalQueue
+from relay.learner.implicit_prm import ImplicitPRM
+from relay.learner.loop import RankZero, Reporter, TrainLoop
+from relay.learner.model import learner_device, load_sharded, sharding_mesh
+from relay.learner.optim import build_optimizer, build_scheduler
+from relay.learner.rollouts import BufferLink
+from relay.learner.tracking import Resumed, Tracker
+from relay.learner.ulysses import Parallelism, check_heads, learner_parallelism
+from relay.learner.update import Learner
+from relay.learner.weights import WeightServer, WeightStream
+from relay.transport.sockets import Pusher
 
 logger = logging.getLogger("relay.learner")
 
 
 class Meshes:
-    """The sharding meshes of the learner's models (``learner.model.sharding_mesh``), one
+    """The sharding meshes of the learner's models (``relay.learner.model.sharding_mesh``), one
     per ``fsdp_size``: models of the same size share a mesh and its process groups."""
 
     def __init__(self, device: torch.device) -> None:
@@ -70,12 +70,12 @@ class Meshes:
 def build_learner(ctx: RunContext, device: torch.device,
                   parallelism: Parallelism | None = None) -> Learner:
     """Every model, optimizer and schedule the run's learner needs, sharded over the world
-    or, with verl's ``fsdp_size``, hybrid-sharded (``learner.model.sharding_mesh``: the
+    or, with verl's ``fsdp_size``, hybrid-sharded (``relay.learner.model.sharding_mesh``: the
     policy and the PRM by the actor's, the reference by the ref's, the critic by its own);
     under Ulysses (``actor.ulysses_sequence_parallel_size`` > 1) the heads of each model it
     loads (the policy and its reference, the critic with ``gae``, the PRM with ``prime``)
     are checked against the SP size first. Each model is read from disk on rank 0 only
-    (``learner.model.load_sharded``)."""
+    (``relay.learner.model.load_sharded``)."""
     run = ctx.run
     dtype = getattr(torch, run.model.dtype)
     estimator = run.algorithm.adv_estimator
@@ -156,7 +156,7 @@ def init_learner_group(device: torch.device, timeout: timedelta) -> None:
     """The learner's default process group: on a GPU, gloo for CPU tensors' collectives and
     NCCL for CUDA tensors', bound to ``device`` (as verl does); on the CPU, gloo. Under
     torchrun (``WORLD_SIZE`` > 1) the ranks meet through its store; a learner of one rank
-    (started alone on one host: ``launcher.plan``) is a group of one on a store in its own
+    (started alone on one host: ``relay.launcher.plan``) is a group of one on a store in its own
     memory, so that no rendezvous port is opened, whatever ``MASTER_PORT`` it inherited (a
     parent running a process group of its own holds that port)."""
     alone = {} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {
@@ -169,7 +169,7 @@ def init_learner_group(device: torch.device, timeout: timedelta) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="torchrun ... -m learner.main")
+    parser = argparse.ArgumentParser(prog="torchrun ... -m relay.learner.main")
     parser.add_argument("--run-dir", required=True, help="run directory written by the launcher")
     args = parser.parse_args(argv)
     configure_logging()

@@ -4,9 +4,9 @@ Parameters are counted exactly, tensor by tensor, on the model built on the ``me
 (``count_parameters``: no weights read, no memory taken); the rest follows from the run's
 knobs by the formula in each function's docstring. The plan is one rank's (every rank holds
 the same on its GPU; rank 0's publish buffers are host memory) for the GPU recipe: FSDP2
-over fp32 master weights computing in ``model.dtype`` (``learner.model``), attention that
+over fp32 master weights computing in ``model.dtype`` (``relay.learner.model``), attention that
 keeps no (tokens x tokens) scores (flash / varlen), log-probs through the LM head a chunk of
-positions at a time (``algorithms.logprobs.head_logprobs``). What sits on the CPU
+positions at a time (``relay.algorithms.logprobs.head_logprobs``). What sits on the CPU
 (offloaded shards and states) is not counted.
 
 A rank holds the ``HELD`` items throughout and, on top, the items of one phase at a time:
@@ -26,26 +26,26 @@ import msgspec
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig
 
-from algorithms.logprobs import LOGITS_CHUNK_BYTES
-from configs.run_schema import RunConfig
-from learner.critic import ValueModel
-from learner.logprob_head import linear_head
-from learner.model import block_classes
-from learner.weight_buckets import DEVICE_AHEAD
+from relay.algorithms.logprobs import LOGITS_CHUNK_BYTES
+from relay.configs.run_schema import RunConfig
+from relay.learner.critic import ValueModel
+from relay.learner.logprob_head import linear_head
+from relay.learner.model import block_classes
+from relay.learner.weight_buckets import DEVICE_AHEAD
 
 GIB = 1 << 30
 FP32 = 4
 ADAM_STATES = 2  # AdamW's exp_avg and exp_avg_sq, fp32, one element each per parameter element
 GATHERED_BLOCKS = 2  # FSDP2 holds the block it runs and the one it prefetches
 # the step's batch, on every rank whole, per (row, position): input ids, attention mask and
-# versions (int64), response mask and behavior log-probs (fp32): learner.batch.TrainBatch;
+# versions (int64), response mask and behavior log-probs (fp32): relay.learner.batch.TrainBatch;
 # and the step's fp32 grids (advantages, proximal and reference log-probs, returns)
 BATCH_BYTES_PER_POSITION = 3 * 8 + 2 * 4 + 4 * 4
 # fp32 copies and gradients per (position, vocabulary entry) when log-probs and entropies
 # are taken from whole logits (unchunked_logits_bytes)
 UNCHUNKED_BYTES_PER_LOGIT = 32
 # head_logprobs holds about four chunk-sized tensors in its forward, three in its backward
-# (algorithms.logprobs.LOGITS_CHUNK_BYTES)
+# (relay.algorithms.logprobs.LOGITS_CHUNK_BYTES)
 HEAD_CHUNKS_IN_FLIGHT = 4
 # An allowance, not a measurement: the CUDA context (~0.5 GiB with torch on an H100) and
 # NCCL's buffers for the learner's communicators; neither is a tensor torch counts.
@@ -136,7 +136,7 @@ class ModelSize(msgspec.Struct, frozen=True, kw_only=True):
     block: int  # elements of the largest transformer block (FSDP2 gathers one at a time)
     root: int  # elements outside the blocks (embeddings, final norm, head): the root's unit
     head: int  # elements of the output head (LM head or value head)
-    # how the head's outputs are computed: "chunked" log-probs (learner.logprob_head's linear
+    # how the head's outputs are computed: "chunked" log-probs (relay.learner.logprob_head's linear
     # heads), the model's own "logits" at every position, or a critic's scalar "value"
     head_kind: Literal["chunked", "logits", "value"]
     shape: BlockShape
@@ -164,7 +164,7 @@ class ModelSize(msgspec.Struct, frozen=True, kw_only=True):
 def count_parameters(config: PretrainedConfig, *, value_head: bool = False,
                      trust_remote_code: bool = False) -> ModelSize:
     """The parameters of the causal LM ``config`` describes (or, with ``value_head``, of the
-    critic built on its body: ``learner.critic.ValueModel``), counted on a model built on
+    critic built on its body: ``relay.learner.critic.ValueModel``), counted on a model built on
     the ``meta`` device; tied parameters count once, as FSDP2 shards them once."""
     with torch.device("meta"):
         if value_head:
@@ -270,7 +270,7 @@ def chunk_positions(vocab: int, positions: int) -> int:
 
 def head_bytes(size: ModelSize, positions: int, compute_bytes: int, backward: bool) -> int:
     """The head's outputs over ``positions`` positions. ``chunked`` log-probs
-    (``algorithms.logprobs.head_logprobs``): at most ``HEAD_CHUNKS_IN_FLIGHT`` chunks of fp32
+    (``relay.algorithms.logprobs.head_logprobs``): at most ``HEAD_CHUNKS_IN_FLIGHT`` chunks of fp32
     logits (``chunk_positions`` x V x 4) at once, and in the backward the head weight's
     gradient, summed in fp32 then cast to the compute dtype (head x (4 + c)), and the hidden
     states' (P h c). ``logits``: ``unchunked_logits_bytes``. ``value``: P x 4."""
@@ -288,7 +288,7 @@ def head_bytes(size: ModelSize, positions: int, compute_bytes: int, backward: bo
 
 def pass_tokens(*, use_dynamic_bsz: bool, max_token_len: int, micro_batch_size: int,
                 row_length: int, sp: int) -> int:
-    """Tokens one rank's forward holds at most (``learner.micro_batches``): with
+    """Tokens one rank's forward holds at most (``relay.learner.micro_batches``): with
     ``use_dynamic_bsz`` the budget per GPU, or one longest row spread over the SP group when
     that is more (a longer row gets a pass of its own); otherwise ``micro_batch_size``
     longest rows spread over the SP group. With ``actor.share_prompts`` a pass holds fewer
@@ -484,7 +484,7 @@ def logprob_pass_items(size: ModelSize, *, compute_bytes: int, tokens: int) -> l
 
 
 def publish_item(size: ModelSize, bucket_bytes: int, compute_bytes: int) -> MemoryItem:
-    """A publish on CUDA (``learner.weight_buckets``): every rank gathers each parameter whole
+    """A publish on CUDA (``relay.learner.weight_buckets``): every rank gathers each parameter whole
     in the compute dtype, ``DEVICE_AHEAD`` bucket ahead of the one whose rows go to the host,
     so the device holds the parameters of two buckets at most: 2 x bucket, and the whole
     parameters cut at their ends (two of the largest). The buckets themselves are pinned

@@ -12,7 +12,7 @@ a pass and little compute goes to padding. The cut is either
   gets a pass of its own.
 
 With ``share_prompts`` (``actor.share_prompts``) the rows of a prompt group stay together so
-their prompt can be computed once (``learner.shared_prompts``): rank r takes groups
+their prompt can be computed once (``relay.learner.shared_prompts``): rank r takes groups
 r, r + W, ..., orders them by packed length (prompt + all responses) and fills passes with
 whole groups, up to ``micro_batch_size`` rows or ``max_token_len`` packed tokens (sequences
 x longest sequence) a pass; a group bigger than that is split, and its parts still share
@@ -24,7 +24,7 @@ count is the largest any rank needs, and a rank that has no rows left makes a st
 over one real row with ``weight`` 0: every loss and diagnostic of the pass is multiplied by
 the weight, so it changes nothing.
 
-Under Ulysses sequence parallelism (``learner.ulysses``) "rank" above means a data-parallel
+Under Ulysses sequence parallelism (``relay.learner.ulysses``) "rank" above means a data-parallel
 rank (``group``: one rank of each SP group); the ranks of an SP group take the same passes
 and split their tokens (``sp``). ``max_token_len`` stays a budget per GPU, as verl's
 ``ppo_max_token_len_per_gpu`` is: each of the P ranks of an SP group runs 1/P of a pass's
@@ -56,8 +56,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from learner.batch import TrainBatch
-from learner.ulysses import SequenceParallel
+from relay.learner.batch import TrainBatch
+from relay.learner.ulysses import SequenceParallel
 
 
 class MiniBatchTotals(msgspec.Struct, frozen=True):

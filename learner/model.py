@@ -30,11 +30,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from learner.attention import ATTENTION, check_relay_attention
-from learner.batch import TrainBatch
-from learner.logprob_head import position_logprobs
-from learner.shared_prompts import pack, unsupported
-from learner.ulysses import SequenceParallel, gather_tokens, packed_inputs
+from relay.learner.attention import ATTENTION, check_relay_attention
+from relay.learner.batch import TrainBatch
+from relay.learner.logprob_head import position_logprobs
+from relay.learner.shared_prompts import pack, unsupported
+from relay.learner.ulysses import SequenceParallel, gather_tokens, packed_inputs
 
 
 def learner_device(setting: str, local_rank: int) -> torch.device:
@@ -71,7 +71,7 @@ def sharding_mesh(device: torch.device, fsdp_size: int = -1,
     replicas (all-gathers stay within k ranks, say one host; each rank holds W / k times
     the weights, gradients and optimizer state of full sharding). Either way FSDP2
     averages gradients over all W ranks, so the update is the same, and Ulysses' ``dp x
-    sp`` mesh (``learner.ulysses``, verl's separate mesh too) composes with any of them: it
+    sp`` mesh (``relay.learner.ulysses``, verl's separate mesh too) composes with any of them: it
     only decides which rows and tokens a rank runs. ValueError naming ``key`` for a size
     that is neither."""
     if not dist.is_initialized():
@@ -91,7 +91,7 @@ def load_sharded(path: str, *, compute_dtype: torch.dtype, device: torch.device,
                  trust_remote_code: bool = False, trainable: bool = True,
                  gradient_checkpointing: bool = False, offload: bool = False,
                  compile_blocks: bool = False, mesh: DeviceMesh | None = None) -> nn.Module:
-    """An HF causal LM from ``path``, attending with ``learner.attention``, FSDP2-sharded
+    """An HF causal LM from ``path``, attending with ``relay.learner.attention``, FSDP2-sharded
     over ``mesh`` (default: every rank, ``sharding_mesh``) and loaded from rank 0 (module
     docstring): fp32 master weights when ``trainable``, else frozen in ``compute_dtype`` (it
     never steps, and computes in that dtype anyway). ``gradient_checkpointing`` (trainable
@@ -215,12 +215,12 @@ def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,
     under the response mask).
 
     Only the positions that predict a response token go through the LM head, chunk by
-    chunk (``learner.logprob_head``): never the prompts, never (tokens x vocabulary) logits
+    chunk (``relay.learner.logprob_head``): never the prompts, never (tokens x vocabulary) logits
     whole. The rows go through the model padded; or, with ``sp``, packed and split across
-    the SP group (``learner.ulysses``); or, with ``share_prompts``, the rows of a group that
-    share a prompt as one sequence (``learner.shared_prompts``) when the model's family
+    the SP group (``relay.learner.ulysses``); or, with ``share_prompts``, the rows of a group that
+    share a prompt as one sequence (``relay.learner.shared_prompts``) when the model's family
     allows it. The response positions hold the same values every way. Both packed forwards
-    need the model loaded to attend with ``learner.attention`` (``load_sharded``).
+    need the model loaded to attend with ``relay.learner.attention`` (``load_sharded``).
     """
     if sp is not None:
         check_relay_attention(model)
@@ -265,7 +265,7 @@ def _sequence_parallel_logprobs(model: nn.Module, batch: TrainBatch, temperature
                                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``forward_logprobs`` under Ulysses: each SP rank computes the log-probs (and
     entropies) of its slice's positions that predict a response token, and the group
-    gathers them (``learner.ulysses``)."""
+    gathers them (``relay.learner.ulysses``)."""
     packed, inputs = packed_inputs(batch, sp)
     total = packed.input_ids.shape[1]
     width = total // sp.size

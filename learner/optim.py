@@ -30,7 +30,7 @@ from transformers import (
     get_cosine_with_min_lr_schedule_with_warmup,
 )
 
-from configs.run_schema import OptimConfig
+from relay.configs.run_schema import OptimConfig
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:

@@ -1,7 +1,7 @@
 """Offline replay: the learner re-run on exactly what each recorded step trained on.
 
 ``tools/replay-rollouts.py RUN_DIR --from-step A --to-step B`` debugs a run without
-generators or a buffer. The buffer's rollout log (``buffer.rollout_log``) holds every group
+generators or a buffer. The buffer's rollout log (``relay.buffer.rollout_log``) holds every group
 admitted and, for each learner step, the groups it was served, in order, with their
 importance weights and the version the learner trained at. The replay starts from the newest
 complete checkpoint written before step A (or, with none, from ``model.path``, the weights
@@ -13,10 +13,10 @@ disagrees points at non-determinism or at state the checkpoint did not carry.
 The served samples of a group are the logged group's samples that the store kept
 (``metadata["buffer_admission"]["kept_samples"]``: PF-PPO may keep fewer). Steps between
 the checkpoint and A are replayed too (they lead to A's weights) and printed. A checkpoint
-that is not intact (``learner.checkpoint_meta.check_intact``: not this user's, writable by
+that is not intact (``relay.learner.checkpoint_meta.check_intact``: not this user's, writable by
 others, files that differ from its manifest, DCP metadata that asks to run code) is skipped
 with a warning saying why, for the newest one before it that passes; its state is read
-without running any pickle (``learner.safe_dcp``).
+without running any pickle (``relay.learner.safe_dcp``).
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 from transformers import AutoTokenizer
 
-from buffer.rollout_log import LogProblem, StepRecord, read_rollout_log, read_steps
-from configs.rundir import RunContext
-from learner.batch import collate
-from learner.checkpoint import load_checkpoint
-from learner.checkpoint_files import CheckpointError
-from learner.checkpoint_meta import check_intact, read_meta, scan_checkpoints
-from learner.main import build_learner
-from learner.tracking import RUN_DIR_TAG, default_uri
-from learner.update import Learner
-from transport.messages import RolloutGroup
+from relay.buffer.rollout_log import LogProblem, StepRecord, read_rollout_log, read_steps
+from relay.configs.rundir import RunContext
+from relay.learner.batch import collate
+from relay.learner.checkpoint import load_checkpoint
+from relay.learner.checkpoint_files import CheckpointError
+from relay.learner.checkpoint_meta import check_intact, read_meta, scan_checkpoints
+from relay.learner.main import build_learner
+from relay.learner.tracking import RUN_DIR_TAG, default_uri
+from relay.learner.update import Learner
+from relay.transport.messages import RolloutGroup
 
 logger = logging.getLogger(__name__)
 

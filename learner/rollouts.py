@@ -1,7 +1,7 @@
 """The learner's link to the buffer: batches in, versions and the end of the run out.
 
 Rank 0 alone talks to the buffer; it broadcasts each batch to the other ranks as one
-``transport.records`` record over the CPU process group (the same codec as the wire,
+``relay.transport.records`` record over the CPU process group (the same codec as the wire,
 never pickle).
 """
 
@@ -14,12 +14,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from transport.codec import Decoder, encode
-from transport.messages import Ack, SampleBatch, SampleRequest, Shutdown, VersionUpdate
-from transport.records import pack, unpack
-from transport.retry import patient_request
-from transport.security import ClientKeys
-from transport.sockets import Client, PeerTimeout
+from relay.transport.codec import Decoder, encode
+from relay.transport.messages import Ack, SampleBatch, SampleRequest, Shutdown, VersionUpdate
+from relay.transport.records import pack, unpack
+from relay.transport.retry import patient_request
+from relay.transport.security import ClientKeys
+from relay.transport.sockets import Client, PeerTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ WAIT_LOG_EVERY_S = 30.0
 
 class BufferLink:
     """Rank 0's requests to the buffer, each retried through a buffer stall for up to
-    ``patience_s`` (``buffer.client_patience_s``; ``transport.retry``), then ``PeerGone``."""
+    ``patience_s`` (``buffer.client_patience_s``; ``relay.transport.retry``), then ``PeerGone``."""
 
     def __init__(self, endpoint: str, patience_s: float, keys: ClientKeys | None = None) -> None:
         self._client = Client(endpoint, keys=keys)

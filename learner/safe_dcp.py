@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from learner.checkpoint_files import CheckpointError
+from relay.learner.checkpoint_files import CheckpointError
 
 
 def _metadata_globals() -> dict[tuple[str, str], Any]:

@@ -8,7 +8,7 @@ become one sequence
 
 with position ids ``0..p-1`` for the prompt and ``p..p+l_i-1`` for every response (they
 restart after the prompt). Every layer but attention works token by token, so it runs the
-prompt once. Attention (``shared_prompt_attention``, which ``learner.attention`` runs when
+prompt once. Attention (``shared_prompt_attention``, which ``relay.learner.attention`` runs when
 a forward is given ``shared_prompt_rows``) goes back to rows, of two kinds: a prompt row
 per sequence holds the prompt's queries, keys and values, and a response row per sample
 holds the queries of ``response_i`` and the keys and values of ``prompt, response_i``
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from learner.batch import TrainBatch, host_index
+from relay.learner.batch import TrainBatch, host_index
 
 # families whose attention is plain causal softmax attention over RoPE'd queries and keys
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -145,7 +145,7 @@ def pack(batch: TrainBatch) -> PackedRows:
         0, target, batch.input_ids.flatten())[None, :offset]
     position_ids = batch.input_ids.new_zeros(offset + 1).scatter_(
         0, target, column.expand(rows, -1).flatten())[None, :offset]
-    # row position p - 1 + i predicts response token i (as in learner.batch.collate)
+    # row position p - 1 + i predicts response token i (as in relay.learner.batch.collate)
     grid_rows, within = _ranges(response, sum(lengths))
     grid_columns = prompt[grid_rows] - 1 + within
     first_prompts = [prompts[row] for row in first_rows]
@@ -224,7 +224,7 @@ def shared_prompt_attention(module: nn.Module, query: torch.Tensor, key: torch.T
     padding positions get zeros (nothing reads them)."""
     if shared_prompt_rows is None:
         raise RuntimeError("shared-prompt attention runs only on packed prompt groups "
-                           "(learner.shared_prompts.pack)")
+                           "(relay.learner.shared_prompts.pack)")
     if sliding_window is not None:
         raise RuntimeError("shared-prompt attention does not implement sliding-window "
                            "attention")

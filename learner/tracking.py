@@ -40,14 +40,14 @@ import msgspec
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from transport.messages import ValGeneration
+from relay.transport.messages import ValGeneration
 
 logger = logging.getLogger(__name__)
 
 MAX_PARAM_CHARS = 500
 RUN_DIR_TAG = "relay.run_dir"
 """Every MLflow run of a run directory carries its absolute path under this tag (the offline
-replay, ``learner.replay``, finds the live metrics by it)."""
+replay, ``relay.learner.replay``, finds the live metrics by it)."""
 
 
 def default_uri(run_dir: Path) -> str:

@@ -10,18 +10,18 @@ position ids restarting at 0, padded to a multiple of ``P`` (each padding token 
 of its own) and cut into ``P`` slices of ``C = T / P`` tokens: SP rank ``p`` runs the model
 on tokens ``[p C, (p + 1) C)``. Every layer but attention works token by token, and RoPE
 reads the slice's own position ids. Attention (``ulysses_attention``, which
-``learner.attention`` runs when a forward is given ``ulysses``) swaps the split:
+``relay.learner.attention`` runs when a forward is given ``ulysses``) swaps the split:
 
     (C tokens, H heads) --all-to-all--> (T tokens, H / P heads)
     causal attention within each packed row, tokens [cu_seqlens[s], cu_seqlens[s + 1]):
     one variable-length kernel call on CUDA in bf16/fp16, one SDPA call (``is_causal``)
-    per row elsewhere (``learner.varlen``)
+    per row elsewhere (``relay.learner.varlen``)
     (T tokens, H / P heads) --all-to-all--> (C tokens, H heads)
 
 The rows' cumulative lengths ``cu_seqlens`` (flash-attention's varlen convention) say where
 each row starts, so no T x T mask is ever built: attention memory grows with the longest
 row, not with the packed length. (Nor does transformers build its own mask for the packed
-forward: ``learner.attention.relay_mask``.)
+forward: ``relay.learner.attention.relay_mask``.)
 
 Per-token results (log-probs, entropies, values) are computed on the slice and gathered
 (``gather_tokens``) into the row layout ``(B, L - 1)``, so every loss is computed as
@@ -46,9 +46,9 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
-from learner.batch import TrainBatch
-from learner.shared_prompts import unsupported
-from learner.varlen import PackedSequences, packed_causal_attention
+from relay.learner.batch import TrainBatch
+from relay.learner.shared_prompts import unsupported
+from relay.learner.varlen import PackedSequences, packed_causal_attention
 
 KEY = "actor.ulysses_sequence_parallel_size"
 
@@ -92,7 +92,7 @@ def learner_parallelism(device: torch.device, sp_size: int) -> Parallelism:
 def check_heads(config: PretrainedConfig, sp_size: int) -> None:
     """ValueError naming ``KEY`` and the head counts when ``sp_size`` does not fit the
     model's attention heads (module docstring), or the model's attention is not plain
-    causal softmax attention (``learner.shared_prompts.unsupported``: families other than
+    causal softmax attention (``relay.learner.shared_prompts.unsupported``: families other than
     Llama, Qwen2, Qwen3 and Mistral, sliding windows)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -217,13 +217,13 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       sliding_window: int | None = None,
                       **_: object) -> tuple[torch.Tensor, None]:
     """transformers' attention interface over a slice of a packed sequence: causal
-    attention within each packed sequence (``learner.varlen.packed_causal_attention``);
-    ``attention_mask`` is not read (transformers builds none: ``learner.attention``).
+    attention within each packed sequence (``relay.learner.varlen.packed_causal_attention``);
+    ``attention_mask`` is not read (transformers builds none: ``relay.learner.attention``).
 
     ``query`` (1, H, C, D), ``key``/``value`` (1, H_kv, C, D) -> (1, C, H, D)."""
     if ulysses is None:
         raise RuntimeError("Ulysses attention runs only on packed slices "
-                           "(learner.ulysses.pack_tokens)")
+                           "(relay.learner.ulysses.pack_tokens)")
     if sliding_window is not None:
         raise RuntimeError("Ulysses attention does not implement sliding-window attention")
     sp = ulysses.sp
@@ -243,7 +243,7 @@ def packed_inputs(batch: TrainBatch, sp: SequenceParallel
                   ) -> tuple[PackedTokens, dict[str, object]]:
     """Pack ``batch``; the packing and the keyword arguments of this rank's forward on its
     slice (``input_ids``, ``position_ids``, ``ulysses``), for a model attending with
-    ``learner.attention``."""
+    ``relay.learner.attention``."""
     packed = pack_tokens(batch, sp.size)
     sequences = PackedSequences.of(packed.cu_seqlens, device=packed.input_ids.device)
     return packed, dict(input_ids=packed.local(packed.input_ids, sp),

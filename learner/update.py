@@ -2,16 +2,16 @@
 
 The batch is the whole global batch on every rank (rank 0 broadcast it); each
 data-parallel rank trains on rows ``rank::world`` of every mini-batch (under Ulysses
-sequence parallelism the ranks of an SP group split those rows' tokens: ``learner.ulysses``).
-Losses are sums divided by counts over the whole mini-batch (``algorithms.aggregation``),
+sequence parallelism the ranks of an SP group split those rows' tokens: ``relay.learner.ulysses``).
+Losses are sums divided by counts over the whole mini-batch (``relay.algorithms.aggregation``),
 multiplied by the world size because FSDP averages gradients across ranks: so the update
 does not depend on the number of ranks, SP groups or micro-batches. The batch is cut by
-``learner.micro_batches`` (as for the critic and the PRM): every rank runs the same number
+``relay.learner.micro_batches`` (as for the critic and the PRM): every rank runs the same number
 of forward/backward passes (FSDP's collectives need it), and a rank with fewer rows pads
 with a zero-weighted stand-in pass.
 
-Per token, the loss is the configured surrogate (``algorithms.policy_loss``, ratio current /
-proximal) under the off-policy correction (``algorithms.off_policy``: importance weight
+Per token, the loss is the configured surrogate (``relay.algorithms.policy_loss``, ratio current /
+proximal) under the off-policy correction (``relay.algorithms.off_policy``: importance weight
 proximal / behavior, truncated or AReaL's token mask, and rejection masks); the loss mode
 receives the rejection mask as its response mask and the weights, so a rejected token also
 leaves GSPO's sequence ratio and GMPO's geometric mean. Tokens a correction rejects
@@ -22,9 +22,9 @@ leaves its objective whole, not halved. The batch's counts, token-mean's token c
 number of sequences B, stay those of the response, as AReaL's decoupled loss keeps them
 (verl counts the kept tokens): rejecting never up-weights the tokens or sequences that
 remain, and the counts, computed before the micro-batch loop, keep the update independent of
-ranks and micro-batches (``algorithms.aggregation``). The policy loss of gspo, sapo and
+ranks and micro-batches (``relay.algorithms.aggregation``). The policy loss of gspo, sapo and
 geo_mean is aggregated per sequence, as verl does
-(``algorithms.policy_loss.policy_loss_agg_mode``); ``actor.loss_agg_mode`` aggregates
+(``relay.algorithms.policy_loss.policy_loss_agg_mode``); ``actor.loss_agg_mode`` aggregates
 everything else.
 
 Proximal log-probs are the policy's before this step's first optimizer step. With one
@@ -40,11 +40,11 @@ reference, PRIME's PRM) gives each rank the whole batch: each rank computes the 
 trains on and the ranks sum them, so batch-level quantities (KL in the reward, M2PO's second
 moment, PRIME's process rewards) are the same at any number of ranks.
 
-Advantages are computed once per step on the whole batch (``algorithms.advantages``), after
+Advantages are computed once per step on the whole batch (``relay.algorithms.advantages``), after
 KL in the reward, when on, has added ``-beta * KL(proximal || reference)`` per token, and
 over the tokens the rejection kept (whitening, OPO's lengths; ``kept_mask``). ReMax
 takes each group's greedy baseline reward from the batch; PRIME trains its implicit PRM
-(``learner.implicit_prm``) and adds its token rewards (``algorithms.prime``). With
+(``relay.learner.implicit_prm``) and adds its token rewards (``relay.algorithms.prime``). With
 ``gae`` the critic predicts the values first, trains on this step's returns, and for the
 first ``trainer.critic_warmup`` steps the actor does not update; each group's mean
 |return - value| is its TD-error, the priority of prioritized replay by ``td_error``.
@@ -67,32 +67,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from algorithms.advantages import (
+from relay.algorithms.advantages import (
     AdvantageInputs,
     compute_advantages,
     gae_advantages,
     group_sum,
     token_level_rewards,
 )
-from algorithms.aggregation import aggregate_loss
-from algorithms.kl import kl_penalty, kl_reward_penalty, make_kl_controller
-from algorithms.off_policy import Correction, a3po_proximal_logprobs, off_policy_correction
-from algorithms.policy_loss import (
+from relay.algorithms.aggregation import aggregate_loss
+from relay.algorithms.kl import kl_penalty, kl_reward_penalty, make_kl_controller
+from relay.algorithms.off_policy import Correction, a3po_proximal_logprobs, off_policy_correction
+from relay.algorithms.policy_loss import (
     ADVANTAGE_PROPORTIONAL,
     PolicyLossTerms,
     policy_loss,
     policy_loss_agg_mode,
 )
-from algorithms.prime import implicit_process_rewards, prime_advantages
-from configs.run_schema import ActorConfig, AlgorithmConfig, RefConfig
-from learner.batch import TrainBatch
-from learner.critic import Critic
-from learner.implicit_prm import ImplicitPRM
-from learner.micro_batches import MicroBatches, MiniBatchTotals, mini_batch_totals
-from learner.model import forward_logprobs
-from learner.shared_prompts import unsupported
-from learner.ulysses import Parallelism
-from learner.optim import clipped_step
+from relay.algorithms.prime import implicit_process_rewards, prime_advantages
+from relay.configs.run_schema import ActorConfig, AlgorithmConfig, RefConfig
+from relay.learner.batch import TrainBatch
+from relay.learner.critic import Critic
+from relay.learner.implicit_prm import ImplicitPRM
+from relay.learner.micro_batches import MicroBatches, MiniBatchTotals, mini_batch_totals
+from relay.learner.model import forward_logprobs
+from relay.learner.shared_prompts import unsupported
+from relay.learner.ulysses import Parallelism
+from relay.learner.optim import clipped_step
 
 logger = logging.getLogger("relay.learner")
 
@@ -173,7 +173,7 @@ def compute_device(model: nn.Module) -> torch.device:
     """The device ``model`` computes on: that of its parameters, or for an FSDP2 model that
     of its mesh (under ``actor.fsdp_config.param_offload`` the parameters stay on the CPU
     and are brought to the mesh's device for each pass), this process's current GPU on a
-    CUDA mesh (``learner.model.learner_device`` set it), as FSDP2 itself resolves it."""
+    CUDA mesh (``relay.learner.model.learner_device`` set it), as FSDP2 itself resolves it."""
     param = next(model.parameters())
     mesh = getattr(param, "device_mesh", None)
     if mesh is None or mesh.device_type == "cpu":
@@ -376,7 +376,7 @@ class Learner:
                           reference: torch.Tensor | None, kept: torch.Tensor | None
                           ) -> tuple[torch.Tensor, dict[str, float]]:
         """PRIME: train the implicit PRM (before or after scoring), score the batch's tokens,
-        combine with the outcome rewards (``algorithms.prime``). ``reference``: the policy's
+        combine with the outcome rewards (``relay.algorithms.prime``). ``reference``: the policy's
         reference log-probs, reused when the PRM shares that reference model; ``kept``: the
         rejection's mask, or None."""
         assert self.prm is not None

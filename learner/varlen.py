@@ -4,8 +4,8 @@ precision, one SDPA call per sequence anywhere else.
 Packed sequences are laid out as flash-attention's varlen kernels take them: the tokens of
 every sequence one after the other, (T, heads, head_dim), and ``cu_seqlens`` (S + 1,), where
 sequence s is tokens ``[cu_seqlens[s], cu_seqlens[s + 1])``. Ulysses' packed slices
-(``learner.ulysses``) and the padded rows with their padding taken out
-(``learner.attention``) attend this way.
+(``relay.learner.ulysses``) and the padded rows with their padding taken out
+(``relay.learner.attention``) attend this way.
 
 The kernel (``varlen_kernel``): flash-attn's ``flash_attn_varlen_func`` when it is
 installed, else torch's ``torch.nn.attention.varlen.varlen_attn`` in the form with

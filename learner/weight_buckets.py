@@ -14,11 +14,11 @@ device allows:
 - CUDA: a piece's parameter, cast to the publish dtype, is gathered whole on the device over
   its mesh's collective (NCCL, ``DTensor.full_tensor``; once for a parameter split across
   buckets) and its rows are copied once to the host. This runs one bucket ahead
-  (``learner.bucket_staging``): the device gathers bucket i+1 while rank 0's host sends i.
+  (``relay.learner.bucket_staging``): the device gathers bucket i+1 while rank 0's host sends i.
 - CPU (CPU-offloaded shards too): FSDP2 shards each parameter along dim 0 in
   ``torch.chunk`` pieces over the last dimension of its mesh: with ``S`` ranks there and
   ``n`` rows, the rank at shard index ``s`` holds rows ``[s*c, min((s+1)*c, n))``,
-  ``c = ceil(n / S)``; under HSDP (a 2-D mesh, ``learner.model.sharding_mesh``) every
+  ``c = ceil(n / S)``; under HSDP (a 2-D mesh, ``relay.learner.model.sharding_mesh``) every
   replica holds all ``S`` shards, and the first replica's ranks (rank 0's) send them.
   Every sending rank casts the rows it holds of the bucket's pieces to the publish dtype
   and sends them to rank 0 (gloo), which receives them straight into the bucket's tensors:
@@ -43,8 +43,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from learner.bucket_staging import BufferSpec, HostBuffers, Wait, copy_to_host, pipelined
-from transport.messages import WeightBucket, WeightEntry, WeightManifest
+from relay.learner.bucket_staging import BufferSpec, HostBuffers, Wait, copy_to_host, pipelined
+from relay.transport.messages import WeightBucket, WeightEntry, WeightManifest
 
 DEVICE_AHEAD = 1  # buckets the device gathers beyond the one rank 0 sends
 

@@ -1,12 +1,12 @@
 """Publishing weight versions: streamed once to every subscriber, bucket by bucket.
 
 A publish (``publish_weights``, a collective) gathers the policy one bucket at a time
-(``learner.weight_buckets``) while rank 0 streams it on its ``WeightStream`` (ZeroMQ PUB,
+(``relay.learner.weight_buckets``) while rank 0 streams it on its ``WeightStream`` (ZeroMQ PUB,
 ``topology.learner.weights_stream_port``): the version's ``WeightManifest``, then its
 ``WeightBucket``s. Each bucket is sent once, every subscriber's queue sharing its bytes, and
 rank 0 waits until ZeroMQ has written it to every subscriber's connection before its buffer
 is filled again, so no rank ever holds the version: rank 0 gathers into host buffers made
-once (``learner.bucket_staging``: one bucket on the CPU; on CUDA two pinned ones, the next
+once (``relay.learner.bucket_staging``: one bucket on the CPU; on CUDA two pinned ones, the next
 bucket gathered while one is sent), however many generators listen. Every message is
 waited for that way, so none waits in a queue when the next is sent. A subscriber that
 stops reading is waited for at most ``send_wait_s(bucket)`` once per version; ZeroMQ then
@@ -17,19 +17,19 @@ and drops the rest, and it must ask again. The rest of that version is still pac
 instead of overflowing their own queues (only the few messages the stuck queue still takes
 wait that long, and all of that pacing together at most as long again as the first wait).
 
-Generators and the evaluator subscribe (``generators.weight_receiver``). One that subscribed
+Generators and the evaluator subscribe (``relay.generators.weight_receiver``). One that subscribed
 after a version went by, or lost part of it, learns from the ``WeightServer`` (ROUTER,
 ``weights_port``; ``WeightRequest``) that it is behind and asks again with ``resend``. The
 learner streams its policy again while it waits for a batch (``TrainLoop``) if the policy
 is still the newest version; otherwise the next publish brings everyone up to date.
 
 The same server answers the evaluator's ``EvalRequest``s from the evaluation queue
-(``learner.eval_queue``); the offered weights themselves went by on the stream, followed
+(``relay.learner.eval_queue``); the offered weights themselves went by on the stream, followed
 by an ``EvalOffer`` naming them. Only a peer in the evaluator's role may send one
-(``transport.roles``: under CURVE, the evaluator's or the control hosts' key; others are
+(``relay.transport.roles``: under CURVE, the evaluator's or the control hosts' key; others are
 answered ``forbidden``). A request frame over ``MAX_REQUEST_BYTES`` drops its
 sender's connection before it is read. Who may fetch weights is decided by CURVE
-(``transport.security``), on both sockets. When the server's thread dies, ``published``
+(``relay.transport.security``), on both sockets. When the server's thread dies, ``published``
 raises ``ThreadDied`` naming it: the learner stops rather than train on while no
 generator can learn of new weights.
 """
@@ -46,10 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from learner.bucket_staging import BufferSpec, HostBuffers
-from learner.eval_queue import EvalQueue
-from learner.weight_buckets import BucketPlan, buffer_spec, gather_buckets
-from transport.messages import (
+from relay.learner.bucket_staging import BufferSpec, HostBuffers
+from relay.learner.eval_queue import EvalQueue
+from relay.learner.weight_buckets import BucketPlan, buffer_spec, gather_buckets
+from relay.transport.messages import (
     ErrorReply,
     EvalOffer,
     EvalRequest,
@@ -59,9 +59,9 @@ from transport.messages import (
     WeightManifest,
     WeightRequest,
 )
-from transport.roles import PeerRoles
-from transport.security import ServerKeys
-from transport.sockets import Peer, Publisher, Server, ServerThread
+from relay.transport.roles import PeerRoles
+from relay.transport.security import ServerKeys
+from relay.transport.sockets import Peer, Publisher, Server, ServerThread
 
 logger = logging.getLogger(__name__)
 

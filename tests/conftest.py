@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from learner.tiny_model.tokenizer import build_tokenizer
-from learner.weight_buckets import plan_buckets
-from learner.weights import StreamStats, WeightServer, WeightStream, publish_weights
+from relay.learner.tiny_model.tokenizer import build_tokenizer
+from relay.learner.weight_buckets import plan_buckets
+from relay.learner.weights import StreamStats, WeightServer, WeightStream, publish_weights
 
 
 def save_random_model(folder: Path, seed: int = 0, hidden: int = 64, layers: int = 2,

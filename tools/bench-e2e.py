@@ -76,8 +76,8 @@ from typing import Any
 
 import msgspec
 
-from configs import load_run_config
-from configs.rundir import RESOLVED_RUN
+from relay.configs import load_run_config
+from relay.configs.rundir import RESOLVED_RUN
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 5  # left out of the median seconds per step

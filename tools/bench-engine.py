@@ -15,7 +15,7 @@ ratio vllm/lean; vLLM's CPU attention needs head_dim 32 or more.
 Last, continuous batching: ``--groups`` groups whose responses end at random lengths go
 through the lean engine's slots (the largest ``--batch``), and it prints the mean number
 of sequences in flight while groups waited, against static batches.
-The measurements live in ``generators.bench``.
+The measurements live in ``relay.generators.bench``.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM
 
-from generators.bench import compare_engines, continuous_batching
+from relay.generators.bench import compare_engines, continuous_batching
 
 
 def default_model() -> str:
-    from learner.tiny_model.build import build_tiny_model, default_model_dir
+    from relay.learner.tiny_model.build import build_tiny_model, default_model_dir
 
     path = default_model_dir()
     if not (path / "config.json").is_file():
@@ -86,7 +86,7 @@ def main() -> None:
 
 def start_vllm(path: str, dtype: str, max_num_seqs: int, max_len: int):
     """vLLM's engine on ``path``; nothing stops early (no eos ids), as for the others."""
-    from generators.vllm_engine import VLLMEngine
+    from relay.generators.vllm_engine import VLLMEngine
 
     return VLLMEngine.from_pretrained(path, dtype=getattr(torch, dtype), eos_ids=[], pad_id=0,
                                       max_num_seqs=max_num_seqs, max_len=max_len)

@@ -101,8 +101,8 @@ def synthetic_batch(args: argparse.Namespace, vocab: int, seed: int):
     """``args.groups`` groups of ``args.n`` samples with random tokens and 0/1 rewards."""
     import torch
 
-    from learner.batch import collate
-    from transport.messages import RolloutGroup, Sample
+    from relay.learner.batch import collate
+    from relay.transport.messages import RolloutGroup, Sample
 
     generator = torch.Generator().manual_seed(seed)
     groups = []
@@ -126,11 +126,11 @@ def worker(spec_file: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from configs.run_schema import ActorConfig, AlgorithmConfig, OptimConfig
-    from learner.model import load_sharded
-    from learner.optim import build_optimizer, build_scheduler
-    from learner.ulysses import learner_parallelism
-    from learner.update import Learner
+    from relay.configs.run_schema import ActorConfig, AlgorithmConfig, OptimConfig
+    from relay.learner.model import load_sharded
+    from relay.learner.optim import build_optimizer, build_scheduler
+    from relay.learner.ulysses import learner_parallelism
+    from relay.learner.update import Learner
 
     spec = json.loads(Path(spec_file).read_text())
     args = argparse.Namespace(**spec["args"])

@@ -5,14 +5,14 @@
         [--receiver-copy DEVICE]
 
 ``--ranks`` learner ranks (``torchrun``, gloo, CPU) load the model sharded with FSDP2 as the
-learner does (``learner.model.load_sharded``; default model: the cached random Qwen2.5-0.5B
+learner does (``relay.learner.model.load_sharded``; default model: the cached random Qwen2.5-0.5B
 architecture of ``tools/bench_model.py``, built on first use), and ``--subscribers`` plain
 processes (this script, ``--subscriber``) subscribe to rank 0. Each repeat runs, one after
 the other so that noise hits both:
 
-a. Relay: every rank calls ``learner.weights.publish_weights`` (rank 0 streaming on a
+a. Relay: every rank calls ``relay.learner.weights.publish_weights`` (rank 0 streaming on a
    ``WeightStream`` bound to a free loopback port); each subscriber builds the version with
-   ``generators.weight_receiver.VersionAssembler`` and reports (ZeroMQ PUSH to rank 0) the
+   ``relay.generators.weight_receiver.VersionAssembler`` and reports (ZeroMQ PUSH to rank 0) the
    moment it is complete. Time: from the start of the publish until the last subscriber
    has the whole version.
 b. raw: rank 0 sends the same bytes in the same bucket sizes through a plain pyzmq PUB
@@ -89,7 +89,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="resident memory sampling interval during a publish")
     parser.add_argument("--receiver-copy", metavar="DEVICE",
                         help="the subscribers assemble each version into a second copy of the "
-                             "weights on DEVICE (generators.weight_receiver.DeviceCopy, as a "
+                             "weights on DEVICE (relay.generators.weight_receiver.DeviceCopy, as a "
                              "CUDA generator does; 'meta' stands for a device whose memory "
                              "is not the host's) instead of whole in host memory")
     parser.add_argument("--timeout", type=float, default=300.0,
@@ -209,7 +209,7 @@ class Hub:
     def __init__(self, subscribers: int, timeout_s: float) -> None:
         import zmq
 
-        from learner.weights import WeightStream
+        from relay.learner.weights import WeightStream
 
         self.k, self.timeout_s = subscribers, timeout_s
         self.stream = WeightStream("tcp://127.0.0.1:*")
@@ -264,7 +264,7 @@ class Hub:
     def handshake(self) -> None:
         """Ping both streams until every subscriber heard each (PUB drops what goes out
         before a subscription arrived)."""
-        from transport.messages import EvalOffer
+        from relay.transport.messages import EvalOffer
 
         deadline = time.monotonic() + self.timeout_s
         heard: set[tuple[int, str]] = set()
@@ -315,9 +315,9 @@ def worker(spec_file: str) -> None:
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 
-    from learner.model import load_sharded
-    from learner.weight_buckets import plan_buckets
-    from learner.weights import publish_weights
+    from relay.learner.model import load_sharded
+    from relay.learner.weight_buckets import plan_buckets
+    from relay.learner.weights import publish_weights
 
     spec = json.loads(Path(spec_file).read_text())
     args = argparse.Namespace(**spec["args"])
@@ -450,9 +450,9 @@ def subscriber(spec_file: str, index: int) -> None:
 
     @guarded
     def relay(push: zmq.Socket) -> None:
-        from generators.weight_receiver import DeviceCopy, VersionAssembler
-        from transport.messages import WeightBucket, WeightManifest
-        from transport.sockets import Subscriber
+        from relay.generators.weight_receiver import DeviceCopy, VersionAssembler
+        from relay.transport.messages import WeightBucket, WeightManifest
+        from relay.transport.sockets import Subscriber
 
         stream = Subscriber(endpoints["relay"])
         copy = DeviceCopy(torch.device(args.receiver_copy)) if args.receiver_copy else None
@@ -490,7 +490,7 @@ def subscriber(spec_file: str, index: int) -> None:
     def raw(push: zmq.Socket) -> None:
         sock = context.socket(zmq.SUB)
         sock.linger = 0
-        sock.rcvhwm = 8  # as transport.sockets.Subscriber
+        sock.rcvhwm = 8  # as relay.transport.sockets.Subscriber
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(endpoints["raw"])
         heard = False

@@ -14,7 +14,7 @@ import argparse
 import random
 import time
 
-from algorithms.rewards import RewardConfig, RewardItem, RewardScorer
+from relay.algorithms.rewards import RewardConfig, RewardItem, RewardScorer
 
 
 def make_groups(groups: int, size: int, chars: int, seed: int = 0) -> list[list[RewardItem]]:

@@ -2,14 +2,14 @@
 
     tools/with-venv python tools/bench-transport.py [--repeats 5] [--messages 2000] [--megabytes 64]
 
-The measurements live in ``transport.bench``.
+The measurements live in ``relay.transport.bench``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from transport.bench import Comparison, codec_only, large_tensor, small_messages
+from relay.transport.bench import Comparison, codec_only, large_tensor, small_messages
 
 
 def row(comparison: Comparison) -> str:

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-from learner.tiny_model.build import default_model_dir
-from learner.tiny_model.tokenizer import build_tokenizer
+from relay.learner.tiny_model.build import default_model_dir
+from relay.learner.tiny_model.tokenizer import build_tokenizer
 
 NAME = "bench-qwen2-24m"
 SHAPES: dict[str, dict[str, Any]] = {

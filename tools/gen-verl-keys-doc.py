@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Write ``configs/verl-keys.md``, the table of verl's config keys in Relay, from
-``configs.verl_keys.TABLE``.
+``relay.configs.verl_keys.TABLE``.
 
     python tools/gen-verl-keys-doc.py [--check]
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from configs import CONFIG_DIR
-from configs.verl_keys import markdown_table
+from relay.configs import CONFIG_DIR
+from relay.configs.verl_keys import markdown_table
 
 DOC = CONFIG_DIR / "verl-keys.md"
 

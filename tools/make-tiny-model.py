@@ -26,8 +26,8 @@ import torch  # noqa: E402 (after the environment above)
 from tqdm import tqdm  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from learner.tiny_model.build import build_tiny_model, default_model_dir  # noqa: E402
-from learner.tiny_model.warm_start import WarmStartConfig  # noqa: E402
+from relay.learner.tiny_model.build import build_tiny_model, default_model_dir  # noqa: E402
+from relay.learner.tiny_model.warm_start import WarmStartConfig  # noqa: E402
 
 ACCURACY_BAND = (0.05, 0.60)
 

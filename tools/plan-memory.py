@@ -26,9 +26,9 @@ from pathlib import Path
 import msgspec
 from transformers import AutoConfig, PretrainedConfig
 
-from configs.loader import ConfigError, apply_overrides, load
-from configs.run_schema import VERL_ALIASES, RunConfig
-from configs.topology_schema import (
+from relay.configs.loader import ConfigError, apply_overrides, load
+from relay.configs.run_schema import VERL_ALIASES, RunConfig
+from relay.configs.topology_schema import (
     GeneratorPlacement,
     LeanOptions,
     LearnerPlacement,
@@ -36,7 +36,7 @@ from configs.topology_schema import (
     Topology,
     VLLMOptions,
 )
-from launcher.memory import format_plans, plan_run, plans_json
+from relay.launcher.memory import format_plans, plan_run, plans_json
 
 GIB = 1 << 30
 

@@ -18,7 +18,7 @@ default run. Prints one JSON object per line on stdout (everything else goes to 
     {"event": "eval", "step": s, "train_seconds": t, "accuracy": a}
         held-out greedy accuracy at step 0, every ``--test-freq`` steps and at the last
         step (never with ``--test-freq 0``), measured by a ``TrainerCallback`` with Relay's own evaluation
-        (``generators.evaluate``, its torch engine around the model being trained, Relay's
+        (``relay.generators.evaluate``, its torch engine around the model being trained, Relay's
         verifier); its time is not in ``train_seconds``
     {"event": "done", ...}  the summary
 
@@ -62,15 +62,15 @@ from datasets import Dataset
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PrinterCallback,
                           TrainerCallback, TrainerControl, TrainerState, TrainingArguments)
 
-from algorithms.rewards.config import RewardConfig
-from algorithms.rewards.result import RewardItem
-from configs import load_run_config
-from algorithms.rewards.scorer import RewardScorer
-from buffer.dataset import PromptRow, load_prompt_rows
-from generators.build import eos_and_pad
-from generators.evaluate import evaluate
-from generators.sampling import SamplingParams
-from generators.torch_engine import TorchEngine
+from relay.algorithms.rewards.config import RewardConfig
+from relay.algorithms.rewards.result import RewardItem
+from relay.configs import load_run_config
+from relay.algorithms.rewards.scorer import RewardScorer
+from relay.buffer.dataset import PromptRow, load_prompt_rows
+from relay.generators.build import eos_and_pad
+from relay.generators.evaluate import evaluate
+from relay.generators.sampling import SamplingParams
+from relay.generators.torch_engine import TorchEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = load_run_config(ROOT / "configs" / "arithmetic-grpo.toml")  # Relay's default run
@@ -96,7 +96,7 @@ def require_trl() -> tuple[type, type]:
 
 def default_model() -> str:
     """The embedded default model folder, built (a few minutes) and cached on first use."""
-    from learner.tiny_model.build import build_tiny_model, default_model_dir
+    from relay.learner.tiny_model.build import build_tiny_model, default_model_dir
 
     path = default_model_dir()
     if not (path / "config.json").is_file():

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from transport.codec import Decoder, encode
-from transport.messages import RolloutGroup, Sample, WeightBucket
-from transport.sockets import Puller, Pusher
+from relay.transport.codec import Decoder, encode
+from relay.transport.messages import RolloutGroup, Sample, WeightBucket
+from relay.transport.sockets import Puller, Pusher
 
 LOOPBACK = "tcp://127.0.0.1:*"
 BATCH = 100  # messages in flight per round, well under the HWM

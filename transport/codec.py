@@ -1,6 +1,6 @@
 """Messages to ZeroMQ frames and back, tensors as raw zero-copy frames.
 
-Frames of one message (see ``transport.messages``)::
+Frames of one message (see ``relay.transport.messages``)::
 
     frame 0    b"RLY" + PROTOCOL_VERSION (one byte)
     frame 1    msgpack of the struct
@@ -21,7 +21,7 @@ A decoder builds at most ``max_tensors`` tensors per message: each costs host me
 time whatever its size (~0.5 KiB and ~4 us for a one-byte tensor, so a 15 MB frame of 1M of
 them took 526 MiB and 4 s), so a receiver that faces untrusted peers passes the most its
 own messages hold, and ``tensors_in_any=False`` when it expects tensors only in tensor
-fields (the buffer: ``buffer.main.request_decoder``).
+fields (the buffer: ``relay.buffer.main.request_decoder``).
 
 This module knows bytes and tensors; it knows nothing of sockets, peers or request ids.
 """
@@ -36,7 +36,7 @@ from typing import Any, Generic, Protocol, TypeVar, get_args
 import msgspec
 import torch
 
-from transport.messages import PROTOCOL_VERSION, AnyMessage, Message, WireErrorKind
+from relay.transport.messages import PROTOCOL_VERSION, AnyMessage, Message, WireErrorKind
 
 PREAMBLE = b"RLY"
 PREAMBLE_FRAME = PREAMBLE + bytes([PROTOCOL_VERSION])
@@ -53,7 +53,7 @@ _UNTYPED_TENSOR = "a tensor in a field that is not a tensor field (this receiver
 
 WIRE_ERROR_KINDS: tuple[str, ...] = get_args(WireErrorKind)
 """Why a frame set was rejected. ``envelope``: the request-reply envelope frame is wrong
-(raised by ``transport.sockets``); ``preamble``: frame 0 is not ``b"RLY"`` + one byte;
+(raised by ``relay.transport.sockets``); ``preamble``: frame 0 is not ``b"RLY"`` + one byte;
 ``version``: another protocol version; ``malformed``: too few frames or the body is not
 valid msgpack; ``schema``: valid msgpack but not an expected message (unknown tag, wrong
 field type, missing field); ``tensor``: bad tensor metadata or tensor frames."""

@@ -1,13 +1,13 @@
 """Every message that crosses a process boundary in Relay, in one module.
 
 A message is a tagged ``msgspec.Struct`` (the tag is the class name in snake case, see
-``Message``). On the wire it travels as a multipart ZeroMQ message (``transport.codec``):
+``Message``). On the wire it travels as a multipart ZeroMQ message (``relay.transport.codec``):
 
     frame 0   preamble: b"RLY" + protocol version (one byte)
     frame 1   the struct, msgpack-encoded as an array [tag, field, field, ...]
     frame 2+  raw tensor bytes, one frame per large tensor, referenced from frame 1
 
-(Request-reply puts one envelope frame, the request id, in front: see ``transport.sockets``.)
+(Request-reply puts one envelope frame, the request id, in front: see ``relay.transport.sockets``.)
 
 Rules that keep old and new peers talking:
 - fields are only appended, always with a default;
@@ -16,9 +16,9 @@ Rules that keep old and new peers talking:
 - tensors are ``torch.Tensor`` fields; the codec turns them into raw frames, never pickle.
 
 This module knows the shapes of the conversation, not who speaks when: see
-``buffer.hub`` (generators and the learner with the buffer), ``generators.process`` (a
-generator's side), ``learner.weights`` with ``generators.weight_receiver`` (weight versions), and
-``learner.eval_queue`` with ``generators.evaluator`` (held-out evaluation of published
+``relay.buffer.hub`` (generators and the learner with the buffer), ``relay.generators.process`` (a
+generator's side), ``relay.learner.weights`` with ``relay.generators.weight_receiver`` (weight versions), and
+``relay.learner.eval_queue`` with ``relay.generators.evaluator`` (held-out evaluation of published
 versions).
 
 Choices are closed sets (``Literal``): a peer that sends an error code or a verdict this
@@ -35,13 +35,13 @@ import torch
 PROTOCOL_VERSION = 3  # 3: weight versions streamed in row pieces (WeightBucket.starts)
 
 WireErrorKind = Literal["envelope", "preamble", "version", "malformed", "schema", "tensor"]
-"""Why a receiver rejected a frame set (``transport.codec``)."""
+"""Why a receiver rejected a frame set (``relay.transport.codec``)."""
 ErrorCode = Literal[WireErrorKind, "handler", "unexpected", "not_attached", "bad_priorities",
                     "forbidden", "bad_request"]
 """``ErrorReply.code``: a wire error kind; ``handler``: the server failed on a sound
 request; ``unexpected``: this server does not take that message; ``not_attached``: a
 generator must attach before it leases; ``bad_priorities``: replay priorities the buffer
-cannot use; ``forbidden``: the sender's role may not send that message (``transport.roles``);
+cannot use; ``forbidden``: the sender's role may not send that message (``relay.transport.roles``);
 ``bad_request``: a value no honest peer sends (a batch of -1 groups, a version from the
 future)."""
 RolloutVerdict = Literal["accepted", "duplicate", "unknown_lease", "malformed", "stale",
@@ -270,7 +270,7 @@ class BufferCheckpointRequest(Message):
 
 class PromptSourceState(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True,
                         gc=False):
-    """Where the buffer's prompt stream stands (``buffer.prompt_source``): the epoch, the
+    """Where the buffer's prompt stream stands (``relay.buffer.prompt_source``): the epoch, the
     data loader's ``state_dict`` (it may hold tensors: the shuffle's generator) and every
     prompt handed out and not yet trained on or dropped, in the order first handed out."""
 
@@ -284,7 +284,7 @@ class BufferCheckpoint(Message):
     ``accepted``, the groups it admitted less those still waiting in its store (a restarted
     buffer discards stored groups and leases their prompts again): the count its lease gate
     starts from on resume. ``fingerprint``: the config values both mean something under, by
-    key (``buffer.fingerprint``; empty in a checkpoint written before it existed)."""
+    key (``relay.buffer.fingerprint``; empty in a checkpoint written before it existed)."""
 
     step: int
     source: PromptSourceState
@@ -301,7 +301,7 @@ class WeightRequest(Message):
     """A generator (or the evaluator) asks the weight server which version is newest.
 
     The reply is a ``WeightManifest`` without buckets naming that version: versions travel
-    on the learner's weight stream (``learner.weights``), not in replies. ``resend``: the
+    on the learner's weight stream (``relay.learner.weights``), not in replies. ``resend``: the
     sender is behind and heard no stream of the newest version (it subscribed late, or
     lost a piece), so it asks the learner to stream it again.
     """
@@ -353,7 +353,7 @@ class WeightBucket(Message):
 class EvalOffer(Message):
     """On the weight stream, after a version: the learner offers the weights it had after
     ``step``, published as ``version``, for held-out evaluation. The evaluator keeps that
-    version until it has evaluated it (``generators.evaluator``); version 0 is the initial
+    version until it has evaluated it (``relay.generators.evaluator``); version 0 is the initial
     checkpoint, which it loaded itself."""
 
     step: int
@@ -364,7 +364,7 @@ class StreamBeacon(Message):
     """On the weight stream while the learner waits for the evaluator's first request, a
     few times a second: nothing to apply. A subscriber that hears it knows its subscription
     reached the learner, so nothing streamed from then on goes by unheard
-    (``generators.weight_receiver``)."""
+    (``relay.generators.weight_receiver``)."""
 
 
 class ValGeneration(msgspec.Struct, array_like=True, kw_only=True, gc=False):

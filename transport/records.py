@@ -4,7 +4,7 @@ Record layout (little-endian):
 
     u32 number of frames, then per frame: u64 length, the frame's bytes
 
-The rollout log (``buffer.rollout_log``) stores records back to back; the learner
+The rollout log (``relay.buffer.rollout_log``) stores records back to back; the learner
 broadcasts a batch as one record to its other ranks. ``unpack`` returns views into the
 record, no copies.
 """

@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Any
 
-from transport.messages import Message
-from transport.sockets import Client, PeerTimeout
+from relay.transport.messages import Message
+from relay.transport.sockets import Client, PeerTimeout
 
 logger = logging.getLogger(__name__)
 

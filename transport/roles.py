@@ -4,7 +4,7 @@ Relay's clients play one of four roles: the ``learner`` (batches, versions, the 
 run, checkpoints; its step on the metrics address), a ``generator`` (attach, heartbeats,
 leases, rollouts), the ``evaluator`` (asks the learner's weight server for weights to
 evaluate and hands in its reports) and the ``buffer`` (its gauges on the metrics address).
-Each server lists which role may send each message (``buffer.hub.SENDERS``, the weight
+Each server lists which role may send each message (``relay.buffer.hub.SENDERS``, the weight
 server's ``EvalRequest``, the launcher's metrics by ``Metrics.source``); ``PeerRoles``
 decides whether a peer holds that role.
 
@@ -13,7 +13,7 @@ connection under an identity of its own) and keeps it: a connection that acted a
 generator is refused learner messages and the other way round; a process that plays both
 opens a connection for each. A PULL socket (the metrics address) sees no connections, only
 each message's key (``may_act_as``). Under CURVE the key a peer authenticated with, named
-after its file in the server's authorized-clients folder (``transport.security``), bounds
+after its file in the server's authorized-clients folder (``relay.transport.security``), bounds
 the roles it may take:
 
 - ``learner*.key``: every role. It is the control hosts' key (buffer, learner, launcher:
@@ -28,7 +28,7 @@ the roles it may take:
 Without CURVE every connection may take any role (the first binds it): the binding keeps a
 confused peer in its lane but does not stop a hostile process that can reach the socket,
 which CURVE does. The default topology's sockets are ``ipc://`` files in a folder only the
-run's user may open (``configs.rundir``), so that process is the user's own.
+run's user may open (``relay.configs.rundir``), so that process is the user's own.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import logging
 from collections import OrderedDict
 from typing import Literal, get_args
 
-from transport.sockets import Peer
+from relay.transport.sockets import Peer
 
 logger = logging.getLogger(__name__)
 

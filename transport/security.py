@@ -9,8 +9,8 @@ other machines without CURVE keys raises ``InsecureBindError``.
 The server's ZAP handler names every client it lets in after its public key's file in the
 authorized-clients directory (``authorized/generator.key`` -> ``"generator"``) and ZeroMQ
 hands that name, the ZAP User-Id, to the server with each message (``Peer.key`` in
-``transport.sockets``), so a server can tell what a client may do by the key it holds
-(``transport.roles``). This module does not know which process holds which key (the
+``relay.transport.sockets``), so a server can tell what a client may do by the key it holds
+(``relay.transport.roles``). This module does not know which process holds which key (the
 topology config and ``tools/make-curve-keys.py`` do) nor anything about messages. Key
 files: ``<name>.key`` (public, safe to copy to peers) and ``<name>.key_secret`` (secret,
 stays on its host). Keys are written private (files 0600 in 0700 folders) and a secret
@@ -31,7 +31,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from transport.endpoints import is_local_endpoint
+from relay.transport.endpoints import is_local_endpoint
 
 
 class InsecureBindError(ValueError):
@@ -43,7 +43,7 @@ class InsecureBindError(ValueError):
             f"refusing to bind {endpoint} without CURVE keys: it is reachable from other "
             "machines, so anyone there could send messages. Bind a loopback address "
             "(127.0.0.1, ::1, localhost) or ipc://, or pass ServerKeys "
-            "(keys made with transport.security.create_keypair)."
+            "(keys made with relay.transport.security.create_keypair)."
         )
 
 

@@ -8,7 +8,7 @@ Patterns, one class per role:
 - ``Publisher`` / ``Subscriber`` (PUB/SUB): one sender, any number of receivers, each
   message sent once: every subscriber's queue references the same bytes (weight versions
   to the generators). A subscriber that connects late, or whose queue is full, misses
-  messages; the protocol on top must notice (see ``learner.weights``).
+  messages; the protocol on top must notice (see ``relay.learner.weights``).
 
 Request-reply envelope: one frame before the codec's frames, 9 bytes = request id (u64,
 big-endian) + flags (u8, reserved: 0). A client keeps only the reply to the request it
@@ -30,7 +30,7 @@ with the limit (see ``Server``). ``hwm`` counts whole messages: a receiver holds
 message over only once all its frames arrived and bounds neither their number nor their sum,
 so one message of many frames, each under ``max_message_bytes``, is held whole.
 
-Every bind goes through ``transport.security.check_bind``: loopback and ipc may be plain,
+Every bind goes through ``relay.transport.security.check_bind``: loopback and ipc may be plain,
 anything reachable needs CURVE ``ServerKeys``. A socket belongs to one thread: drive a
 ``Server`` from the owner's loop with ``serve_once`` or give it a thread with
 ``ServerThread``; compute loops talk to sockets through such loops, never directly.
@@ -53,10 +53,10 @@ from typing import Any, TypeVar, overload
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from transport.codec import Decoder, WireError, encode
-from transport.endpoints import needs_ipv6
-from transport.messages import ErrorReply, Message
-from transport.security import (
+from relay.transport.codec import Decoder, WireError, encode
+from relay.transport.endpoints import needs_ipv6
+from relay.transport.messages import ErrorReply, Message
+from relay.transport.security import (
     ClientKeys,
     CurveAuthenticator,
     Keys,
@@ -64,7 +64,7 @@ from transport.security import (
     check_bind,
     secure_client,
 )
-from transport.threads import WatchedThread
+from relay.transport.threads import WatchedThread
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ MAX_DETAIL_CHARS = 300
 class Peer:
     """Who sent a request: ``identity``, the ZeroMQ routing identity of its connection (a
     new one for every connection), and under CURVE ``key``, the name of the key file it
-    authenticated with (``transport.security``; "" without CURVE)."""
+    authenticated with (``relay.transport.security``; "" without CURVE)."""
 
     identity: bytes
     key: str = ""
@@ -244,7 +244,7 @@ class Server:
         self._socket.close()
 
     def _key_name(self, frame: zmq.Frame) -> str:
-        """The CURVE key name ZAP gave the sender (``transport.security``), or ""."""
+        """The CURVE key name ZAP gave the sender (``relay.transport.security``), or ""."""
         return frame.get("User-Id") if self._socket.authenticator is not None else ""
 
     def _handle(self, peer: Peer, frames: list[zmq.Frame]) -> None:
@@ -430,7 +430,7 @@ class Client:
 @dataclass(frozen=True)
 class Received:
     """A message a PULL or SUB socket took, and the name of the CURVE key its sender
-    authenticated with (``transport.security``; "" without CURVE)."""
+    authenticated with (``relay.transport.security``; "" without CURVE)."""
 
     message: Message
     key: str = ""

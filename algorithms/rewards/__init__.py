@@ -7,17 +7,17 @@
   limits enforced by killing a worker process.
 """
 
-from algorithms.rewards.config import RewardConfig
-from algorithms.rewards.custom import RewardLoadError, load_score_fn
-from algorithms.rewards.registry import (
+from relay.algorithms.rewards.config import RewardConfig
+from relay.algorithms.rewards.custom import RewardLoadError, load_score_fn
+from relay.algorithms.rewards.registry import (
     UnknownDataSourceError,
     check_data_sources,
     default_compute_score,
     known_data_sources,
 )
-from algorithms.rewards.result import RewardItem, RewardResult
-from algorithms.rewards.scorer import RewardScorer
-from algorithms.rewards.worker import RewardWorkerError
+from relay.algorithms.rewards.result import RewardItem, RewardResult
+from relay.algorithms.rewards.scorer import RewardScorer
+from relay.algorithms.rewards.worker import RewardWorkerError
 
 __all__ = [
     "RewardConfig",

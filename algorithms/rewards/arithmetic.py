@@ -1,4 +1,4 @@
-"""Reward of Relay's embedded arithmetic task (``algorithms.tasks.arithmetic``).
+"""Reward of Relay's embedded arithmetic task (``relay.algorithms.tasks.arithmetic``).
 
 Rule: take the FIRST ``<answer>...</answer>`` span of the completion (from the first
 ``<answer>`` to the first ``</answer>`` after it). The completion is well formed iff the

@@ -24,7 +24,7 @@ import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from algorithms.rewards.result import RewardItem, RewardResult, ScoreFn, call, failure, to_result
+from relay.algorithms.rewards.result import RewardItem, RewardResult, ScoreFn, call, failure, to_result
 
 Explain = Callable[[BaseException], str]  # an exception from a call -> the sample's error
 

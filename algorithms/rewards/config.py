@@ -3,7 +3,7 @@ scorer and its worker process.
 
 The config lives in its own module, not beside ``RewardScorer``, because two processes
 build from it: the caller (routing, time limits) and the worker (which function to call).
-``configs.run_schema`` composes it as ``custom_reward_function``.
+``relay.configs.run_schema`` composes it as ``custom_reward_function``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Annotated, get_args
 
 import msgspec
 
-from algorithms.rewards import gsm8k
-from algorithms.rewards.custom import load_score_fn
-from algorithms.rewards.registry import default_compute_score
-from algorithms.rewards.result import ScoreFn
+from relay.algorithms.rewards import gsm8k
+from relay.algorithms.rewards.custom import load_score_fn
+from relay.algorithms.rewards.registry import default_compute_score
+from relay.algorithms.rewards.result import ScoreFn
 
 
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from algorithms.rewards.result import ScoreFn, describe
+from relay.algorithms.rewards.result import ScoreFn, describe
 
 
 class RewardLoadError(Exception):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from algorithms.rewards import arithmetic, boxed_math, gsm8k
+from relay.algorithms.rewards import arithmetic, boxed_math, gsm8k
 
 Family = Literal["arithmetic", "gsm8k", "math"]
 

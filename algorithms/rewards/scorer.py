@@ -38,10 +38,10 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 
-from algorithms.rewards.config import RewardConfig, build_score_fn
-from algorithms.rewards.registry import check_data_sources, runs_in_process
-from algorithms.rewards.result import RewardItem, RewardResult, evaluate
-from algorithms.rewards.worker import RewardWorker
+from relay.algorithms.rewards.config import RewardConfig, build_score_fn
+from relay.algorithms.rewards.registry import check_data_sources, runs_in_process
+from relay.algorithms.rewards.result import RewardItem, RewardResult, evaluate
+from relay.algorithms.rewards.worker import RewardWorker
 
 logger = logging.getLogger(__name__)
 

@@ -55,16 +55,19 @@ from typing import TypeAlias
 
 import msgspec
 
-from algorithms.rewards.calls import RewardCalls
-from algorithms.rewards.config import RewardConfig, build_score_fn
-from algorithms.rewards.custom import RewardLoadError
-from algorithms.rewards.memory_cap import KEY as MEMORY_KEY
-from algorithms.rewards.memory_cap import apply_memory_cap, is_out_of_memory, over_cap
-from algorithms.rewards.registry import preload_builtins
-from algorithms.rewards.result import RewardItem, RewardResult, describe, failure
+from relay.algorithms.rewards.calls import RewardCalls
+from relay.algorithms.rewards.config import RewardConfig, build_score_fn
+from relay.algorithms.rewards.custom import RewardLoadError
+from relay.algorithms.rewards.memory_cap import KEY as MEMORY_KEY
+from relay.algorithms.rewards.memory_cap import apply_memory_cap, is_out_of_memory, over_cap
+from relay.algorithms.rewards.registry import preload_builtins
+from relay.algorithms.rewards.result import RewardItem, RewardResult, describe, failure
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-_BOOT = "import sys; from algorithms.rewards.worker import serve; serve(*map(int, sys.argv[1:]))"
+# ``-c`` puts the working directory first on sys.path: dropped, so a user's own ``relay/``
+# folder cannot stand in for Relay's (relay.launcher.child)
+_BOOT = ("import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
+         "from relay.algorithms.rewards.worker import serve; serve(*map(int, sys.argv[1:]))")
 REPORT_GRACE_S = 1.0  # an async function's worker reports its own timeouts; the caller waits this
 
 

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from buffer.dataset import load_prompt_rows
-from configs import CONFIG_DIR
-from learner.tiny_model.evaluate import evaluate_model_dir
-from learner.tiny_model.tokenizer import build_tokenizer
-from learner.tiny_model.warm_start import StepCallback, WarmStartConfig, warm_start
+from relay.buffer.dataset import load_prompt_rows
+from relay.configs import CONFIG_DIR
+from relay.learner.tiny_model.evaluate import evaluate_model_dir
+from relay.learner.tiny_model.tokenizer import build_tokenizer
+from relay.learner.tiny_model.warm_start import StepCallback, WarmStartConfig, warm_start
 
 TEST_FILE = CONFIG_DIR / "data" / "arithmetic-test.jsonl"
 

@@ -6,7 +6,7 @@ and decodes with ``model.generate``: once greedily, then ``k`` samples per promp
 temperature 1 with no top-k / top-p truncation (what an RL generator samples from).
 pass@1 and pass@k use the unbiased estimator of Chen et al. (2021) on those ``k`` samples.
 
-A response is correct when the task's reward (``algorithms.rewards.arithmetic``, the one the
+A response is correct when the task's reward (``relay.algorithms.rewards.arithmetic``, the one the
 RL stage optimizes) scores it 1.0. This module knows how to measure; it knows nothing of
 training.
 """
@@ -27,8 +27,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from algorithms.rewards.arithmetic import compute_score
-from buffer.dataset import PromptRow
+from relay.algorithms.rewards.arithmetic import compute_score
+from relay.buffer.dataset import PromptRow
 
 MAX_NEW_TOKENS = 16  # the task's answers take at most 8: "<answer>", 5 digits, "</answer>", eos
 SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}

@@ -21,7 +21,7 @@ import itertools
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from algorithms.tasks import arithmetic
+from relay.algorithms.tasks import arithmetic
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from algorithms.tasks import arithmetic
+from relay.algorithms.tasks import arithmetic
 
 IGNORE_INDEX = -100  # label value that Hugging Face's causal-LM loss skips
 

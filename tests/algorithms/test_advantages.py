@@ -6,7 +6,7 @@ import typing
 import pytest
 import torch
 
-from algorithms.advantages import (
+from relay.algorithms.advantages import (
     ESTIMATORS,
     AdvantageInputs,
     AdvEstimator,

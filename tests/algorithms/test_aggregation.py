@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss, masked_mean
+from relay.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss, masked_mean
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
 MASK = torch.tensor([[1, 1, 1], [1, 0, 0]])

@@ -21,18 +21,18 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from algorithms.advantages import ESTIMATORS, AdvantageInputs, compute_advantages, gae_advantages
-from algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss
-from algorithms.kl import KLType, kl_penalty, kl_reward_penalty
-from algorithms.logprobs import entropy_from_logits, token_logprobs
-from algorithms.off_policy import (
+from relay.algorithms.advantages import ESTIMATORS, AdvantageInputs, compute_advantages, gae_advantages
+from relay.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss
+from relay.algorithms.kl import KLType, kl_penalty, kl_reward_penalty
+from relay.algorithms.logprobs import entropy_from_logits, token_logprobs
+from relay.algorithms.off_policy import (
     RolloutCorrectionConfig,
     a3po_proximal_logprobs,
     off_policy_correction,
 )
-from algorithms.policy_loss import LOSS_MODES, PolicyLossConfig, policy_loss
-from algorithms.prime import implicit_process_rewards, implicit_prm_loss, prime_advantages
-from algorithms.value_loss import clipped_value_loss
+from relay.algorithms.policy_loss import LOSS_MODES, PolicyLossConfig, policy_loss
+from relay.algorithms.prime import implicit_process_rewards, implicit_prm_loss, prime_advantages
+from relay.algorithms.value_loss import clipped_value_loss
 
 from ..fake_cuda import CudaTensor, fake_cuda, on_cuda
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from algorithms.kl import (
+from relay.algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,
     KLControlConfig,

@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from algorithms.logprobs import entropy_from_logits, head_logprobs, token_logprobs
+from relay.algorithms.logprobs import entropy_from_logits, head_logprobs, token_logprobs
 
 
 def test_token_logprobs_with_temperature() -> None:

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 import torch
 
-from algorithms.off_policy import (
+from relay.algorithms.off_policy import (
     RolloutCorrectionConfig,
     a3po_proximal_logprobs,
     off_policy_correction,

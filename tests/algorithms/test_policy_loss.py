@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from algorithms.aggregation import aggregate_loss
-from algorithms.policy_loss import (
+from relay.algorithms.aggregation import aggregate_loss
+from relay.algorithms.policy_loss import (
     LOSS_MODES,
     PolicyLossConfig,
     PolicyLossTerms,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from algorithms.prime import (
+from relay.algorithms.prime import (
     implicit_prm_loss,
     implicit_process_rewards,
     last_token_mask,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from algorithms.reward_shaping import overlong_penalty
+from relay.algorithms.reward_shaping import overlong_penalty
 
 
 def test_overlong_penalty_ramp() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from algorithms.value_loss import clipped_value_loss
+from relay.algorithms.value_loss import clipped_value_loss
 
 
 def test_clipped_value_loss_takes_the_larger_error() -> None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from buffer.dataset import ChatMessage, PromptDataset, PromptRow, RewardSpec
-from buffer.hub import Hub
-from buffer.prompt_source import PromptSource
-from buffer.rollout_log import RolloutLogWriter
-from buffer.store import FifoStore, ReplayStore
-from buffer.validation import GroupLimits
-from configs.run_schema import BufferConfig
-from transport.messages import Attach, Prompt, RolloutGroup, Sample
+from relay.buffer.dataset import ChatMessage, PromptDataset, PromptRow, RewardSpec
+from relay.buffer.hub import Hub
+from relay.buffer.prompt_source import PromptSource
+from relay.buffer.rollout_log import RolloutLogWriter
+from relay.buffer.store import FifoStore, ReplayStore
+from relay.buffer.validation import GroupLimits
+from relay.configs.run_schema import BufferConfig
+from relay.transport.messages import Attach, Prompt, RolloutGroup, Sample
 
 
 def make_dataset(size: int) -> PromptDataset:

@@ -13,13 +13,13 @@ import msgspec
 import pytest
 import torch
 
-from buffer.dynamic_sampling import DynamicSampling
-from buffer.hub import Hub
-from buffer.prioritized import PrioritizedStore
-from buffer.rollout_log import RolloutLogWriter
-from buffer.store import Admission, FifoStore, FilteredStore, Taken
-from configs.run_schema import ReplayConfig
-from transport.messages import (
+from relay.buffer.dynamic_sampling import DynamicSampling
+from relay.buffer.hub import Hub
+from relay.buffer.prioritized import PrioritizedStore
+from relay.buffer.rollout_log import RolloutLogWriter
+from relay.buffer.store import Admission, FifoStore, FilteredStore, Taken
+from relay.configs.run_schema import ReplayConfig
+from relay.transport.messages import (
     Attach,
     Detach,
     Heartbeat,
@@ -107,7 +107,7 @@ class BrokenLog(RolloutLogWriter):
 def test_a_rollout_log_error_skips_no_counter(make_hub, tmp_path: Path,
                                               caplog: pytest.LogCaptureFixture) -> None:
     hub = make_hub(batch_size=2, per_lease=2, log=BrokenLog(tmp_path))
-    with caplog.at_level(logging.ERROR, logger="buffer.hub"):
+    with caplog.at_level(logging.ERROR, logger="relay.buffer.hub"):
         acks = answer(hub, lease(hub))
     assert all(a.accepted for a in acks)
     assert hub.counts["groups/accepted"] == 2 and hub.counts["rollout_log/write_errors"] == 2
@@ -167,7 +167,7 @@ def test_the_check_catches_a_lost_group(make_hub, caplog: pytest.LogCaptureFixtu
     problems = hub.accounting_problems()
     assert problems == ["2 groups never trained on, but the store holds 1"]
     assert hub.stats()["buffer/accounting_problems"] == 1.0
-    with caplog.at_level(logging.ERROR, logger="buffer.hub"):
+    with caplog.at_level(logging.ERROR, logger="relay.buffer.hub"):
         hub.tick()
         hub.tick()
     assert caplog.text.count("accounting is off") == 1  # once, when it goes wrong

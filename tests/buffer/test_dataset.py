@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from buffer.dataset import (
+from relay.buffer.dataset import (
     ChatMessage,
     DatasetError,
     PromptDataset,

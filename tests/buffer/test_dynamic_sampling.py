@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from buffer.dynamic_sampling import (
+from relay.buffer.dynamic_sampling import (
     DynamicSampling,
     ReplayFilterError,
     has_zero_variance,
     sample_metric,
 )
-from transport.messages import Prompt
+from relay.transport.messages import Prompt
 
 from .conftest import make_group, make_sample
 

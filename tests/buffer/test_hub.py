@@ -9,9 +9,9 @@ import msgspec
 import pytest
 import torch
 
-from buffer.hub import COUNTERS, REFUSALS, Hub
-from buffer.rollout_log import LogBudget, RolloutLogWriter, read_steps
-from transport.messages import (
+from relay.buffer.hub import COUNTERS, REFUSALS, Hub
+from relay.buffer.rollout_log import LogBudget, RolloutLogWriter, read_steps
+from relay.transport.messages import (
     Ack,
     Attach,
     AttachAck,

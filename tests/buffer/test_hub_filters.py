@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from buffer.dynamic_sampling import DynamicSampling
-from buffer.pf_ppo import PolicyFiltration
-from buffer.rollout_log import RolloutLogWriter, read_rollout_log
-from buffer.store import FifoStore, FilteredStore
-from transport.messages import Heartbeat, PromptLease, SampleBatch, SampleRequest, Shutdown
+from relay.buffer.dynamic_sampling import DynamicSampling
+from relay.buffer.pf_ppo import PolicyFiltration
+from relay.buffer.rollout_log import RolloutLogWriter, read_rollout_log
+from relay.buffer.store import FifoStore, FilteredStore
+from relay.transport.messages import Heartbeat, PromptLease, SampleBatch, SampleRequest, Shutdown
 
 from .conftest import make_group
 from .test_hub import lease

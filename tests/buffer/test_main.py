@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import transformers
 
-import buffer.main
-from buffer.dataset import DatasetError
-from configs.run_schema import DataConfig, ModelConfig, RunConfig
+import relay.buffer.main as buffer_main
+from relay.buffer.dataset import DatasetError
+from relay.configs.run_schema import DataConfig, ModelConfig, RunConfig
 
 from .test_dataset import WordTokenizer
 
@@ -40,17 +40,17 @@ def tokenizers(monkeypatch) -> list[str]:
 
 
 def test_filter_overlong_prompts_leaves_the_rows_that_fit(tmp_path, tokenizers) -> None:
-    dataset = buffer.main.training_prompts(_run(tmp_path, filter_overlong_prompts=True))
+    dataset = buffer_main.training_prompts(_run(tmp_path, filter_overlong_prompts=True))
     assert [len(row.prompt[0].content.split()) for row in dataset.rows] == [2, 3]
     assert tokenizers == [str(tmp_path / "model")]
 
 
 def test_truncation_error_refuses_the_data_at_load(tmp_path, tokenizers) -> None:
     with pytest.raises(DatasetError, match="row 1 \\(10 tokens\\)"):
-        buffer.main.training_prompts(_run(tmp_path, truncation="error"))
+        buffer_main.training_prompts(_run(tmp_path, truncation="error"))
 
 
 def test_cutting_sides_keep_every_row_without_a_tokenizer(tmp_path, tokenizers) -> None:
     for side in ("left", "right", "middle"):
-        assert len(buffer.main.training_prompts(_run(tmp_path, truncation=side))) == 3
+        assert len(buffer_main.training_prompts(_run(tmp_path, truncation=side))) == 3
     assert tokenizers == []

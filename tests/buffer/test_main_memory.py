@@ -18,11 +18,11 @@ import pytest
 import torch
 import zmq
 
-import buffer.main
-from buffer.hub import SENDERS
-from configs.run_schema import DataConfig, ModelConfig, RolloutConfig, RunConfig
-from transport.codec import PREAMBLE_FRAME, Decoder, WireError, encode
-from transport.messages import (
+import relay.buffer.main as buffer_main
+from relay.buffer.hub import SENDERS
+from relay.configs.run_schema import DataConfig, ModelConfig, RolloutConfig, RunConfig
+from relay.transport.codec import PREAMBLE_FRAME, Decoder, WireError, encode
+from relay.transport.messages import (
     ALL_MESSAGES,
     ErrorReply,
     Heartbeat,
@@ -36,12 +36,12 @@ from .conftest import make_sample
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
-ENVELOPE = struct.Struct(">QB")  # transport.sockets: request id, flags
+ENVELOPE = struct.Struct(">QB")  # relay.transport.sockets: request id, flags
 
 
 def decoder(n: int = 2) -> Decoder[Any]:
     """The buffer's decoder under ``rollout.n = n``."""
-    return buffer.main.request_decoder(RunConfig(
+    return buffer_main.request_decoder(RunConfig(
         data=DataConfig(train_files=["unused.jsonl"]), model=ModelConfig(path="unused"),
         rollout=RolloutConfig(n=n)))
 
@@ -73,7 +73,7 @@ def test_a_message_the_hub_does_not_take_is_a_schema_error(message: Any) -> None
 
 
 def test_a_group_with_more_tensors_than_rollout_n_samples_hold_is_refused() -> None:
-    assert buffer.main.TENSORS_PER_SAMPLE == 4
+    assert buffer_main.TENSORS_PER_SAMPLE == 4
     assert decoder(n=2).max_tensors == 8
     with pytest.raises(WireError) as info:
         decoder(n=2).decode(wire(group(3)))
@@ -96,16 +96,16 @@ def test_a_tensor_in_an_untyped_field_of_a_request_is_refused(untyped: dict[str,
 STALLED_BUFFER = """
 import json, sys, threading, time
 from pathlib import Path
-import buffer.main
-from configs.rundir import RunContext
-from configs.run_schema import BufferConfig, DataConfig, ModelConfig, RunConfig, TrainerConfig
-from configs.topology_schema import BufferPlacement, LauncherSettings, Topology
+import relay.buffer.main as buffer_main
+from relay.configs.rundir import RunContext
+from relay.configs.run_schema import BufferConfig, DataConfig, ModelConfig, RunConfig, TrainerConfig
+from relay.configs.topology_schema import BufferPlacement, LauncherSettings, Topology
 
 run_dir, port, stall_s = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "data_source": "s",
          "reward_model": {"style": "rule", "ground_truth": "1"}} for i in range(8)]
 (run_dir / "train.jsonl").write_text("".join(json.dumps(row) + "\\n" for row in rows))
-(run_dir / "sockets").mkdir(mode=0o700)  # where a run without CURVE binds (configs.rundir)
+(run_dir / "sockets").mkdir(mode=0o700)  # where a run without CURVE binds (relay.configs.rundir)
 run = RunConfig(data=DataConfig(train_files=[str(run_dir / "train.jsonl")]),
                 model=ModelConfig(path="unused"), trainer=TrainerConfig(resume_mode="disable"),
                 buffer=BufferConfig(vocab_size=100, max_message_bytes=16 << 20,
@@ -113,7 +113,7 @@ run = RunConfig(data=DataConfig(train_files=[str(run_dir / "train.jsonl")]),
 topology = Topology(buffer=BufferPlacement(port=port),
                     launcher=LauncherSettings(metrics_port=port + 1))
 ctx = RunContext(run_dir=run_dir, topology=topology, run=run)
-hub = buffer.main.build_hub(ctx)
+hub = relay.buffer.main.build_hub(ctx)
 handle, stalled = hub.handle, []
 
 def first_request_stalls(message, peer=None):  # a slow disk under the rollout log, a GC
@@ -125,7 +125,7 @@ def first_request_stalls(message, peer=None):  # a slow disk under the rollout l
 hub.handle = first_request_stalls
 Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
 print(ctx.buffer_endpoint, flush=True)
-buffer.main.serve(ctx, hub, threading.Event())
+relay.buffer.main.serve(ctx, hub, threading.Event())
 """
 
 

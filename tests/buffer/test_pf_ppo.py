@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from buffer.pf_ppo import PolicyFiltration, kept_indices
-from transport.messages import Prompt
+from relay.buffer.pf_ppo import PolicyFiltration, kept_indices
+from relay.transport.messages import Prompt
 
 from .conftest import make_group
 

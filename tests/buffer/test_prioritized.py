@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from buffer.prioritized import (
+from relay.buffer.prioritized import (
     PrioritizedStore,
     advantage_priority,
     annealed_beta,
@@ -18,9 +18,9 @@ from buffer.prioritized import (
     pass_rate_priority,
     sampling_probabilities,
 )
-from buffer.store import PriorityError, Taken
-from configs.run_schema import ReplayConfig
-from transport.messages import ErrorReply, Prompt, SampleBatch, SampleRequest, VersionUpdate
+from relay.buffer.store import PriorityError, Taken
+from relay.configs.run_schema import ReplayConfig
+from relay.transport.messages import ErrorReply, Prompt, SampleBatch, SampleRequest, VersionUpdate
 
 from .conftest import TOTAL_STEPS, make_group
 from .test_hub import lease

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from buffer.prompt_source import (
+from relay.buffer.prompt_source import (
     BUFFER_CHECKPOINT_FILE,
     BufferCheckpointError,
     PromptSource,
     read_buffer_checkpoint,
     write_buffer_checkpoint,
 )
-from transport.messages import BufferCheckpoint
+from relay.transport.messages import BufferCheckpoint
 
 from .conftest import make_dataset
 

@@ -1,7 +1,7 @@
 """The generator registry: membership by heartbeat, throughput and versions of the attached."""
 
-from buffer.registry import Registry
-from transport.messages import Attach, Heartbeat
+from relay.buffer.registry import Registry
+from relay.transport.messages import Attach, Heartbeat
 
 
 def test_busy_fraction_and_oldest_version_cover_the_attached_generators() -> None:

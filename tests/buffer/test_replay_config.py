@@ -6,14 +6,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from buffer.dynamic_sampling import DynamicSampling
-from buffer.main import build_store
-from buffer.pf_ppo import PolicyFiltration
-from buffer.prioritized import PrioritizedStore
-from buffer.store import FifoStore, FilteredStore
-from configs.checks import check_replay_filters
-from configs.loader import ConfigError
-from configs.run_schema import (
+from relay.buffer.dynamic_sampling import DynamicSampling
+from relay.buffer.main import build_store
+from relay.buffer.pf_ppo import PolicyFiltration
+from relay.buffer.prioritized import PrioritizedStore
+from relay.buffer.store import FifoStore, FilteredStore
+from relay.configs.checks import check_replay_filters
+from relay.configs.loader import ConfigError
+from relay.configs.run_schema import (
     BufferConfig,
     DataConfig,
     FilterGroupsConfig,

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from buffer.dynamic_sampling import DynamicSampling
-from buffer.fingerprint import buffer_fingerprint, dataset_digest
-from buffer.hub import Hub
-from buffer.main import resume, resumed_accepted
-from buffer.prompt_source import PromptSource, PromptStreamError, write_buffer_checkpoint
-from buffer.store import FifoStore, FilteredStore
-from configs.run_schema import DataConfig, ModelConfig, RunConfig
-from transport.messages import (
+from relay.buffer.dynamic_sampling import DynamicSampling
+from relay.buffer.fingerprint import buffer_fingerprint, dataset_digest
+from relay.buffer.hub import Hub
+from relay.buffer.main import resume, resumed_accepted
+from relay.buffer.prompt_source import PromptSource, PromptStreamError, write_buffer_checkpoint
+from relay.buffer.store import FifoStore, FilteredStore
+from relay.configs.run_schema import DataConfig, ModelConfig, RunConfig
+from relay.transport.messages import (
     BufferCheckpoint,
     BufferCheckpointRequest,
     LeaseReturn,
@@ -79,7 +79,7 @@ def test_groups_dropped_for_good_are_not_leased_again(make_hub) -> None:
 
 
 def fingerprinted(hub: Hub, *, batch_size: int, rows: int = 100) -> Hub:
-    """``hub`` with the fingerprint ``buffer.main.build_hub`` gives it (its rows: the
+    """``hub`` with the fingerprint ``relay.buffer.main.build_hub`` gives it (its rows: the
     fixture's ``make_dataset(rows)``)."""
     run = RunConfig(data=DataConfig(train_files=[], train_batch_size=batch_size),
                     model=ModelConfig(path="/models/policy"))

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from buffer.hub import SENDERS, Hub
-from transport.messages import (
+from relay.buffer.hub import SENDERS, Hub
+from relay.transport.messages import (
     Ack,
     Attach,
     AttachAck,
@@ -30,8 +30,8 @@ from transport.messages import (
     Shutdown,
     VersionUpdate,
 )
-from transport.security import ClientKeys, ServerKeys, load_keypair, load_public_key
-from transport.sockets import Client, PeerTimeout, Server, ServerThread
+from relay.transport.security import ClientKeys, ServerKeys, load_keypair, load_public_key
+from relay.transport.sockets import Client, PeerTimeout, Server, ServerThread
 
 from .conftest import make_group
 

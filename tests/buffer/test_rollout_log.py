@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from buffer.rollout_log import (
+from relay.buffer.rollout_log import (
     LogBudget,
     RolloutLogWriter,
     StepRecord,
     read_rollout_log,
     read_steps,
 )
-from transport.messages import Prompt
+from relay.transport.messages import Prompt
 
 from .conftest import make_group
 
@@ -219,7 +219,7 @@ def test_over_budget_with_every_segment_needed_warns_once(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     budget = LogBudget(max_bytes=1, keep_last=2, max_staleness=1)
     writer = RolloutLogWriter(tmp_path, segment_bytes=ONE_GROUP_PER_SEGMENT, budget=budget)
-    with caplog.at_level(logging.WARNING, logger="buffer.rollout_log"):
+    with caplog.at_level(logging.WARNING, logger="relay.buffer.rollout_log"):
         left = checkpoints_between_groups(writer, PLAN[:3])
     writer.close()
     assert left[3] == [0, 1, 2, 3, 4]

@@ -13,11 +13,11 @@ import msgspec
 import pytest
 import torch
 
-from buffer.hub import Hub
-from buffer.main import vocab_size
-from buffer.rollout_log import RolloutLogWriter
-from configs.run_schema import BufferConfig, DataConfig, ModelConfig, RunConfig
-from transport.messages import (
+from relay.buffer.hub import Hub
+from relay.buffer.main import vocab_size
+from relay.buffer.rollout_log import RolloutLogWriter
+from relay.configs.run_schema import BufferConfig, DataConfig, ModelConfig, RunConfig
+from relay.transport.messages import (
     Ack,
     ErrorReply,
     RolloutGroup,

@@ -1,20 +1,20 @@
 """GPU accounting in the topology: each process's ``gpus`` fit its device and its ranks or
-engine, and no GPU of a host is listed by two processes (``configs.gpu_placement``)."""
+engine, and no GPU of a host is listed by two processes (``relay.configs.gpu_placement``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from configs import DEFAULT_TOPOLOGY, ConfigError
-from configs.checks import load_topology
-from configs.gpu_placement import check_gpu_placement, topology_claims
-from configs.topology_schema import (
+from relay.configs import DEFAULT_TOPOLOGY, ConfigError
+from relay.configs.checks import load_topology
+from relay.configs.gpu_placement import check_gpu_placement, topology_claims
+from relay.configs.topology_schema import (
     EvaluatorPlacement,
     GeneratorPlacement,
     LearnerPlacement,
     Topology,
 )
-from configs.verl_keys import Placement
+from relay.configs.verl_keys import Placement
 
 
 def load(*overrides: str, placement: list[Placement] | None = None) -> Topology:

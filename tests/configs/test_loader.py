@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError, load_run_config, load_topology
+from relay.configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError, load_run_config, load_topology
 
 GOOD_RUN = """
 [data]
@@ -207,7 +207,7 @@ metric = "acc"
 
 def test_a_section_in_the_wrong_place_points_to_where_it_lives(run_dir: Path) -> None:
     err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["algorithm.pf_ppo.mode=best"])
-    # verl has an algorithm.pf_ppo section of its own, without mode (configs.verl_keys)
+    # verl has an algorithm.pf_ppo section of its own, without mode (relay.configs.verl_keys)
     assert err.key == "algorithm.pf_ppo.mode" and "did you mean 'buffer.pf_ppo.mode'" in str(err)
 
 

@@ -1,4 +1,4 @@
-"""configs.rundir's addresses: a run without CURVE, all on this machine, talks over ipc files
+"""relay.configs.rundir's addresses: a run without CURVE, all on this machine, talks over ipc files
 in its sockets folder, and no loopback port is bound; a run with CURVE or a remote host
 talks over tcp as the topology says. (The launcher makes that folder private:
 tests/tools/launcher/test_plan.py.)"""
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY
-from configs.checks import load_run_config, load_topology
-from configs.rundir import RunContext, uses_ipc
-from configs.topology_schema import GeneratorPlacement, Security, Topology
+from relay.configs import DEFAULT_RUN, DEFAULT_TOPOLOGY
+from relay.configs.checks import load_run_config, load_topology
+from relay.configs.rundir import RunContext, uses_ipc
+from relay.configs.topology_schema import GeneratorPlacement, Security, Topology
 
 
 def context(topology: Topology, run_dir: Path) -> RunContext:
@@ -40,5 +40,5 @@ def test_curve_or_a_remote_host_keeps_the_topologys_tcp_ports(tmp_path: Path) ->
         assert ctx.sockets_dir is None
         assert endpoints(ctx) == ["tcp://127.0.0.1:7450", "tcp://127.0.0.1:7451",
                                   "tcp://127.0.0.1:7453", "tcp://127.0.0.1:7452"]
-    # never without CURVE, even if configs.checks were skipped: a remote host means tcp
+    # never without CURVE, even if relay.configs.checks were skipped: a remote host means tcp
     assert not uses_ipc(Topology(generators=[GeneratorPlacement(name="g", host="10.0.0.3")]))

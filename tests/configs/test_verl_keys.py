@@ -1,4 +1,4 @@
-"""verl's keys in a Relay run config (``configs.verl_keys``): every key of verl's
+"""verl's keys in a Relay run config (``relay.configs.verl_keys``): every key of verl's
 ``ppo_trainer.yaml`` is in one group, each group does what the table says, in a file and on
 the command line."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from configs import CONFIG_DIR, ConfigError, load_run_config, load_topology
-from configs.loader import parse_key
-from configs.verl_keys import TABLE, Placement, in_schema, lookup, markdown_table
+from relay.configs import CONFIG_DIR, ConfigError, load_run_config, load_topology
+from relay.configs.loader import parse_key
+from relay.configs.verl_keys import TABLE, Placement, in_schema, lookup, markdown_table
 
 from .test_loader import GOOD_RUN, error_of, write
 
@@ -196,7 +196,7 @@ attention_backend = "triton"
             assert options.max_num_batched_tokens == 4096 and not options.enable_chunked_prefill
             assert options.tensor_model_parallel_size == 2
             assert options.max_model_len == 0  # verl's null: Relay's default
-        # the lean engine takes the two knobs it has (configs.topology_schema.LeanOptions)
+        # the lean engine takes the two knobs it has (relay.configs.topology_schema.LeanOptions)
         assert at.lean.gpu_memory_utilization == 0.7 and at.lean.max_num_batched_tokens == 4096
         # seed=null is dropped, as verl drops an engine argument given null
         assert at.vllm.engine_kwargs == {"swap_space": 4, "disable_mm_preprocessor_cache": False}
@@ -340,7 +340,7 @@ def test_placement_keys_in_a_file_go_to_the_topology_too(run_dir: Path) -> None:
 
 
 def test_fsdp_size_is_a_relay_key_of_the_actor_the_ref_and_the_critic(run_dir: Path) -> None:
-    """verl's fsdp_size (HSDP: learner.model.sharding_mesh) is Relay's own key: the ref takes
+    """verl's fsdp_size (HSDP: relay.learner.model.sharding_mesh) is Relay's own key: the ref takes
     the actor's unless set, the critic has its own; below -1 is refused naming the key."""
     path = write(run_dir, GOOD_RUN + "[critic.model.fsdp_config]\nfsdp_size = 4\n")
     run = load_run_config(path, ["actor_rollout_ref.actor.fsdp_config.fsdp_size=32"])

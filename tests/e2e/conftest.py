@@ -75,7 +75,7 @@ def only_run_dir(root: Path) -> Path:
 @pytest.fixture
 def curve_keys(tmp_path: Path) -> Path:
     """A CURVE keys folder: server and client pairs, the client authorized."""
-    from transport.security import create_keypair
+    from relay.transport.security import create_keypair
 
     keys = tmp_path / "keys"
     for name in ("server", "client"):

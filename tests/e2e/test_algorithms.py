@@ -18,7 +18,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM
 
-from buffer.rollout_log import read_rollout_log
+from relay.buffer.rollout_log import read_rollout_log
 
 from .conftest import launch, only_run_dir, small_run_overrides
 

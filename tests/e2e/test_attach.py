@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from buffer.rollout_log import read_rollout_log
+from relay.buffer.rollout_log import read_rollout_log
 
 from .conftest import ROOT, processes_mentioning, small_run_overrides
 from .test_failures import first_run_dir, start_launcher, wait_for
@@ -77,7 +77,7 @@ def test_a_generator_attaches_mid_run_trains_and_detaches(
         wait_for(log, r"attached to", 120)
         wait_for(log, r"lease L\d+", 120)
 
-        clash = subprocess.run([sys.executable, "-m", "generators.main", "--run-dir",
+        clash = subprocess.run([sys.executable, "-m", "relay.generators.main", "--run-dir",
                                 str(run_dir), "--name", name, "--attached"], cwd=ROOT,
                                capture_output=True, text=True, timeout=120)
         assert clash.returncode == 3, clash.stdout + clash.stderr

@@ -106,7 +106,7 @@ def test_training_survives_a_dead_generator(random_model_dir: Path, run_root: Pa
         log, lease = wait_for_any([run_dir / "logs" / f"{name}.log" for name in ("gen0", "gen1")],
                                   r"lease (L\d+): (\d+) prompts", 120)
         name = log.stem
-        os.killpg(pid_of(run_dir, "generators.main", f"--name {name}"), signal.SIGKILL)
+        os.killpg(pid_of(run_dir, "relay.generators.main", f"--name {name}"), signal.SIGKILL)
         output, _ = launcher.communicate(timeout=300)
     finally:
         if launcher.poll() is None:
@@ -141,7 +141,7 @@ def test_a_dead_buffer_ends_the_run_and_is_named(random_model_dir: Path, run_roo
     try:
         run_dir = first_run_dir(run_root)
         wait_for(run_dir / "logs" / "gen0.log", r"lease L\d+", 120)
-        os.kill(pid_of(run_dir, "buffer.main"), sig)
+        os.kill(pid_of(run_dir, "relay.buffer.main"), sig)
         output, _ = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
@@ -183,7 +183,7 @@ def test_the_watchdog_ends_a_run_that_makes_no_step_and_names_the_stage(
         run_dir = first_run_dir(run_root)
         wait_for(run_dir / "logs" / "gen0.log", r"now generating with weights version [1-9]", 180)
         for name in ("gen0", "gen1"):
-            os.kill(pid_of(run_dir, "generators.main", f"--name {name}"), signal.SIGSTOP)
+            os.kill(pid_of(run_dir, "relay.generators.main", f"--name {name}"), signal.SIGSTOP)
         output, _ = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
@@ -206,7 +206,7 @@ def test_a_stalled_buffer_does_not_kill_the_run(random_model_dir: Path, run_root
     try:
         run_dir = first_run_dir(run_root)
         wait_for(run_dir / "logs" / "gen0.log", r"now generating with weights version [1-9]", 180)
-        buffer = pid_of(run_dir, "buffer.main")
+        buffer = pid_of(run_dir, "relay.buffer.main")
         os.kill(buffer, signal.SIGSTOP)
         time.sleep(35)
         os.kill(buffer, signal.SIGCONT)

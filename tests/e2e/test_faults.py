@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib.util
 import math
 import os
 import re
@@ -59,9 +58,10 @@ import torch
 import zmq
 from mlflow.tracking import MlflowClient
 
-from configs.rundir import load_run_dir
-from transport.codec import PREAMBLE_FRAME, WIRE_ERROR_KINDS, Decoder
-from transport.messages import (
+from relay import keys
+from relay.configs.rundir import load_run_dir
+from relay.transport.codec import PREAMBLE_FRAME, WIRE_ERROR_KINDS, Decoder
+from relay.transport.messages import (
     Attach,
     AttachAck,
     BufferCheckpointRequest,
@@ -82,8 +82,8 @@ from transport.messages import (
     VersionUpdate,
     WeightManifest,
 )
-from transport.security import ClientKeys, create_keypair, load_keypair, load_public_key
-from transport.sockets import Client, PeerTimeout, Pusher
+from relay.transport.security import ClientKeys, create_keypair, load_keypair, load_public_key
+from relay.transport.sockets import Client, PeerTimeout, Pusher
 
 from .conftest import ROOT, launch, processes_mentioning, small_run_overrides
 from .test_failures import (
@@ -104,10 +104,10 @@ GENERATOR_MESSAGES = (Heartbeat(generator_id="intruder", version=0),
                       LeaseRequest(generator_id="intruder", max_prompts=1),
                       Attach(generator_id="intruder", engine="x", device="x"))
 MAX_MESSAGE_BYTES = 1 << 16
-WEIGHT_SERVER_MAX_BYTES = 1 << 20  # learner.weights.MAX_REQUEST_BYTES
-ENVELOPE = struct.Struct(">QB")  # transport.sockets: request id, flags
+WEIGHT_SERVER_MAX_BYTES = 1 << 20  # relay.learner.weights.MAX_REQUEST_BYTES
+ENVELOPE = struct.Struct(">QB")  # relay.transport.sockets: request id, flags
 
-# Where every prompt and group went (buffer.hub, "Accounting"), as ``buffer/...`` keys
+# Where every prompt and group went (relay.buffer.hub, "Accounting"), as ``buffer/...`` keys
 PROMPT_ENDS = ("prompts/completed", "prompts/returned", "prompts/expired", "running_prompts")
 ANSWERS = ("groups/accepted", "rejected/malformed", "dropped/stale_on_arrival",
            "dropped/zero_variance", "groups/failed", "groups/store_errors")
@@ -152,7 +152,7 @@ def buffer_done_stats(run_dir: Path) -> dict[str, float]:
 
 
 def accounting_failures(stats: Mapping[str, float]) -> list[str]:
-    """Each accounting sum that ``stats`` break, with its numbers (buffer.hub)."""
+    """Each accounting sum that ``stats`` break, with its numbers (relay.buffer.hub)."""
     get = lambda key: stats.get(key, 0.0)  # noqa: E731
     failures = []
     for total, parts in (("prompts/leased", PROMPT_ENDS), ("prompts/completed", ANSWERS),
@@ -325,11 +325,7 @@ def test_a_hostile_peer_without_keys_is_refused_and_the_run_trains_on(
 
 
 def make_keys(keys_dir: Path) -> None:
-    spec = importlib.util.spec_from_file_location("make_curve_keys",
-                                                  ROOT / "tools" / "make-curve-keys.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.make_keys(keys_dir)
+    keys.make_keys(keys_dir)
 
 
 @pytest.mark.slow
@@ -385,7 +381,7 @@ def test_a_generator_killed_mid_lease_leaves_every_prompt_accounted_for(
         # the first to get a lease dies holding it
         log, lease = wait_for_any([run_dir / "logs" / f"{name}.log" for name in ("gen0", "gen1")],
                                   r"lease (L\d+): (\d+) prompts", 120)
-        os.killpg(pid_of(run_dir, "generators.main", f"--name {log.stem}"), signal.SIGKILL)
+        os.killpg(pid_of(run_dir, "relay.generators.main", f"--name {log.stem}"), signal.SIGKILL)
         output, final = finish(launcher, run_dir)
     finally:
         if launcher.poll() is None:
@@ -543,7 +539,7 @@ HOSTILE_CONNECTIONS = 2
 HOSTILE_REQUESTS = 40  # per connection, each just under HOSTILE_MESSAGE_BYTES, never read
 RSS_SLACK_MIB = 128
 """What the buffer's own work may add while it is probed (its groups, its log, Python's
-arenas). The bound (``buffer.main``, Memory): each connection queues at most REQUEST_HWM (16)
+arenas). The bound (``relay.buffer.main``, Memory): each connection queues at most REQUEST_HWM (16)
 requests plus the one being read and the one being answered, so peers' frames hold at most
 (16 + 2) x buffer.max_message_bytes per connection."""
 RSS_BOUND_MIB = HOSTILE_CONNECTIONS * 18 * (HOSTILE_MESSAGE_BYTES >> 20) + RSS_SLACK_MIB
@@ -607,7 +603,7 @@ def test_hostile_payloads_are_refused_and_the_buffers_memory_stays_bounded(
                                        f"buffer.max_message_bytes={HOSTILE_MESSAGE_BYTES}",
                                        steps=400)
     ctx = load_run_dir(run_dir)
-    buffer_pid = pid_of(run_dir, "buffer.main")
+    buffer_pid = pid_of(run_dir, "relay.buffer.main")
     wait_for_line(launcher, run_dir / "logs" / "learner.log", r"serving weight versions on", 120)
     before = rss_mib(buffer_pid)
     Path(f"/proc/{buffer_pid}/clear_refs").write_text("5")  # VmHWM from here

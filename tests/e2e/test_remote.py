@@ -50,7 +50,7 @@ def test_a_remote_generator_is_started_over_ssh_and_trains(
     assert any(c.startswith("mkdir -p ") and str(run_dir) in c for c in commands)
     pushed = [c for c in commands if c.startswith("cat > ")]
     assert len(pushed) == 2 and all(" && mv " in c for c in pushed)  # topology and run
-    started = [c for c in commands if "generators.main" in c]
+    started = [c for c in commands if "relay.generators.main" in c]
     # env(1) leads when the launcher forwards NCCL_* / CUDA_* variables it has
     assert len(started) == 1 and re.match(
         rf"cd {re.escape(str(ROOT))} && (env (\S+=\S* )+)?{re.escape(sys.executable)} ",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from buffer.rollout_log import read_rollout_log
+from relay.buffer.rollout_log import read_rollout_log
 
 from .conftest import launch, only_run_dir, small_run_overrides
 

@@ -6,7 +6,7 @@ small settings, a fixed seed and eta = 0 (``buffer.max_staleness=0``: synchronou
 step's batch is a function of the prompt stream and the weights). The killed run's
 learner, buffer, generator and launcher all die at once; the resumed run reloads the
 newest complete checkpoint, the buffer restarts its prompt stream from the checkpoint and
-the generator its sampling stream per lease (``generators.process.SamplingSeeds``).
+the generator its sampling stream per lease (``relay.generators.process.SamplingSeeds``).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import Metadata
 
-from buffer.dataset import PromptDataset
-from buffer.prompt_source import PromptSource, write_buffer_checkpoint
-from buffer.rollout_log import read_rollout_log
-from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
-from launcher.plan import write_resolved
-from launcher.resolve import ResolvedLaunch, resolve_launch
-from learner.checkpoint_meta import FORMAT, META_FILE, CheckpointMeta, LoopState, scan_checkpoints
-from transport.messages import BufferCheckpoint
+from relay.buffer.dataset import PromptDataset
+from relay.buffer.prompt_source import PromptSource, write_buffer_checkpoint
+from relay.buffer.rollout_log import read_rollout_log
+from relay.configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
+from relay.launcher.plan import write_resolved
+from relay.launcher.resolve import ResolvedLaunch, resolve_launch
+from relay.learner.checkpoint_meta import FORMAT, META_FILE, CheckpointMeta, LoopState, scan_checkpoints
+from relay.transport.messages import BufferCheckpoint
 
 from .conftest import LAUNCHER, ROOT, launch, processes_mentioning, small_run_overrides
 

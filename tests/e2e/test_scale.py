@@ -91,7 +91,7 @@ def test_two_learner_ranks_with_sequence_parallelism_train_publish_and_evaluate(
     run_dir = only_run_dir(run_root)
     assert processes_mentioning(str(run_dir)) == []
     commands = (tmp_path / "ssh.log").read_text().splitlines()
-    assert any(c.startswith(REMOTE_HOST) and "learner.main" in c for c in commands)
+    assert any(c.startswith(REMOTE_HOST) and "relay.learner.main" in c for c in commands)
     for rank_log in ("learner@127.0.0.1.log", f"learner@{REMOTE_HOST}.log"):
         assert (run_dir / "logs" / rank_log).is_file()
     for name in ("gen0", "gen1"):  # both generators trained with published weights

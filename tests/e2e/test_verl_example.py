@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from buffer.dataset import load_prompt_rows, write_prompt_rows
-from configs import CONFIG_DIR
-from configs.rundir import RESOLVED_TOPOLOGY
+from relay.buffer.dataset import load_prompt_rows, write_prompt_rows
+from relay.configs import CONFIG_DIR
+from relay.configs.rundir import RESOLVED_TOPOLOGY
 
 from ..conftest import save_random_model
 from .conftest import ROOT, only_run_dir, processes_mentioning, small_run_overrides

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from buffer.dataset import load_prompt_rows, write_prompt_rows
-from configs import CONFIG_DIR
-from configs.rundir import RESOLVED_TOPOLOGY
-from learner.tiny_model.build import default_model_dir
+from relay.buffer.dataset import load_prompt_rows, write_prompt_rows
+from relay.configs import CONFIG_DIR
+from relay.configs.rundir import RESOLVED_TOPOLOGY
+from relay.learner.tiny_model.build import default_model_dir
 
 from .conftest import ROOT, only_run_dir, processes_mentioning
 

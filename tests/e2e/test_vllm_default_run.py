@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from buffer.rollout_log import read_rollout_log
-from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY
+from relay.buffer.rollout_log import read_rollout_log
+from relay.configs import DEFAULT_RUN, DEFAULT_TOPOLOGY
 
 from .conftest import ACCEPTANCE_LIFT, VLLM_GENERATOR, launch, only_run_dir
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from buffer.rollout_log import read_rollout_log
+from relay.buffer.rollout_log import read_rollout_log
 
 from ..conftest import save_random_model
 from .conftest import ROOT, VLLM_GENERATOR, launch, only_run_dir, small_run_overrides

@@ -19,17 +19,17 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from buffer.dataset import ChatMessage, PromptDataset, PromptRow, RewardSpec
-from buffer.hub import Hub
-from buffer.prompt_source import PromptSource
-from buffer.store import FifoStore
-from buffer.validation import GroupLimits
-from configs.run_schema import BufferConfig, OverlongBufferConfig, RolloutConfig
-from generators.engine import Completion, Engine, FinishedGroup, StepHook
-from generators.process import GeneratorLoop, NameInUse
-from generators.sampling import SamplingParams
-from transport.messages import Attach, Heartbeat, Message, WeightManifest
-from transport.sockets import Peer, Server, ServerThread
+from relay.buffer.dataset import ChatMessage, PromptDataset, PromptRow, RewardSpec
+from relay.buffer.hub import Hub
+from relay.buffer.prompt_source import PromptSource
+from relay.buffer.store import FifoStore
+from relay.buffer.validation import GroupLimits
+from relay.configs.run_schema import BufferConfig, OverlongBufferConfig, RolloutConfig
+from relay.generators.engine import Completion, Engine, FinishedGroup, StepHook
+from relay.generators.process import GeneratorLoop, NameInUse
+from relay.generators.sampling import SamplingParams
+from relay.transport.messages import Attach, Heartbeat, Message, WeightManifest
+from relay.transport.sockets import Peer, Server, ServerThread
 
 HEARTBEAT_TIMEOUT_S = 0.5  # the hub's; a dead holder's name is free after this and a second
 

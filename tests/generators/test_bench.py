@@ -1,4 +1,4 @@
-"""generators.bench: the engine benchmark's contenders all decode the full length, its
+"""relay.generators.bench: the engine benchmark's contenders all decode the full length, its
 compute ceiling uses the stated FLOP count (attention over heads * head_dim channels), and
 its continuous-batching stream keeps the slots fuller than static batches would."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM
 
-from generators.bench import compare_engines, continuous_batching, forward_flops_per_token
-from generators.torch_engine import TorchEngine
+from relay.generators.bench import compare_engines, continuous_batching, forward_flops_per_token
+from relay.generators.torch_engine import TorchEngine
 
 from ..conftest import save_random_model
 

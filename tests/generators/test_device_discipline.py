@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from generators.engine import GroupRequest
-from generators.lean_engine import LeanEngine
-from generators.lean_model import CacheMemory
-from generators.sampling import SamplingParams
-from generators.torch_engine import TorchEngine
+from relay.generators.engine import GroupRequest
+from relay.generators.lean_engine import LeanEngine
+from relay.generators.lean_model import CacheMemory
+from relay.generators.sampling import SamplingParams
+from relay.generators.torch_engine import TorchEngine
 from ..device_audit import DeviceAudit
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

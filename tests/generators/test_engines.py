@@ -15,13 +15,13 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from algorithms.logprobs import token_logprobs
-from algorithms.off_policy import RolloutCorrectionConfig, off_policy_correction
-from generators.engine import Completion, Engine, WeightMismatch, copy_device
-from generators.hf_engine import HFEngine
-from generators.lean_engine import LeanEngine
-from generators.sampling import SamplingParams
-from generators.torch_engine import TorchEngine
+from relay.algorithms.logprobs import token_logprobs
+from relay.algorithms.off_policy import RolloutCorrectionConfig, off_policy_correction
+from relay.generators.engine import Completion, Engine, WeightMismatch, copy_device
+from relay.generators.hf_engine import HFEngine
+from relay.generators.lean_engine import LeanEngine
+from relay.generators.sampling import SamplingParams
+from relay.generators.torch_engine import TorchEngine
 
 PROMPTS = [[1, 271, 201, 273, 272, 223, 19, 20, 2, 201, 1, 278, 201], [1, 271, 201, 24, 2, 201]]
 OURS = ["lean", "torch"]
@@ -57,7 +57,7 @@ FILTERED = SamplingParams(max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.
 def recomputed_logprobs(model: AutoModelForCausalLM, prompt: list[int],
                         completion: Completion, temperature: float) -> torch.Tensor:
     """The learner's log-probs of ``completion``'s tokens: log softmax(logits / T)[token] of
-    a teacher-forced forward (``algorithms.logprobs.token_logprobs``)."""
+    a teacher-forced forward (``relay.algorithms.logprobs.token_logprobs``)."""
     ids = torch.tensor([prompt + completion.token_ids.tolist()])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1:-1]

@@ -1,4 +1,4 @@
-"""Held-out evaluation (``generators.evaluate``): which responses ``trainer.log_val_generations``
+"""Held-out evaluation (``relay.generators.evaluate``): which responses ``trainer.log_val_generations``
 logs, picked as verl picks them, and the dump of every response
 (``trainer.validation_data_dir``)."""
 
@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import torch
 
-from algorithms.rewards.result import RewardResult
-from buffer.dataset import ChatMessage, PromptRow, RewardSpec
-from generators.evaluate import evaluate, sample_generations, write_generations
-from generators.sampling import SamplingParams
-from transport.messages import ValGeneration
+from relay.algorithms.rewards.result import RewardResult
+from relay.buffer.dataset import ChatMessage, PromptRow, RewardSpec
+from relay.generators.evaluate import evaluate, sample_generations, write_generations
+from relay.generators.sampling import SamplingParams
+from relay.transport.messages import ValGeneration
 
 
 def _generations(prompts: list[str], per_prompt: int = 1) -> list[ValGeneration]:

@@ -1,4 +1,4 @@
-"""generators.kv_cache: the lean engine's cache sizes against hand-computed numbers (Qwen2.5-7B
+"""relay.generators.kv_cache: the lean engine's cache sizes against hand-computed numbers (Qwen2.5-7B
 at 1k + 4k tokens, the review's example), the choice between every slot at full length and
 a paged pool, and the paged pool's block bookkeeping."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from generators.kv_cache import (
+from relay.generators.kv_cache import (
     BLOCK_SIZE,
     CacheShape,
     PagedCache,

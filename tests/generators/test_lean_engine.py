@@ -1,4 +1,4 @@
-"""generators.lean_engine: continuous batching admits groups as slots free, keeps the batch
+"""relay.generators.lean_engine: continuous batching admits groups as slots free, keeps the batch
 full, shares a prompt's prefill among its samples and returns every group whole; a model
 whose head_dim is not hidden / heads (Relay's tiny model) samples transformers' log-probs;
 a paged KV cache smaller than every slot at full length admits groups as blocks free and
@@ -13,15 +13,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from configs.run_schema import ModelConfig
-from configs.topology_schema import GeneratorPlacement, LeanOptions
-from generators.build import build_engine
-from generators.engine import GroupRequest
-from generators.kv_cache import BLOCK_SIZE, PagedCache, SlotCache
-from generators.lean_engine import LeanEngine
-from generators.lean_model import CacheMemory
-from generators.sampling import SamplingParams
-from generators.torch_engine import TorchEngine
+from relay.configs.run_schema import ModelConfig
+from relay.configs.topology_schema import GeneratorPlacement, LeanOptions
+from relay.generators.build import build_engine
+from relay.generators.engine import GroupRequest
+from relay.generators.kv_cache import BLOCK_SIZE, PagedCache, SlotCache
+from relay.generators.lean_engine import LeanEngine
+from relay.generators.lean_model import CacheMemory
+from relay.generators.sampling import SamplingParams
+from relay.generators.torch_engine import TorchEngine
 from ..conftest import save_random_model
 
 

@@ -1,4 +1,4 @@
-"""generators.lean_model: the lean forward gives transformers' logits for Llama (GQA, tied
+"""relay.generators.lean_model: the lean forward gives transformers' logits for Llama (GQA, tied
 and untied, an explicit head_dim that is not hidden / heads), Qwen2 (QKV biases) and Qwen3
 (per-head q/k norms), through the prefill and through decode steps over the cache (every
 slot at full length, and a paged pool of blocks); unsupported settings are named."""
@@ -15,8 +15,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from generators.kv_cache import PagedCache, SlotCache
-from generators.lean_model import (
+from relay.generators.kv_cache import PagedCache, SlotCache
+from relay.generators.lean_model import (
     CacheMemory,
     LeanDecoder,
     UnsupportedModel,
@@ -137,11 +137,11 @@ def test_unsupported_settings_are_named(config, named: str) -> None:
 def test_a_gpu_cache_leaves_room_for_the_next_versions_copy_of_the_weights(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU the weight receiver assembles the next version in a second copy of the
-    checkpoint's weights on the device (generators.weight_receiver.DeviceCopy): the cache's
+    checkpoint's weights on the device (relay.generators.weight_receiver.DeviceCopy): the cache's
     budget is free x utilization - weights - that copy - workspace. Seen without it: a 7B
     lean generator at 0.9 of 80 GiB had no room for the copy at its first update. A GPU's
     free memory is stood in for on the CPU."""
-    import generators.lean_model as lean_model
+    import relay.generators.lean_model as lean_model
 
     held: list[int] = []
     plain_budget = lean_model.budget_from_free_memory

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from configs import DEFAULT_RUN, load_run_config, load_topology
-from configs.rundir import RunContext
-from generators.main import attached_seed, parse_args, placement_and_seed
+from relay.configs import DEFAULT_RUN, load_run_config, load_topology
+from relay.configs.rundir import RunContext
+from relay.generators.main import attached_seed, parse_args, placement_and_seed
 
 TOPOLOGY = """
 [[generators]]

@@ -1,4 +1,4 @@
-"""generators.memory_plan: an engine's GPU share of weights, KV cache and workspace, for
+"""relay.generators.memory_plan: an engine's GPU share of weights, KV cache and workspace, for
 Qwen2.5-7B from its config alone, and the lean engine's own allocations on the CPU."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
-from generators.kv_cache import BLOCK_SIZE
-from generators.lean_model import CacheMemory, LeanDecoder
-from generators.memory_plan import CUDA_CONTEXT_BYTES, kv_heads_per_gpu, plan_engine
+from relay.generators.kv_cache import BLOCK_SIZE
+from relay.generators.lean_model import CacheMemory, LeanDecoder
+from relay.generators.memory_plan import CUDA_CONTEXT_BYTES, kv_heads_per_gpu, plan_engine
 
 from ..qwen25_configs import QWEN25_7B, qwen2_parameters
 

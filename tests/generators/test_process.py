@@ -1,4 +1,4 @@
-"""generators.process: the loop's settings come from the run's sections; its heartbeats
+"""relay.generators.process: the loop's settings come from the run's sections; its heartbeats
 name the leases it holds, and a lease whose reply was lost parks no prompt."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import time
 import msgspec
 import pytest
 
-from buffer.hub import Hub
-from configs.run_schema import BufferConfig, RolloutConfig
-from generators import process
-from generators.process import sampling_params
-from generators.sampling import SamplingParams
-from transport.messages import Heartbeat, LeaseRequest, Message, PromptLease
-from transport.sockets import Peer
+from relay.buffer.hub import Hub
+from relay.configs.run_schema import BufferConfig, RolloutConfig
+from relay.generators import process
+from relay.generators.process import sampling_params
+from relay.generators.sampling import SamplingParams
+from relay.transport.messages import Heartbeat, LeaseRequest, Message, PromptLease
+from relay.transport.sockets import Peer
 
 from .test_attach import loop, make_hub, serve
 from .test_attach import weights as weights  # noqa: F401 - the fixture

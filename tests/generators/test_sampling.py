@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from generators.sampling import SamplingParams, draw, processed_logprobs, sample_next
+from relay.generators.sampling import SamplingParams, draw, processed_logprobs, sample_next
 
 LOGITS = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]])
 

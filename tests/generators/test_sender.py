@@ -1,4 +1,4 @@
-"""generators.sender: the buffer's verdict on each group is counted and logged by its name;
+"""relay.generators.sender: the buffer's verdict on each group is counted and logged by its name;
 a failure in the sender's thread reaches the compute loop."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from configs.run_schema import OverlongBufferConfig
-from generators.engine import Completion
-from generators.sender import Counters, FinishedPrompt, GroupSender
-from transport.messages import ErrorReply, Message, Prompt, RolloutAck, RolloutGroup, Sample
-from transport.sockets import Client, Server, ServerThread
+from relay.configs.run_schema import OverlongBufferConfig
+from relay.generators.engine import Completion
+from relay.generators.sender import Counters, FinishedPrompt, GroupSender
+from relay.transport.messages import ErrorReply, Message, Prompt, RolloutAck, RolloutGroup, Sample
+from relay.transport.sockets import Client, Server, ServerThread
 
 VERDICTS = {"r-ok": "accepted", "r-stale": "stale", "r-dup": "duplicate"}
 

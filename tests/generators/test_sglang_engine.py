@@ -1,4 +1,4 @@
-"""The SGLang adapter (``generators.sglang_engine``) driven by a fake ``sglang.Engine``:
+"""The SGLang adapter (``relay.generators.sglang_engine``) driven by a fake ``sglang.Engine``:
 SGLang itself needs CUDA GPUs and is not installed here. The fake records every call and
 answers ``generate`` with outputs shaped like SGLang's (``output_ids`` and
 ``meta_info["output_token_logprobs"]`` of ``(logprob, token_id, text)``)."""
@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs import load_topology
-from configs.run_schema import ModelConfig
-from configs.topology_schema import SGLangOptions
-from generators import sglang_engine
-from generators.build import build_engine
-from generators.checkpoint import parameter_shapes
-from generators.engine import GroupRequest, WeightMismatch
-from generators.sampling import SamplingParams
-from generators.sglang_engine import (
+from relay.configs import load_topology
+from relay.configs.run_schema import ModelConfig
+from relay.configs.topology_schema import SGLangOptions
+from relay.generators import sglang_engine
+from relay.generators.build import build_engine
+from relay.generators.checkpoint import parameter_shapes
+from relay.generators.engine import GroupRequest, WeightMismatch
+from relay.generators.sampling import SamplingParams
+from relay.generators.sglang_engine import (
     SGLangEngine,
     SGLangUnavailable,
     completion_of,

@@ -1,5 +1,5 @@
-"""verl's validation metrics (``generators.val_metrics``) against hand-computed values, and
-their place in an evaluation's metrics (``generators.evaluate``)."""
+"""verl's validation metrics (``relay.generators.val_metrics``) against hand-computed values, and
+their place in an evaluation's metrics (``relay.generators.evaluate``)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms.rewards.result import RewardResult, to_result
-from buffer.dataset import ChatMessage, PromptRow, RewardSpec
-from generators.evaluate import eval_metrics, evaluate
-from generators.sampling import SamplingParams
-from generators.val_metrics import (
+from relay.algorithms.rewards.result import RewardResult, to_result
+from relay.buffer.dataset import ChatMessage, PromptRow, RewardSpec
+from relay.generators.evaluate import eval_metrics, evaluate
+from relay.generators.sampling import SamplingParams
+from relay.generators.val_metrics import (
     ScoredResponse,
     bootstrap,
     majority_values,
@@ -21,7 +21,7 @@ from generators.val_metrics import (
     subset_sizes,
     validation_metrics,
 )
-from transport.messages import ValGeneration
+from relay.transport.messages import ValGeneration
 
 
 class FixedDraws:

@@ -13,19 +13,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from algorithms.logprobs import token_logprobs
-from configs.topology_schema import VLLMOptions
-from generators.checkpoint import checkpoint_tensors
-from generators.engine import GroupRequest, WeightMismatch
-from generators.sampling import SamplingParams
-from generators.vllm_weights import (
+from relay.algorithms.logprobs import token_logprobs
+from relay.configs.topology_schema import VLLMOptions
+from relay.generators.checkpoint import checkpoint_tensors
+from relay.generators.engine import GroupRequest, WeightMismatch
+from relay.generators.sampling import SamplingParams
+from relay.generators.vllm_weights import (
     CudaIpcSender,
     DeviceReload,
     HostReload,
     WeightTransferMissing,
     weight_sender,
 )
-from generators.vllm_engine import (
+from relay.generators.vllm_engine import (
     VLLMEngine,
     VLLMUnavailable,
     completion_of,

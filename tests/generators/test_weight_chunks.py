@@ -1,10 +1,10 @@
-"""generators.weight_chunks: a version cut into chunks of at most a byte budget, in order."""
+"""relay.generators.weight_chunks: a version cut into chunks of at most a byte budget, in order."""
 
 from __future__ import annotations
 
 import torch
 
-from generators.weight_chunks import chunks_of
+from relay.generators.weight_chunks import chunks_of
 
 
 def test_chunks_keep_the_order_stay_within_the_budget_and_a_large_tensor_goes_alone() -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from generators.weight_receiver import (
+from relay.generators.weight_receiver import (
     EvalWeights,
     SUBSCRIBE_SETTLE_S,
     DeviceCopy,
@@ -22,10 +22,10 @@ from generators.weight_receiver import (
     VersionAssembler,
     WeightReceiver,
 )
-from learner.weight_buckets import gather_buckets, plan_buckets
-from learner.weights import WeightStream
-from transport.messages import EvalOffer, WeightBucket, WeightManifest
-from transport.threads import ThreadDied
+from relay.learner.weight_buckets import gather_buckets, plan_buckets
+from relay.learner.weights import WeightStream
+from relay.transport.messages import EvalOffer, WeightBucket, WeightManifest
+from relay.transport.threads import ThreadDied
 
 from ..conftest import LearnerSide
 
@@ -168,7 +168,7 @@ def test_the_evaluator_keeps_each_offered_version_until_it_is_evaluated(
         assert weights.weights_for(20, 2, timeout_s=TIMEOUT_S).version == 2
         weights.release(20)
         assert weights.weights_for(30, 7, timeout_s=0.2) is None  # never published
-        with caplog.at_level(logging.WARNING, logger="generators.weight_receiver"):
+        with caplog.at_level(logging.WARNING, logger="relay.generators.weight_receiver"):
             for step in (40, 50, 60):
                 learner.publish_until(step, lambda s=step: weights._have == s)
                 learner.stream.offer(EvalOffer(step=step, version=step))
@@ -214,7 +214,7 @@ def test_a_beacon_stages_nothing_and_warns_of_nothing(learner: LearnerSide,
     weights = WeightReceiver(learner.server.endpoint, learner.stream.endpoint, "gen-0",
                              poll_s=0.05).start(applied_version=0)
     try:
-        with caplog.at_level(logging.WARNING, logger="generators.weight_receiver"):
+        with caplog.at_level(logging.WARNING, logger="relay.generators.weight_receiver"):
             learner.greet(lambda: weights.wait_subscribed(timeout_s=0.05))
             learner.publish_until(1, lambda: weights._have == 1)
         assert weights.take().version == 1
@@ -363,7 +363,7 @@ def test_without_room_for_the_device_copy_versions_arrive_in_host_memory(
     monkeypatch.setattr(DeviceCopy, "start", full)
     receiver = copy_receiver(learner)
     try:
-        with caplog.at_level(logging.WARNING, logger="generators.weight_receiver"):
+        with caplog.at_level(logging.WARNING, logger="relay.generators.weight_receiver"):
             learner.publish_until(1, lambda: receiver._staged_version() == 1)
         assert "no room on cpu for a second copy of the weights" in caplog.text
         assert receiver.copy is None

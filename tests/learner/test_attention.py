@@ -1,7 +1,7 @@
-"""The learner's attention (learner.attention) on padded rows: SDPA's mask on the CPU and in
+"""The learner's attention (relay.learner.attention) on padded rows: SDPA's mask on the CPU and in
 fp32, the rows' real tokens through the variable-length kernel on CUDA in half precision.
 
-- ``unpads``: only where ``learner.varlen`` has a kernel (CUDA, bf16/fp16), only for plain
+- ``unpads``: only where ``relay.learner.varlen`` has a kernel (CUDA, bf16/fp16), only for plain
   causal attention (not a sliding window);
 - ``UnpaddedRows``: where the real tokens sit and where each row starts, for right and left
   padding;
@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
-from learner import varlen
-from learner.attention import ATTENTION, UnpaddedRows, relay_mask, unpads
-from learner.model import forward_logprobs
-from learner.ulysses import SequenceParallel
+from relay.learner import varlen
+from relay.learner.attention import ATTENTION, UnpaddedRows, relay_mask, unpads
+from relay.learner.model import forward_logprobs
+from relay.learner.ulysses import SequenceParallel
 
 from .test_shared_prompts import random_rollouts
 from .test_ulysses import save_random_qwen2

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from learner.batch import collate
-from transport.messages import RolloutGroup, Sample
+from relay.learner.batch import collate
+from relay.transport.messages import RolloutGroup, Sample
 
 
 def sample(prompt: list[int], response: list[int], version: int = 0) -> Sample:

@@ -1,4 +1,4 @@
-"""learner.bucket_staging: host buffers are made once and handed out in turn, one whose send
+"""relay.learner.bucket_staging: host buffers are made once and handed out in turn, one whose send
 may still be read is replaced, never refilled; the pipeline starts buckets ahead of the one
 it yields; with copies that land late (as CUDA's do) and a slow sender, a buffer being sent
 is never refilled. (The gather routes that use them: test_weight_buckets.py; the stream
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from learner.bucket_staging import BufferSpec, HostBuffers, copy_to_host, pipelined
+from relay.learner.bucket_staging import BufferSpec, HostBuffers, copy_to_host, pipelined
 
 
 def test_buffers_are_made_once_and_handed_out_in_turn() -> None:

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from algorithms.kl import KLControlConfig
-from buffer.prompt_source import BUFFER_CHECKPOINT_FILE, read_buffer_checkpoint
-from configs.run_schema import (
+from relay.algorithms.kl import KLControlConfig
+from relay.buffer.prompt_source import BUFFER_CHECKPOINT_FILE, read_buffer_checkpoint
+from relay.configs.run_schema import (
     ActorConfig,
     AlgorithmConfig,
     CriticConfig,
@@ -39,10 +39,10 @@ from configs.run_schema import (
     RewardModelConfig,
     RunConfig,
 )
-from generators.torch_engine import TorchEngine
-from learner import checkpoint as checkpoints
-from learner.batch import TrainBatch, collate
-from learner.checkpoint import (
+from relay.generators.torch_engine import TorchEngine
+from relay.learner import checkpoint as checkpoints
+from relay.learner.batch import TrainBatch, collate
+from relay.learner.checkpoint import (
     CheckpointError,
     LoopState,
     check_resumable,
@@ -50,17 +50,17 @@ from learner.checkpoint import (
     resumable_checkpoint,
     save_checkpoint,
 )
-from learner.checkpoint_files import digest_file
-from learner.checkpoint_lineage import (
+from relay.learner.checkpoint_files import digest_file
+from relay.learner.checkpoint_lineage import (
     continued_lineage,
     overwritten_checkpoints,
     run_lineage,
 )
-from learner.checkpoint_meta import META_FILE, Branch, Lineage, latest_checkpoint, read_meta
-from learner.critic import Critic
-from learner.implicit_prm import ImplicitPRM
-from learner.update import Learner
-from transport.messages import BufferCheckpoint, Prompt, PromptSourceState
+from relay.learner.checkpoint_meta import META_FILE, Branch, Lineage, latest_checkpoint, read_meta
+from relay.learner.critic import Critic
+from relay.learner.implicit_prm import ImplicitPRM
+from relay.learner.update import Learner
+from relay.transport.messages import BufferCheckpoint, Prompt, PromptSourceState
 
 from ..conftest import exit_worker, free_port, gather_full_weights, save_random_model
 from .test_safe_dcp import Payload
@@ -167,7 +167,7 @@ def test_a_resumed_learner_trains_with_the_configs_learning_rate_betas_and_weigh
         trained.step(batch)
     folder = save(trained, tmp_path, step=2)
 
-    with caplog.at_level(logging.INFO, logger="learner.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="relay.learner.checkpoint"):
         resumed = make_learner(random_model_dir, actor=EDITED)
         load_checkpoint(resumed, folder)
     # step 2 of a 3-step warm-up: 2/3 of the config's rate, not of the checkpoint's 1e-3
@@ -326,7 +326,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_auto_resumes_from_the_one_befo
             f"{shard}: its SHA-256 differs from the one {tmp_path / 'step-2'}'s meta.json "
             "recorded: the checkpoint is damaged")):
         check_resumable(tmp_path / "step-2", GRPO_RUN)
-    with caplog.at_level(logging.WARNING, logger="learner.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="relay.learner.checkpoint"):
         assert resumable_checkpoint(tmp_path, GRPO_RUN) == tmp_path / "step-1"
     assert f"skipping {tmp_path / 'step-2'}: {shard}: its SHA-256 differs" in caplog.text
     assert (f"resuming from {tmp_path / 'step-1'}, the newest valid checkpoint: the newer "
@@ -459,7 +459,7 @@ def test_the_critics_and_the_prms_optimizers_take_the_configs_values_on_resume(
         fresh.prm = ImplicitPRM(fresh.prm.model, fresh.prm.reference,
                                 RewardModelConfig(model=PrmModelConfig(optim=edited)),
                                 total_steps=10, temperature=1.0)
-    with caplog.at_level(logging.INFO, logger="learner.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="relay.learner.checkpoint"):
         load_checkpoint(fresh, folder)
     module = getattr(fresh, part)
     group = module.optimizer.param_groups[0]

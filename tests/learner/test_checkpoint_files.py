@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from learner.checkpoint_files import (
+from relay.learner.checkpoint_files import (
     CheckpointError,
     FileDigest,
     check_owner_and_mode,

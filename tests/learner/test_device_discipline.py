@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from configs.run_schema import ActorConfig, AlgorithmConfig, FsdpConfig, OptimConfig
-from generators.torch_engine import TorchEngine
-from learner.batch import TrainBatch, collate
-from learner.micro_batches import MicroBatches, mini_batch_totals
-from learner.shared_prompts import pack
-from learner.ulysses import learner_parallelism, pack_tokens
-from learner.update import Learner, _Sums, peak_memory_gb, reset_peak_memory
+from relay.configs.run_schema import ActorConfig, AlgorithmConfig, FsdpConfig, OptimConfig
+from relay.generators.torch_engine import TorchEngine
+from relay.learner.batch import TrainBatch, collate
+from relay.learner.micro_batches import MicroBatches, mini_batch_totals
+from relay.learner.shared_prompts import pack
+from relay.learner.ulysses import learner_parallelism, pack_tokens
+from relay.learner.update import Learner, _Sums, peak_memory_gb, reset_peak_memory
 
 from ..conftest import exit_worker, free_port
 from ..device_audit import DeviceAudit

@@ -1,4 +1,4 @@
-"""learner.eval_queue: offers wait in order for the evaluator, a lost reply is handed out
+"""relay.learner.eval_queue: offers wait in order for the evaluator, a lost reply is handed out
 again, a report is kept once, too many waiting offers skip the oldest, and the end of the
 run waits for the last report and for the evaluator to hear that the run is over. A forged
 request (an ``after_step`` never handed out, a report of a step not handed out yet) takes
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from learner.eval_queue import EvalQueue
-from transport.messages import (
+from relay.learner.eval_queue import EvalQueue
+from relay.transport.messages import (
     ErrorReply,
     EvalOffer,
     EvalReport,
@@ -78,7 +78,7 @@ def test_a_reply_lost_to_a_timeout_is_handed_out_again_and_a_resent_report_kept_
 def test_past_max_waiting_the_oldest_offer_of_trained_weights_is_skipped(
         caplog: pytest.LogCaptureFixture) -> None:
     queue = EvalQueue(max_waiting=2)
-    with caplog.at_level(logging.WARNING, logger="learner.eval_queue"):
+    with caplog.at_level(logging.WARNING, logger="relay.learner.eval_queue"):
         for step in (0, 10, 20, 30):
             queue.offer(offer(step))
     assert "step 10 will not be evaluated" in caplog.text
@@ -129,7 +129,7 @@ def test_end_returns_at_once_when_the_last_report_was_already_taken() -> None:
 def test_end_gives_up_after_its_budget_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     queue = EvalQueue()
     queue.offer(offer(10))
-    with caplog.at_level(logging.WARNING, logger="learner.eval_queue"):
+    with caplog.at_level(logging.WARNING, logger="relay.learner.eval_queue"):
         assert queue.end(10, min_wait_s=0.2) == []  # nobody came
     assert "no evaluation of step 10 arrived" in caplog.text
     assert ask(queue, -1).step == 10  # what was offered is still handed out
@@ -155,7 +155,7 @@ def test_a_report_of_no_offered_step_or_with_a_name_mlflow_refuses_is_dropped(
         bad: EvalReport, caplog: pytest.LogCaptureFixture) -> None:
     queue = EvalQueue()
     queue.offer(offer(10))
-    with caplog.at_level(logging.WARNING, logger="learner.eval_queue"):
+    with caplog.at_level(logging.WARNING, logger="relay.learner.eval_queue"):
         assert ask(queue, -1, bad).step == 10  # answered as if no report came
     assert queue.take_reports() == []
     assert "dropped an evaluation report" in caplog.text
@@ -189,7 +189,7 @@ def test_a_request_after_a_step_never_handed_out_is_refused_and_drops_nothing(
     queue = EvalQueue()
     for step in (0, 10, 20):
         queue.offer(offer(step))
-    with caplog.at_level(logging.WARNING, logger="learner.eval_queue"):
+    with caplog.at_level(logging.WARNING, logger="relay.learner.eval_queue"):
         for forged in (10**9, 0):  # 0 was offered, but not handed out yet
             reply = ask(queue, forged)
             assert isinstance(reply, ErrorReply) and reply.code == "bad_request", reply

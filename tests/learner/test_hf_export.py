@@ -1,4 +1,4 @@
-"""learner.hf_export: the policy written shard by shard loads back with transformers as the
+"""relay.learner.hf_export: the policy written shard by shard loads back with transformers as the
 same model, in one file or in several with an index, a parameter split across buckets
 included."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.hf_export import INDEX_FILE, SINGLE_FILE, save_hf
+from relay.learner.hf_export import INDEX_FILE, SINGLE_FILE, save_hf
 
 
 def loaded(folder: Path) -> dict[str, torch.Tensor]:

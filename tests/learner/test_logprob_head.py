@@ -1,4 +1,4 @@
-"""The LM head at the response positions only, chunk by chunk (learner.logprob_head), against
+"""The LM head at the response positions only, chunk by chunk (relay.learner.logprob_head), against
 the learner's computation before it: the model's own forward, logits at every position,
 ``token_logprobs`` and ``entropy_from_logits``.
 
@@ -22,12 +22,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
-from algorithms.logprobs import entropy_from_logits, token_logprobs
-from learner.batch import TrainBatch
-from learner.logprob_head import FORWARD_METHOD, linear_head
-from learner.model import forward_logprobs, load_sharded
-from learner.tiny_model.tokenizer import build_tokenizer
-from learner.ulysses import SequenceParallel
+from relay.algorithms.logprobs import entropy_from_logits, token_logprobs
+from relay.learner.batch import TrainBatch
+from relay.learner.logprob_head import FORWARD_METHOD, linear_head
+from relay.learner.model import forward_logprobs, load_sharded
+from relay.learner.tiny_model.tokenizer import build_tokenizer
+from relay.learner.ulysses import SequenceParallel
 
 from .test_shared_prompts import random_rollouts
 from .test_ulysses import TensorShapes, save_random_qwen2

@@ -24,9 +24,9 @@ import torch
 import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from algorithms.logprobs import entropy_from_logits, token_logprobs
-from learner.batch import TrainBatch
-from learner.model import forward_logprobs
+from relay.algorithms.logprobs import entropy_from_logits, token_logprobs
+from relay.learner.batch import TrainBatch
+from relay.learner.model import forward_logprobs
 
 from ..conftest import exit_worker
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from buffer.prioritized import PrioritizedStore
-from buffer.store import PriorityError
-from configs.run_schema import ReplayConfig
-from learner.loop import finite_priorities
-from transport.messages import Prompt
+from relay.buffer.prioritized import PrioritizedStore
+from relay.buffer.store import PriorityError
+from relay.configs.run_schema import ReplayConfig
+from relay.learner.loop import finite_priorities
+from relay.transport.messages import Prompt
 
 from ..buffer.conftest import make_group
 

@@ -1,4 +1,4 @@
-"""learner.main.build_learner shards each model it loads by its own verl ``fsdp_size`` key
+"""relay.learner.main.build_learner shards each model it loads by its own verl ``fsdp_size`` key
 (the policy by the actor's, the reference by the ref's, the critic by the critic's), and
 refuses one that does not divide the learner's ranks naming that key, before loading; a
 learner started without torchrun is a group of one that opens no rendezvous port."""
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs import DEFAULT_RUN, Topology, load_run_config
-from configs.rundir import RunContext
-from learner.main import build_learner
+from relay.configs import DEFAULT_RUN, Topology, load_run_config
+from relay.configs.rundir import RunContext
+from relay.learner.main import build_learner
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 
@@ -58,7 +58,7 @@ import os, subprocess
 from datetime import timedelta
 import torch
 import torch.distributed as dist
-from learner.main import init_learner_group
+from relay.learner.main import init_learner_group
 init_learner_group(torch.device("cpu"), timedelta(seconds=60))
 ones = torch.ones(2)
 dist.all_reduce(ones)
@@ -71,7 +71,7 @@ print(dist.get_world_size(), ones.tolist(),
 
 @pytest.mark.parametrize("inherited", ["nothing", "a_parents_group"])
 def test_a_learner_started_alone_is_one_rank_on_no_rendezvous_port(inherited: str) -> None:
-    """``launcher.plan`` starts one rank on one host without torchrun (whose store listens
+    """``relay.launcher.plan`` starts one rank on one host without torchrun (whose store listens
     on every interface): no store port, whatever it inherited (``tools/gpu-check.py`` runs
     a process group of its own, whose WORLD_SIZE=1 and MASTER_PORT, a port it holds, reach
     the launcher's children); gloo's own socket is on loopback."""
@@ -79,7 +79,7 @@ def test_a_learner_started_alone_is_one_rank_on_no_rendezvous_port(inherited: st
         pytest.skip("needs ss (iproute2) to list listening sockets")
     env = {k: v for k, v in os.environ.items()
            if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["GLOO_SOCKET_IFNAME"] = "lo"  # as launcher.plan sets it
+    env["GLOO_SOCKET_IFNAME"] = "lo"  # as relay.launcher.plan sets it
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()

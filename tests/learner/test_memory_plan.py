@@ -1,4 +1,4 @@
-"""learner.memory_plan: Qwen2.5-7B and -32B counted on the meta device (no weights), and the
+"""relay.learner.memory_plan: Qwen2.5-7B and -32B counted on the meta device (no weights), and the
 plan's formulas against what torch measures on the CPU: autograd's saved tensors per block
 and token, a rank's real shards, gradients and AdamW states at 8 ranks (torch's fake
 process group: real allocations, no communication), a real FSDP2 pass under torch's
@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from algorithms.logprobs import entropy_from_logits, token_logprobs
-from configs.run_schema import (
+from relay.algorithms.logprobs import entropy_from_logits, token_logprobs
+from relay.configs.run_schema import (
     ActorConfig,
     AlgorithmConfig,
     DataConfig,
@@ -25,8 +25,8 @@ from configs.run_schema import (
     RolloutConfig,
     RunConfig,
 )
-from learner.logprob_head import position_logprobs
-from learner.memory_plan import (
+from relay.learner.logprob_head import position_logprobs
+from relay.learner.memory_plan import (
     CUDA_RUNTIME_BYTES,
     HELD,
     BlockShape,
@@ -40,8 +40,8 @@ from learner.memory_plan import (
     unchunked_logits_bytes,
     update_phases,
 )
-from learner.model import block_classes, enable_activation_checkpointing, shard
-from learner.optim import build_optimizer
+from relay.learner.model import block_classes, enable_activation_checkpointing, shard
+from relay.learner.optim import build_optimizer
 
 from ..qwen25_configs import QWEN25_7B, QWEN25_32B, qwen2_parameters
 

@@ -1,4 +1,4 @@
-"""learner.micro_batches: passes hold rows of like length, by row count or by token budget
+"""relay.learner.micro_batches: passes hold rows of like length, by row count or by token budget
 (per GPU: an SP group's passes hold its size times as many tokens), and every row of a
 mini-batch is in exactly one pass."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from learner.batch import TrainBatch
-from learner.micro_batches import MicroBatches
-from learner.ulysses import SequenceParallel
+from relay.learner.batch import TrainBatch
+from relay.learner.micro_batches import MicroBatches
+from relay.learner.ulysses import SequenceParallel
 
 LENGTHS = [9, 3, 7, 3, 12, 5, 8, 4, 6, 10]
 

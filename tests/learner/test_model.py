@@ -1,4 +1,4 @@
-"""learner.model's loading and sharding: rank 0 reads a checkpoint, the other ranks build
+"""relay.learner.model's loading and sharding: rank 0 reads a checkpoint, the other ranks build
 the model on ``meta`` and receive their shards from it (two gloo ranks, real processes), and
 every model ends up as if each rank had read the checkpoint itself (the old path): the
 policy (tied embeddings or not), the frozen reference in its compute dtype, the critic;
@@ -18,9 +18,9 @@ import torch.multiprocessing as mp
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 
-from learner.attention import ATTENTION
-from learner.critic import load_value_model, with_value_head
-from learner.model import load_sharded, sharding_mesh
+from relay.learner.attention import ATTENTION
+from relay.learner.critic import load_value_model, with_value_head
+from relay.learner.model import load_sharded, sharding_mesh
 
 from ..conftest import exit_worker, free_port
 from .test_ulysses import save_random_qwen2

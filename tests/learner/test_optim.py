@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.optim.lr_scheduler import LambdaLR
 
-from configs.run_schema import OptimConfig
-from learner.optim import (
+from relay.configs.run_schema import OptimConfig
+from relay.learner.optim import (
     build_optimizer,
     build_scheduler,
     clipped_step,
@@ -72,7 +72,7 @@ def stepped(optim: OptimConfig, steps: int) -> tuple[torch.optim.AdamW, LambdaLR
 def resumed(saved: OptimConfig, config: OptimConfig, steps: int) -> tuple[
         torch.optim.AdamW, LambdaLR, list[str]]:
     """An optimizer and schedule built from ``config``, loaded with the state of ones built
-    from ``saved`` and stepped ``steps`` times, as ``learner.checkpoint`` loads them."""
+    from ``saved`` and stepped ``steps`` times, as ``relay.learner.checkpoint`` loads them."""
     old_optimizer, old_scheduler = stepped(saved, steps)
     optimizer, scheduler = stepped(config, 0)
     configured = configured_values(optimizer, scheduler)

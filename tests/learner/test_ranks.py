@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from algorithms.off_policy import RolloutCorrectionConfig
-from configs.run_schema import AlgorithmConfig
-from generators.torch_engine import TorchEngine
-from learner.batch import collate
+from relay.algorithms.off_policy import RolloutCorrectionConfig
+from relay.configs.run_schema import AlgorithmConfig
+from relay.generators.torch_engine import TorchEngine
+from relay.learner.batch import collate
 
 from ..conftest import exit_worker, free_port, gather_full_weights
 from .test_update import LR, rollouts

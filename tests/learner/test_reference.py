@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs.run_schema import ActorConfig, AlgorithmConfig, OptimConfig, RefConfig
-from generators.torch_engine import TorchEngine
-from learner.batch import collate
-from learner.model import load_sharded
-from learner.optim import build_optimizer, build_scheduler
-from learner.update import Learner
+from relay.configs.run_schema import ActorConfig, AlgorithmConfig, OptimConfig, RefConfig
+from relay.generators.torch_engine import TorchEngine
+from relay.learner.batch import collate
+from relay.learner.model import load_sharded
+from relay.learner.optim import build_optimizer, build_scheduler
+from relay.learner.update import Learner
 
 from .test_update import PROMPTS, N, rollouts
 

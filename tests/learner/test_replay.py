@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
-from buffer.hub import with_admission
-from buffer.rollout_log import RolloutLogWriter, StepRecord
-from buffer.store import Admission
-from configs.run_schema import (
+from relay.buffer.hub import with_admission
+from relay.buffer.rollout_log import RolloutLogWriter, StepRecord
+from relay.buffer.store import Admission
+from relay.configs.run_schema import (
     ActorConfig,
     DataConfig,
     ModelConfig,
@@ -24,14 +24,14 @@ from configs.run_schema import (
     RunConfig,
     TrainerConfig,
 )
-from configs.rundir import RunContext
-from configs.topology_schema import Topology
-from generators.torch_engine import TorchEngine
-from learner.batch import collate
-from learner.checkpoint import CheckpointError, save_checkpoint
-from learner.checkpoint_meta import FORMAT, META_FILE, CheckpointMeta, Lineage, LoopState
-from learner.main import build_learner
-from learner.replay import (
+from relay.configs.rundir import RunContext
+from relay.configs.topology_schema import Topology
+from relay.generators.torch_engine import TorchEngine
+from relay.learner.batch import collate
+from relay.learner.checkpoint import CheckpointError, save_checkpoint
+from relay.learner.checkpoint_meta import FORMAT, META_FILE, CheckpointMeta, Lineage, LoopState
+from relay.learner.main import build_learner
+from relay.learner.replay import (
     Replayer,
     ReplayError,
     StepComparison,
@@ -39,7 +39,7 @@ from learner.replay import (
     served_group,
     starting_checkpoint,
 )
-from transport.messages import Prompt
+from relay.transport.messages import Prompt
 from tests.buffer.conftest import make_group
 
 from ..conftest import free_port

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from learner import safe_dcp
-from learner.checkpoint_files import CheckpointError
+from relay.learner import safe_dcp
+from relay.learner.checkpoint_files import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 

@@ -1,4 +1,4 @@
-"""learner.shared_prompts: a prompt group as one sequence gives the row layout's logits."""
+"""relay.learner.shared_prompts: a prompt group as one sequence gives the row layout's logits."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen2Config
 
-from learner.batch import TrainBatch, collate
-from learner.model import enable_activation_checkpointing, forward_logprobs
-from learner.shared_prompts import EXPLICIT_ATTENTION_MAX_KEYS, pack, row_attention, unsupported
-from transport.messages import RolloutGroup, Sample
+from relay.learner.batch import TrainBatch, collate
+from relay.learner.model import enable_activation_checkpointing, forward_logprobs
+from relay.learner.shared_prompts import EXPLICIT_ATTENTION_MAX_KEYS, pack, row_attention, unsupported
+from relay.transport.messages import RolloutGroup, Sample
 
 
 def group(rollout_id: str, prompts: list[list[int]], responses: list[list[int]]) -> RolloutGroup:
@@ -147,7 +147,7 @@ def test_packed_log_probs_entropy_and_gradients_equal_the_rows(
     torch.testing.assert_close(packed_h, rows_h, atol=1e-5, rtol=1e-5)
     for mine, theirs in zip(rows_g, packed_g, strict=True):
         torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=1e-4)
-    assert model.config._attn_implementation == "relay"  # learner.attention picks per pass
+    assert model.config._attn_implementation == "relay"  # relay.learner.attention picks per pass
 
 
 def test_gradient_checkpointing_recomputes_the_shared_prompt_pass(tmp_path: Path) -> None:

@@ -9,9 +9,9 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from configs.run_schema import TrackingConfig
-from learner.tracking import Tracker
-from transport.messages import ValGeneration
+from relay.configs.run_schema import TrackingConfig
+from relay.learner.tracking import Tracker
+from relay.transport.messages import ValGeneration
 
 
 def test_verls_at_names_are_logged_with_at_spelled_out(tmp_path: Path) -> None:

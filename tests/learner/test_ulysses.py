@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (learner.ulysses) against the plain padded forward.
+"""Ulysses sequence parallelism (relay.learner.ulysses) against the plain padded forward.
 
 - packing: rows packed without padding, labels the next token of the same row, each row
   (and each padding token) a sequence of its own, the grid mapping back onto the rows;
@@ -38,16 +38,16 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from configs import DEFAULT_RUN, Topology, load_run_config
-from configs.rundir import RunContext
-from configs.run_schema import ActorConfig, AlgorithmConfig, OptimConfig
-from generators.torch_engine import TorchEngine
-from learner.attention import ATTENTION
-from learner.batch import TrainBatch, collate
-from learner.main import build_learner
-from learner.model import enable_activation_checkpointing, forward_logprobs
-from learner.tiny_model.tokenizer import build_tokenizer
-from learner.ulysses import (
+from relay.configs import DEFAULT_RUN, Topology, load_run_config
+from relay.configs.rundir import RunContext
+from relay.configs.run_schema import ActorConfig, AlgorithmConfig, OptimConfig
+from relay.generators.torch_engine import TorchEngine
+from relay.learner.attention import ATTENTION
+from relay.learner.batch import TrainBatch, collate
+from relay.learner.main import build_learner
+from relay.learner.model import enable_activation_checkpointing, forward_logprobs
+from relay.learner.tiny_model.tokenizer import build_tokenizer
+from relay.learner.ulysses import (
     SequenceParallel,
     UlyssesAttention,
     check_heads,
@@ -55,7 +55,7 @@ from learner.ulysses import (
     pack_tokens,
     ulysses_attention,
 )
-from learner.varlen import PackedSequences
+from relay.learner.varlen import PackedSequences
 
 from ..conftest import exit_worker, free_port, gather_full_weights
 from .test_update import LR, rollouts
@@ -92,7 +92,7 @@ def save_random_qwen3(folder: Path) -> Path:
 
 
 def relay_model(model_dir: Path) -> nn.Module:
-    """The model at ``model_dir`` attending with ``learner.attention``, as the learner loads it."""
+    """The model at ``model_dir`` attending with ``relay.learner.attention``, as the learner loads it."""
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                 attn_implementation=ATTENTION)
 

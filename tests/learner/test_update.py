@@ -13,14 +13,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from configs.run_schema import ActorConfig, AlgorithmConfig, FsdpConfig, OptimConfig
-from generators.sampling import SamplingParams
-from generators.torch_engine import TorchEngine
-from learner.batch import TrainBatch, collate
-from learner.model import load_sharded
-from learner.optim import build_optimizer, build_scheduler
-from learner.update import Learner
-from transport.messages import RolloutGroup, Sample
+from relay.configs.run_schema import ActorConfig, AlgorithmConfig, FsdpConfig, OptimConfig
+from relay.generators.sampling import SamplingParams
+from relay.generators.torch_engine import TorchEngine
+from relay.learner.batch import TrainBatch, collate
+from relay.learner.model import load_sharded
+from relay.learner.optim import build_optimizer, build_scheduler
+from relay.learner.update import Learner
+from relay.transport.messages import RolloutGroup, Sample
 
 from ..conftest import gather_full_weights
 

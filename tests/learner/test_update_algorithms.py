@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from algorithms.advantages import ESTIMATORS
-from algorithms.kl import KLControlConfig
-from algorithms.off_policy import RolloutCorrectionConfig
-from algorithms.policy_loss import LOSS_MODES, PolicyLossConfig
-from configs.run_schema import (
+from relay.algorithms.advantages import ESTIMATORS
+from relay.algorithms.kl import KLControlConfig
+from relay.algorithms.off_policy import RolloutCorrectionConfig
+from relay.algorithms.policy_loss import LOSS_MODES, PolicyLossConfig
+from relay.configs.run_schema import (
     ActorConfig,
     AlgorithmConfig,
     CriticConfig,
@@ -21,14 +21,14 @@ from configs.run_schema import (
     PrmModelConfig,
     RewardModelConfig,
 )
-from generators.torch_engine import TorchEngine
-from learner.batch import TrainBatch, collate
-from learner.critic import Critic, load_value_model
-from learner.implicit_prm import ImplicitPRM
-from learner.model import load_sharded, sharding_mesh
-from learner.optim import build_optimizer, build_scheduler
-from learner.ulysses import Parallelism
-from learner.update import Learner
+from relay.generators.torch_engine import TorchEngine
+from relay.learner.batch import TrainBatch, collate
+from relay.learner.critic import Critic, load_value_model
+from relay.learner.implicit_prm import ImplicitPRM
+from relay.learner.model import load_sharded, sharding_mesh
+from relay.learner.optim import build_optimizer, build_scheduler
+from relay.learner.ulysses import Parallelism
+from relay.learner.update import Learner
 
 from ..conftest import gather_full_weights, save_random_model
 from .test_update import LR, PROMPTS, rollouts
@@ -39,9 +39,9 @@ def make_learner(path: Path, actor: ActorConfig | None = None,
                  reward_model: RewardModelConfig | None = None,
                  critic_path: Path | None = None, prm_path: Path | None = None,
                  parallelism: Parallelism | None = None, fsdp_size: int = -1) -> Learner:
-    """A learner wired as ``learner.main.build_learner`` wires it; the critic and the PRM
+    """A learner wired as ``relay.learner.main.build_learner`` wires it; the critic and the PRM
     start from ``critic_path`` / ``prm_path`` when given, else from the policy's ``path``;
-    every model is sharded over ``fsdp_size`` ranks (``learner.model.sharding_mesh``)."""
+    every model is sharded over ``fsdp_size`` ranks (``relay.learner.model.sharding_mesh``)."""
     actor = actor or ActorConfig(optim=OptimConfig(lr=LR, weight_decay=0.0))
     algorithm = algorithm or AlgorithmConfig()
     mesh = sharding_mesh(torch.device("cpu"), fsdp_size)
@@ -321,7 +321,7 @@ def test_the_loss_mode_sees_the_rejection_mask(random_model_dir: Path, batch: Tr
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     # The response mask the loss mode gets is the correction's: a rejected token leaves
     # GSPO's sequence ratio and GMPO's geometric mean (and gets no gradient through them).
-    import learner.update as update
+    import relay.learner.update as update
 
     seen: list[torch.Tensor] = []
     original = update.policy_loss

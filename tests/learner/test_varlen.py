@@ -1,4 +1,4 @@
-"""Causal attention within packed sequences (learner.varlen), on the CPU.
+"""Causal attention within packed sequences (relay.learner.varlen), on the CPU.
 
 - which kernel is chosen for which device, dtype and installed library: flash-attn's varlen
   function first, torch's ``varlen_attn`` in its 2.11+ form (``scale``, ``window_size``,
@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from learner import varlen
-from learner.varlen import PackedSequences, packed_causal_attention
+from relay.learner import varlen
+from relay.learner.varlen import PackedSequences, packed_causal_attention
 
 LENGTHS = [5, 1, 7, 3]
 

@@ -1,4 +1,4 @@
-"""learner.weight_buckets: the bucket plan keeps every bucket within its size and covers
+"""relay.learner.weight_buckets: the bucket plan keeps every bucket within its size and covers
 every row once, in order; the rows each rank holds are FSDP2's; the buckets gathered from
 one process, from two FSDP2 ranks or from four hybrid-sharded ones (2 x 2; gloo, real
 processes) rebuild, through the generators' ``VersionAssembler``, exactly the parameters
@@ -18,18 +18,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-import learner.weight_buckets as weight_buckets
-from generators.weight_receiver import IncompleteVersion, VersionAssembler
-from learner.bucket_staging import HostBuffers
-from learner.model import shard, sharding_mesh
-from learner.weight_buckets import (
+import relay.learner.weight_buckets as weight_buckets
+from relay.generators.weight_receiver import IncompleteVersion, VersionAssembler
+from relay.learner.bucket_staging import HostBuffers
+from relay.learner.model import shard, sharding_mesh
+from relay.learner.weight_buckets import (
     BucketPlan,
     gather_buckets,
     held_rows,
     plan_buckets,
 )
-from transport.codec import Decoder, encode
-from transport.messages import WeightBucket, WeightManifest
+from relay.transport.codec import Decoder, encode
+from relay.transport.messages import WeightBucket, WeightManifest
 
 from ..conftest import exit_worker, free_port, gather_full_weights
 
@@ -229,7 +229,7 @@ def published_frames(model: nn.Module, dtype: torch.dtype, bucket_bytes: int,
     route: the CPU route into new tensors (what a publish sent before host buffers) and
     into host buffers, and the CUDA route (each parameter gathered whole, copied into two
     buffers, one bucket ahead) run on the CPU. Buffers serve both versions, made once.
-    ``patch(name, value)`` sets an attribute of ``learner.weight_buckets``."""
+    ``patch(name, value)`` sets an attribute of ``relay.learner.weight_buckets``."""
     plan = plan_buckets(model, dtype, bucket_bytes)
     frames: dict[str, list[list[bytes] | None]] = {}
     for route in ROUTES:

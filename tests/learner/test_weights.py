@@ -1,4 +1,4 @@
-"""learner.weights over loopback: a version streams once to every subscriber and arrives
+"""relay.learner.weights over loopback: a version streams once to every subscriber and arrives
 whole; a subscriber that missed it asks again and gets it; one that stops reading neither
 stalls the learner nor starves the others; the weight server names the newest version,
 takes resend wishes only from those behind, serves the evaluation queue (to the evaluator's
@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-import learner.weights as weights_module
-from generators.weight_receiver import StagedWeights, WeightReceiver
-from learner.weight_buckets import buffer_spec
-from learner.weights import WeightServer
-from transport.messages import (
+import relay.learner.weights as weights_module
+from relay.generators.weight_receiver import StagedWeights, WeightReceiver
+from relay.learner.weight_buckets import buffer_spec
+from relay.learner.weights import WeightServer
+from relay.transport.messages import (
     ErrorReply,
     EvalOffer,
     EvalRequest,
@@ -29,9 +29,9 @@ from transport.messages import (
     WeightManifest,
     WeightRequest,
 )
-from transport.security import ClientKeys, ServerKeys, create_keypair
-from transport.sockets import Client, Subscriber
-from transport.threads import ThreadDied
+from relay.transport.security import ClientKeys, ServerKeys, create_keypair
+from relay.transport.sockets import Client, Subscriber
+from relay.transport.threads import ThreadDied
 
 from ..conftest import LearnerSide
 

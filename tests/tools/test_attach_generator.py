@@ -4,20 +4,16 @@ host. (Attaching to a live run end to end: tests/e2e/test_attach.py.)"""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-from configs import ConfigError
-from configs.rundir import RunContext
-from configs.run_schema import DataConfig, ModelConfig, RunConfig
-from configs.topology_schema import GeneratorPlacement, LearnerPlacement, Topology
+from relay import attach
+from relay.configs import ConfigError
+from relay.configs.rundir import RunContext
+from relay.configs.run_schema import DataConfig, ModelConfig, RunConfig
+from relay.configs.topology_schema import GeneratorPlacement, LearnerPlacement, Topology
 
-TOOL = Path(__file__).parents[2] / "tools" / "attach-generator.py"
-_spec = importlib.util.spec_from_file_location("attach_generator", TOOL)
-attach = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(attach)
 
 CONTEXT = RunContext(
     run_dir=Path("/runs/x"),

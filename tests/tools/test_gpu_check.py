@@ -48,7 +48,7 @@ def run_tool(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
 
 def test_the_wheels_are_relays_missing_dependencies_and_all_they_need() -> None:
     environment = wheels.target_environment()
-    pins = wheels.carried(wheels.runtime_requirements(ROOT / "pyproject.toml"),
+    pins = wheels.carried(wheels.runtime_requirements(ROOT / "pyproject.toml", environment),
                           environment=environment)
     assert MISSING_ON_THE_GPU_MACHINE <= set(pins)
     assert "mlflow" not in pins and not set(pins) & wheels.GPU_MACHINE_HAS

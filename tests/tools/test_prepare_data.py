@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from algorithms.tasks import arithmetic
-from buffer.dataset import load_prompt_rows
-from configs import CONFIG_DIR
+from relay.algorithms.tasks import arithmetic
+from relay.buffer.dataset import load_prompt_rows
+from relay.configs import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "prepare-data.py"

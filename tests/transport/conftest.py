@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from transport.codec import PREAMBLE_FRAME, TENSOR_EXT
+from relay.transport.codec import PREAMBLE_FRAME, TENSOR_EXT
 
 
 class Craft:

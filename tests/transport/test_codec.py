@@ -1,4 +1,4 @@
-"""transport.codec: every message round-trips, tensors keep dtype/shape/values, frames are
+"""relay.transport.codec: every message round-trips, tensors keep dtype/shape/values, frames are
 exactly as documented, and every kind of bad frame set is rejected with the right kind."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from transport.codec import (
+from relay.transport.codec import (
     INLINE_THRESHOLD,
     MAX_TENSORS,
     PREAMBLE,
@@ -20,7 +20,7 @@ from transport.codec import (
     WireError,
     encode,
 )
-from transport.messages import (
+from relay.transport.messages import (
     ALL_MESSAGES,
     PROTOCOL_VERSION,
     Ack,

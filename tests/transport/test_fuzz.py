@@ -15,8 +15,8 @@ import pytest
 import torch
 import zmq
 
-from transport.codec import PREAMBLE, WIRE_ERROR_KINDS, Decoder, encode
-from transport.messages import (
+from relay.transport.codec import PREAMBLE, WIRE_ERROR_KINDS, Decoder, encode
+from relay.transport.messages import (
     PROTOCOL_VERSION,
     Ack,
     ErrorReply,
@@ -24,7 +24,7 @@ from transport.messages import (
     Message,
     WeightBucket,
 )
-from transport.sockets import Server, ServerThread
+from relay.transport.sockets import Server, ServerThread
 
 NUM_BAD = 10_000
 VALID_EVERY = 10  # one valid request after every 10 bad ones

@@ -1,4 +1,4 @@
-"""transport.retry: a request rides out a stalled peer, and gives up after its patience."""
+"""relay.transport.retry: a request rides out a stalled peer, and gives up after its patience."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from transport.messages import Ack, Heartbeat
-from transport.retry import PeerGone, patient_request
-from transport.sockets import Client, Server, ServerThread
+from relay.transport.messages import Ack, Heartbeat
+from relay.transport.retry import PeerGone, patient_request
+from relay.transport.sockets import Client, Server, ServerThread
 
 
 class Stalling:

@@ -1,4 +1,4 @@
-"""transport.roles and per-role CURVE keys: a connection keeps the role of its first
+"""relay.transport.roles and per-role CURVE keys: a connection keeps the role of its first
 message; a generator key never acts as the learner, nor an evaluator or generator key as
 any other role; the server (and a bound puller, for each message) learns each peer's key
 name from ZAP; tools/make-curve-keys.py gives generator and evaluator hosts no secret but
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from transport.endpoints import ipc_endpoint
-from transport.messages import Ack, Heartbeat, Message, Metrics
-from transport.roles import PeerRoles, key_roles
-from transport.security import ClientKeys, ServerKeys, load_keypair, load_public_key
-from transport.sockets import Client, Peer, PeerTimeout, Puller, Pusher, Server, ServerThread
+from relay.transport.endpoints import ipc_endpoint
+from relay.transport.messages import Ack, Heartbeat, Message, Metrics
+from relay.transport.roles import PeerRoles, key_roles
+from relay.transport.security import ClientKeys, ServerKeys, load_keypair, load_public_key
+from relay.transport.sockets import Client, Peer, PeerTimeout, Puller, Pusher, Server, ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
 MAKE_KEYS = ROOT / "tools" / "make-curve-keys.py"
@@ -43,7 +43,7 @@ def test_keys_bound_the_roles_a_connection_may_take(caplog: pytest.LogCaptureFix
     assert roles.admit(Peer(b"b", key="generator-7"), "generator") == ""
     assert roles.admit(Peer(b"c", key="learner"), "learner") == ""
     assert roles.admit(Peer(b"d", key="learner"), "generator") == ""  # a one-machine run
-    with caplog.at_level(logging.WARNING, logger="transport.roles"):
+    with caplog.at_level(logging.WARNING, logger="relay.transport.roles"):
         assert roles.admit(Peer(b"e", key="client"), "learner") == ""  # keys made before roles
         assert roles.admit(Peer(b"f", key="client"), "generator") == ""
     assert [r.getMessage() for r in caplog.records if "names no role" in r.getMessage()] != []
@@ -95,7 +95,7 @@ def server_keys(folder: Path) -> ServerKeys:
 
 def client_keys(folder: Path) -> ClientKeys:
     """The keys a process on a host with ``folder`` as its keys_dir connects with (the
-    layout configs.rundir reads)."""
+    layout relay.configs.rundir reads)."""
     return ClientKeys(keypair=load_keypair(folder / "client.key_secret"),
                       server_public_key=load_public_key(folder / "server.key"))
 
@@ -200,7 +200,7 @@ def test_without_curve_peers_have_no_key_and_one_identity_per_connection() -> No
 def test_a_frame_over_the_limit_drops_its_sender_and_is_logged(
         caplog: pytest.LogCaptureFixture) -> None:
     server = Server("tcp://127.0.0.1:*", key_name, max_message_bytes=1024)
-    with caplog.at_level(logging.INFO, logger="transport.sockets"), \
+    with caplog.at_level(logging.INFO, logger="relay.transport.sockets"), \
             ServerThread(server, poll_s=0.01):
         big, small = Client(server.endpoint), Client(server.endpoint)
         try:

@@ -1,10 +1,9 @@
-"""transport.security: CURVE lets exactly the authorized clients in, and a reachable bind
+"""relay.transport.security: CURVE lets exactly the authorized clients in, and a reachable bind
 without keys is refused with an error that names the address."""
 
 from __future__ import annotations
 
 import os
-import runpy
 import shutil
 import stat
 from pathlib import Path
@@ -12,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from transport.messages import Ack, Heartbeat, Message
-from transport.security import (
+import relay.keys
+from relay.transport.messages import Ack, Heartbeat, Message
+from relay.transport.security import (
     ClientKeys,
     InsecureBindError,
     KeyFileError,
@@ -25,7 +25,7 @@ from transport.security import (
     load_public_key,
     private_dir,
 )
-from transport.sockets import (
+from relay.transport.sockets import (
     Client,
     PeerTimeout,
     Puller,
@@ -238,8 +238,7 @@ def test_make_curve_keys_writes_private_folders_and_files(tmp_path: Path) -> Non
     keys = tmp_path / "keys"
     previous = os.umask(0o022)
     try:
-        tool = runpy.run_path(str(Path(__file__).parents[2] / "tools" / "make-curve-keys.py"))
-        assert tool["main"]([str(keys)]) == 0
+        assert relay.keys.main([str(keys)]) == 0
     finally:
         os.umask(previous)
     made = [keys, *keys.rglob("*")]

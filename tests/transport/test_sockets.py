@@ -1,4 +1,4 @@
-"""transport.sockets: timeouts are typed and name the peer, replies never cross requests,
+"""relay.transport.sockets: timeouts are typed and name the peer, replies never cross requests,
 streams end where the server says, bad handlers and full queues do not hang or crash."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 import torch
 import zmq
 
-from transport.codec import encode
-from transport.endpoints import ipc_endpoint, is_loopback, tcp_endpoint, tcp_host
-from transport.messages import (
+from relay.transport.codec import encode
+from relay.transport.endpoints import ipc_endpoint, is_loopback, tcp_endpoint, tcp_host
+from relay.transport.messages import (
     Ack,
     ErrorReply,
     Heartbeat,
@@ -25,7 +25,7 @@ from transport.messages import (
     Shutdown,
     WeightBucket,
 )
-from transport.sockets import (
+from relay.transport.sockets import (
     Client,
     PeerTimeout,
     Publisher,

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from transport.threads import ThreadDied, WatchedThread
+from relay.transport.threads import ThreadDied, WatchedThread
 
 
 def test_a_thread_that_raises_is_raised_again_by_name(caplog) -> None:

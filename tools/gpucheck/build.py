@@ -2,7 +2,7 @@
 Relay's tiny tokenizer, synthetic rollout groups, and the learner the run config builds.
 
 Every call into the learner's and the engines' construction is here, once: the checks
-build through the same entry points as ``learner.main`` and ``generators.build``.
+build through the same entry points as ``relay.learner.main`` and ``relay.generators.build``.
 """
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-from configs import DEFAULT_RUN
-from configs.checks import load_run_config
-from configs.rundir import RunContext
-from configs.run_schema import ModelConfig
-from configs.topology_schema import GeneratorPlacement, Topology
-from generators.build import build_engine
-from generators.engine import Engine
-from learner.batch import TrainBatch, collate
-from learner.main import build_learner, init_learner_group
-from learner.tiny_model.tokenizer import build_tokenizer
-from learner.ulysses import Parallelism, SequenceParallel, learner_parallelism
-from learner.update import Learner
-from transport.messages import RolloutGroup, Sample
+from relay.configs import DEFAULT_RUN
+from relay.configs.checks import load_run_config
+from relay.configs.rundir import RunContext
+from relay.configs.run_schema import ModelConfig
+from relay.configs.topology_schema import GeneratorPlacement, Topology
+from relay.generators.build import build_engine
+from relay.generators.engine import Engine
+from relay.learner.batch import TrainBatch, collate
+from relay.learner.main import build_learner, init_learner_group
+from relay.learner.tiny_model.tokenizer import build_tokenizer
+from relay.learner.ulysses import Parallelism, SequenceParallel, learner_parallelism
+from relay.learner.update import Learner
+from relay.transport.messages import RolloutGroup, Sample
 
 GROUPS, SAMPLES = 4, 4  # prompts a batch, samples a prompt
 RESPONSE_LENGTH = 10  # at most, tokens a response
@@ -89,7 +89,7 @@ def host_batch(groups: list[RolloutGroup], device: torch.device) -> TrainBatch:
 
 
 def init_one_rank_group(device: torch.device) -> None:
-    """A one-rank process group as ``learner.main`` makes it (``init_learner_group``), over
+    """A one-rank process group as ``relay.learner.main`` makes it (``init_learner_group``), over
     a free port on loopback (a new one each time: a process may make it again)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
@@ -106,7 +106,7 @@ def _free_port() -> int:
 
 def check_learner(model_dir: Path, device: torch.device, dtype: str, overrides: list[str], *,
                   lr: float, ulysses: bool = False) -> Learner:
-    """The learner ``learner.main`` builds for the embedded default run config with
+    """The learner ``relay.learner.main`` builds for the embedded default run config with
     ``overrides`` on the model at ``model_dir`` (a batch of ``GROUPS`` x ``SAMPLES``, ``lr``,
     no weight decay), sharded over the one-rank group; ``ulysses``: under Ulysses sequence
     parallelism with a group of one (every pass packed and split, by one rank)."""
@@ -126,7 +126,7 @@ def check_learner(model_dir: Path, device: torch.device, dtype: str, overrides: 
 
 def check_engine(engine: str, model_dir: Path, device: torch.device, dtype: str, *,
                  slots: int, max_len: int) -> Engine:
-    """The generator's ``engine`` (``lean``, ``vllm``) on ``device`` as ``generators.build``
+    """The generator's ``engine`` (``lean``, ``vllm``) on ``device`` as ``relay.generators.build``
     makes it, holding the model at ``model_dir`` as version 0."""
     placement = GeneratorPlacement(name="gpu-check", engine=engine, device=str(device))
     built, _ = build_engine(ModelConfig(path=str(model_dir), dtype=dtype), placement, seed=0,

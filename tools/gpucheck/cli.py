@@ -159,7 +159,7 @@ class WorkerRunner:
         task_file.write_text(json.dumps(task))
         env = dict(os.environ, TRANSFORMERS_VERBOSITY="error")
         # idle OpenMP threads sleep instead of spinning: two workers share the cores (the
-        # launcher's processes run so too, launcher.supervisor)
+        # launcher's processes run so too, relay.launcher.supervisor)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if hide_gpu:
             env["CUDA_VISIBLE_DEVICES"] = ""

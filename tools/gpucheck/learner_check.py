@@ -1,6 +1,6 @@
 """Check A: a learner step on the device, in fp32 and bf16, against the same step on the CPU.
 
-Each scenario (``SCENARIOS``) builds the learner ``learner.main`` builds for the embedded
+Each scenario (``SCENARIOS``) builds the learner ``relay.learner.main`` builds for the embedded
 default run config with the scenario's keys, on a random Qwen2, one rank (NCCL on a GPU,
 gloo on the CPU), and takes one step on the same synthetic batch. A worker process on the
 device runs every scenario in fp32 (TF32 off, SDPA's math kernel) and in bf16, and another,
@@ -80,7 +80,7 @@ SCENARIOS = (
 def learner_worker(model_dir: Path, device_setting: str, dtypes: list[str]) -> dict:
     """``{"scenario:dtype": outcome}`` of every scenario on this process's device; an
     outcome is ``{"error": traceback}`` when its step failed."""
-    from learner.model import learner_device
+    from relay.learner.model import learner_device
 
     from gpucheck.build import init_one_rank_group
 
@@ -119,7 +119,7 @@ def _exact(device: torch.device, dtype: str) -> Iterator[None]:
 
 
 def _step(scenario: Scenario, model_dir: Path, device: torch.device, dtype: str) -> dict:
-    from learner.model import forward_logprobs
+    from relay.learner.model import forward_logprobs
 
     from gpucheck.build import TEMPERATURE, check_learner, cpu_copy, host_batch, \
         synthetic_groups

@@ -3,7 +3,7 @@
 In one worker process on the device, per dtype (fp32, bf16):
 
 - publish: the learner takes a step (version 1) and publishes it as ``TrainLoop`` does
-  (``learner.weights.publish_weights`` on its ``WeightStream``) to a ``WeightReceiver`` in
+  (``relay.learner.weights.publish_weights`` on its ``WeightStream``) to a ``WeightReceiver`` in
   the same process; what arrives must equal, bit for bit, the learner's weights in the
   publish dtype. The stream's GB/s is measured.
 - engines (the lean engine; vLLM when its CUDA build is installed): the engine holds
@@ -75,7 +75,7 @@ def vllm_worker(model_dir: Path, device_setting: str, dtypes: list[str]) -> dict
 
 
 def _worker(model_dir: Path, device_setting: str, dtypes: list[str], engine: str) -> dict:
-    from learner.model import learner_device
+    from relay.learner.model import learner_device
 
     from gpucheck.build import init_one_rank_group
 
@@ -112,12 +112,12 @@ def _publish(learner, dtype: torch.dtype, name: str
              ) -> tuple[CheckResult, dict[str, torch.Tensor] | None]:
     """Publish the learner's policy as version 1 to a receiver in this process, which
     assembles it as a generator of an engine on the learner's device would (on a GPU in a
-    device copy: ``generators.weight_receiver.DeviceCopy``); the record and (a copy of) the
+    device copy: ``relay.generators.weight_receiver.DeviceCopy``); the record and (a copy of) the
     tensors received."""
-    from generators.engine import copy_device
-    from generators.weight_receiver import WeightReceiver
-    from learner.weight_buckets import plan_buckets
-    from learner.weights import WeightServer, WeightStream, publish_weights
+    from relay.generators.engine import copy_device
+    from relay.generators.weight_receiver import WeightReceiver
+    from relay.learner.weight_buckets import plan_buckets
+    from relay.learner.weights import WeightServer, WeightStream, publish_weights
 
     from gpucheck.build import cpu_copy
 
@@ -166,8 +166,8 @@ def swap_in_flight(engine_name: str, learner, tensors: dict[str, torch.Tensor],
                     model_dir: Path, device: torch.device, dtype: str) -> CheckResult:
     """The engine generates under version 0, loads version 1 after ``SWAP_AT`` decode steps,
     goes on; its behavior log-probs against the learner's (module docstring)."""
-    from generators.engine import GroupRequest
-    from generators.sampling import SamplingParams
+    from relay.generators.engine import GroupRequest
+    from relay.generators.sampling import SamplingParams
 
     from gpucheck.build import check_engine, synthetic_groups
 
@@ -201,8 +201,8 @@ class _SwapAfter:
 
 def _against_learner(name: str, learner, prompts: list[list[int]], finished: dict,
                      device: torch.device, tolerance: float) -> CheckResult:
-    from learner.model import forward_logprobs
-    from transport.messages import RolloutGroup, Sample
+    from relay.learner.model import forward_logprobs
+    from relay.transport.messages import RolloutGroup, Sample
 
     from gpucheck.build import TEMPERATURE, host_batch
 

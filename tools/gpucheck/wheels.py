@@ -13,7 +13,7 @@ on ``sys.path`` and on ``PYTHONPATH`` for child processes.
 MLflow comes as ``mlflow-skinny`` (``SUBSTITUTES``): the full ``mlflow`` wheel (12 MB) adds
 its server and UI (Flask, gunicorn, docker, graphene...), which Relay never starts; the
 tracking client and its SQLAlchemy store (the ``sqlite:`` URI a run's tracking defaults to,
-``learner.tracking``) are in mlflow-skinny, whose store needs ``sqlalchemy`` and
+``relay.learner.tracking``) are in mlflow-skinny, whose store needs ``sqlalchemy`` and
 ``alembic``, which full mlflow requires and skinny does not, so they are carried beside it.
 Torch and CUDA packages are never carried (``NEVER_CARRIED``): the GPU machine's own are
 the ones under test.
@@ -87,11 +87,13 @@ def target_environment(python_version: str = GPU_PYTHON) -> dict[str, str]:
             "platform_machine": "x86_64", "extra": ""}
 
 
-def runtime_requirements(pyproject: Path) -> list[str]:
-    """The names in ``pyproject``'s ``[project] dependencies``."""
+def runtime_requirements(pyproject: Path, environment: dict[str, str]) -> list[str]:
+    """The names in ``pyproject``'s ``[project] dependencies`` that ``environment`` needs
+    (``tomli`` is for Python 3.10 only, say)."""
     with open(pyproject, "rb") as f:
         dependencies = tomllib.load(f)["project"]["dependencies"]
-    return [Requirement(line).name for line in dependencies]
+    requirements = [Requirement(line) for line in dependencies]
+    return [r.name for r in requirements if r.marker is None or r.marker.evaluate(environment)]
 
 
 def carried(roots: Iterable[str], *, environment: dict[str, str],
@@ -151,8 +153,8 @@ def prepare(folder: Path, pyproject: Path, python_version: str = GPU_PYTHON) -> 
     """Download into ``folder`` the wheels the GPU machine lacks (module docstring), after
     removing the wheels there that are not among them; their total size in MB, which must
     stay under ``MAX_TOTAL_MB``."""
-    pins = carried(runtime_requirements(pyproject),
-                   environment=target_environment(python_version))
+    environment = target_environment(python_version)
+    pins = carried(runtime_requirements(pyproject, environment), environment=environment)
     expected = {name: str(Version(version)) for name, version in pins.items()}
     folder.mkdir(parents=True, exist_ok=True)
     for wheel in folder.glob("*.whl"):

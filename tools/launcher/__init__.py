@@ -5,6 +5,6 @@ both configs and plans the run directory, ``plan`` lists the processes (buffer, 
 learner, generators, evaluator) with their command lines, ``supervisor`` starts them
 (locally or over ssh), watches them and stops them all, ``status`` draws the live status
 line from the metrics they push. What each process does is in its own package; the
-launcher only builds the embedded default model (``learner.tiny_model``) when a run asks
+launcher only builds the embedded default model (``relay.learner.tiny_model``) when a run asks
 for it and it is not cached yet. Installed as the ``launcher`` package (see ``pyproject.toml``).
 """

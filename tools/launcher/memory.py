@@ -1,8 +1,8 @@
 """A run's memory plan, one GPU of each process, and the launch's warning when one does not
 fit its GPU.
 
-The learner and the generators plan their own sides (``learner.memory_plan``,
-``generators.memory_plan``); they never import each other, so they meet here, where the
+The learner and the generators plan their own sides (``relay.learner.memory_plan``,
+``relay.generators.memory_plan``); they never import each other, so they meet here, where the
 policy's parameters are counted once (on the ``meta`` device) for both. ``plan_run`` plans
 a learner rank and every generator (and the evaluator when the run evaluates) placed
 on a GPU; ``memory_warnings`` judges those on this machine's GPUs against their memory
@@ -21,11 +21,11 @@ import msgspec
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from configs.gpu_placement import on_cuda
-from configs.run_schema import RunConfig
-from configs.topology_schema import EvaluatorPlacement, GeneratorPlacement, Topology
-from generators.memory_plan import CUDA_CONTEXT_BYTES, OWN_POOL_ENGINES, plan_engine
-from learner.memory_plan import (
+from relay.configs.gpu_placement import on_cuda
+from relay.configs.run_schema import RunConfig
+from relay.configs.topology_schema import EvaluatorPlacement, GeneratorPlacement, Topology
+from relay.generators.memory_plan import CUDA_CONTEXT_BYTES, OWN_POOL_ENGINES, plan_engine
+from relay.learner.memory_plan import (
     GIB,
     HELD,
     MemoryItem,
@@ -33,7 +33,7 @@ from learner.memory_plan import (
     count_learner_models,
     plan_learner,
 )
-from transport.endpoints import is_loopback
+from relay.transport.endpoints import is_loopback
 
 ConfigOf = Callable[[str], PretrainedConfig]
 GpuBytes = Callable[[str, str, list[int] | None], int | None]  # (host, device, gpus) -> bytes
@@ -101,7 +101,7 @@ def engine_sizing(placement: GeneratorPlacement | EvaluatorPlacement) -> EngineS
 def plan_generator(name: str, placement: GeneratorPlacement | EvaluatorPlacement,
                    run: RunConfig, config: PretrainedConfig, numel: int,
                    gpu_bytes: int) -> MemoryPlan:
-    """The first GPU of a generator (or the evaluator): ``generators.memory_plan``'s parts
+    """The first GPU of a generator (or the evaluator): ``relay.generators.memory_plan``'s parts
     as items, every one held from the engine's start."""
     engine, sizing = placement.engine, engine_sizing(placement)
     parallel = sizing.tensor_parallel

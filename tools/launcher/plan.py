@@ -1,8 +1,8 @@
 """From a topology and a run config to the list of processes a run needs.
 
-The plan is pure data: ``tools/launch-cluster.py`` prints it with ``--dry-run`` and the
+The plan is pure data: ``relay launch --dry-run`` prints it with ``--dry-run`` and the
 supervisor starts it otherwise. Every process reads the resolved configs that the launcher
-writes into the run directory (``configs.rundir``), so what runs is exactly what was
+writes into the run directory (``relay.configs.rundir``), so what runs is exactly what was
 printed.
 
 Each process's ``env`` is what the launcher sets for it on top of what it inherits, before
@@ -11,12 +11,16 @@ expandable-segments allocator on CUDA, and, for a process behind ssh (which forw
 environment), the launcher's own ``NCCL_*``, ``CUDA_*`` and allocator settings.
 
 The learner of one host opens no rendezvous port to the network where torch lets it: one
-rank starts without torchrun, on a store inside its process (``learner.main``); several
+rank starts without torchrun, on a store inside its process (``relay.learner.main``); several
 ranks start under torchrun with its c10d rendezvous named at ``127.0.0.1`` (torch's
 TCPStore still listens on every interface: it has no option to bind one, see the README's
 Security section). Either way its ranks' gloo and NCCL sockets are bound to the loopback
 interface (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` = ``lo``, unless set). Learners
 of several hosts meet at ``hosts[0]:master_port``.
+
+Every process runs its module with the working directory off ``sys.path``
+(``relay.launcher.child``), so a user's own ``relay/`` or ``learner/`` folder is never imported
+in place of Relay's.
 """
 
 from __future__ import annotations
@@ -34,20 +38,21 @@ from typing import Literal
 
 import msgspec
 
-from configs.gpu_placement import on_cuda
-from configs.loader import to_toml
-from configs.run_schema import RunConfig
-from configs.loader import ConfigError
-from configs.rundir import (
+from relay.configs.gpu_placement import on_cuda
+from relay.configs.loader import to_toml
+from relay.configs.run_schema import RunConfig
+from relay.configs.loader import ConfigError
+from relay.configs.rundir import (
     RESOLVED_RUN,
     RESOLVED_TOPOLOGY,
     SOCKET_NAMES,
     longest_socket_path,
     sockets_dir,
 )
-from configs.topology_schema import LearnerPlacement, Topology
-from transport.endpoints import IPC_PATH_MAX, is_loopback
-from transport.security import private_dir
+from relay.configs.topology_schema import LearnerPlacement, Topology
+from relay.launcher.child import module_argv
+from relay.transport.endpoints import IPC_PATH_MAX, is_loopback
+from relay.transport.security import private_dir
 
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 ALLOC_CONF = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -142,7 +147,7 @@ def build_plan(topology: Topology, run: RunConfig, run_dir: Path,
     check_sockets_dir(topology, run_dir)
     common = ["--run-dir", str(run_dir)]
     plan = [ProcessSpec(name="buffer", role="buffer", host=topology.buffer.host,
-                        argv=[py(topology.buffer.host), "-m", "buffer.main", *common],
+                        argv=module_argv(py(topology.buffer.host), "relay.buffer.main", *common),
                         env=process_env(topology.buffer.host, "cpu", None, environ=environ))]
     learner = topology.learner
     for node_rank, host in enumerate(learner.hosts):
@@ -150,40 +155,45 @@ def build_plan(topology: Topology, run: RunConfig, run_dir: Path,
         if len(learner.hosts) == 1:
             env |= {name: LOOPBACK_INTERFACE for name in ONE_HOST_SOCKETS if name not in environ}
         name = "learner" if len(learner.hosts) == 1 else f"learner@{host}"
-        plan.append(ProcessSpec(name=name, role="learner", host=host, env=env, argv=[
-            py(host), *learner_launcher(learner, node_rank, run_id=run_dir.name),
-            "-m", "learner.main", *common]))
+        plan.append(ProcessSpec(name=name, role="learner", host=host, env=env,
+                                argv=learner_argv(py(host), learner, node_rank,
+                                                  run_id=run_dir.name, args=common)))
     for gen in topology.generators:
         plan.append(ProcessSpec(name=gen.name, role="generator", host=gen.host, essential=False,
-                                argv=[py(gen.host), "-m", "generators.main", *common,
-                                      "--name", gen.name],
+                                argv=module_argv(py(gen.host), "relay.generators.main", *common,
+                                                 "--name", gen.name),
                                 env=process_env(gen.host, gen.device, gen.gpus,
                                                 engine=gen.engine, environ=environ)))
     if run.evaluates:
         evaluator = topology.evaluator
         plan.append(ProcessSpec(name="evaluator", role="evaluator", host=evaluator.host,
                                 essential=False,
-                                argv=[py(evaluator.host), "-m", "generators.evaluator", *common],
+                                argv=module_argv(py(evaluator.host), "relay.generators.evaluator",
+                                                 *common),
                                 env=process_env(evaluator.host, evaluator.device,
                                                 evaluator.gpus, engine=evaluator.engine,
                                                 environ=environ)))
     return plan
 
 
-def learner_launcher(learner: LearnerPlacement, node_rank: int, run_id: str) -> list[str]:
-    """What comes between ``python`` and ``-m learner.main`` for the learner of node
-    ``node_rank`` (module docstring): nothing for one rank on one host, else torchrun."""
+def learner_argv(python: str, learner: LearnerPlacement, node_rank: int, run_id: str,
+                 args: list[str]) -> list[str]:
+    """The learner of node ``node_rank`` (module docstring): ``relay.learner.main`` itself for
+    one rank on one host, else torchrun starting it on each rank (``--no-python``: torchrun
+    runs the same working-directory-proof command, ``launcher.child``)."""
+    learner_main = module_argv(python, "relay.learner.main", *args)
     hosts = learner.hosts
     if len(hosts) == 1 and learner.nproc_per_node == 1:
-        return []
+        return learner_main
     if len(hosts) == 1:
         rendezvous = ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
                       f"--rdzv-id={run_id}"]
     else:
         rendezvous = [f"--nnodes={len(hosts)}", f"--node-rank={node_rank}",
                       f"--master-addr={hosts[0]}", f"--master-port={learner.master_port}"]
-    return ["-m", "torch.distributed.run", *rendezvous,
-            f"--nproc-per-node={learner.nproc_per_node}"]
+    return module_argv(python, "torch.distributed.run", *rendezvous,
+                       f"--nproc-per-node={learner.nproc_per_node}", "--no-python",
+                       *learner_main)
 
 
 def check_sockets_dir(topology: Topology, run_dir: Path) -> None:
@@ -200,7 +210,7 @@ def check_sockets_dir(topology: Topology, run_dir: Path) -> None:
 
 
 def private_sockets(topology: Topology, run_dir: Path) -> Topology:
-    """Make the run's sockets folder (``configs.rundir.sockets_dir``; nothing to do for a
+    """Make the run's sockets folder (``relay.configs.rundir.sockets_dir``; nothing to do for a
     run over tcp) 0700 and check that it is this user's and open to no one else
     (``ConfigError`` otherwise). The default folder, ``RUN_DIR/sockets``, gives way to a new
     one from ``tempfile.mkdtemp`` when its socket paths would not fit a Unix socket; the

@@ -6,14 +6,14 @@ directory; ``dry_run_report`` prints the result for ``tools/launch-cluster.py --
 
 Resuming is decided here, once, for every process of the run: ``trainer.resume_mode =
 "auto"`` becomes ``"resume_path"`` with the newest checkpoint of the checkpoint dir that can
-be resumed (``learner.checkpoint.resumable_checkpoint``: newer ones are skipped with a
+be resumed (``relay.learner.checkpoint.resumable_checkpoint``: newer ones are skipped with a
 warning saying why), or ``"disable"`` when there is none; a checkpoint to resume from must
 be complete, this user's and not writable by others, intact by its checksums, hold the
 buffer's state and the trained parts of this run's algorithm, or the launch is refused
 naming it (or the file that differs). A run that would write a checkpoint over another
 run's (another lineage's ``step-<N>`` in a shared checkpoint dir) is refused too, and so is
 a resume under a config that changes what the buffer's saved state means
-(``buffer.fingerprint``), naming each key, unless ``trainer.resume_allow_changes`` lists it.
+(``relay.buffer.fingerprint``), naming each key, unless ``trainer.resume_allow_changes`` lists it.
 """
 
 from __future__ import annotations
@@ -25,26 +25,26 @@ from pathlib import Path
 import msgspec
 from transformers import AutoConfig
 
-from algorithms.rewards.registry import UnknownDataSourceError, check_data_sources
-from buffer.dataset import DatasetError, PromptDataset, load_prompt_rows
-from buffer.fingerprint import buffer_fingerprint, changes
-from buffer.main import training_prompts
-from buffer.prompt_source import BufferCheckpointError, read_buffer_checkpoint
-from configs.checks import load_run_config, load_topology
-from configs.gpu_placement import check_gpu_placement, topology_claims
-from configs.loader import COMMAND_LINE, ConfigError, to_toml
-from configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
-from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, checkpoint_dir, is_run_dir
-from configs.topology_schema import Topology
-from configs.verl_keys import ROLLOUT_NAME, Placement
-from generators.build import missing_engine
-from generators.vllm_engine import filters_refused
-from launcher.plan import ProcessSpec, build_plan, new_run_dir
-from learner.checkpoint import CheckpointError, check_resumable, resumable_checkpoint
-from learner.checkpoint_lineage import continued_lineage, overwritten_checkpoints, saves_at
-from learner.checkpoint_meta import read_meta
-from learner.ulysses import KEY, check_heads
-from transport.endpoints import is_loopback
+from relay.algorithms.rewards.registry import UnknownDataSourceError, check_data_sources
+from relay.buffer.dataset import DatasetError, PromptDataset, load_prompt_rows
+from relay.buffer.fingerprint import buffer_fingerprint, changes
+from relay.buffer.main import training_prompts
+from relay.buffer.prompt_source import BufferCheckpointError, read_buffer_checkpoint
+from relay.configs.checks import load_run_config, load_topology
+from relay.configs.gpu_placement import check_gpu_placement, topology_claims
+from relay.configs.loader import COMMAND_LINE, ConfigError, to_toml
+from relay.configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
+from relay.configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, checkpoint_dir, is_run_dir
+from relay.configs.topology_schema import Topology
+from relay.configs.verl_keys import ROLLOUT_NAME, Placement
+from relay.generators.build import missing_engine
+from relay.generators.vllm_engine import filters_refused
+from relay.launcher.plan import ProcessSpec, build_plan, new_run_dir
+from relay.learner.checkpoint import CheckpointError, check_resumable, resumable_checkpoint
+from relay.learner.checkpoint_lineage import continued_lineage, overwritten_checkpoints, saves_at
+from relay.learner.checkpoint_meta import read_meta
+from relay.learner.ulysses import KEY, check_heads
+from relay.transport.endpoints import is_loopback
 
 
 class ResolvedLaunch(msgspec.Struct, kw_only=True, frozen=True):
@@ -63,7 +63,7 @@ def resolve_launch(topology_file: str, run_file: str, topology_overrides: Sequen
                    run_overrides: Sequence[str] = ()) -> ResolvedLaunch:
     """Load and check both configs with their overrides; plan the processes. verl's
     placement keys in the run config (``trainer.n_gpus_per_node``...) apply to the topology
-    after its own overrides (``configs.verl_keys``)."""
+    after its own overrides (``relay.configs.verl_keys``)."""
     topology, run, notes = load_checked(topology_file, run_file, topology_overrides,
                                         run_overrides)
     run_dir = new_run_dir(run)
@@ -152,7 +152,7 @@ def resolve_resume_mode(run: RunConfig, run_dir: Path, source: str) -> RunConfig
 
 def check_fingerprint(run: RunConfig, checkpoint: Path, source: str) -> None:
     """Refuse to resume from ``checkpoint`` under a config that changes a key of the buffer
-    state's fingerprint (``buffer.fingerprint``) that ``trainer.resume_allow_changes`` does
+    state's fingerprint (``relay.buffer.fingerprint``) that ``trainer.resume_allow_changes`` does
     not list: the buffer would wait for a batch its lease gate never admits, or mix other
     rows under the ids of prompts already trained on. A checkpoint written before
     fingerprints has none to compare (the buffer then names what it cannot resume)."""
@@ -182,7 +182,7 @@ def check_overwrites(run: RunConfig, folder: Path, checkpoint: Path | None,
                      source: str) -> None:
     """Refuse a run, resuming from ``checkpoint`` (None: a fresh start; checked already),
     that would save a checkpoint where another run's lies in ``folder``: the learner never
-    writes over one (``learner.checkpoint_lineage``), so it would die at that save."""
+    writes over one (``relay.learner.checkpoint_lineage``), so it would die at that save."""
     trainer = run.trainer
     first = read_meta(checkpoint).loop.step + 1 if checkpoint else 1
     last = trainer.total_training_steps or 0
@@ -202,19 +202,19 @@ def check_overwrites(run: RunConfig, folder: Path, checkpoint: Path | None,
 def served_model_path(run: RunConfig) -> str:
     """``model.path`` as the run's processes get it, the buffer's fingerprint among them: a
     ``builtin:`` model's cache folder, where the launcher builds it and points the config
-    (``launcher.supervisor.builtin_model``)."""
+    (``relay.launcher.supervisor.builtin_model``)."""
     if not run.model.path.startswith(BUILTIN_MODEL_PREFIX):
         return run.model.path
-    from learner.tiny_model.build import default_model_dir
+    from relay.learner.tiny_model.build import default_model_dir
 
     return str(default_model_dir())
 
 
 def epoch_rows(run: RunConfig) -> int:
     """The training rows an epoch passes over, counted as verl counts them: those
-    ``data.filter_overlong_prompts`` keeps (``configs.checks.training_steps``). The launcher
+    ``data.filter_overlong_prompts`` keeps (``relay.configs.checks.training_steps``). The launcher
     tokenizes the training prompts for it, as the buffer does again when it loads them
-    (``buffer.main.training_prompts``); a ``builtin:`` model's tokenizer is built here, the
+    (``relay.buffer.main.training_prompts``); a ``builtin:`` model's tokenizer is built here, the
     same on every build, since the model itself is built only at launch."""
     return len(launch_prompts(run))
 
@@ -223,7 +223,7 @@ def launch_prompts(run: RunConfig) -> PromptDataset:
     """The training rows as the buffer will load them (``epoch_rows``)."""
     tokenizer = None
     if run.model.path.startswith(BUILTIN_MODEL_PREFIX):
-        from learner.tiny_model.tokenizer import build_tokenizer
+        from relay.learner.tiny_model.tokenizer import build_tokenizer
 
         tokenizer = build_tokenizer()
     return training_prompts(run, tokenizer)
@@ -264,7 +264,7 @@ def check_sequence_parallel(topology: Topology, run: RunConfig, source: str) -> 
 def check_fsdp_sizes(topology: Topology, run: RunConfig, source: str) -> None:
     """verl's ``fsdp_size`` of the policy, the reference (when set apart from the policy's)
     and the critic (with ``gae``) is -1 or divides the learner's ranks
-    (``learner.model.sharding_mesh``, which the learner applies): refused here, before
+    (``relay.learner.model.sharding_mesh``, which the learner applies): refused here, before
     anything starts, rather than by every rank after the launch."""
     ranks = len(topology.learner.hosts) * topology.learner.nproc_per_node
     sizes = {"actor.fsdp_config.fsdp_size": run.actor.fsdp_config.fsdp_size,
@@ -304,7 +304,7 @@ def check_local_engines(topology: Topology, run: RunConfig, source: str,
 def check_engine_sampling(topology: Topology, run: RunConfig, source: str) -> None:
     """A vLLM generator (or evaluator) asked for top-p or top-k sampling is refused before
     anything starts, naming the run config's key: vLLM cannot report the temperature-only
-    behavior log-prob under them (``generators.vllm_engine.filters_refused``)."""
+    behavior log-prob under them (``relay.generators.vllm_engine.filters_refused``)."""
     uses = [(run.rollout.top_p, run.rollout.top_k, "rollout")
             for g in topology.generators if g.engine == "vllm"]
     val = run.rollout.val_kwargs

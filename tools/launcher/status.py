@@ -7,7 +7,7 @@ Any process on the metrics address may send anything a ``Metrics`` message can h
 every value is shown through ``count`` or ``number``: NaN, infinities and absurd magnitudes
 read as "?" and never raise; a learner step outside the run's steps is no step of this run
 and is ignored, values and all (one would otherwise freeze the step the watchdog waits past).
-A message is taken only from a sender that may act as its ``source`` (``transport.roles``):
+A message is taken only from a sender that may act as its ``source`` (``relay.transport.roles``):
 under CURVE the control hosts' key for ``learner`` and ``buffer``, so a generator or
 evaluator key can neither move the step the watchdog waits past nor fake the buffer's
 gauges; others are counted (``refused``) and noted once per key and source.
@@ -19,8 +19,8 @@ import math
 import sys
 import time
 
-from transport.messages import Metrics
-from transport.roles import PeerRoles
+from relay.transport.messages import Metrics
+from relay.transport.roles import PeerRoles
 
 LOG_EVERY_S = 10.0
 RENDER_EVERY_S = 0.5

@@ -4,7 +4,7 @@ Order of events:
 
 1. prepare: build and cache a ``builtin:`` model if missing, pick free ports for port 0,
    write the resolved configs into the run directory and make its private sockets folder
-   (a run without CURVE: ``launcher.plan.private_sockets``);
+   (a run without CURVE: ``relay.launcher.plan.private_sockets``);
 2. start the buffer, the learner (torchrun, or one rank alone), the generators and the
    evaluator, each in its own process group with its output in ``RUN_DIR/logs/<name>.log``;
 3. watch: a live status line from the metrics the processes push; a generator may die
@@ -14,7 +14,7 @@ Order of events:
    (after it, the buffer leaves once the generators have; the learner may still wait
    for the last held-out evaluation); a
    run that makes no learner step for ``trainer.progress_timeout_s`` is ended by the
-   watchdog (``launcher.watchdog``), naming the stage that holds it up;
+   watchdog (``relay.launcher.watchdog``), naming the stage that holds it up;
 4. stop: when the learner finishes (exit 0), or on Ctrl-C, or when an essential process
    exits or the watchdog fires, every process group but the buffer's gets SIGTERM (so
    that generators can still return their leases), then the buffer's, then SIGKILL for
@@ -40,15 +40,15 @@ from pathlib import Path
 
 import msgspec
 
-from configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
-from configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, RunContext
-from configs.topology_schema import Topology
-from launcher.plan import ProcessSpec, build_plan, remove_sockets, write_resolved
-from launcher.resolve import ResolvedLaunch
-from launcher.status import StatusBoard
-from launcher.watchdog import ProgressWatchdog
-from transport.messages import Metrics
-from transport.sockets import Puller
+from relay.configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
+from relay.configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, RunContext
+from relay.configs.topology_schema import Topology
+from relay.launcher.plan import ProcessSpec, build_plan, remove_sockets, write_resolved
+from relay.launcher.resolve import ResolvedLaunch
+from relay.launcher.status import StatusBoard
+from relay.launcher.watchdog import ProgressWatchdog
+from relay.transport.messages import Metrics
+from relay.transport.sockets import Puller
 
 STOP_GRACE_S = 15.0  # SIGTERM, then this long (per wave), then SIGKILL
 KILLED_GONE_S = 10.0  # after the SIGKILL sweep: at most this long for the killed to vanish
@@ -66,7 +66,7 @@ def builtin_model(run: RunConfig) -> RunConfig:
     """Build (once, cached) a ``builtin:`` model and point the config at it."""
     if not run.model.path.startswith(BUILTIN_MODEL_PREFIX):
         return run
-    from learner.tiny_model.build import build_tiny_model, default_model_dir
+    from relay.learner.tiny_model.build import build_tiny_model, default_model_dir
 
     path = default_model_dir()
     if not (path / "config.json").is_file():

@@ -17,7 +17,7 @@ the first step (model loading and the first batch included) and from each step a
 
 from __future__ import annotations
 
-from launcher.status import StatusBoard, count
+from relay.launcher.status import StatusBoard, count
 
 
 class ProgressWatchdog:

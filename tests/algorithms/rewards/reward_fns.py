@@ -31,8 +31,8 @@ def _forge_next_reply(score: float) -> None:
     found in the worker loop's frame (private names: this is an attack on the protocol)."""
     import msgspec
 
-    from algorithms.rewards.result import RewardResult
-    from algorithms.rewards.worker import _Reply
+    from relay.algorithms.rewards.result import RewardResult
+    from relay.algorithms.rewards.worker import _Reply
 
     frame = sys._getframe(1)
     while "job" not in frame.f_locals:

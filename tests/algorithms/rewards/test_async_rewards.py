@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from algorithms.rewards import (
+from relay.algorithms.rewards import (
     RewardConfig,
     RewardItem,
     RewardResult,
     RewardScorer,
     load_score_fn,
 )
-from algorithms.rewards.calls import is_async
-from algorithms.rewards.scorer import FailureAlarm
+from relay.algorithms.rewards.calls import is_async
+from relay.algorithms.rewards.scorer import FailureAlarm
 
 FNS = Path(__file__).with_name("async_reward_fns.py")
 LIMIT_S = 1.0
@@ -112,7 +112,7 @@ def failing(fraction_failed: float, size: int = 8) -> list[RewardResult]:
 def test_a_function_failing_on_more_than_half_of_a_call_is_a_warning(
         caplog: pytest.LogCaptureFixture) -> None:
     alarm = FailureAlarm(every_s=3600.0)
-    with caplog.at_level(logging.WARNING, logger="algorithms.rewards.scorer"):
+    with caplog.at_level(logging.WARNING, logger="relay.algorithms.rewards.scorer"):
         alarm.check(failing(0.5))  # half is not more than half
         assert not caplog.records
         alarm.check(failing(5 / 8))
@@ -127,7 +127,7 @@ def test_a_function_failing_on_more_than_half_of_a_call_is_a_warning(
 
 
 def test_the_scorer_warns_when_most_of_a_group_fails(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="algorithms.rewards.scorer"), \
+    with caplog.at_level(logging.WARNING, logger="relay.algorithms.rewards.scorer"), \
             async_scorer() as scorer:
         scorer.score(items("raise:1", "raise:2", "ok:3"))
     (record,) = caplog.records

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from algorithms.rewards import arithmetic, boxed_math, gsm8k
-from algorithms.rewards.registry import (
+from relay.algorithms.rewards import arithmetic, boxed_math, gsm8k
+from relay.algorithms.rewards.registry import (
     UnknownDataSourceError,
     check_data_sources,
     default_compute_score,

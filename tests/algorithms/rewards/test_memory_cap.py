@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from algorithms.rewards import RewardConfig, RewardItem, RewardLoadError, RewardScorer
-from algorithms.rewards.memory_cap import is_out_of_memory
+from relay.algorithms.rewards import RewardConfig, RewardItem, RewardLoadError, RewardScorer
+from relay.algorithms.rewards.memory_cap import is_out_of_memory
 
 FNS = Path(__file__).with_name("reward_fns.py")
 ASYNC_FNS = Path(__file__).with_name("async_reward_fns.py")

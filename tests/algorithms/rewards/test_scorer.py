@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from algorithms.rewards import (
+from relay.algorithms.rewards import (
     RewardConfig,
     RewardItem,
     RewardLoadError,
@@ -245,7 +245,7 @@ def test_unknown_data_source_raises_at_check_and_at_score() -> None:
 
 
 def test_custom_function_by_module_name_scores_every_source() -> None:
-    config = RewardConfig(path="algorithms.rewards.registry", name="default_compute_score")
+    config = RewardConfig(path="relay.algorithms.rewards.registry", name="default_compute_score")
     with RewardScorer(config) as custom:
         custom.check_data_sources(["any/name"])  # a custom function accepts all sources
         assert [r.score for r in custom.score(MIXED)] == MIXED_SCORES
@@ -333,7 +333,7 @@ def test_close_leaves_no_process_behind(tmp_path: Path) -> None:
 
 def test_worker_dies_with_its_parent(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
-        from algorithms.rewards import RewardConfig, RewardItem, RewardScorer
+        from relay.algorithms.rewards import RewardConfig, RewardItem, RewardScorer
         scorer = RewardScorer(RewardConfig(path={str(FNS)!r}, timeout_s=600))
         print(scorer.worker_pid, flush=True)
         scorer.score([RewardItem("s", "hang:", "")])

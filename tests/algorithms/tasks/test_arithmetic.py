@@ -6,10 +6,10 @@ import itertools
 
 import msgspec
 
-from algorithms.rewards.arithmetic import compute_score
-from algorithms.tasks import arithmetic
-from algorithms.tasks.arithmetic import Problem
-from buffer.dataset import PromptRow
+from relay.algorithms.rewards.arithmetic import compute_score
+from relay.algorithms.tasks import arithmetic
+from relay.algorithms.tasks.arithmetic import Problem
+from relay.buffer.dataset import PromptRow
 
 
 def test_problem_text_answer_and_response_format():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from algorithms.tasks import gsm8k
+from relay.algorithms.tasks import gsm8k
 
 
 @pytest.mark.parametrize(

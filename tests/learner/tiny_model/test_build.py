@@ -18,7 +18,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from learner.tiny_model.build import build_tiny_model
+from relay.learner.tiny_model.build import build_tiny_model
 
 FAST = {"warm_start_steps": 20, "eval_limit": 16, "eval_k": 2}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from learner.tiny_model.evaluate import pass_at
+from relay.learner.tiny_model.evaluate import pass_at
 
 
 @pytest.mark.parametrize(

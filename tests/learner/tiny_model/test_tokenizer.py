@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from learner.tiny_model.tokenizer import build_tokenizer
+from relay.learner.tiny_model.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from algorithms.tasks.arithmetic import Problem
-from learner.tiny_model.tokenizer import build_tokenizer
-from learner.tiny_model.warm_start import (
+from relay.algorithms.tasks.arithmetic import Problem
+from relay.learner.tiny_model.tokenizer import build_tokenizer
+from relay.learner.tiny_model.warm_start import (
     IGNORE_INDEX,
     STYLE_WEIGHTS,
     WarmStartConfig,

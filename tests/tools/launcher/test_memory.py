@@ -1,30 +1,29 @@
-"""launcher.memory: the launch warns about a process on this machine's GPUs whose memory plan
+"""relay.launcher.memory: the launch warns about a process on this machine's GPUs whose memory plan
 does not fit its GPU (Qwen2.5-7B's config alone, no weights), never about a CPU run."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 
 import pytest
 
-import launcher.memory as memory
-from configs import DEFAULT_RUN
-from configs.checks import load_run_config
-from configs.run_schema import RunConfig
-from configs.topology_schema import (
+import relay.launcher.memory as memory
+from relay.configs import DEFAULT_RUN
+from relay.configs.checks import load_run_config
+from relay.configs.run_schema import RunConfig
+from relay.configs.topology_schema import (
     GeneratorPlacement,
     LeanOptions,
     LearnerPlacement,
     Topology,
 )
-from launcher.memory import local_gpu_bytes, memory_warnings
+from relay import launch
+from relay.launcher.memory import local_gpu_bytes, memory_warnings
 
 from ...qwen25_configs import QWEN25_7B, write_config
 
 GIB = 1 << 30
-LAUNCHER = Path(__file__).resolve().parents[3] / "tools" / "launch-cluster.py"
 FITTING = ["model.enable_gradient_checkpointing=true", "actor.use_dynamic_bsz=true",
            "actor.ppo_max_token_len_per_gpu=16384"]
 
@@ -40,10 +39,7 @@ def warnings(run: RunConfig, topology: Topology, memory: list[int]) -> list[str]
 
 
 def launch_dry_run(*args: str) -> int:
-    spec = importlib.util.spec_from_file_location("launch_cluster", LAUNCHER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main([*args, "--dry-run"])
+    return launch.main([*args, "--dry-run"])
 
 
 def test_a_learner_whose_plan_does_not_fit_its_gpus_is_warned_about_at_launch(

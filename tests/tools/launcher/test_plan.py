@@ -2,6 +2,7 @@
 writes, whose sockets folder (a run without CURVE) is private."""
 
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -10,21 +11,22 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
-from configs.checks import load_run_config, load_topology
-from configs.rundir import RunContext, load_run_dir, longest_socket_path
-from configs.run_schema import DataConfig, ModelConfig, RunConfig, TrainerConfig
-from configs.topology_schema import (
+from relay.configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
+from relay.configs.checks import load_run_config, load_topology
+from relay.configs.rundir import RunContext, load_run_dir, longest_socket_path
+from relay.configs.run_schema import DataConfig, ModelConfig, RunConfig, TrainerConfig
+from relay.configs.topology_schema import (
     EvaluatorPlacement,
     GeneratorPlacement,
     LearnerPlacement,
     Security,
     Topology,
 )
-from launcher.plan import build_plan, private_sockets, remove_sockets, write_resolved
-from transport.endpoints import IPC_PATH_MAX, split_endpoint
-from transport.messages import Ack, Heartbeat, Message
-from transport.sockets import Client, Peer, Server, ServerThread
+from relay.launcher.child import module_argv
+from relay.launcher.plan import build_plan, private_sockets, remove_sockets, write_resolved
+from relay.transport.endpoints import IPC_PATH_MAX, split_endpoint
+from relay.transport.messages import Ack, Heartbeat, Message
+from relay.transport.sockets import Client, Peer, Server, ServerThread
 
 NO_VALIDATION = RunConfig(data=DataConfig(train_files="train.jsonl"), model=ModelConfig(path="m"))
 
@@ -35,8 +37,8 @@ def test_local_plan_is_buffer_learner_and_generators() -> None:
     assert [(p.name, p.role, p.essential) for p in plan] == [
         ("buffer", "buffer", True), ("learner", "learner", True),
         ("a", "generator", False), ("b", "generator", False)]
-    assert plan[0].command_line() == ["py", "-m", "buffer.main", "--run-dir", "/runs/x"]
-    assert plan[1].argv == ["py", "-m", "learner.main", "--run-dir", "/runs/x"]  # one rank
+    assert plan[0].command_line() == module_argv("py", "relay.buffer.main", "--run-dir", "/runs/x")
+    assert plan[1].argv == module_argv("py", "relay.learner.main", "--run-dir", "/runs/x")  # one rank
     assert plan[3].argv[-2:] == ["--name", "b"]
 
 
@@ -46,10 +48,10 @@ def test_one_hosts_ranks_meet_on_loopback_and_never_by_standalone() -> None:
     topology = Topology(learner=LearnerPlacement(nproc_per_node=4))
     (learner,) = [p for p in build_plan(topology, NO_VALIDATION, Path("/runs/x"), python="py",
                                         environ={}) if p.role == "learner"]
-    assert learner.argv == ["py", "-m", "torch.distributed.run", "--nnodes=1",
-                            "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
-                            "--rdzv-id=x", "--nproc-per-node=4", "-m", "learner.main",
-                            "--run-dir", "/runs/x"]
+    assert learner.argv == module_argv(
+        "py", "torch.distributed.run", "--nnodes=1", "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0", "--rdzv-id=x", "--nproc-per-node=4", "--no-python",
+        *module_argv("py", "relay.learner.main", "--run-dir", "/runs/x"))
     assert learner.env == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
     (mine,) = [p for p in build_plan(topology, NO_VALIDATION, Path("/runs/x"), python="py",
                                      environ={"NCCL_SOCKET_IFNAME": "ib0"})
@@ -69,7 +71,8 @@ def test_remote_hosts_go_through_ssh_with_multi_node_torchrun() -> None:
     assert "--nnodes=2" in learners[0].argv and "--master-port=29600" in learners[0].argv
     command = learners[1].command_line("ssh -p 22", "/srv/relay")
     assert command[:5] == ["ssh", "-p", "22", "-tt", "10.0.0.2"]
-    assert command[5].startswith("cd /srv/relay && python3 -m torch.distributed.run")
+    torchrun = shlex.join(module_argv("python3", "torch.distributed.run"))
+    assert command[5].startswith(f"cd /srv/relay && {torchrun}")
 
 
 def test_the_evaluator_runs_only_when_the_run_has_something_to_evaluate() -> None:
@@ -79,7 +82,8 @@ def test_the_evaluator_runs_only_when_the_run_has_something_to_evaluate() -> Non
     plan = build_plan(topology, validated, Path("/runs/x"), python="py")
     (evaluator,) = [p for p in plan if p.role == "evaluator"]
     assert not evaluator.essential and evaluator.host == "10.0.0.9"
-    assert evaluator.argv == ["python3", "-m", "generators.evaluator", "--run-dir", "/runs/x"]
+    assert evaluator.argv == module_argv("python3", "relay.generators.evaluator",
+                                             "--run-dir", "/runs/x")
     never = RunConfig(data=validated.data, model=validated.model,
                       trainer=TrainerConfig(test_freq=-1, val_before_train=False))
     assert not [p for p in build_plan(topology, never, Path("/runs/x")) if p.role == "evaluator"]
@@ -135,7 +139,7 @@ def test_the_cpu_default_topology_starts_as_before() -> None:
     """No environment of its own for any process but the learner's loopback sockets,
     whatever the launcher's holds, and the command lines of before but the learner's: one
     rank, started without torchrun."""
-    from configs import DEFAULT_TOPOLOGY, load_topology
+    from relay.configs import DEFAULT_TOPOLOGY, load_topology
 
     topology = load_topology(DEFAULT_TOPOLOGY)
     launcher_env = {"NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": "0", "PATH": "/usr/bin"}
@@ -143,7 +147,7 @@ def test_the_cpu_default_topology_starts_as_before() -> None:
     assert [p.name for p in plan] == ["buffer", "learner", "gen0", "evaluator"]
     assert [p.env for p in plan] == [{}, ONE_HOST, {}, {}]
     assert all(p.command_line() == p.argv for p in plan)
-    assert plan[1].argv == ["py", "-m", "learner.main", "--run-dir", "/runs/x"]
+    assert plan[1].argv == module_argv("py", "relay.learner.main", "--run-dir", "/runs/x")
 
 
 def test_ssh_forwards_nccl_cuda_and_allocator_variables_but_not_the_cuda_install() -> None:
@@ -162,7 +166,7 @@ def test_ssh_forwards_nccl_cuda_and_allocator_variables_but_not_the_cuda_install
     command = learner.command_line("ssh", "/srv/relay")
     assert command[-1].startswith(
         "cd /srv/relay && env CUDA_VISIBLE_DEVICES=6 NCCL_DEBUG=INFO NCCL_SOCKET_IFNAME=eth0 "
-        "PYTORCH_CUDA_ALLOC_CONF=x:1 python3 -m torch.distributed.run ")
+        "PYTORCH_CUDA_ALLOC_CONF=x:1 " + shlex.join(module_argv("python3", "torch.distributed.run")))
     generator = next(p for p in plan if p.name == "g")  # on the CPU: the launcher's as they are
     assert generator.env["CUDA_VISIBLE_DEVICES"] == "0,1"
 

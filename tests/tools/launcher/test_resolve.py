@@ -1,4 +1,4 @@
-"""launcher.resolve: held-out data the evaluator could not use is refused before launch; an
+"""relay.launcher.resolve: held-out data the evaluator could not use is refused before launch; an
 epoch is counted after data.filter_overlong_prompts; a resume that changes the buffer
 state's fingerprint is refused naming the keys, unless trainer.resume_allow_changes lists
 them; resume_mode=auto skips a damaged newest checkpoint, saying so, and a run that would
@@ -14,17 +14,17 @@ import msgspec
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
-from configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
-from configs.checks import load_run_config
-from buffer.dataset import PromptDataset
-from buffer.fingerprint import buffer_fingerprint
-from buffer.prompt_source import PromptSource, write_buffer_checkpoint
-from configs.run_schema import RunConfig
-from configs.topology_schema import GeneratorPlacement, Topology
-from learner.checkpoint_files import listed_files, manifest
-from learner.checkpoint_meta import FORMAT, META_FILE, CheckpointMeta, Lineage, LoopState
-from learner.tiny_model.build import default_model_dir
-from launcher.resolve import (
+from relay.configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
+from relay.configs.checks import load_run_config
+from relay.buffer.dataset import PromptDataset
+from relay.buffer.fingerprint import buffer_fingerprint
+from relay.buffer.prompt_source import PromptSource, write_buffer_checkpoint
+from relay.configs.run_schema import RunConfig
+from relay.configs.topology_schema import GeneratorPlacement, Topology
+from relay.learner.checkpoint_files import listed_files, manifest
+from relay.learner.checkpoint_meta import FORMAT, META_FILE, CheckpointMeta, Lineage, LoopState
+from relay.learner.tiny_model.build import default_model_dir
+from relay.launcher.resolve import (
     check_engine_sampling,
     check_fingerprint,
     check_local_engines,
@@ -33,7 +33,7 @@ from launcher.resolve import (
     resolve_launch,
     resolve_resume_mode,
 )
-from transport.messages import BufferCheckpoint
+from relay.transport.messages import BufferCheckpoint
 
 
 def test_a_held_out_data_source_without_a_reward_is_refused_before_launch(
@@ -172,7 +172,7 @@ def test_the_dry_run_shows_each_local_processs_gpus(tmp_path: Path) -> None:
     learner = next(line for line in lines if line.lstrip().startswith("learner "))
     generator = next(line for line in lines if line.lstrip().startswith("gen0 "))
     assert " CUDA_VISIBLE_DEVICES=0,1 " in learner and "torch.distributed.run" in learner
-    assert " CUDA_VISIBLE_DEVICES=2 " in generator and "generators.main" in generator
+    assert " CUDA_VISIBLE_DEVICES=2 " in generator and "relay.generators.main" in generator
     assert resolved.topology.learner.gpus == [0, 1]
 
 
@@ -303,7 +303,7 @@ def test_auto_resume_skips_a_damaged_newest_checkpoint_and_no_run_saves_over_ano
     damaged = bytearray(record.read_bytes())
     damaged[len(damaged) // 2] ^= 0x01
     record.write_bytes(bytes(damaged))
-    with caplog.at_level(logging.WARNING, logger="learner.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="relay.learner.checkpoint"):
         # its lineage goes on from step-2, and its save at step 4 replaces the damaged one
         assert trainer() == ("resume_path", str(folder / "step-2"))
     assert (f"skipping {folder / 'step-4'}: {record}: its SHA-256 differs from the one "

@@ -1,4 +1,4 @@
-"""launcher.status: the status line survives any Metrics message a peer can send (NaN,
+"""relay.launcher.status: the status line survives any Metrics message a peer can send (NaN,
 infinities, absurd magnitudes), whether it comes in process or over the wire, and takes a
 learner's or buffer's metrics only from a key that may act as them."""
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from launcher.status import StatusBoard, count, number
-from launcher.watchdog import ProgressWatchdog
-from transport.endpoints import ipc_endpoint
-from transport.messages import Metrics
-from transport.security import ClientKeys, ServerKeys, load_keypair, load_public_key
-from transport.sockets import Puller, Pusher
+from relay.launcher.status import StatusBoard, count, number
+from relay.launcher.watchdog import ProgressWatchdog
+from relay.transport.endpoints import ipc_endpoint
+from relay.transport.messages import Metrics
+from relay.transport.security import ClientKeys, ServerKeys, load_keypair, load_public_key
+from relay.transport.sockets import Puller, Pusher
 
 MAKE_KEYS = Path(__file__).resolve().parents[3] / "tools" / "make-curve-keys.py"
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from configs.topology_schema import Topology
-from launcher import supervisor
-from launcher.plan import ProcessSpec
-from launcher.supervisor import Running, last_exception, stop_all
+from relay.configs.topology_schema import Topology
+from relay.launcher import supervisor
+from relay.launcher.plan import ProcessSpec
+from relay.launcher.supervisor import Running, last_exception, stop_all
 
 CHILD_TRACEBACK = """\
 step 3 | loss 0.1
@@ -29,7 +29,7 @@ Traceback (most recent call last):
     sys.exit(main())
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-learner.main FAILED
+relay.learner.main FAILED
 """
 
 
@@ -185,7 +185,7 @@ def test_processes_start_with_sleeping_openmp_threads_and_a_malloc_that_keeps_bl
 
 def test_a_local_process_starts_with_the_environment_its_plan_gives_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``ProcessSpec.env`` (its GPUs, ``launcher.plan``) is set before the process runs, over
+    """``ProcessSpec.env`` (its GPUs, ``relay.launcher.plan``) is set before the process runs, over
     the launcher's own value; the rest of the launcher's environment is inherited."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     monkeypatch.setenv("NCCL_DEBUG", "INFO")

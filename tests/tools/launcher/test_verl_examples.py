@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from buffer.dataset import load_prompt_rows, write_prompt_rows
-from configs import CONFIG_DIR
-from configs.verl_keys import ROLLOUT_NAME
-from generators.build import missing_engine
+from relay.buffer.dataset import load_prompt_rows, write_prompt_rows
+from relay.configs import CONFIG_DIR
+from relay.configs.verl_keys import ROLLOUT_NAME
+from relay.generators.build import missing_engine
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = Path(__file__).with_name("verl_examples")

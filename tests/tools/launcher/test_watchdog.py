@@ -1,10 +1,10 @@
-"""launcher.watchdog: a run without learner steps is ended, naming the stage that holds it."""
+"""relay.launcher.watchdog: a run without learner steps is ended, naming the stage that holds it."""
 
 from __future__ import annotations
 
-from launcher.status import StatusBoard
-from launcher.watchdog import ProgressWatchdog
-from transport.messages import Metrics
+from relay.launcher.status import StatusBoard
+from relay.launcher.watchdog import ProgressWatchdog
+from relay.transport.messages import Metrics
 
 
 def board(step: int = 0, **buffer: float) -> StatusBoard:
