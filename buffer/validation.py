@@ -1,14 +1,13 @@
 """What the hub checks before a message may change its state.
 
-``group_problem`` judges a whole ``RolloutGroup`` before the hub takes its prompt off the
-lease: the number of samples the lease asked for, the dtypes the wire promises (int32 token
-ids and versions, float32 log-probs: float8, float16 or int64 tensors decode fine but are
-refused here), 1-D shapes that agree, token ids inside the model's vocabulary, responses
-no longer than ``rollout.response_length``, rewards the learner can train on (finite and
-within float32's range, the dtype it trains in: a larger one would become inf there),
-log-probs <= 0, and token versions the learner has published. It answers every decoded group, whatever its tensors
-hold, with a reason or "", and never raises: a bad group is refused whole and its prompt
-goes back to the pool.
+``group_problem`` judges a whole ``RolloutGroup`` before the hub takes its prompt off the lease: the
+number of samples the lease asked for, the dtypes the wire promises (int32 token ids and versions,
+float32 log-probs: float8, float16 or int64 tensors decode fine but are refused here), 1-D shapes
+that agree, token ids inside the model's vocabulary, responses no longer than
+``rollout.response_length``, rewards the learner can train on (finite and within float32's range,
+the dtype it trains in: a larger one would become inf there), log-probs <= 0, and token versions the
+learner has published. It answers every decoded group, whatever its tensors hold, with a reason or
+"", and never raises: a bad group is refused whole and its prompt goes back to the pool.
 
 ``sample_request_problem`` and ``version_problem`` judge the learner's requests: a batch of
 1 to ``data.train_batch_size`` groups; versions and steps that only go forward, at most one

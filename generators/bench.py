@@ -1,16 +1,16 @@
 """Measurements for ``tools/bench-engine.py``: Relay's engines against transformers' generate.
 
-Every contender decodes the same batch: ``batch`` sequences, ``batch / samples_per_prompt``
-distinct prompts of ``prompt_len`` random token ids each repeated ``samples_per_prompt``
-times (a GRPO group's samples: 1 gives all-distinct prompts), exactly ``new_tokens`` new
-tokens each (nothing stops early), sampled at temperature 1, on one model in this process.
-The contenders: the lean engine (``relay.generators.lean_engine``: lean forward, static cache,
-one prefill per distinct prompt), the torch engine (transformers' forward in Relay's decode
-loop), transformers' ``generate``, and, when given one, any other engine (vLLM's CPU build:
-``relay.generators.vllm_engine``, which holds its own copy of the model). The floor is transformers' bare decode loop: one
-prefill and ``new_tokens - 1`` single-token forward passes with a KV cache, greedy, with no
-sampling, no log-probs and no bookkeeping. Each is timed ``repeats`` times after one warm-up
-run; the median is reported as generated tokens per second.
+Every contender decodes the same batch: ``batch`` sequences, ``batch / samples_per_prompt`` distinct
+prompts of ``prompt_len`` random token ids each repeated ``samples_per_prompt`` times (a GRPO
+group's samples: 1 gives all-distinct prompts), exactly ``new_tokens`` new tokens each (nothing
+stops early), sampled at temperature 1, on one model in this process. The contenders: the lean
+engine (``relay.generators.lean_engine``: lean forward, static cache, one prefill per distinct
+prompt), the torch engine (transformers' forward in Relay's decode loop), transformers'
+``generate``, and, when given one, any other engine (vLLM's CPU build:
+``relay.generators.vllm_engine``, which holds its own copy of the model). The floor is transformers'
+bare decode loop: one prefill and ``new_tokens - 1`` single-token forward passes with a KV cache,
+greedy, with no sampling, no log-probs and no bookkeeping. Each is timed ``repeats`` times after one
+warm-up run; the median is reported as generated tokens per second.
 
 ``continuous_batching`` shows the lean engine keeping its batch full: a stream of groups
 whose responses end at different lengths (as eos tokens end them in training), many more

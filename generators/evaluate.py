@@ -42,7 +42,8 @@ class EvalResult(msgspec.Struct, frozen=True):
     response_length_mean: float
     samples: int
     by_source: dict[str, float]  # accuracy per data_source
-    verl: dict[str, float] = {}  # verl's val-core/... and val-aux/... (relay.generators.val_metrics)
+    # verl's val-core/... and val-aux/... (relay.generators.val_metrics)
+    verl: dict[str, float] = {}
     generations: list[ValGeneration] = []  # sample_generations' pick of the responses
     records: list[dict[str, Any]] = []  # with record: every response (write_generations)
 

@@ -121,9 +121,9 @@ class LeanDecoder:
 
     def _plan_cache(self, memory: CacheMemory, free_bytes: int | None) -> CachePlan:
         """Every slot at full length on the CPU, or ``memory.positions`` when given; on a
-        GPU, what ``memory.gpu_memory_utilization`` of ``free_bytes`` leaves after the
-        weights, the next version's copy of them and the workspace. A prefill takes at most max(max_num_batched_tokens,
-        max_len) padded tokens on every device."""
+        GPU, what ``memory.gpu_memory_utilization`` of ``free_bytes`` leaves after the weights, the
+        next version's copy of them and the workspace. A prefill takes at most
+        max(max_num_batched_tokens, max_len) padded tokens on every device."""
         shape = self.cache_shape()
         prefill_tokens = max(memory.max_num_batched_tokens, self.max_len)
         if memory.positions is not None:

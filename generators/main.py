@@ -78,7 +78,8 @@ def attached_placement(first: GeneratorPlacement, args: argparse.Namespace) -> G
     try:
         return msgspec.convert(fields, GeneratorPlacement)
     except msgspec.ValidationError as exc:
-        raise SystemExit(f"relay.generators.main: attached generator {args.name!r}: {exc}") from None
+        raise SystemExit(f"relay.generators.main: attached generator {args.name!r}: "
+                         f"{exc}") from None
 
 
 def attached_seed(name: str, base: int, topology_size: int) -> int:

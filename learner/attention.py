@@ -1,16 +1,16 @@
 """The learner's attention: one implementation that picks, per forward, what the inputs ask.
 
-Models the learner runs use ``relay`` (registered with transformers' ``AttentionInterface``,
-and its mask, ``relay_mask``, with ``AttentionMaskInterface``), chosen once, when a model is
-loaded (``from_pretrained(..., attn_implementation=ATTENTION)``: ``relay.learner.model.load_sharded``,
+Models the learner runs use ``relay`` (registered with transformers' ``AttentionInterface``, and its
+mask, ``relay_mask``, with ``AttentionMaskInterface``), chosen once, when a model is loaded
+(``from_pretrained(..., attn_implementation=ATTENTION)``: ``relay.learner.model.load_sharded``,
 ``relay.learner.critic.load_value_model``): a forward given ``ulysses`` runs Ulysses attention
 (``relay.learner.ulysses``), one given ``shared_prompt_rows`` runs shared-prompt rows
-(``relay.learner.shared_prompts``), any other runs padded rows: transformers' SDPA attention, or
-on CUDA in bf16/fp16 the rows with their padding taken out through a variable-length kernel
+(``relay.learner.shared_prompts``), any other runs padded rows: transformers' SDPA attention, or on
+CUDA in bf16/fp16 the rows with their padding taken out through a variable-length kernel
 (``relay.learner.varlen``), since a mask passed to SDPA rules out its flash kernels. The choice
-rides on the forward's own inputs, not on a setting swapped around the call, so
-gradient checkpointing, which runs each block's forward again during the backward with
-the same inputs, recomputes exactly what the forward computed.
+rides on the forward's own inputs, not on a setting swapped around the call, so gradient
+checkpointing, which runs each block's forward again during the backward with the same inputs,
+recomputes exactly what the forward computed.
 
 The mask: padded forwards pass ``attention_mask``; ``relay_mask`` turns it into SDPA's mask,
 or, where the variable-length kernel runs (it sees the forward's device and compute dtype,

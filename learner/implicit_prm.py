@@ -1,4 +1,5 @@
-"""PRIME's implicit process reward model, trained online by the learner (``relay.algorithms.prime``).
+"""PRIME's implicit process reward model, trained online by the learner
+(``relay.algorithms.prime``).
 
 A causal LM pi_phi, loaded like the policy (from ``reward_model.model.path`` or the policy
 checkpoint) and FSDP2-sharded, scored against pi_ref, a frozen copy of the checkpoint it

@@ -16,8 +16,8 @@ default run. Prints one JSON object per line on stdout (everything else goes to 
         a step trains on) and ``generation_seconds`` (inside ``generate``), and this step's
         ``reward_mean``
     {"event": "eval", "step": s, "train_seconds": t, "accuracy": a}
-        held-out greedy accuracy at step 0, every ``--test-freq`` steps and at the last
-        step (never with ``--test-freq 0``), measured by a ``TrainerCallback`` with Relay's own evaluation
+        held-out greedy accuracy at step 0, every ``--test-freq`` steps and at the last step (never
+        with ``--test-freq 0``), measured by a ``TrainerCallback`` with Relay's own evaluation
         (``relay.generators.evaluate``, its torch engine around the model being trained, Relay's
         verifier); its time is not in ``train_seconds``
     {"event": "done", ...}  the summary

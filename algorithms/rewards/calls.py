@@ -24,7 +24,14 @@ import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from relay.algorithms.rewards.result import RewardItem, RewardResult, ScoreFn, call, failure, to_result
+from relay.algorithms.rewards.result import (
+    RewardItem,
+    RewardResult,
+    ScoreFn,
+    call,
+    failure,
+    to_result,
+)
 
 Explain = Callable[[BaseException], str]  # an exception from a call -> the sample's error
 
