@@ -4,8 +4,14 @@ TensorBoard and SwanLab (``tracking.loggers``).
 The default tracking URI is a SQLite store inside the run directory
 (``sqlite:///RUN_DIR/mlflow.db``), whose artifacts go to ``RUN_DIR/mlartifacts`` (MLflow's own
 default for a database store is ``./mlruns`` under the working directory: the user's project
-folder); any MLflow URI works (``http://host:5000``, a ``file:`` store, a database), with the
-artifact location its experiment or server decides. A run records the flattened run config as params, the
+folder). Any MLflow URI works (``http://host:5000``, a ``file:`` store, a database). To
+compare runs, give them one store: ``tracking.uri=sqlite:////abs/runs/mlflow.db`` puts every
+run of an experiment side by side (``mlflow ui --backend-store-uri`` that URI); a SQLite
+store's experiments, when Relay creates them, keep their artifacts beside the database
+(``/abs/runs/mlartifacts/<run id>/``: MLflow gives each run an artifact folder under its
+experiment's, not one of the run's choosing); each run carries its run directory as the tag
+``relay.run_dir``. Other stores and servers keep the artifact location their experiment or
+server decides. A run records the flattened run config as params, the
 resolved configs as artifacts, and per-step metrics with step = learner step.
 
 A resumed run logs into the MLflow run of the run it resumes (the checkpoint names it), from
@@ -40,11 +46,13 @@ import msgspec
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from relay.learner.metric_names import with_verl_aliases
 from relay.transport.messages import ValGeneration
 
 logger = logging.getLogger(__name__)
 
 MAX_PARAM_CHARS = 500
+SQLITE_PREFIX = "sqlite:///"
 RUN_DIR_TAG = "relay.run_dir"
 """Every MLflow run of a run directory carries its absolute path under this tag (the offline
 replay, ``relay.learner.replay``, finds the live metrics by it)."""
@@ -52,6 +60,15 @@ replay, ``relay.learner.replay``, finds the live metrics by it)."""
 
 def default_uri(run_dir: Path) -> str:
     return f"sqlite:///{run_dir / 'mlflow.db'}"
+
+
+def artifact_root(uri: str) -> Path | None:
+    """Where a new experiment of SQLite store ``uri`` keeps its artifacts: ``mlartifacts``
+    beside the database file (for the default store, in the run directory); None for any
+    other store (its own default, or its server's)."""
+    if not uri.startswith(SQLITE_PREFIX):
+        return None
+    return Path(uri.removeprefix(SQLITE_PREFIX)).parent / "mlartifacts"
 
 
 def experiment_for(experiment: str, artifacts: Path | None) -> str:
@@ -221,7 +238,7 @@ class Tracker:
         self.resumed = resumed
         mlflow.set_tracking_uri(self.uri)
         experiment_id = mlflow.set_experiment(experiment_id=experiment_for(
-            experiment, None if uri else run_dir / "mlartifacts")).experiment_id
+            experiment, artifact_root(self.uri))).experiment_id
         name = run_name or run_dir.name
         self.continued = resumed is not None and self._continuable(resumed.run_id,
                                                                    experiment_id)
@@ -277,8 +294,10 @@ class Tracker:
             mlflow.log_artifact(str(file), artifact_path="config")
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Log ``metrics`` at ``step``; MLflow refuses "@" in a name, so verl's ``mean@4``
+        """Log ``metrics`` at ``step``, with verl's names beside Relay's
+        (``relay.learner.metric_names``); MLflow refuses "@" in a name, so verl's ``mean@4``
         is logged as ``mean_at_4`` (as verl's own MLflow logger does)."""
+        metrics = with_verl_aliases(metrics)  # verl's names beside Relay's (metric_names)
         mlflow.log_metrics({name.replace("@", "_at_"): value for name, value in metrics.items()},
                            step=step)
         for sink in self.sinks:

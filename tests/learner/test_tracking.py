@@ -1,5 +1,7 @@
-"""The learner's trackers: MLflow takes verl's metric names, which it refuses as they are;
-wandb (offline), TensorBoard and SwanLab (offline) write their own files."""
+"""The learner's trackers: MLflow takes verl's metric names, which it refuses as they are,
+and gets verl's aliases beside Relay's names; wandb (offline), TensorBoard and SwanLab
+(offline) write their own files; runs sharing one SQLite store are found side by side under
+one experiment, with no ``mlruns/`` in the working directory."""
 
 from __future__ import annotations
 
@@ -107,3 +109,46 @@ def test_the_default_store_keeps_its_artifacts_in_the_run_dir(
     assert [p.name for p in (run_dir / "mlartifacts").rglob("run.toml")] == ["run.toml"]
     artifacts = MlflowClient(tracker.uri).list_artifacts(tracker.run_id, "config")
     assert [a.path for a in artifacts] == ["config/run.toml"]
+
+
+def test_verls_aliases_are_logged_beside_relays_names(tmp_path: Path) -> None:
+    tracker = Tracker(uri="", experiment="aliases", run_name="", run_dir=tmp_path)
+    try:
+        tracker.log_metrics({"rollout/reward_mean": 0.5, "actor/clip_frac": 0.1}, step=1)
+    finally:
+        tracker.close(ok=True)
+    logged = MlflowClient(tracker.uri).get_run(tracker.run_id).data.metrics
+    assert logged == {"rollout/reward_mean": 0.5, "critic/score/mean": 0.5,
+                      "critic/rewards/mean": 0.5, "actor/clip_frac": 0.1,
+                      "actor/pg_clipfrac": 0.1}
+
+
+def test_runs_sharing_one_store_are_found_under_one_experiment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs, project = tmp_path / "runs", tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    uri = f"sqlite:///{runs / 'mlflow.db'}"  # sqlite:////abs/runs/mlflow.db
+    ids = {}
+    for name, reward in (("a", 0.25), ("b", 0.75)):
+        run_dir = runs / name
+        run_dir.mkdir(parents=True)
+        config = run_dir / "run.toml"
+        config.write_text("[trainer]\n")
+        tracker = Tracker(uri=uri, experiment="compare", run_name=name, run_dir=run_dir)
+        try:
+            tracker.log_config(TrackingConfig(), [config])
+            tracker.log_metrics({"rollout/reward_mean": reward}, step=1)
+        finally:
+            tracker.close(ok=True)
+        ids[name] = tracker.run_id
+    client = MlflowClient(uri)
+    found = client.search_runs([client.get_experiment_by_name("compare").experiment_id])
+    assert {run.info.run_name: run.info.run_id for run in found} == ids
+    assert {run.info.run_name: run.data.tags["relay.run_dir"] for run in found} == {
+        name: str(runs / name) for name in ids}
+    assert {run.info.run_name: run.data.metrics["critic/score/mean"] for run in found} == {
+        "a": 0.25, "b": 0.75}
+    assert list(project.iterdir()) == []  # no ./mlruns
+    assert sorted(p.relative_to(runs).parts[1] for p in
+                  (runs / "mlartifacts").rglob("run.toml")) == sorted(ids.values())
