@@ -6,25 +6,42 @@ into the safetensors shard of the bucket in which its last rows arrive, so that 
 holds one shard (and the parameter split across buckets that it is completing), never the
 whole model. The folder reads like ``save_pretrained``'s: ``model.safetensors`` when there
 is one shard, else ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json``;
-``config.json`` and, for a generative model, ``generation_config.json``. Tied weights are
-written once (``named_parameters`` lists them once); the config ties them again on load.
+``config.json`` (its ``dtype`` the one written) and, for a generative model,
+``generation_config.json``. Tied weights are written once (``named_parameters`` lists them
+once); the config ties them again on load.
+
+``save_final`` writes a run's trained policy, ``RUN_DIR/final/``, with its tokenizer: the
+files ``AutoModelForCausalLM.from_pretrained`` and vLLM load. ``convert_folder`` rewrites
+such a folder (a checkpoint's ``hf/``, kept in float32) in another dtype, one safetensors
+file at a time (``relay export``). Both write atomically: into ``<folder>.tmp``, renamed
+into place once complete (``commit_folder``), so that a crash never leaves a partial
+folder under the final name.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import PreTrainedTokenizerBase
 
+from relay.learner.checkpoint_files import fsync_dir
 from relay.learner.weight_buckets import BucketPlan, gather_buckets, plan_buckets
 
 DEFAULT_SHARD_BYTES = 1 << 30
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+FINAL = "final"
+"""The folder of a run directory that holds the trained policy (``save_final``)."""
+PARTIAL_SUFFIX = ".tmp"
+REPLACED_SUFFIX = ".replaced"
 
 
 def row_counts(plan: BucketPlan) -> dict[str, int]:
@@ -82,6 +99,89 @@ def save_hf(model: nn.Module, folder: Path, dtype: torch.dtype,
                       "weight_map": dict(sorted(weight_map.items()))}
         (folder / INDEX_FILE).write_text(json.dumps(index_json, indent=2) + "\n")
     model.config.save_pretrained(str(folder))
+    set_config_dtype(folder, dtype)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(str(folder))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, as ``config.json`` and ``model.dtype`` spell it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def set_config_dtype(folder: Path, dtype: torch.dtype) -> None:
+    """Record ``dtype`` in ``folder/config.json``: under ``dtype`` (transformers 5) and
+    ``torch_dtype`` (the key older transformers, and vLLM through them, read)."""
+    path = folder / CONFIG_FILE
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["dtype"] = config["torch_dtype"] = dtype_name(dtype)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def commit_folder(partial: Path, folder: Path) -> None:
+    """Make the completely written ``partial`` the folder ``folder``: its files are synced,
+    then it is renamed into place, replacing a ``folder`` already there (moved aside to
+    ``<folder>.replaced`` first, removed last)."""
+    for root, _dirs, files in os.walk(partial):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as written:
+                os.fsync(written.fileno())
+    replaced = folder.with_name(folder.name + REPLACED_SUFFIX)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+    if folder.exists():
+        os.replace(folder, replaced)
+    os.replace(partial, folder)
+    fsync_dir(folder.parent)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+
+
+def partial_folder(folder: Path) -> Path:
+    """``<folder>.tmp``, emptied of what an interrupted write left there."""
+    partial = folder.with_name(folder.name + PARTIAL_SUFFIX)
+    if partial.exists():
+        shutil.rmtree(partial)
+    return partial
+
+
+def save_final(model: nn.Module, folder: Path, dtype: torch.dtype,
+               tokenizer: PreTrainedTokenizerBase | None = None,
+               group: dist.ProcessGroup | None = None) -> Path:
+    """Write the policy ``model`` into ``folder`` (``RUN_DIR/final``) in ``dtype`` with
+    ``tokenizer``, atomically (module docstring). A collective: every rank calls it, rank 0
+    (which passes the tokenizer) writes; returns ``folder``."""
+    is_rank0 = not dist.is_initialized() or dist.get_rank(group) == 0
+    partial = partial_folder(folder) if is_rank0 else folder
+    save_hf(model, partial, dtype, group=group)
+    if is_rank0:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(partial))
+        commit_folder(partial, folder)
+    return folder
+
+
+def convert_folder(source: Path, folder: Path, dtype: torch.dtype) -> None:
+    """Write the Hugging Face folder ``source`` into ``folder`` (atomically) with its
+    floating-point weights cast to ``dtype``, one safetensors file at a time; every other
+    file (config, generation config, tokenizer) is copied, the config saying ``dtype``."""
+    partial = partial_folder(folder)
+    partial.mkdir(parents=True)
+    total_bytes = 0
+    for path in sorted(source.iterdir()):
+        if path.is_dir():
+            shutil.copytree(path, partial / path.name)
+        elif path.suffix == ".safetensors":
+            tensors = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+                       for name, tensor in load_file(str(path)).items()}
+            total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            save_file(tensors, str(partial / path.name), metadata={"format": "pt"})
+        elif path.name != INDEX_FILE:
+            shutil.copy2(path, partial / path.name)
+    if (source / INDEX_FILE).is_file():
+        index = json.loads((source / INDEX_FILE).read_text(encoding="utf-8"))
+        index["metadata"] = {**index.get("metadata", {}), "total_size": total_bytes}
+        (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    set_config_dtype(partial, dtype)
+    commit_folder(partial, folder)

@@ -5,7 +5,9 @@ and gloo for CPU ones), the FSDP2 policy and optional reference, the optimizer a
 schedule; rank 0 also builds its link to the buffer, the weight server and the MLflow
 run. A resumed run (``trainer.resume_mode``, resolved by the launcher) then loads its
 checkpoint (``relay.learner.checkpoint``) into all of them and continues the MLflow run it names.
-Then ``relay.learner.loop``.
+Then ``relay.learner.loop``; at its end, the trained policy is written to ``RUN_DIR/final/``
+as a Hugging Face folder in ``model.dtype`` with its tokenizer
+(``relay.learner.hf_export.save_final``), on a resumed run as on a fresh one.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from relay.learner.checkpoint import (
 from relay.learner.checkpoint_lineage import run_lineage
 from relay.learner.critic import Critic, load_value_model
 from relay.learner.eval_queue import EvalQueue
+from relay.learner.hf_export import FINAL, save_final
 from relay.learner.implicit_prm import ImplicitPRM
 from relay.learner.loop import RankZero, Reporter, TrainLoop
 from relay.learner.model import learner_device, load_sharded, sharding_mesh
@@ -211,13 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     ok = False
     try:
         loop.run_all()
+        final = save_final(learner.model, ctx.run_dir / FINAL, getattr(torch, run.model.dtype),
+                           tokenizer=tokenizer if rank == 0 else None, group=cpu_group)
         ok = True
     finally:
         if rank0 is not None:
             rank0.close(ok)
         dist.destroy_process_group()
-    logger.info("learner finished %d steps at version %d", run.trainer.total_training_steps,
-                loop.version)
+    logger.info("learner finished %d steps at version %d; the trained policy is in %s",
+                run.trainer.total_training_steps, loop.version, final)
     return 0
 
 
