@@ -197,6 +197,8 @@ class GeneratorLoop:
         self._lease_sequences = rollout.n * rollout.prompts_per_lease
         self._occupied = self._steps = 0
         self._next_report_at = time.monotonic() + REPORT_EVERY_S
+        # the first lease and the first version from the learner are logged at INFO
+        self._leased_any = self._loaded_any = False
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -320,8 +322,11 @@ class GeneratorLoop:
         elif isinstance(reply, ErrorReply) and reply.code == "not_attached":
             self._heart.reattach.set()
         elif isinstance(reply, PromptLease) and reply.prompts:
-            logger.info("lease %s: %d prompts x %d samples", reply.lease_id, len(reply.prompts),
-                        reply.n)
+            first, self._leased_any = not self._leased_any, True
+            logger.log(logging.INFO if first else logging.DEBUG,  # one a few seconds: DEBUG
+                       "lease %s: %d prompts x %d samples%s", reply.lease_id,
+                       len(reply.prompts), reply.n,
+                       "; later leases are logged at DEBUG" if first else "")
             self._sequences_per_prompt = reply.n + (1 if reply.greedy_baseline else 0)
             self._lease_sequences = self._sequences_per_prompt * len(reply.prompts)
             self.leases.hold(HeldLease(reply, [self._tokenize(p) for p in reply.prompts]))
@@ -439,8 +444,13 @@ class GeneratorLoop:
             self._load(staged)
 
     def _load(self, staged: StagedWeights | None) -> None:
-        """Load ``staged`` if it is newer than the engine's weights."""
+        """Load ``staged`` if it is newer than the engine's weights; logged at INFO the
+        first time (the learner's weights reach this generator), at DEBUG after (a line
+        per version would flood the log)."""
         if staged is not None and staged.version > self.engine.version:
+            first, self._loaded_any = not self._loaded_any, True
             self.engine.load_weights(staged.version, staged.tensors)
-            logger.info("now generating with weights version %d (%d sequences in flight)",
-                        staged.version, self.engine.in_flight)
+            logger.log(logging.INFO if first else logging.DEBUG,
+                       "now generating with weights version %d (%d sequences in flight)%s",
+                       staged.version, self.engine.in_flight,
+                       "; later versions are logged at DEBUG" if first else "")

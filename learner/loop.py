@@ -66,6 +66,12 @@ class Reporter:
         self.tracker.log_metrics(metrics, step)
         self.status.send(Metrics(source="learner", step=step, values=metrics))
 
+    def phase(self, step: int, doing: str) -> None:
+        """Tell the launcher what the learner is doing while it makes no step (its status
+        names it), and log it."""
+        logger.info("%s", doing)
+        self.status.send(Metrics(source="learner", step=step, values={}, phase=doing))
+
     def close(self, ok: bool) -> None:
         self.tracker.close(ok)
         self.status.close()
@@ -114,6 +120,24 @@ def batch_metrics(batch: SampleBatch, train: TrainBatch, version: int,
     return metrics
 
 
+def metrics_line(step: int, total: int, metrics: dict[str, float],
+                 accuracy: tuple[int, float] | None) -> str:
+    """The learner log's line for ``step``: reward, held-out accuracy (the newest reported,
+    with the step it measured), loss, KL and clip fraction, tokens/s, staleness; a metric
+    the step did not produce is left out."""
+    parts = [f"step {step}/{total}"]
+    shown = (("rollout/reward_mean", "reward", ".3f"), ("actor/loss", "loss", ".4g"),
+             ("actor/approx_kl", "kl", ".3g"), ("actor/clip_frac", "clipfrac", ".3f"),
+             ("perf/learner_tokens_per_s", "learn tok/s", ".0f"),
+             ("perf/generator_tokens_per_s", "gen tok/s", ".0f"),
+             ("staleness/mean", "staleness", ".2f"))
+    parts += [f"{name} {metrics[key]:{spec}}" for key, name, spec in shown if key in metrics]
+    if accuracy is not None:
+        parts.insert(2 if "rollout/reward_mean" in metrics else 1,
+                     f"held-out acc {accuracy[1]:.3f} (step {accuracy[0]})")
+    return " | ".join(parts)
+
+
 def finite_priorities(groups: list[RolloutGroup], td_errors: list[float]
                       ) -> tuple[dict[str, float], int]:
     """Each group's TD-error priority by rollout id, leaving out those that are not finite
@@ -150,6 +174,7 @@ class TrainLoop:
         self.priorities: dict[str, float] = {}  # td_error priorities for the next request
         self.offered_step = -1  # the step of the last version offered for evaluation
         self.resumed_at: int | None = None  # the checkpoint's step, when resumed
+        self.accuracy: tuple[int, float] | None = None  # the newest held-out (step, accuracy)
 
     def resume(self, state: LoopState) -> None:
         """Go on after a checkpoint's step, from its version (module docstring)."""
@@ -211,6 +236,9 @@ class TrainLoop:
             "version": float(self.version),
         })
         self.rank0.reporter.report(step, metrics)
+        if step % self.trainer.log_freq == 0 or step == self.trainer.total_training_steps:
+            logger.info("%s", metrics_line(step, self.trainer.total_training_steps, metrics,
+                                           self.accuracy))
         for report in self.rank0.weights.evaluation.take_reports():
             self._log_eval_report(report)
 
@@ -220,6 +248,9 @@ class TrainLoop:
         that missed it (``relay.learner.weights``): then every rank streams, and waits again."""
         waited = 0.0
         priorities = self.priorities  # sent with the first request only
+        if self.rank0 is not None and step == (self.resumed_at or 0) + 1:
+            self.rank0.reporter.phase(step - 1, "waiting for the first batch from the "
+                                                "generators")
         while True:
             batch = None
             if self.rank0 is not None:
@@ -265,8 +296,8 @@ class TrainLoop:
                                 stream=self.rank0.stream if self.rank0 else None,
                                 group=self.group)
         if self.rank0 is not None and stats is not None:
-            logger.info("streamed weights version %d (%.1f MB) in %.2f s", stats.version,
-                        stats.total_bytes / 1e6, stats.seconds)
+            logger.debug("streamed weights version %d (%.1f MB) in %.2f s", stats.version,
+                         stats.total_bytes / 1e6, stats.seconds)
             self.rank0.weights.published(self.version, step)
             self.rank0.link.published(self.version, step)
 
@@ -287,7 +318,8 @@ class TrainLoop:
         the weight stream, so that every version offered to it reaches it."""
         if not self.evaluates or self.rank0 is None:
             return
-        logger.info("waiting for the evaluator to subscribe to the weight stream")
+        self.rank0.reporter.phase(0, "waiting for the evaluator to load its model and "
+                                     "subscribe to the weight stream")
         deadline = time.monotonic() + EVALUATOR_JOIN_WAIT_S
         joined = False
         while not joined and time.monotonic() < deadline:
@@ -316,7 +348,9 @@ class TrainLoop:
         assert self.rank0 is not None
         if not self.evaluates:
             return
-        logger.info("waiting for the evaluation of step %d", self.offered_step)
+        self.rank0.reporter.phase(self.trainer.total_training_steps,
+                                  f"waiting for the held-out evaluation of step "
+                                  f"{self.offered_step}")
         self.rank0.weights.evaluation.end(self.offered_step, on_report=self._log_eval_report)
 
     def _log_eval_report(self, report: EvalReport) -> None:
@@ -325,8 +359,10 @@ class TrainLoop:
             logger.warning("step %d (version %d) was not evaluated: the evaluator never got "
                            "its weights (see its log)", report.step, report.version)
             return
+        accuracy = report.metrics.get("eval/accuracy", float("nan"))
         logger.info("step %d (version %d): held-out accuracy %.3f", report.step,
-                    report.version, report.metrics.get("eval/accuracy", float("nan")))
+                    report.version, accuracy)
+        self.accuracy = (report.step, accuracy)
         self.rank0.reporter.report(report.step, report.metrics)
         if report.generations:
             self.rank0.reporter.tracker.log_generations(report.step, report.generations)

@@ -95,7 +95,8 @@ class PeerTimeout(TimeoutError):
         self.endpoint, self.request, self.timeout_s = endpoint, request, timeout_s
         super().__init__(
             f"no reply from {endpoint} to {request} within {timeout_s:g}s: is the peer "
-            "running and reachable, and (with CURVE) does it hold the right keys?"
+            "running and reachable, (with CURVE) does it hold the right keys, and is the "
+            "request under the peer's max_message_bytes (a larger frame is dropped unanswered)?"
         )
 
 
@@ -196,7 +197,9 @@ class Server:
 
     ``max_message_bytes`` (None: no limit) bounds every frame a peer sends: ZeroMQ drops
     the connection of a peer that sends a larger one, so its request is never answered
-    (the client times out). The server logs every dropped connection, naming the limit.
+    (the client times out, and its ``PeerTimeout`` names the limit). The server logs every
+    dropped connection at DEBUG, naming the limit: a peer closing its socket at the end of
+    a run is the same event, and an orderly shutdown must not read like an error.
     """
 
     def __init__(
@@ -287,9 +290,10 @@ class Server:
 
 
 class _DropLog:
-    """Logs every connection a server's socket loses, naming its frame size limit: ZeroMQ
-    drops a peer that sends a frame over ``zmq.MAXMSGSIZE`` and reports only that a
-    connection ended (the same event as a peer that closed its socket)."""
+    """Logs (DEBUG) every connection a server's socket loses, naming its frame size limit:
+    ZeroMQ drops a peer that sends a frame over ``zmq.MAXMSGSIZE`` and reports only that a
+    connection ended (the same event as a peer that closed its socket, which every peer
+    does at an orderly shutdown)."""
 
     def __init__(self, socket: zmq.Socket, endpoint: str, limit: int) -> None:
         self.endpoint, self.limit = endpoint, limit
@@ -300,10 +304,10 @@ class _DropLog:
         """Log the connections lost since the last call; never waits."""
         while self._events.poll(0, zmq.POLLIN):
             recv_monitor_message(self._events)
-            logger.info("a peer's connection to %s ended: the peer closed it, or it sent a frame "
-                        "over the %d-byte limit (max_message_bytes), which ZeroMQ refuses by "
-                        "dropping the connection (that peer's request then times out)",
-                        self.endpoint, self.limit)
+            logger.debug("a peer's connection to %s ended: the peer closed it, or it sent a "
+                         "frame over the %d-byte limit (max_message_bytes), which ZeroMQ "
+                         "refuses by dropping the connection (that peer's request then times "
+                         "out)", self.endpoint, self.limit)
 
     def close(self) -> None:
         self._socket.disable_monitor()

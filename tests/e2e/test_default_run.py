@@ -29,6 +29,12 @@ def test_default_run_lifts_heldout_accuracy_by_15_points(run_root: Path) -> None
     result = launch([f"trainer.run_dir={run_root}", *FREE_PORTS], timeout_s=1500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = only_run_dir(run_root)
+    # the run ends with its summary: accuracy, the model folder, the command to see the curves
+    summary = result.stdout[result.stdout.rindex("launch-cluster: run finished"):]
+    assert summary.splitlines()[1].split()[:2] == ["steps", "400/400"], summary
+    assert "held-out accuracy  final " in summary and ", best " in summary
+    assert f"model              {run_dir.resolve() / 'final'}/" in summary
+    assert f"mlflow ui --backend-store-uri sqlite:///{run_dir.resolve()}/mlflow.db" in summary
 
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("relay-arithmetic").experiment_id])

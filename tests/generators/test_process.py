@@ -1,10 +1,13 @@
 """relay.generators.process: the loop's settings come from the run's sections; its heartbeats
-name the leases it holds, and a lease whose reply was lost parks no prompt."""
+name the leases it holds, a lease whose reply was lost parks no prompt, and leases and
+weight versions do not flood its log."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -100,3 +103,31 @@ def test_a_lease_whose_reply_was_lost_parks_no_prompt_past_the_lease_timeout(
     else:
         assert handler.lost.lease_id not in held
         assert expired == len(handler.lost.prompts)  # the lost lease's, and only those
+
+
+def test_only_the_first_lease_and_the_first_weight_version_are_logged_at_info(
+        weights: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A lease every few seconds and a version every step flooded the log (1,600 lease lines
+    in one default run): the first of each says that leasing and the weight stream work,
+    the rest go to DEBUG."""
+    hub = make_hub()
+    stop = threading.Event()
+    with caplog.at_level(logging.DEBUG, logger="relay.generators.process"):
+        with serve(hub.handle) as endpoint:
+            generator = loop(endpoint, weights)
+            worker = threading.Thread(target=generator.run, args=(stop,))
+            worker.start()
+            deadline = time.monotonic() + 10.0
+            while hub.counts["leases/granted"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            stop.set()
+            worker.join(30.0)
+        for version in (1, 2, 3):
+            generator._load(SimpleNamespace(version=version, tensors={}))
+    leases = [r for r in caplog.records if r.getMessage().startswith("lease ")]
+    assert len(leases) >= 2, caplog.text
+    assert [r.levelno for r in leases] == [logging.INFO] + [logging.DEBUG] * (len(leases) - 1)
+    assert leases[0].getMessage().endswith("; later leases are logged at DEBUG")
+    versions = [r for r in caplog.records if "now generating with weights version" in
+                r.getMessage()]
+    assert [r.levelno for r in versions] == [logging.INFO, logging.DEBUG, logging.DEBUG]

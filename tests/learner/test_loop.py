@@ -1,14 +1,24 @@
-"""The training loop's own bookkeeping: the TD-error priorities it sends the buffer."""
+"""The training loop's own bookkeeping: the TD-error priorities it sends the buffer, the
+metrics line it logs every ``trainer.log_freq`` steps (and no line per weight version), the
+start-up phase it tells the launcher."""
 
 from __future__ import annotations
 
-import pytest
+import logging
+from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+import torch
+
+import relay.learner.loop as loop_module
 from relay.buffer.prioritized import PrioritizedStore
 from relay.buffer.store import PriorityError
-from relay.configs.run_schema import ReplayConfig
-from relay.learner.loop import finite_priorities
-from relay.transport.messages import Prompt
+from relay.configs.run_schema import ReplayConfig, TrainerConfig
+from relay.learner.loop import RankZero, Reporter, TrainLoop, finite_priorities, metrics_line
+from relay.learner.update import StepResult
+from relay.learner.weights import StreamStats
+from relay.transport.messages import Metrics, Prompt, SampleBatch
 
 from ..buffer.conftest import make_group
 
@@ -44,3 +54,83 @@ def test_what_is_sent_is_what_the_store_accepts() -> None:
     replay.update_priorities(priorities)
     # p0 3, p1 kept its initial priority (the largest seen before: 1), p2 1
     assert replay.stats()["replay/priority_mean"] == pytest.approx((3.0 + 1.0 + 1.0) / 3)
+
+
+class FakeLink:
+    """The buffer as the loop's rank 0 sees it: a batch for every step."""
+
+    def next_batch(self, num_groups: int, priorities=None, *, step: int, interrupt=None):
+        return SampleBatch(groups=groups(num_groups),
+                           buffer_stats={"buffer/generator_tokens_per_s": 900.0}), 0.01
+
+    def published(self, version: int, step: int) -> None:
+        pass
+
+
+class FakeWeights:
+    def __init__(self) -> None:
+        self.evaluation = SimpleNamespace(take_reports=lambda: [])
+
+    def take_resend(self) -> None:
+        pass
+
+    def resend_wanted(self) -> bool:
+        return False
+
+    def published(self, version: int, step: int) -> None:
+        pass
+
+
+class FakeLearner:
+    """An update that changes the policy and reports verl's diagnostics."""
+
+    def __init__(self) -> None:
+        self.model = torch.nn.Linear(4, 4)
+        self.device = torch.device("cpu")
+
+    def step(self, train, version: int) -> StepResult:
+        return StepResult(metrics={"actor/loss": 0.25, "actor/approx_kl": 0.001,
+                                   "actor/clip_frac": 0.05})
+
+
+def train_loop(sent: list[Metrics], **trainer: object) -> TrainLoop:
+    reporter = Reporter(SimpleNamespace(log_metrics=lambda metrics, step: None),
+                        SimpleNamespace(send=sent.append))
+    rank0 = RankZero(link=FakeLink(), buffer_state=None, weights=FakeWeights(),
+                     stream=None, reporter=reporter, tokenizer=None)
+    return TrainLoop(TrainerConfig(total_training_steps=6, **trainer), FakeLearner(),
+                     batch_size=2, max_staleness=1, send_td_errors=False, evaluates=False,
+                     keep_last=1, pad_id=0, publish_dtype=torch.float32, bucket_bytes=1 << 20,
+                     checkpoint_dir=Path("unused"), lineage=None, rank0=rank0)
+
+
+def test_the_log_has_a_metrics_line_every_log_freq_steps_and_no_line_per_version(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(loop_module, "publish_weights",
+                        lambda model, plan, dtype, *, version, step, stream, group: StreamStats(
+                            version=version, total_bytes=80, seconds=0.01, lagging=False))
+    sent: list[Metrics] = []
+    loop = train_loop(sent, log_freq=4)
+    with caplog.at_level(logging.DEBUG, logger="relay.learner.loop"):
+        for step in range(1, 7):
+            loop._step(step)
+    info = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    lines = [m for m in info if m.startswith("step ")]
+    assert [m.split(" |")[0] for m in lines] == ["step 4/6", "step 6/6"]  # and the last
+    for part in ("reward 0.500", "loss 0.25", "kl 0.001", "clipfrac 0.050", "learn tok/s",
+                 "gen tok/s 900", "staleness 3.00"):  # version 3, samples of 0
+        assert part in lines[0], lines[0]
+    versions = [r for r in caplog.records if "streamed weights version" in r.getMessage()]
+    assert len(versions) == 6 and {r.levelno for r in versions} == {logging.DEBUG}
+    # the launcher heard what the learner waited for before its first step, then six steps
+    assert sent[0].phase == "waiting for the first batch from the generators"
+    assert sent[0].step == 0 and sent[0].values == {}
+    assert [m.step for m in sent[1:]] == [1, 2, 3, 4, 5, 6]
+    assert all(m.phase == "" for m in sent[1:])
+
+
+def test_the_metrics_line_names_the_newest_held_out_accuracy() -> None:
+    metrics = {"rollout/reward_mean": 0.75, "actor/loss": 0.5, "staleness/mean": 0.25}
+    assert metrics_line(10, 400, metrics, (5, 0.625)) == (
+        "step 10/400 | reward 0.750 | held-out acc 0.625 (step 5) | loss 0.5 | staleness 0.25")
+    assert metrics_line(10, 400, {}, None) == "step 10/400"

@@ -200,16 +200,18 @@ def test_without_curve_peers_have_no_key_and_one_identity_per_connection() -> No
 def test_a_frame_over_the_limit_drops_its_sender_and_is_logged(
         caplog: pytest.LogCaptureFixture) -> None:
     server = Server("tcp://127.0.0.1:*", key_name, max_message_bytes=1024)
-    with caplog.at_level(logging.INFO, logger="relay.transport.sockets"), \
+    with caplog.at_level(logging.DEBUG, logger="relay.transport.sockets"), \
             ServerThread(server, poll_s=0.01):
         big, small = Client(server.endpoint), Client(server.endpoint)
         try:
-            with pytest.raises(PeerTimeout):
+            with pytest.raises(PeerTimeout, match="max_message_bytes"):
                 big.request(Heartbeat(generator_id="g" * 4096, version=0), REFUSED_S)
             assert small.request(Heartbeat(generator_id="g", version=0), 5.0, Ack) == Ack()
         finally:
             big.close()
             small.close()
     assert server.served == 1
-    dropped = [r.getMessage() for r in caplog.records if "1024-byte limit" in r.getMessage()]
-    assert dropped and "max_message_bytes" in dropped[0]
+    dropped = [r for r in caplog.records if "1024-byte limit" in r.getMessage()]
+    assert dropped and "max_message_bytes" in dropped[0].getMessage()
+    # a peer closing its socket at an orderly shutdown is the same event: not above DEBUG
+    assert {r.levelno for r in dropped} == {logging.DEBUG}

@@ -46,6 +46,7 @@ from relay.configs.topology_schema import Topology
 from relay.launcher.plan import ProcessSpec, build_plan, remove_sockets, write_resolved
 from relay.launcher.resolve import ResolvedLaunch
 from relay.launcher.status import StatusBoard
+from relay.launcher.summary import summary
 from relay.launcher.watchdog import ProgressWatchdog
 from relay.transport.messages import Metrics
 from relay.transport.sockets import Puller
@@ -58,8 +59,12 @@ LOG_TAIL_LINES = 15
 
 
 class Outcome(msgspec.Struct, frozen=True):
+    """How the run ended: the exit code, why, and the process that failed it ("" when none
+    did: the run finished, or Ctrl-C)."""
+
     code: int
     reason: str
+    failed: str = ""
 
 
 def builtin_model(run: RunConfig) -> RunConfig:
@@ -299,6 +304,7 @@ class Supervisor:
                 push_run_dir(host, self.run_dir, self.topology)
             for spec in plan:
                 self.processes.append(start(spec, self.topology, log_dir))
+            self.board.generators = sum(spec.role == "generator" for spec in plan)
             print(f"launch-cluster: run directory {self.run_dir}", flush=True)
             return self._watch(metrics)
         except KeyboardInterrupt:
@@ -350,7 +356,9 @@ class Supervisor:
             if stuck is not None:
                 learner = next(p for p in self.processes if p.spec.role == "learner")
                 return Outcome(code=1, reason=f"{stuck}. Last lines of {learner.log}:\n"
-                                              f"{log_tail(learner.log)}")
+                                              f"{log_tail(learner.log)}",
+                               failed=f"stalled ({learner.spec.name} made no step within "
+                                      "trainer.progress_timeout_s)")
             alive = [p for p in self.processes if p.spec.role == "generator"
                      and p.popen.poll() is None]
             attached = self.board.generators_attached()
@@ -361,7 +369,8 @@ class Supervisor:
                 if now - no_generator_since > NO_GENERATOR_GRACE_S:
                     return Outcome(code=1, reason="every generator has died and none attached "
                                                   f"for {NO_GENERATOR_GRACE_S:.0f} s; logs in "
-                                                  f"{self.run_dir / 'logs'}")
+                                                  f"{self.run_dir / 'logs'}",
+                                   failed="every generator died")
 
     def _died(self, proc: Running, code: int) -> Outcome:
         tail = log_tail(proc.log)
@@ -371,7 +380,9 @@ class Supervisor:
         if cause:
             how += f", raising {cause}"
         return Outcome(code=1, reason=f"essential process {proc.spec.name} ({proc.spec.role}) "
-                                      f"{how}. Last lines of {proc.log}:\n{tail}")
+                                      f"{how}. Last lines of {proc.log}:\n{tail}",
+                       failed=f"{proc.spec.name} ({proc.spec.role}) "
+                              f"{'exited early' if code == 0 else describe_exit(code)}")
 
 
 def launch(resolved: ResolvedLaunch) -> int:
@@ -393,6 +404,9 @@ def launch(resolved: ResolvedLaunch) -> int:
             remove_sockets(Path(topology.security.sockets_dir))  # private_sockets made it
     stream = sys.stdout if outcome.code == 0 else sys.stderr
     print(f"launch-cluster: {outcome.reason}", file=stream, flush=True)
+    print(summary(supervisor.board, code=outcome.code, failed=outcome.failed,
+                  run_dir=resolved.run_dir, tracking_uri=run.tracking.uri,
+                  evaluates=run.evaluates), file=stream, flush=True)
     return outcome.code
 
 

@@ -1,6 +1,8 @@
 """relay.launcher.status: the status line survives any Metrics message a peer can send (NaN,
 infinities, absurd magnitudes), whether it comes in process or over the wire, and takes a
-learner's or buffer's metrics only from a key that may act as them."""
+learner's or buffer's metrics only from a key that may act as them; it shows the pace
+(seconds per step, ETA) and smoothed rates, names the start-up phase, and without a tty
+prints one plain line every few seconds."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from relay.launcher.status import StatusBoard, count, number
+from relay.launcher.status import (LOG_EVERY_S, SMOOTHING, Ema, StatusBoard, count,
+                                   number)
 from relay.launcher.watchdog import ProgressWatchdog
 from relay.transport.endpoints import ipc_endpoint
 from relay.transport.messages import Metrics
@@ -35,7 +38,8 @@ def test_a_hostile_value_reads_as_unknown(value: float, capsys: pytest.CaptureFi
     board = StatusBoard(total_steps=10, interactive=False)
     fill(board, value)
     line = board.line()
-    assert "v0" in line and "reward ?" in line and "acc ?" in line and "gen ? tok/s" in line
+    assert "v0" in line and "reward ?" in line and "acc ?" in line
+    assert "gen ? tok/s" in line or "gen " not in line  # the smoothed rate skips NaN and inf
     assert "generators 0" in line and "buffered 0" in line
     assert board.generators_attached() == 0
     board.render()
@@ -51,7 +55,7 @@ def test_sound_values_show_as_before() -> None:
     board.update(Metrics(source="buffer", step=0, values={
         "buffer/generators": 2.0, "buffer/occupancy": 7.0}))
     line = board.line()
-    for part in ("step 3/10", "v2", "reward 0.500", "acc 25.0%", "learn 1234 tok/s",
+    for part in ("step 3/10 30%", "v2", "reward 0.500", "acc 25.0%", "learn 1.2k tok/s",
                  "generators 2", "buffered 7"):
         assert part in line, line
 
@@ -82,7 +86,7 @@ def test_a_step_outside_the_run_is_ignored_values_and_all(step: int) -> None:
     board = StatusBoard(total_steps=10, interactive=False)
     board.update(Metrics(source="learner", step=4, values={"version": 4.0}))
     board.update(Metrics(source="learner", step=step, values={"version": 99.0}))
-    assert board.step == 4 and "step 4/10 | v4" in board.line()
+    assert board.step == 4 and "step 4/10 40%" in board.line() and "| v4 |" in board.line()
     board.update(Metrics(source="learner", step=10, values={"version": 10.0}))
     assert board.step == 10
 
@@ -167,3 +171,100 @@ def test_a_batch_whose_rewards_mostly_failed_is_a_loud_warning(
         "launch-cluster: WARNING: the reward function failed on 62% of step 6's samples "
         "(rollout/reward_error_frac), which all score 0: the generators' logs name the most "
         "common error (\"REWARD FUNCTION FAILING\"); check custom_reward_function"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_ema_weighs_each_sample_by_alpha() -> None:
+    ema = Ema(alpha=0.25)
+    assert ema.value is None
+    for sample in (8.0, math.nan, 16.0, math.inf):
+        ema.add(sample)
+    assert ema.value == 0.25 * 16.0 + 0.75 * 8.0  # the first sample starts it; NaN/inf skipped
+    with pytest.raises(ValueError, match="alpha"):
+        Ema(alpha=0.0)
+
+
+def test_a_rate_that_jumps_line_to_line_is_shown_smoothed() -> None:
+    """``learn tok/s`` alternated 7.6k and 33k line to line; smoothed, it moves by a fifth of
+    a jump at most and settles between the two."""
+    board = StatusBoard(total_steps=100, interactive=False)
+    shown = []
+    for step, rate in enumerate([7600.0, 33000.0] * 10, start=1):
+        board.update(Metrics(source="learner", step=step,
+                             values={"perf/learner_tokens_per_s": rate}))
+        shown.append(board.smoothed["perf/learner_tokens_per_s"].value)
+    jumps = [abs(b - a) for a, b in zip(shown, shown[1:])]
+    assert max(jumps) <= SMOOTHING * (33000 - 7600) + 1e-6
+    assert 15000 < shown[-1] < 26000 and "learn 2" in board.line()
+
+
+def test_seconds_per_step_and_eta_come_from_the_steps_the_launcher_sees() -> None:
+    clock = Clock()
+    board = StatusBoard(total_steps=100, interactive=False, now=clock)
+    clock.now += 40  # start-up: not counted in the pace
+    board.update(Metrics(source="learner", step=1, values={}))
+    assert "step 1/100 1% | ? s/step | ETA ? | 00:40" in board.line()
+    for step in range(2, 11):
+        clock.now += 0.5
+        board.update(Metrics(source="learner", step=step, values={}))
+    assert "step 10/100 10% | 0.50 s/step | ETA 00:45 | 00:44" in board.line()
+    clock.now += 2.0  # a burst: two steps in one
+    board.update(Metrics(source="learner", step=12, values={}))
+    assert board.step_seconds.value == pytest.approx(0.2 * 1.0 + 0.8 * 0.5)
+
+
+def test_the_start_up_phase_is_named_until_the_first_step() -> None:
+    clock = Clock()
+    board = StatusBoard(total_steps=10, interactive=False, generators=2, now=clock)
+    assert board.line() == ("starting 00:00 | learner starting (loading its model, opening "
+                            "its MLflow store) | generators 0/2 | buffered 0")
+    clock.now += 12
+    board.update(Metrics(source="learner", step=0, values={},
+                         phase="waiting for the first batch from the generators"))
+    board.update(Metrics(source="buffer", step=0, values={"buffer/generators": 1.0}))
+    assert board.line() == ("starting 00:12 | waiting for the first batch from the generators"
+                            " | generators 1/2 | buffered 0")
+    # the held-out report of step 0 comes late: the learner is still waiting
+    board.update(Metrics(source="learner", step=0, values={"eval/accuracy": 0.25}))
+    assert "waiting for the first batch" in board.line() and "acc 25.0%" in board.line()
+    board.update(Metrics(source="learner", step=1, values={"version": 1.0}))
+    assert "waiting" not in board.line() and board.line().startswith("step 1/10 10%")
+    board.update(Metrics(source="learner", step=10, values={}))
+    board.update(Metrics(source="learner", step=10, values={},
+                         phase="waiting for the held-out evaluation of step 10"))
+    assert board.line().endswith("| waiting for the held-out evaluation of step 10")
+
+
+def test_without_a_tty_one_plain_line_every_few_seconds(
+        capsys: pytest.CaptureFixture) -> None:
+    clock = Clock()
+    board = StatusBoard(total_steps=100, interactive=False, now=clock)
+    for tick in range(200):  # the launcher renders every 0.25 s or so: 50 s here
+        board.update(Metrics(source="learner", step=tick // 4, values={"version": 1.0}))
+        board.render()
+        clock.now += 0.25
+    board.finish()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 50 / LOG_EVERY_S + 1  # and the last state at the end
+    assert all("\x1b" not in line and "\r" not in line for line in lines)
+    assert lines[0].startswith("starting 00:00 |")
+    assert lines[-1].startswith("step 49/100 49% | 1.00 s/step | ETA 00:51 | 00:50 | v1 |")
+
+
+def test_a_tty_gets_the_rich_display_with_notes_above_it(
+        capsys: pytest.CaptureFixture) -> None:
+    board = StatusBoard(total_steps=10, interactive=True)
+    board.update(Metrics(source="learner", step=3, values={"version": 3.0}))
+    board.render()
+    board.note("generator gen1 died")
+    board.finish()
+    out = capsys.readouterr().out
+    assert "launch-cluster: generator gen1 died" in out and "step 3/10 30%" in out
+    assert "━" in out  # the progress bar
