@@ -1,5 +1,5 @@
 """The append-only rollout log: every group the buffer admitted, and what each learner step
-was served, on disk, for offline replay (``tools/replay-rollouts.py``).
+was served, on disk, for offline replay (``relay replay``) and reading (``relay rollouts``).
 
 A log is a folder. Groups go to segment files ``segment-000000.rlog``,
 ``segment-000001.rlog``, ...: ``relay.transport.records`` records back to back, one per
@@ -242,6 +242,16 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def served_group(logged: RolloutGroup) -> RolloutGroup:
+    """The group as the learner was served it: the samples the store kept
+    (``metadata["buffer_admission"]["kept_samples"]``; all of them when it says nothing)."""
+    metadata = dict(logged.metadata)
+    note = metadata.pop("buffer_admission", None) or {}
+    kept = note.get("kept_samples", range(len(logged.samples)))
+    return msgspec.structs.replace(logged, samples=[logged.samples[i] for i in kept],
+                                   metadata=metadata)
 
 
 def read_rollout_log(folder: str | Path,
