@@ -63,6 +63,7 @@ from relay.buffer.fingerprint import Fingerprint
 from relay.buffer.leases import Lease, LeaseBook
 from relay.buffer.prompt_source import PromptSource
 from relay.buffer.registry import Registry
+from relay.buffer.rollout_dump import RolloutDump, write_dump
 from relay.buffer.rollout_log import RolloutLogWriter, StepRecord
 from relay.buffer.staleness import LearnerPosition, lease_capacity, lease_min_version, staleness
 from relay.buffer.store import Admission, PriorityError, ReplayStore, Taken
@@ -118,7 +119,8 @@ COUNTERS = ("groups/accepted", "groups/served", "groups/trained", "groups/failed
             "prompts/leased", "prompts/completed", "prompts/expired", "prompts/returned",
             "samples/reward_errors", "samples/filtered", "rejected/unexpected_message",
             "rejected/forbidden", "rejected/bad_request", "rejected/name_in_use",
-            "requests/bad_priorities", "rollout_log/write_errors")
+            "requests/bad_priorities", "rollout_log/write_errors",
+            "rollout_dump/write_errors")
 SENDERS: dict[type[Message], Role] = {
     Attach: "generator", Heartbeat: "generator", Detach: "generator",
     LeaseRequest: "generator", LeaseReturn: "generator", RolloutGroup: "generator",
@@ -143,6 +145,7 @@ class Hub:
     def __init__(self, config: BufferConfig, source: PromptSource, store: ReplayStore,
                  log: RolloutLogWriter | None = None, *, batch_size: int, limits: GroupLimits,
                  prompts_per_lease: int, total_steps: int, steps_per_version: int = 1,
+                 dump: RolloutDump | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.batch_size, self.limits = batch_size, limits
@@ -150,6 +153,7 @@ class Hub:
         self.source = source
         self.store = store
         self.log = log
+        self.dump = dump  # trainer.rollout_data_dir: each step's samples as verl's JSONL
         self.clock = clock
         self.leases = LeaseBook(config.lease_timeout_s)
         self.registry = Registry(config.heartbeat_timeout_s)
@@ -399,6 +403,7 @@ class Hub:
             self.counts["groups/served"] += len(taken.groups)
             self._served = (msg.step, batch)
             self._log_step(msg.step, taken)
+            self._dump_step(msg.step, taken)
         return batch
 
     def _drop_untrained(self, taken: Taken) -> None:
@@ -431,6 +436,19 @@ class Hub:
         except OSError as exc:
             self.counts["rollout_log/write_errors"] += 1
             logger.error("rollout log: the batch of step %d could not be recorded: %s", step, exc)
+
+    def _dump_step(self, step: int, taken: Taken) -> None:
+        """Write step ``step``'s samples to ``trainer.rollout_data_dir``
+        (``relay.buffer.rollout_dump``; a learner that does not say its step, 0, is not
+        dumped); a failed write is counted and logged, and the run goes on."""
+        if self.dump is None or not step:
+            return
+        try:
+            write_dump(self.dump.folder, step, taken.groups, self.dump.decode)
+        except OSError as exc:
+            self.counts["rollout_dump/write_errors"] += 1
+            logger.error("trainer.rollout_data_dir: step %d's samples could not be written to "
+                         "%s: %s", step, self.dump.folder, exc)
 
     def _version(self, msg: VersionUpdate) -> Message:
         problem = version_problem(msg, version=self.learner_version, step=self.learner_step,

@@ -65,6 +65,7 @@ from relay.buffer.pf_ppo import PolicyFiltration
 from relay.buffer.prioritized import PrioritizedStore
 from relay.buffer.registry import HEARTBEAT_EVERY_S
 from relay.buffer.prompt_source import PromptSource, read_buffer_checkpoint
+from relay.buffer.rollout_dump import rollout_dump
 from relay.buffer.rollout_log import RolloutLogWriter
 from relay.buffer.store import FifoStore, FilteredStore, GroupFilter, ReplayStore
 from relay.buffer.validation import GroupLimits
@@ -132,7 +133,7 @@ def build_hub(ctx: RunContext) -> Hub:
     hub = Hub(run.buffer, source, build_store(run), log, batch_size=run.data.train_batch_size,
               limits=limits, prompts_per_lease=run.rollout.prompts_per_lease,
               total_steps=run.trainer.total_training_steps,
-              steps_per_version=run.trainer.publish_every)
+              steps_per_version=run.trainer.publish_every, dump=rollout_dump(run))
     hub.fingerprint = buffer_fingerprint(run, dataset)
     if ctx.resume_from is not None:
         resume(hub, ctx.resume_from)

@@ -496,6 +496,9 @@ class TrainerConfig(_Section):
     # every held-out response of an evaluation as <dir>/<step>.jsonl, written on the
     # evaluator's host (verl's dump; relay.generators.evaluate.write_generations); "": none
     validation_data_dir: str = ""
+    # each training step's samples as <dir>/<step>.jsonl, written by the buffer when it
+    # serves the step (verl's dump; relay.buffer.rollout_dump); "": none
+    rollout_data_dir: str = ""
     critic_warmup: NonNegative = 0  # steps that train only the critic (adv_estimator = gae)
     # Relay: published versions that may wait for a busy evaluator, each a CPU copy of the
     # weights on learner rank 0; past it the oldest waiting one is not evaluated

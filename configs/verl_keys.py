@@ -303,8 +303,11 @@ TABLE: tuple[VerlKey, ...] = tuple([
     VerlKey(key="trainer.log_val_generations", group="same",
             note="verl's seeded sample of N held-out responses (sorted by prompt, shuffled "
                  "with seed 42) with their rewards, a table per evaluation in every tracker"),
-    *_inert("every run directory keeps its rollout log in rollouts/ (relay.buffer.rollout_log); "
-            "a path given here is not used", "trainer.rollout_data_dir"),
+    VerlKey(key="trainer.rollout_data_dir", group="same",
+            note="each training step's samples as DIR/STEP.jsonl (input, output, gts, score, "
+                 "step and the reward's extra values), written on the buffer's host when it "
+                 "serves the step; null: none (every run directory keeps its binary rollout "
+                 "log in rollouts/ besides: relay rollouts RUN_DIR --step N reads it)"),
     VerlKey(key="trainer.validation_data_dir", group="same",
             note="each evaluation's responses as DIR/STEP.jsonl (input, output, gts, "
                  "score, step and the reward's extra values), written on the evaluator's "

@@ -265,6 +265,29 @@ def test_validation_data_dir_is_a_path_and_null_is_none(run_dir: Path) -> None:
     assert unset.trainer.validation_data_dir == ""
 
 
+def test_rollout_data_dir_resolves_as_verls_and_null_is_none(run_dir: Path, tmp_path_factory,
+                                                             monkeypatch) -> None:
+    """In a file: against its folder; on the command line: against the launch directory, as
+    verl's does."""
+    in_file = write(run_dir, GOOD_RUN + "[trainer]\nrollout_data_dir = 'dumps'\n")
+    assert load_run_config(in_file).trainer.rollout_data_dir == str(run_dir / "dumps")
+    launched_from = tmp_path_factory.mktemp("launch")
+    monkeypatch.chdir(launched_from)
+    given = load_run_config(in_file, ["trainer.rollout_data_dir=out/dumps"])
+    assert given.trainer.rollout_data_dir == str(launched_from / "out" / "dumps")
+    assert not (launched_from / "out").exists()  # checked, not created, at load
+    unset = load_run_config(in_file, ["trainer.rollout_data_dir=null"])
+    assert unset.trainer.rollout_data_dir == ""
+
+
+def test_a_rollout_data_dir_that_cannot_be_written_is_a_config_error(run_dir: Path) -> None:
+    (run_dir / "a-file").write_text("")
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   [f"trainer.rollout_data_dir={run_dir / 'a-file' / 'dumps'}"])
+    assert err.key == "trainer.rollout_data_dir"
+    assert f"{run_dir / 'a-file'} is not a folder" in err.problem
+
+
 def test_the_reference_shares_the_actors_sequence_parallel_mesh(run_dir: Path) -> None:
     err = error_of(load_run_config, write(run_dir, GOOD_RUN),
                    ["actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"])
