@@ -492,6 +492,7 @@ class TrainerConfig(_Section):
     save_freq: int = -1
     publish_every: Positive = 1  # Relay: publish weights to generators every k steps
     val_before_train: bool = True
+    log_freq: Positive = 10  # Relay: a metrics line in the learner's log every this many steps
     log_val_generations: NonNegative = 0  # held-out responses logged per evaluation (a table)
     # every held-out response of an evaluation as <dir>/<step>.jsonl, written on the
     # evaluator's host (verl's dump; relay.generators.evaluate.write_generations); "": none

@@ -520,9 +520,9 @@ class WeightReceiver:
             kept = self._arrived(staged)
             self._arrived_cv.notify_all()
         if kept:
-            logger.info("staged weights version %d (%d tensors, %.1f MB)", staged.version,
-                        len(staged.tensors),
-                        sum(t.numel() * t.element_size() for t in staged.tensors.values()) / 1e6)
+            logger.debug("staged weights version %d (%d tensors, %.1f MB)", staged.version,
+                         len(staged.tensors),
+                         sum(t.numel() * t.element_size() for t in staged.tensors.values()) / 1e6)
 
     def _without_copy(self, assembler: VersionAssembler, exc: torch.OutOfMemoryError) -> None:
         """The device has no room for the copy: assemble whole in host memory from now on."""

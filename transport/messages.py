@@ -15,9 +15,9 @@ Rules that keep old and new peers talking:
   rejected and counted, never mis-decoded);
 - tensors are ``torch.Tensor`` fields; the codec turns them into raw frames, never pickle.
 
-This module knows the shapes of the conversation, not who speaks when: see
-``relay.buffer.hub`` (generators and the learner with the buffer), ``relay.generators.process`` (a
-generator's side), ``relay.learner.weights`` with ``relay.generators.weight_receiver`` (weight versions), and
+This module knows the shapes of the conversation, not who speaks when: see ``relay.buffer.hub``
+(generators and the learner with the buffer), ``relay.generators.process`` (a generator's side),
+``relay.learner.weights`` with ``relay.generators.weight_receiver`` (weight versions), and
 ``relay.learner.eval_queue`` with ``relay.generators.evaluator`` (held-out evaluation of published
 versions).
 
@@ -406,11 +406,14 @@ class EvalRequest(Message):
 
 
 class Metrics(Message):
-    """Scalar metrics from any process, for the tracker and the launcher's status line."""
+    """Scalar metrics from any process, for the tracker and the launcher's status line;
+    ``phase`` says what the sender is doing while it makes no step ("waiting for the first
+    batch"), "" while it steps."""
 
     source: str
     step: int
     values: dict[str, float]
+    phase: str = ""
 
 
 class Shutdown(Message):

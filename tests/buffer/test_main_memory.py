@@ -113,7 +113,7 @@ run = RunConfig(data=DataConfig(train_files=[str(run_dir / "train.jsonl")]),
 topology = Topology(buffer=BufferPlacement(port=port),
                     launcher=LauncherSettings(metrics_port=port + 1))
 ctx = RunContext(run_dir=run_dir, topology=topology, run=run)
-hub = relay.buffer.main.build_hub(ctx)
+hub = buffer_main.build_hub(ctx)
 handle, stalled = hub.handle, []
 
 def first_request_stalls(message, peer=None):  # a slow disk under the rollout log, a GC
@@ -125,7 +125,7 @@ def first_request_stalls(message, peer=None):  # a slow disk under the rollout l
 hub.handle = first_request_stalls
 Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
 print(ctx.buffer_endpoint, flush=True)
-relay.buffer.main.serve(ctx, hub, threading.Event())
+buffer_main.serve(ctx, hub, threading.Event())
 """
 
 
