@@ -25,6 +25,7 @@ nothing of rewards or leasing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -108,10 +109,49 @@ def load_prompt_rows(
     ``convert(record, index)`` first maps each raw record (``index`` counts records within
     its file) to a verl row, for files in another schema; a ``ValueError`` it raises is
     reported like a schema problem, with the record's location.
+
+    Inside ``rows_remembered()``, and without ``convert``, files already read are not
+    read again while unchanged.
     """
     files = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
     if not files:
         raise DatasetError("no prompt files given")
+    if convert is not None or _remembered is None:
+        return _read_rows(files, convert, prompt_key)
+    key = (prompt_key, *(_identity(file) for file in files))
+    if key not in _remembered:
+        _remembered[key] = _read_rows(files, None, prompt_key)
+    return list(_remembered[key])
+
+
+_remembered: dict[tuple[object, ...], list[PromptRow]] | None = None
+
+
+@contextlib.contextmanager
+def rows_remembered() -> Iterator[None]:
+    """While inside, ``load_prompt_rows`` remembers the rows of each list of files it reads
+    (by path, size and modification time) and reads an unchanged list only once: the
+    launcher checks the training files, counts an epoch of them and fingerprints them
+    with one read. Forgotten on exit, so no process keeps a second copy of its rows."""
+    global _remembered
+    outer, _remembered = _remembered, ({} if _remembered is None else _remembered)
+    try:
+        yield
+    finally:
+        _remembered = outer
+
+
+def _identity(file: Path) -> tuple[str, int, int]:
+    """A file as ``load_prompt_rows`` remembers it: its path, size and modification time."""
+    try:
+        stat = file.stat()
+    except OSError:
+        return str(file), -1, -1  # _read_records reports it
+    return str(file.resolve()), stat.st_size, stat.st_mtime_ns
+
+
+def _read_rows(files: list[Path], convert: Convert | None, prompt_key: str) -> list[PromptRow]:
+    """``load_prompt_rows`` without remembering."""
     rows: list[PromptRow] = []
     problems: list[str] = []
     for file in files:

@@ -10,20 +10,29 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import msgspec
 import pyarrow.parquet as pq
 
+from relay.buffer.rollout_dump import dump_dir_problem
 from relay.configs.gpu_placement import check_process_gpus
-from relay.configs.loader import ConfigError, load
+from relay.configs.hub import looks_like_hub_id, resolve_hub_id
+from relay.configs.loader import ConfigError, KeyPath, blame_command_line, load, read_toml
 from relay.configs.run_schema import BUILTIN_MODEL_PREFIX, VERL_ALIASES, RunConfig
 from relay.configs.topology_schema import Topology
 from relay.configs.verl_keys import Placement, VerlKeys, apply_placement
 from relay.transport.endpoints import is_loopback
 
 BUILTIN_MODELS = ("tiny-arith",)
+DEFAULT_TOPOLOGY_FILE = Path(__file__).resolve().parent / "topology.toml"
+MODEL_PATH_KEYS = (("model", "path"), ("critic", "model", "path"),
+                   ("reward_model", "model", "path"))
+"""The run config's model paths: each a local folder, a ``builtin:`` model or a Hub ID."""
+DEVICES = "'cpu', 'cuda' or 'cuda:N' (N: a GPU index)"
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 DEFAULT_TRAINING_STEPS = 100  # neither trainer.total_training_steps nor total_epochs set
 EpochRows = Callable[[RunConfig], int]
 """The training rows an epoch passes over once ``data.filter_overlong_prompts`` dropped the
@@ -37,15 +46,49 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg"
 
 
 def load_topology(path: str | Path, overrides: Iterable[str] = (),
-                  placement: Sequence[Placement] = ()) -> Topology:
+                  placement: Sequence[Placement] = (),
+                  command_line_keys: set[KeyPath] | None = None) -> Topology:
     """Decode and check ``topology.toml`` (overrides given without the ``topology.`` prefix),
-    with a run config's verl placement keys applied (``verl_keys.apply_placement``)."""
-    topology = apply_placement(load(Topology, path, overrides,
-                                    path_keys=[("security", "keys_dir"),
-                                               ("security", "sockets_dir")]), placement)
+    with a run config's verl placement keys applied (``verl_keys.apply_placement``).
+    ``command_line_keys`` receives the keys the overrides set (``loader.load``)."""
+    keys: set[KeyPath] = set()
+    try:
+        topology = apply_placement(load(Topology, path, overrides,
+                                        path_keys=[("security", "keys_dir"),
+                                                   ("security", "sockets_dir")],
+                                        command_line_keys=keys), placement)
+    except ConfigError as exc:
+        check_not_a_run_config(path, exc)
+        raise
+    if command_line_keys is not None:
+        command_line_keys.update(keys)
     check_verl_ranks(topology, placement)
-    check_topology(topology, str(path))
+    try:
+        check_topology(topology, str(path))
+    except ConfigError as exc:
+        raise blame_command_line(exc, str(path), keys) from exc.__cause__
     return topology
+
+
+def check_not_a_run_config(path: str | Path, error: ConfigError) -> None:
+    """A run config given where the topology goes (``relay launch my-run.toml``): a
+    ``ConfigError`` naming that mistake instead of ``error`` ("data: unknown key"), when
+    the file's top-level sections are a run config's."""
+    if error.source != str(path):
+        return
+    try:
+        data = read_toml(Path(path))
+    except ConfigError:
+        return
+    run_sections = {*RunConfig.__struct_fields__, *(alias[0] for alias in VERL_ALIASES),
+                    "actor_rollout_ref"} - set(Topology.__struct_fields__)
+    found = sorted(set(data) & run_sections)
+    if found:
+        raise ConfigError(str(path), "", (
+            f"this is a run config (it has {', '.join(f'[{s}]' for s in found)}), not a "
+            "topology: the first config file is the topology (where the processes run) and "
+            f"the run config comes second, e.g. relay launch {DEFAULT_TOPOLOGY_FILE} {path} "
+            "(the embedded default topology)")) from error
 
 
 def check_verl_ranks(topology: Topology, placement: Sequence[Placement]) -> None:
@@ -61,6 +104,8 @@ def check_verl_ranks(topology: Topology, placement: Sequence[Placement]) -> None
 
 
 def check_topology(topology: Topology, source: str) -> None:
+    """Devices, GPU lists, generator names, and CURVE for any non-loopback address."""
+    check_devices(topology, source)
     check_process_gpus(topology, source)
     names = [g.name for g in topology.generators]
     for i, name in enumerate(names):
@@ -89,10 +134,21 @@ def check_topology(topology: Topology, source: str) -> None:
                               "and keys_dir (see tools/make-curve-keys.py)")
 
 
+def check_devices(topology: Topology, source: str) -> None:
+    """Each generator's and the evaluator's ``device`` is one torch can place an engine on:
+    ``DEVICES`` (the learner's is a choice of the schema: cpu, cuda, auto)."""
+    placed = [(f"generators[{i}].device", g.device) for i, g in enumerate(topology.generators)]
+    placed.append(("evaluator.device", topology.evaluator.device))
+    for key, device in placed:
+        if DEVICE.fullmatch(device) is None:
+            raise ConfigError(source, key, f"{device!r} is not a device: give {DEVICES}")
+
+
 def load_run_config(path: str | Path, overrides: Iterable[str] = (),
                     placement: list[Placement] | None = None,
                     notes: list[str] | None = None,
-                    epoch_rows: EpochRows | None = None) -> RunConfig:
+                    epoch_rows: EpochRows | None = None,
+                    command_line_keys: set[KeyPath] | None = None) -> RunConfig:
     """Decode and check a run config; relative paths resolve against its folder.
 
     ``trainer.total_epochs`` on the command line (without ``trainer.total_training_steps``)
@@ -101,28 +157,37 @@ def load_run_config(path: str | Path, overrides: Iterable[str] = (),
     (``trainer.n_gpus_per_node``...) are appended to ``placement`` for the caller to apply to
     the topology (``verl_keys.apply_placement``), or refused when it is None. ``notes``
     receives one line per verl key translated or without effect. ``epoch_rows`` counts an
-    epoch's rows after ``data.filter_overlong_prompts`` (``training_steps``)."""
+    epoch's rows after ``data.filter_overlong_prompts`` (``training_steps``).
+    ``command_line_keys`` receives the keys the overrides set (``loader.load``); a check
+    failing on one of them names the command line, not the file."""
     verl = VerlKeys(placement)
     overrides = list(overrides)
     keys = {o.partition("=")[0].strip().lstrip("+") for o in overrides}
     if "trainer.total_epochs" in keys and "trainer.total_training_steps" not in keys:
         # the command line beats the file: its epochs replace the file's step count
         overrides.insert(0, "trainer.total_training_steps=null")
+    keys: set[KeyPath] = set()
     run = load(
         RunConfig,
         path,
         overrides,
-        path_keys=[("data", "train_files"), ("data", "val_files"), ("model", "path"),
-                   ("critic", "model", "path"), ("reward_model", "model", "path"),
+        path_keys=[("data", "train_files"), ("data", "val_files"), *MODEL_PATH_KEYS,
                    ("checkpoint", "dir"), ("trainer", "resume_from_path"),
-                   ("trainer", "validation_data_dir")],
+                   ("trainer", "validation_data_dir"), ("trainer", "rollout_data_dir")],
         file_or_module_keys=[("custom_reward_function", "path")],
         aliases=VERL_ALIASES,
         foreign=verl,
+        hub_id_keys=MODEL_PATH_KEYS,
+        command_line_keys=keys,
     )
     if notes is not None:
         notes.extend(verl.notes)
-    return check_run_config(run, str(path), epoch_rows)
+    if command_line_keys is not None:
+        command_line_keys.update(keys)
+    try:
+        return check_run_config(run, str(path), epoch_rows)
+    except ConfigError as exc:
+        raise blame_command_line(exc, str(path), keys) from exc.__cause__
 
 
 def _as_list(files: str | list[str]) -> list[str]:
@@ -141,24 +206,12 @@ def check_run_config(run: RunConfig, source: str,
         for i, file in enumerate(getattr(data, key)):
             if not Path(file).is_file():
                 raise ConfigError(source, f"data.{key}[{i}]", f"file not found: {file}")
+    run = resolve_model_paths(run, source)
     model_path = run.model.path
-    if model_path.startswith(BUILTIN_MODEL_PREFIX):
-        name = model_path.removeprefix(BUILTIN_MODEL_PREFIX)
-        if name not in BUILTIN_MODELS:
-            raise ConfigError(source, "model.path", f"unknown built-in model {name!r}; "
-                                                    f"known: {', '.join(BUILTIN_MODELS)}")
-    elif not (Path(model_path) / "config.json").is_file():
-        raise ConfigError(source, "model.path",
-                          f"no Hugging Face checkpoint at {model_path} (config.json missing); "
-                          "give a local folder saved with save_pretrained")
     for key, path in (("critic.model.path", run.critic.model.path),
                       ("reward_model.model.path", run.reward_model.model.path)):
-        if not path:
-            continue
-        if not (Path(path) / "config.json").is_file():
-            raise ConfigError(source, key,
-                              f"no Hugging Face checkpoint at {path} (config.json missing)")
-        if not model_path.startswith(BUILTIN_MODEL_PREFIX):
+        builtin = any(p.startswith(BUILTIN_MODEL_PREFIX) for p in (path, model_path))
+        if path and not builtin:  # a builtin: model is built at launch, not read here
             check_same_vocabulary(source, key, path, model_path)
     check_replay_filters(run, source)
     mini = run.actor.ppo_mini_batch_size
@@ -180,6 +233,9 @@ def check_run_config(run: RunConfig, source: str,
     check_algorithm_sections(run, source)
     check_resume(run, source)
     check_timeouts(run, source)
+    if run.trainer.rollout_data_dir and (
+            problem := dump_dir_problem(Path(run.trainer.rollout_data_dir))):
+        raise ConfigError(source, "trainer.rollout_data_dir", problem)
     optim = run.actor.optim
     if optim.betas[0] >= 1 or optim.betas[1] >= 1 or min(optim.betas) < 0:
         raise ConfigError(source, "actor.optim.betas", f"each beta must be in [0, 1), "
@@ -199,6 +255,58 @@ def check_run_config(run: RunConfig, source: str,
     steps = training_steps(msgspec.structs.replace(run, data=data), source, epoch_rows)
     trainer = msgspec.structs.replace(run.trainer, total_training_steps=steps)
     return msgspec.structs.replace(run, data=data, trainer=trainer)
+
+
+def resolve_model_paths(run: RunConfig, source: str) -> RunConfig:
+    """``run`` with each model path (``MODEL_PATH_KEYS``) checked: a ``builtin:`` model
+    Relay knows (built at launch), a local Hugging Face checkpoint, or a Hub ID, replaced
+    by its local snapshot folder (``relay.configs.hub.resolve_hub_id``: the cache, else a
+    download)."""
+    for parts in MODEL_PATH_KEYS:
+        key = ".".join(parts)
+        path = model_path_at(run, parts)
+        if not path:
+            continue
+        if path.startswith(BUILTIN_MODEL_PREFIX):
+            name = path.removeprefix(BUILTIN_MODEL_PREFIX)
+            if name not in BUILTIN_MODELS:
+                raise ConfigError(source, key, f"unknown built-in model {name!r}; "
+                                               f"known: {', '.join(BUILTIN_MODELS)}")
+            continue
+        if (Path(path) / "config.json").is_file():
+            continue
+        if not looks_like_hub_id(path):
+            raise ConfigError(source, key,
+                              f"no Hugging Face checkpoint at {path} (config.json missing); "
+                              "give a local folder saved with save_pretrained, a Hub ID "
+                              "(ORG/NAME) or a builtin: model")
+        try:
+            local = resolve_hub_id(path)
+        except ValueError as exc:
+            raise ConfigError(source, key, str(exc)) from exc
+        if not (Path(local) / "config.json").is_file():
+            raise ConfigError(source, key, f"the Hub model {path} (in {local}) has no "
+                                           "config.json: not a transformers checkpoint")
+        run = replace_model_path(run, parts, local)
+    return run
+
+
+def model_path_at(run: RunConfig, parts: Sequence[str]) -> str:
+    """The model path at ``parts``, one of ``MODEL_PATH_KEYS``."""
+    node: object = run
+    for part in parts:
+        node = getattr(node, part)
+    assert isinstance(node, str)
+    return node
+
+
+def replace_model_path(run: RunConfig, parts: Sequence[str], path: str) -> RunConfig:
+    """``run`` with the model path at ``parts`` (one of ``MODEL_PATH_KEYS``) set to ``path``."""
+    def replaced(node: msgspec.Struct, rest: Sequence[str]) -> msgspec.Struct:
+        value = path if len(rest) == 1 else replaced(getattr(node, rest[0]), rest[1:])
+        return msgspec.structs.replace(node, **{rest[0]: value})
+
+    return replaced(run, parts)
 
 
 def training_steps(run: RunConfig, source: str, epoch_rows: EpochRows | None = None) -> int:

@@ -28,6 +28,8 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 from msgspec import inspect as mi
 
+from relay.configs.hub import looks_like_hub_id
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10: the same parser, as a package (a dependency there)
@@ -489,14 +491,20 @@ def load(root: type[T], path: str | Path, overrides: Iterable[str] = (),
          path_keys: Iterable[tuple[str, ...]] = (),
          file_or_module_keys: Iterable[tuple[str, ...]] = (),
          aliases: Mapping[KeyPath, KeyPath] | None = None,
-         foreign: ForeignKeys | None = None) -> T:
+         foreign: ForeignKeys | None = None,
+         hub_id_keys: Iterable[tuple[str, ...]] = (),
+         command_line_keys: set[KeyPath] | None = None) -> T:
     """Read ``path``, check its keys, apply overrides, resolve paths, decode into ``root``.
 
     ``path_keys`` name the string (or list-of-string) keys that hold file paths: relative
     values from the file are resolved against the file's folder, relative values from the
-    command line against the working directory. ``file_or_module_keys`` hold either a Python
+    command line against the working directory. ``hub_id_keys``, among them, may instead
+    hold a Hugging Face Hub ID (``relay.configs.hub``): a value that looks like one and is
+    no existing path is kept as written. ``file_or_module_keys`` hold either a Python
     module name (left alone) or a file path (``*.py`` or containing ``/``, resolved).
     ``aliases`` and ``foreign``: another project's names (module docstring).
+    ``command_line_keys`` receives the key paths the overrides set, for the caller's later
+    checks to name the command line as their source (``blame_command_line``).
     """
     path = Path(path)
     data = read_toml(path)
@@ -509,8 +517,14 @@ def load(root: type[T], path: str | Path, overrides: Iterable[str] = (),
     def source_of(parts: Sequence[str | int]) -> str:
         return COMMAND_LINE if any(tuple(parts[: len(t)]) == t for t in touched) else str(path)
 
+    if command_line_keys is not None:
+        command_line_keys.update(touched)
+    hub_ids = set(hub_id_keys)
     for key in path_keys:
-        _resolve_paths(data, key, base=Path.cwd() if key in touched else path.parent.resolve())
+        base = Path.cwd() if key in touched else path.parent.resolve()
+        keep = (lambda v, b=base: looks_like_hub_id(v) and not (b / v).exists()) \
+            if key in hub_ids else (lambda v: False)
+        _resolve_paths(data, key, base=base, only_if=lambda v, k=keep: not k(v))
     for key in file_or_module_keys:
         _resolve_paths(data, key, base=Path.cwd() if key in touched else path.parent.resolve(),
                        only_if=lambda v: v.endswith(".py") or "/" in v)
@@ -518,6 +532,23 @@ def load(root: type[T], path: str | Path, overrides: Iterable[str] = (),
         return msgspec.convert(data, type=root)
     except msgspec.ValidationError as exc:
         raise explain_validation_error(root, data, exc, source_of) from None
+
+
+def blame_command_line(error: ConfigError, source: str,
+                       command_line_keys: Iterable[KeyPath]) -> ConfigError:
+    """``error``, reported against the file ``source``, as the command line's when its key
+    (or a section above it) was set there: a check after loading knows only the file."""
+    if error.source != source or not error.key:
+        return error
+    try:
+        parts = parse_key(error.key)
+    except ValueError:  # several keys in one ("a, b"): the file's
+        return error
+    if not any(tuple(parts[:len(key)]) == tuple(key) for key in command_line_keys):
+        return error
+    blamed = ConfigError(COMMAND_LINE, error.key, error.problem)
+    blamed.__cause__ = error.__cause__
+    return blamed
 
 
 def _resolve_paths(data: dict[str, Any], key: tuple[str, ...], base: Path,

@@ -266,3 +266,19 @@ def test_truncate_prompt_keeps_the_end_the_start_or_both_halves():
     assert truncate_prompt(ids, 4, "middle") == [1, 2, 4, 5]
     assert truncate_prompt(ids, 1, "middle") == [5]
     assert truncate_prompt(ids, 6, "middle") == ids
+
+
+def test_rows_are_read_once_while_the_file_is_unchanged(tmp_path, monkeypatch):
+    import relay.buffer.dataset as dataset
+
+    path = _jsonl(tmp_path / "train.jsonl", [_row(i) for i in range(3)])
+    reads = []
+    real = dataset._read_records
+    monkeypatch.setattr(dataset, "_read_records", lambda p: reads.append(p) or real(p))
+    with dataset.rows_remembered():
+        first = load_prompt_rows(path)
+        first.clear()  # a caller's list is its own
+        assert len(load_prompt_rows(path)) == 3 and len(reads) == 1
+        _jsonl(path, [_row(i) for i in range(4)])  # changed: read again
+        assert len(load_prompt_rows(path)) == 4 and len(reads) == 2
+    assert len(load_prompt_rows(path)) == 4 and len(reads) == 3  # forgotten outside

@@ -387,3 +387,31 @@ def test_a_lease_may_not_wait_for_weights_longer_than_the_buffer_keeps_it() -> N
                                       "buffer.weights_timeout_s=90"])
     run = load_run_config(DEFAULT_RUN, ["buffer.lease_timeout_s=60"])
     assert run.buffer.weights_timeout_s == 0  # the lease's own timeout
+
+
+def test_a_hub_id_model_path_is_kept_as_written_unless_it_is_a_local_folder(
+        run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from relay.configs.loader import load
+    from relay.configs.run_schema import RunConfig
+
+    path = write(run_dir, GOOD_RUN.replace("builtin:tiny-arith", "Org/Model"))
+    keys = [("model", "path")]
+    run = load(RunConfig, path, path_keys=keys, hub_id_keys=keys)
+    assert run.model.path == "Org/Model"
+    (run_dir / "Org" / "Model").mkdir(parents=True)
+    assert load(RunConfig, path, path_keys=keys, hub_id_keys=keys).model.path == str(
+        run_dir / "Org" / "Model")
+    monkeypatch.chdir(run_dir)
+    run = load(RunConfig, write(run_dir, GOOD_RUN), ["model.path=Org/Other"], path_keys=keys,
+               hub_id_keys=keys)
+    assert run.model.path == "Org/Other"
+
+
+def test_a_check_failing_on_a_command_line_value_names_the_command_line(
+        run_dir: Path) -> None:
+    path = write(run_dir, GOOD_RUN)
+    err = error_of(load_run_config, path, ["actor.ppo_mini_batch_size=3"])
+    assert (err.source, err.key) == ("command line", "actor.ppo_mini_batch_size")
+    err = error_of(load_run_config,
+                   write(run_dir, GOOD_RUN + "\n[actor]\nppo_mini_batch_size = 3\n"))
+    assert (err.source, err.key) == (str(path), "actor.ppo_mini_batch_size")

@@ -26,15 +26,21 @@ import msgspec
 from transformers import AutoConfig
 
 from relay.algorithms.rewards.registry import UnknownDataSourceError, check_data_sources
-from relay.buffer.dataset import DatasetError, PromptDataset, load_prompt_rows
+from relay.buffer.dataset import DatasetError, PromptDataset, load_prompt_rows, rows_remembered
 from relay.buffer.fingerprint import buffer_fingerprint, changes
 from relay.buffer.main import training_prompts
 from relay.buffer.prompt_source import BufferCheckpointError, read_buffer_checkpoint
 from relay.configs.checks import load_run_config, load_topology
 from relay.configs.gpu_placement import check_gpu_placement, topology_claims
-from relay.configs.loader import COMMAND_LINE, ConfigError, to_toml
+from relay.configs.loader import COMMAND_LINE, ConfigError, KeyPath, blame_command_line, to_toml
 from relay.configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
-from relay.configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, checkpoint_dir, is_run_dir
+from relay.configs.rundir import (
+    RESOLVED_RUN,
+    RESOLVED_TOPOLOGY,
+    VERL_KEYS,
+    checkpoint_dir,
+    is_run_dir,
+)
 from relay.configs.topology_schema import Topology
 from relay.configs.verl_keys import ROLLOUT_NAME, Placement
 from relay.generators.build import missing_engine
@@ -64,10 +70,11 @@ def resolve_launch(topology_file: str, run_file: str, topology_overrides: Sequen
     """Load and check both configs with their overrides; plan the processes. verl's
     placement keys in the run config (``trainer.n_gpus_per_node``...) apply to the topology
     after its own overrides (``relay.configs.verl_keys``)."""
-    topology, run, notes = load_checked(topology_file, run_file, topology_overrides,
-                                        run_overrides)
-    run_dir = new_run_dir(run)
-    run = resolve_resume_mode(run, run_dir, run_file)
+    with rows_remembered():  # the training files are read once (check_prompt_files)
+        topology, run, notes = load_checked(topology_file, run_file, topology_overrides,
+                                            run_overrides)
+        run_dir = new_run_dir(run)
+        run = resolve_resume_mode(run, run_dir, run_file)
     return ResolvedLaunch(topology_file=topology_file, run_file=run_file, topology=topology,
                           run=run, run_dir=run_dir,
                           processes=build_plan(topology, run, run_dir), verl_notes=notes)
@@ -84,6 +91,15 @@ def resolve_resume(run_dir: str | Path, topology_overrides: Sequence[str] = (),
                                             f"a launch wrote ({RESOLVED_RUN} and "
                                             f"{RESOLVED_TOPOLOGY} beside logs/)")
     topology_file, run_file = str(run_dir / RESOLVED_TOPOLOGY), str(run_dir / RESOLVED_RUN)
+    with rows_remembered():  # the training files are read once (check_prompt_files)
+        return _resume_checked(run_dir, topology_file, run_file, topology_overrides,
+                               run_overrides)
+
+
+def _resume_checked(run_dir: Path, topology_file: str, run_file: str,
+                    topology_overrides: Sequence[str],
+                    run_overrides: Sequence[str]) -> ResolvedLaunch:
+    """``resolve_resume`` once the run directory is known to be one."""
     topology, run, notes = load_checked(topology_file, run_file, topology_overrides,
                                         run_overrides)
     if not overridden(run_overrides, "trainer.resume_mode", "trainer.resume_from_path"):
@@ -117,14 +133,25 @@ def load_checked(topology_file: str, run_file: str, topology_overrides: Sequence
     the topology; and a line per verl key translated (``ResolvedLaunch.verl_notes``)."""
     placement: list[Placement] = []
     notes: list[str] = []
-    run = load_run_config(run_file, run_overrides, placement, notes, epoch_rows)
-    topology = load_topology(topology_file, topology_overrides, placement)
-    check_validation_data(run, run_file)
-    check_gpu_placement(topology_claims(topology, run.evaluates), topology_file)
-    check_sequence_parallel(topology, run, run_file)
-    check_fsdp_sizes(topology, run, run_file)
-    check_local_engines(topology, run, topology_file, placement)
-    check_engine_sampling(topology, run, run_file)
+    run_keys: set[KeyPath] = set()
+    topology_keys: set[KeyPath] = set()
+    run = load_run_config(run_file, run_overrides, placement, notes, epoch_rows, run_keys)
+    topology = load_topology(topology_file, topology_overrides, placement, topology_keys)
+    try:
+        check_prompt_files(run, run_file, "data.train_files", run.data.train_files)
+        if run.evaluates:  # the evaluator, not essential, would fail after the launch
+            check_prompt_files(run, run_file, "data.val_files", run.data.val_files)
+        check_gpu_placement(topology_claims(topology, run.evaluates), topology_file)
+        check_sequence_parallel(topology, run, run_file)
+        check_fsdp_sizes(topology, run, run_file)
+        check_local_engines(topology, run, topology_file, placement)
+        check_engine_sampling(topology, run, run_file)
+    except ConfigError as exc:
+        blamed = blame_command_line(blame_command_line(exc, run_file, run_keys),
+                                    topology_file, topology_keys)
+        if blamed is exc:
+            raise
+        raise blamed from exc.__cause__
     return topology, run, notes
 
 
@@ -229,17 +256,20 @@ def launch_prompts(run: RunConfig) -> PromptDataset:
     return training_prompts(run, tokenizer)
 
 
-def check_validation_data(run: RunConfig, source: str) -> None:
-    """The held-out rows load and each has a reward: the evaluator, which is not essential,
-    would otherwise fail after the launch and the run go on without evaluation."""
-    if not run.evaluates:
-        return
+def check_prompt_files(run: RunConfig, source: str, key: str, files: Sequence[str]) -> None:
+    """The rows of ``files`` (``key``: ``data.train_files`` or ``data.val_files``) load in
+    verl's schema (``relay.buffer.dataset``: suffix, rows, fields) and each ``data_source``
+    has a reward function (or ``custom_reward_function.path`` gives one): refused here, not
+    by the buffer or the evaluator after the launch. Each file is read once per launch
+    (``resolve_launch`` reads them inside ``rows_remembered``: the epoch count and the
+    fingerprint reuse the rows), so the cost is one parse of the files in the launcher, as
+    the buffer's own at its start, and the rows are dropped once the launch is resolved."""
     try:
-        rows = load_prompt_rows(run.data.val_files, prompt_key=run.data.prompt_key)
+        rows = load_prompt_rows(files, prompt_key=run.data.prompt_key)
         if not run.custom_reward_function.path:
             check_data_sources({row.data_source for row in rows})
     except (DatasetError, UnknownDataSourceError) as exc:
-        raise ConfigError(source, "data.val_files", str(exc)) from exc
+        raise ConfigError(source, key, str(exc)) from exc
 
 
 def check_sequence_parallel(topology: Topology, run: RunConfig, source: str) -> None:
@@ -328,7 +358,8 @@ def dry_run_report(resolved: ResolvedLaunch) -> str:
         topology_toml,
         f"# Resolved run config (from {resolved.run_file})",
         run_toml,
-        f"# verl keys ({len(resolved.verl_notes)}; configs/verl_keys.py, configs/verl-keys.md):",
+        f"# verl keys ({len(resolved.verl_notes)}; a launch writes them to "
+        f"{resolved.run_dir / VERL_KEYS}; configs/verl-keys.md):",
         *(f"#   {note}" for note in resolved.verl_notes),
         f"# Run directory: {resolved.run_dir}",
         f"# Resuming from: {resolved.run.trainer.resume_from_path or 'nothing (a fresh start)'}",

@@ -7,10 +7,14 @@ With no config, the embedded default (configs/topology.toml, configs/arithmetic-
 Overrides ``section.key=value`` apply to the run config; ``topology.section.key=value`` to the
 topology. verl's key paths work as written (``actor_rollout_ref.actor.clip_ratio_high=0.28``,
 ``trainer.n_gpus_per_node=8``, Hydra's ``+key=value``): configs/verl-keys.md says what each
-becomes. A bad config is refused before anything starts; a process on this machine's GPUs
-whose memory plan does not fit its GPU is warned about (``relay.launcher.memory``). ``--dry-run``
-prints the resolved configs and the processes that would start, and exits. ``--resume
-RUN_DIR`` continues the run in RUN_DIR from its newest complete checkpoint, with the configs
+becomes; a launch writes what each became to ``RUN_DIR/verl-keys.txt`` and prints the first
+few. A bad config is refused before anything starts (a broken training or validation file, a
+value from the command line named as such, a run config given first where the topology goes,
+a device that is not ``cpu``, ``cuda`` or ``cuda:N``); ``model.path`` (and the critic's, the
+reward model's) may be a ``builtin:`` model, a local folder or a Hub ID, resolved once here
+(``relay.configs.hub``); a process on this machine's GPUs whose memory plan does not fit its
+GPU is warned about (``relay.launcher.memory``). ``--dry-run`` prints the resolved configs and
+the processes that would start, and exits. ``--resume RUN_DIR`` continues the run in RUN_DIR from its newest complete checkpoint, with the configs
 stored there (and any overrides, e.g. more ``trainer.total_training_steps``).
 """
 
@@ -19,12 +23,21 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
+from pathlib import Path
 
 from relay.configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
+from relay.configs.rundir import VERL_KEYS
 from relay.launcher.memory import memory_warnings
-from relay.launcher.resolve import dry_run_report, resolve_launch, resolve_resume
+from relay.launcher.resolve import (
+    ResolvedLaunch,
+    dry_run_report,
+    resolve_launch,
+    resolve_resume,
+)
 
 TOPOLOGY_PREFIX = "topology."
+NOTES_SHOWN = 5  # verl-key notes printed at a real launch; the rest are in RUN_DIR/verl-keys.txt
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -72,9 +85,30 @@ def main(argv: list[str]) -> int:
     if resolved.run.trainer.resume_mode == "resume_path":
         print(f"launch-cluster: resuming from {resolved.run.trainer.resume_from_path}",
               flush=True)
+    report_verl_keys(resolved, resumed=bool(args.resume))
     from relay.launcher.supervisor import launch
 
     return launch(resolved)
+
+
+def report_verl_keys(resolved: ResolvedLaunch, resumed: bool) -> Path:
+    """Write what each verl key of this launch became to ``RUN_DIR/verl-keys.txt`` (a
+    ``--resume`` appends its own), and print the first ``NOTES_SHOWN`` of them."""
+    path = resolved.run_dir / VERL_KEYS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    notes = resolved.verl_notes
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    header = (f"# {'--resume' if resumed else 'launch'} at {stamp}: {len(notes)} verl key(s) "
+              "translated or without effect (configs/verl-keys.md says what each becomes)\n")
+    with path.open("a" if resumed else "w", encoding="utf-8") as out:
+        out.write(header + "".join(f"{note}\n" for note in notes))
+    if notes:
+        print(f"launch-cluster: {len(notes)} verl key(s) translated (all in {path}):", flush=True)
+        for note in notes[:NOTES_SHOWN]:
+            print(f"  {note}", flush=True)
+        if len(notes) > NOTES_SHOWN:
+            print(f"  ... and {len(notes) - NOTES_SHOWN} more", flush=True)
+    return path
 
 
 if __name__ == "__main__":

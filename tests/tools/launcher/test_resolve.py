@@ -122,8 +122,7 @@ def test_a_local_engine_whose_package_is_missing_is_refused_before_launch(
         resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
                        topology_overrides=["generators[0].engine=vllm"],
                        run_overrides=[f"trainer.run_dir={tmp_path}"])
-    assert error.value.key == "generators[0].engine" and error.value.source == str(
-        DEFAULT_TOPOLOGY)
+    assert error.value.key == "generators[0].engine" and error.value.source == "command line"
     assert "needs the vllm package, which is not installed here" in str(error.value)
     remote = Topology(generators=[GeneratorPlacement(name="far", host="10.0.0.7",
                                                      engine="vllm")])
@@ -157,8 +156,7 @@ def test_a_gpu_two_processes_list_is_refused_at_launch_naming_both(tmp_path: Pat
         resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
                        topology_overrides=[*GPU_OVERRIDES, "generators[0].gpus=[1]"],
                        run_overrides=[f"trainer.run_dir={tmp_path}"])
-    assert (error.value.source, error.value.key) == (str(DEFAULT_TOPOLOGY),
-                                                     "generators[0].gpus")
+    assert (error.value.source, error.value.key) == ("command line", "generators[0].gpus")
     assert "GPU 1 of this machine is listed by both learner (learner.gpus = [0, 1]) and " \
            "generator gen0 (generators[0].gpus = [1])" in error.value.problem
 
