@@ -32,7 +32,8 @@ import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 from transformers import AutoTokenizer
 
-from relay.buffer.rollout_log import LogProblem, StepRecord, read_rollout_log, read_steps
+from relay.buffer.rollout_log import (LogProblem, StepRecord, read_rollout_log, read_steps,
+                                      served_group)
 from relay.configs.rundir import RunContext
 from relay.learner.batch import collate
 from relay.learner.checkpoint import load_checkpoint
@@ -74,15 +75,6 @@ class StepComparison(msgspec.Struct, frozen=True):
                 for name, value in self.replayed.items()
                 if name in self.live and self.live[name] == self.live[name]]
         return max(gaps, default=0.0)
-
-
-def served_group(logged: RolloutGroup) -> RolloutGroup:
-    """The group as the learner was served it: the samples the store kept."""
-    metadata = dict(logged.metadata)
-    note = metadata.pop("buffer_admission", None) or {}
-    kept = note.get("kept_samples", range(len(logged.samples)))
-    return msgspec.structs.replace(logged, samples=[logged.samples[i] for i in kept],
-                                   metadata=metadata)
 
 
 def recorded_steps(log_folder: Path, first: int, last: int,

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import msgspec
 
+from relay.configs.checks import MODEL_PATH_KEYS, model_path_at, replace_model_path
 from relay.configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
 from relay.configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, RunContext
 from relay.configs.topology_schema import Topology
@@ -68,8 +69,11 @@ class Outcome(msgspec.Struct, frozen=True):
 
 
 def builtin_model(run: RunConfig) -> RunConfig:
-    """Build (once, cached) a ``builtin:`` model and point the config at it."""
-    if not run.model.path.startswith(BUILTIN_MODEL_PREFIX):
+    """Build (once, cached) the ``builtin:`` model and point every model path that names
+    it at it: the policy's, the critic's and the reward model's (``MODEL_PATH_KEYS``)."""
+    builtin = [parts for parts in MODEL_PATH_KEYS
+               if model_path_at(run, parts).startswith(BUILTIN_MODEL_PREFIX)]
+    if not builtin:
         return run
     from relay.learner.tiny_model.build import build_tiny_model, default_model_dir
 
@@ -85,7 +89,9 @@ def builtin_model(run: RunConfig) -> RunConfig:
         report = build_tiny_model(path, overwrite=True, on_step=progress)
         print(f"\n  built in {report.seconds:.0f} s; held-out accuracy "
               f"{report.heldout_accuracy:.1%}", flush=True)
-    return msgspec.structs.replace(run, model=msgspec.structs.replace(run.model, path=str(path)))
+    for parts in builtin:
+        run = replace_model_path(run, parts, str(path))
+    return run
 
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
