@@ -11,8 +11,10 @@ ARGS...``: ``BOOT`` removes the ``''`` entry that ``-c`` puts first, then runs `
 
 from __future__ import annotations
 
-BOOT = ('import sys, runpy; sys.path[:1] = filter(None, sys.path[:1]); '
+BOOT = ('import sys; sys.path[:1] = filter(None, sys.path[:1]); import runpy; '
         'runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)')
+# sys.path is fixed before ``runpy`` is imported: not loaded at start-up under ``-c`` (and not
+# frozen before Python 3.11), a ``runpy.py`` in the working directory would stand in for it.
 
 
 def module_argv(python: str, module: str, *args: str) -> list[str]:

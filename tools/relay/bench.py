@@ -23,7 +23,7 @@ def benchmarks(tools_dir: Path = TOOLS_DIR) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    found = benchmarks()
+    found = benchmarks(TOOLS_DIR)
     if not found:
         print("relay bench: the benchmarks come with a source checkout (tools/bench-*.py), "
               "and this installation has none: clone the repository and `pip install -e .` "
