@@ -46,9 +46,11 @@ class FileDigest(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def digest_file(path: Path) -> FileDigest:
-    with open(path, "rb") as data:
-        sha256 = hashlib.file_digest(data, "sha256").hexdigest()
-        return FileDigest(size=os.fstat(data.fileno()).st_size, sha256=sha256)
+    sha256 = hashlib.sha256()
+    with open(path, "rb") as data:  # read in chunks: hashlib.file_digest is Python 3.11+
+        for chunk in iter(lambda: data.read(1 << 20), b""):
+            sha256.update(chunk)
+        return FileDigest(size=os.fstat(data.fileno()).st_size, sha256=sha256.hexdigest())
 
 
 def listed_files(folder: Path, leave_out: Iterable[str] = ()) -> list[str]:
