@@ -62,7 +62,7 @@ def resolve_hub_id(repo_id: str) -> str:
         raise ValueError(f"{where}, and HF_HUB_OFFLINE is set: download it first (hf download "
                          f"{repo_id}), point HF_HUB_CACHE at a cache holding it, or give a "
                          "local folder saved with save_pretrained")
-    print(f"launch-cluster: downloading {repo_id} from the Hugging Face Hub into {cache}",
+    print(f"relay launch: downloading {repo_id} from the Hugging Face Hub into {cache}",
           file=sys.stderr, flush=True)
     try:
         return snapshot_download(repo_id, cache_dir=cache, allow_patterns=MODEL_FILES)

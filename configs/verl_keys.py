@@ -25,7 +25,6 @@ verl v0.5.0's ``verl/trainer/config/_generated_ppo_trainer.yaml``, flattened.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -34,9 +33,7 @@ import msgspec
 from relay.configs.loader import ConfigError, KeyPath, format_key, parse_key, type_at
 from relay.configs.run_schema import VERL_ALIASES, RunConfig
 from relay.configs.topology_schema import (EngineName, EvaluatorPlacement, GeneratorPlacement,
-                                     LeanOptions, SGLangOptions, Topology, VLLMOptions)
-
-logger = logging.getLogger("relay.configs")
+                                           LeanOptions, SGLangOptions, Topology, VLLMOptions)
 
 Group = Literal["same", "differs", "mapped", "refused"]
 GROUP_TITLES: dict[Group, str] = {
@@ -556,8 +553,7 @@ class VerlKeys:
         return [(parse_key(to), value) for to in entry.to]  # type: ignore[misc]
 
     def _note(self, line: str) -> None:
-        self.notes.append(line)
-        logger.warning("verl key %s", line)
+        self.notes.append(line)  # printed at launch and kept in RUN_DIR/verl-keys.txt
 
 
 def _equal(value: Any, accepted: Any) -> bool:

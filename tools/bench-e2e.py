@@ -82,7 +82,7 @@ from relay.configs.rundir import RESOLVED_RUN
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 5  # left out of the median seconds per step
 THROUGHPUT_LEARNER_THREADS = 2  # Relay's learner in --throughput (the generator keeps 1)
-RUN_DIR_LINE = re.compile(r"launch-cluster: trained \d+ steps; results in (.+)$")
+RUN_DIR_LINE = re.compile(r"relay launch: trained \d+ steps; results in (.+)$")
 
 
 class Series(msgspec.Struct, kw_only=True):

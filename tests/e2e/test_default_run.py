@@ -30,7 +30,7 @@ def test_default_run_lifts_heldout_accuracy_by_15_points(run_root: Path) -> None
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = only_run_dir(run_root)
     # the run ends with its summary: accuracy, the model folder, the command to see the curves
-    summary = result.stdout[result.stdout.rindex("launch-cluster: run finished"):]
+    summary = result.stdout[result.stdout.rindex("relay launch: run finished"):]
     assert summary.splitlines()[1].split()[:2] == ["steps", "400/400"], summary
     assert "held-out accuracy  final " in summary and ", best " in summary
     assert f"model              {run_dir.resolve() / 'final'}/" in summary

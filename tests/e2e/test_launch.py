@@ -42,7 +42,7 @@ def test_a_short_run_trains_logs_and_exits_cleanly(random_model_dir: Path, run_r
     assert result.returncode == 0, result.stdout + result.stderr
     assert "trained 4 steps" in result.stdout
     run_dir = only_run_dir(run_root)
-    summary = result.stdout[result.stdout.rindex("launch-cluster: run finished"):].splitlines()
+    summary = result.stdout[result.stdout.rindex("relay launch: run finished"):].splitlines()
     assert [line.split()[0] for line in summary[1:]] == ["steps", "held-out", "model",
                                                          "metrics", "logs"], summary
     assert summary[1].split()[1] == "4/4" and "final " in summary[2] and "best " in summary[2]

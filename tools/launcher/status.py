@@ -282,9 +282,9 @@ class StatusBoard:
     def note(self, text: str) -> None:
         """A line of its own, above the display."""
         if self._live is not None:
-            self._live.console.print(Text(f"launch-cluster: {text}"))
+            self._live.console.print(Text(f"relay launch: {text}"))
         else:
-            print(f"launch-cluster: {text}", flush=True)
+            print(f"relay launch: {text}", flush=True)
 
     def finish(self) -> None:
         """The last state, left on screen (or in the log)."""

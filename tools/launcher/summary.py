@@ -78,5 +78,5 @@ def summary(board: StatusBoard, *, code: int, failed: str, run_dir: Path, tracki
             ("metrics", metrics_line(tracking_uri, run_dir)),
             ("logs", f"{run_dir / 'logs'}/")]
     width = max(len(name) for name, _ in rows)
-    return "\n".join([f"launch-cluster: {head}"] +
+    return "\n".join([f"relay launch: {head}"] +
                      [f"  {name.ljust(width)}  {text}" for name, text in rows])

@@ -79,7 +79,7 @@ def builtin_model(run: RunConfig) -> RunConfig:
 
     path = default_model_dir()
     if not (path / "config.json").is_file():
-        print(f"launch-cluster: building the tiny default model into {path} (once; a few "
+        print(f"relay launch: building the tiny default model into {path} (once; a few "
               "minutes)", flush=True)
 
         def progress(step: int, loss: float) -> None:
@@ -311,7 +311,7 @@ class Supervisor:
             for spec in plan:
                 self.processes.append(start(spec, self.topology, log_dir))
             self.board.generators = sum(spec.role == "generator" for spec in plan)
-            print(f"launch-cluster: run directory {self.run_dir}", flush=True)
+            print(f"relay launch: run directory {self.run_dir}", flush=True)
             return self._watch(metrics)
         except KeyboardInterrupt:
             return Outcome(code=130, reason="interrupted (Ctrl-C); stopped every process")
@@ -409,7 +409,7 @@ def launch(resolved: ResolvedLaunch) -> int:
         if topology.security.sockets_dir != resolved.topology.security.sockets_dir:
             remove_sockets(Path(topology.security.sockets_dir))  # private_sockets made it
     stream = sys.stdout if outcome.code == 0 else sys.stderr
-    print(f"launch-cluster: {outcome.reason}", file=stream, flush=True)
+    print(f"relay launch: {outcome.reason}", file=stream, flush=True)
     print(summary(supervisor.board, code=outcome.code, failed=outcome.failed,
                   run_dir=resolved.run_dir, tracking_uri=run.tracking.uri,
                   evaluates=run.evaluates), file=stream, flush=True)

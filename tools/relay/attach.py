@@ -177,30 +177,30 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ctx = load_run_dir(args.run_dir)
     except ConfigError as exc:
-        print(f"attach-generator: {args.run_dir} is not a run directory: {exc}", file=sys.stderr)
+        print(f"relay attach: {args.run_dir} is not a run directory: {exc}", file=sys.stderr)
         return 2
     name = args.name or fresh_name(args.host)
     try:
         placement = attached_placement(ctx, args, name)
     except ConfigError as exc:
-        print(f"attach-generator: {exc}", file=sys.stderr)
+        print(f"relay attach: {exc}", file=sys.stderr)
         return 2
     problem = check_live(ctx)
     if problem:
-        print(f"attach-generator: {problem}", file=sys.stderr)
+        print(f"relay attach: {problem}", file=sys.stderr)
         return 1
     spec = generator_spec(ctx, args, name, placement)
     log = ctx.run_dir / "logs" / f"{name}.log"
-    print(f"attach-generator: starting {name} on {args.host}, joining {ctx.run_dir} (output "
+    print(f"relay attach: starting {name} on {args.host}, joining {ctx.run_dir} (output "
           f"also in {log}); Ctrl-C detaches it", flush=True)
     code = run_in_foreground(spec.command_line(ctx.topology.launcher.ssh,
                                                ctx.topology.launcher.remote_workdir), log,
                              spec.env if spec.local else {})
     if code == 0:
-        print(f"attach-generator: {name} left; its unfinished leases went back to the pool")
+        print(f"relay attach: {name} left; its unfinished leases went back to the pool")
         return 0
     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-    print(f"attach-generator: {name} {how} (see {log})", file=sys.stderr)
+    print(f"relay attach: {name} {how} (see {log})", file=sys.stderr)
     return 128 - code if code < 0 else code
 
 

@@ -55,11 +55,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--force", action="store_true", help="replace existing keys")
     args = parser.parse_args(argv)
     if (args.keys_dir / CONTROL / "server.key_secret").exists() and not args.force:
-        print(f"make-curve-keys: {args.keys_dir} already holds keys (--force replaces them)",
+        print(f"relay keys: {args.keys_dir} already holds keys (--force replaces them)",
               file=sys.stderr)
         return 1
     make_keys(args.keys_dir)
-    print(f"make-curve-keys: wrote {args.keys_dir / CONTROL} (buffer, learner and launcher "
+    print(f"relay keys: wrote {args.keys_dir / CONTROL} (buffer, learner and launcher "
           f"hosts), {args.keys_dir / GENERATOR} (generator hosts) and "
           f"{args.keys_dir / EVALUATOR} (the evaluator's host): no secret key there but "
           "their own")

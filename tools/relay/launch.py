@@ -67,7 +67,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="launch-cluster: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="relay launch: %(message)s")
     try:
         if args.resume:
             resolved = resolve_resume(args.resume, args.topology_overrides, args.run_overrides)
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
             resolved = resolve_launch(args.topology, args.run, args.topology_overrides,
                                       args.run_overrides)
     except ConfigError as exc:
-        print(f"launch-cluster: config error: {exc}", file=sys.stderr)
+        print(f"relay launch: config error: {exc}", file=sys.stderr)
         return 2
     for warning in memory_warnings(resolved.run, resolved.topology, resolved.run_file):
         logging.warning(warning)
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
         print(dry_run_report(resolved))
         return 0
     if resolved.run.trainer.resume_mode == "resume_path":
-        print(f"launch-cluster: resuming from {resolved.run.trainer.resume_from_path}",
+        print(f"relay launch: resuming from {resolved.run.trainer.resume_from_path}",
               flush=True)
     report_verl_keys(resolved, resumed=bool(args.resume))
     from relay.launcher.supervisor import launch
@@ -103,7 +103,7 @@ def report_verl_keys(resolved: ResolvedLaunch, resumed: bool) -> Path:
     with path.open("a" if resumed else "w", encoding="utf-8") as out:
         out.write(header + "".join(f"{note}\n" for note in notes))
     if notes:
-        print(f"launch-cluster: {len(notes)} verl key(s) translated (all in {path}):", flush=True)
+        print(f"relay launch: {len(notes)} verl key(s) translated (all in {path}):", flush=True)
         for note in notes[:NOTES_SHOWN]:
             print(f"  {note}", flush=True)
         if len(notes) > NOTES_SHOWN:

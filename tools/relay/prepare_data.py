@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.run(args)
     except DatasetError as error:
-        print(f"prepare-data: {error}", file=sys.stderr)
+        print(f"relay prepare-data: {error}", file=sys.stderr)
         return 1
     return 0
 

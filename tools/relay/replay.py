@@ -61,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
                 worst = max(worst, comparison.worst_relative_difference())
                 compared += 1
     except (ReplayError, CheckpointError, ConfigError, FileNotFoundError) as exc:
-        print(f"replay-rollouts: {exc}", file=sys.stderr)
+        print(f"relay replay: {exc}", file=sys.stderr)
         return 2
     print(f"replayed {compared} steps; the largest relative difference from the live run is "
           f"{worst:.3g}")
     if args.tolerance is not None and worst > args.tolerance:
-        print(f"replay-rollouts: differs from the live run by more than {args.tolerance:g}",
+        print(f"relay replay: differs from the live run by more than {args.tolerance:g}",
               file=sys.stderr)
         return 1
     return 0

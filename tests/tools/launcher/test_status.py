@@ -145,7 +145,7 @@ def test_the_first_rollout_log_write_error_is_noted_once(capsys: pytest.CaptureF
                              values={"buffer/rollout_log/write_errors": errors}))
     notes = [line for line in capsys.readouterr().out.splitlines()
              if "could not write its rollout log" in line]
-    assert notes == ["launch-cluster: the buffer could not write its rollout log (1 failed "
+    assert notes == ["relay launch: the buffer could not write its rollout log (1 failed "
                      "writes so far; the first is in logs/buffer.log): is the run directory's "
                      "disk full? Training goes on, but the learner's next checkpoint may fail "
                      "and a replay will lack these groups (buffer.rollout_log_max_gb caps the "
@@ -165,10 +165,10 @@ def test_a_batch_whose_rewards_mostly_failed_is_a_loud_warning(
     assert "| REWARD FN FAILING 62% |" in board.line()
     notes = [line for line in capsys.readouterr().out.splitlines() if "WARNING" in line]
     assert notes == [
-        "launch-cluster: WARNING: the reward function failed on 75% of step 2's samples "
+        "relay launch: WARNING: the reward function failed on 75% of step 2's samples "
         "(rollout/reward_error_frac), which all score 0: the generators' logs name the most "
         "common error (\"REWARD FUNCTION FAILING\"); check custom_reward_function",
-        "launch-cluster: WARNING: the reward function failed on 62% of step 6's samples "
+        "relay launch: WARNING: the reward function failed on 62% of step 6's samples "
         "(rollout/reward_error_frac), which all score 0: the generators' logs name the most "
         "common error (\"REWARD FUNCTION FAILING\"); check custom_reward_function"]
 
@@ -266,5 +266,5 @@ def test_a_tty_gets_the_rich_display_with_notes_above_it(
     board.note("generator gen1 died")
     board.finish()
     out = capsys.readouterr().out
-    assert "launch-cluster: generator gen1 died" in out and "step 3/10 30%" in out
+    assert "relay launch: generator gen1 died" in out and "step 3/10 30%" in out
     assert "━" in out  # the progress bar

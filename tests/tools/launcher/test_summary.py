@@ -35,7 +35,7 @@ def test_a_finished_run_names_accuracy_time_model_and_the_mlflow_command(
     text = summary(finished_board(Clock()), code=0, failed="", run_dir=tmp_path,
                    tracking_uri="", evaluates=True)
     lines = text.splitlines()
-    assert lines[0] == "launch-cluster: run finished"
+    assert lines[0] == "relay launch: run finished"
     assert lines[1].split() == ["steps", "400/400", "in", "01:32", "wall", "time"]
     assert "final 75.0% (step 400), best 81.2% (step 200), first 25.0% (step 0)" in lines[2]
     assert lines[3].endswith(f"{tmp_path / 'final'}/")
@@ -50,11 +50,11 @@ def test_a_run_without_a_final_model_says_why(tmp_path: Path) -> None:
     assert "no final model was written: the learner wrote none (see " in finished
     failed = summary(board, code=1, failed="learner (learner) exit code 1", run_dir=tmp_path,
                      tracking_uri="", evaluates=True)
-    assert failed.startswith("launch-cluster: run FAILED: learner (learner) exit code 1\n")
+    assert failed.startswith("relay launch: run FAILED: learner (learner) exit code 1\n")
     assert "no final model was written: the run failed (learner (learner) exit code 1)" in failed
     stopped = summary(board, code=130, failed="", run_dir=tmp_path, tracking_uri="",
                       evaluates=True)
-    assert stopped.startswith("launch-cluster: run stopped (interrupted)\n")
+    assert stopped.startswith("relay launch: run stopped (interrupted)\n")
     assert "no final model was written: the run was stopped before its end" in stopped
 
 
