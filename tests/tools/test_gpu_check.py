@@ -149,6 +149,25 @@ def test_wheels_install_offline_onto_the_path_of_child_processes(tmp_path: Path,
     assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(site), str(ROOT), "/elsewhere"]
 
 
+
+def test_relay_travels_as_a_wheel_that_the_checkouts_scripts_import(tmp_path: Path) -> None:
+    """The GPU machine has no editable install: Relay's own wheel, installed with the others,
+    is the ``relay`` that ``tools/launch-cluster.py`` (run by path, as check C does) imports,
+    not the checkout's tools/relay/ beside the script."""
+    folder = tmp_path / "wheels"
+    subprocess.run(wheels.relay_wheel_command(ROOT, folder), check=True, timeout=300)
+    (wheel,) = folder.glob("*.whl")
+    assert wheel.name.startswith("relay_rl-")
+    site = tmp_path / "site"
+    wheels.install(folder, site)
+    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONVERBOSE": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "launch-cluster.py"),
+                           "--dry-run"], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{site}/relay/launch.py" in done.stderr
+    assert str(ROOT / "tools" / "relay" / "launch.py") not in done.stderr
+
 # -- verdicts -----------------------------------------------------------------------------
 
 def test_a_failing_check_leaves_the_others_and_the_summary_says_so(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ what the GPU machine already holds (``GPU_MACHINE_HAS``), each pinned to the ver
 installed here, the one Relay's tests run with. ``prepare`` downloads those wheels with
 ``pip download --no-deps`` for that Python and platform; ``install`` puts them into a folder
 there with ``pip install --no-index --no-deps --target`` and ``activate`` puts that folder
-on ``sys.path`` and on ``PYTHONPATH`` for child processes.
+on ``sys.path`` and on ``PYTHONPATH`` for child processes. Relay itself travels as a wheel
+too (``relay_wheel_command``): its folders become the ``relay`` package only when installed.
 
 MLflow comes as ``mlflow-skinny`` (``SUBSTITUTES``): the full ``mlflow`` wheel (12 MB) adds
 its server and UI (Flask, gunicorn, docker, graphene...), which Relay never starts; the
@@ -165,10 +166,18 @@ def prepare(folder: Path, pyproject: Path, python_version: str = GPU_PYTHON) -> 
     got = wheel_versions(folder)
     if got != expected:
         raise RuntimeError(f"{folder} holds {got}, expected {expected}")
+    subprocess.run(relay_wheel_command(pyproject.parent, folder), check=True)
     total_mb = sum(w.stat().st_size for w in folder.glob("*.whl")) / 1e6
     if total_mb > MAX_TOTAL_MB:
         raise RuntimeError(f"the wheels take {total_mb:.1f} MB, over {MAX_TOTAL_MB:g} MB")
     return total_mb
+
+
+def relay_wheel_command(root: Path, folder: Path) -> list[str]:
+    """Relay's own wheel (pure Python, for any machine) from the checkout at ``root`` into
+    ``folder``, where ``prepare`` has just removed any older one (it is not among the pins)."""
+    return [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir",
+            str(folder), str(root)]
 
 
 def install_command(wheels: list[Path], target: Path) -> list[str]:
