@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import sys
 
 from relay import __version__
@@ -60,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     sys.argv[0] = f"relay {name}"  # each command's argparse names itself after argv[0]
-    return module.main(args)
+    try:
+        return module.main(args)
+    except BrokenPipeError:  # `relay rollouts RUN --step 4 | head`: the reader has had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ and a mistyped command are answered without importing any command."""
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
 
 import pytest
@@ -45,3 +46,20 @@ def test_a_command_gets_its_arguments_and_its_name(monkeypatch: pytest.MonkeyPat
         cli.main(["keys", "--help"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.startswith("usage: relay keys")
+
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path) -> None:
+    """``relay rollouts RUN --step 4 | head``: the closed pipe is the reader's choice, not an
+    error; the command ends with 0 and no traceback."""
+    (tmp_path / "long_output.py").write_text(
+        "def main(argv):\n    for i in range(200000):\n        print('line', i)\n    return 0\n")
+    script = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from relay import cli; "
+              "cli.COMMANDS['long'] = ('long_output', ''); sys.exit(cli.main(['long']))")
+    reader = subprocess.Popen(["head", "-n", "1"], stdin=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL)
+    writer = subprocess.run([sys.executable, "-c", script], stdout=reader.stdin,
+                            stderr=subprocess.PIPE, text=True, timeout=120)
+    reader.stdin.close()
+    reader.wait(timeout=60)
+    assert writer.returncode == 0 and "Traceback" not in writer.stderr, writer.stderr
