@@ -157,7 +157,7 @@ def large_tensor(
 ) -> tuple[Comparison, float]:
     """MB/s for one ``megabytes`` tensor per message, and the in-memory copy rate for scale."""
     tensor = torch.randn(megabytes * 2**20 // 4)
-    bucket = WeightBucket(version=1, index=0, names=["w"], tensors=[tensor])
+    bucket = WeightBucket(version=1, index=0, names=["w"], starts=[0], tensors=[tensor])
     payload = memoryview(tensor.view(torch.uint8).numpy())
     puller = Puller(LOOPBACK)
     pusher = Pusher(puller.endpoint)

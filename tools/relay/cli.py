@@ -8,7 +8,7 @@
     relay plot RUN_DIR [RUN_DIR ...] [--out DIR]
     relay rollouts RUN_DIR --step N [--jsonl FILE]
     relay prepare-data {arithmetic,gsm8k} ...
-    relay keys TOPOLOGY.toml
+    relay keys KEYS_DIR
     relay bench {e2e,engine,learner,publish,rewards,transport} ...
 
 ``relay COMMAND --help`` says more of each.

@@ -50,7 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="print the resolved configs and the processes, start nothing")
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its newest complete checkpoint")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # `--dry-run` anywhere among the overrides
     files = [a for a in args.items if "=" not in a]
     overrides = [a for a in args.items if "=" in a]
     if len(files) > 2:

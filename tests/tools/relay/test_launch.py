@@ -57,6 +57,14 @@ def test_a_bad_value_from_the_command_line_is_blamed_on_the_command_line(
     assert str(DEFAULT_RUN) not in err
 
 
+
+def test_dry_run_may_come_before_the_overrides(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    code = launch.main([str(DEFAULT_TOPOLOGY), "--dry-run", "trainer.total_training_steps=3",
+                        f"trainer.run_dir={tmp_path / 'runs'}"])
+    assert code == 0
+    assert "total_training_steps = 3" in capsys.readouterr().out
+
 def test_the_same_value_in_the_file_is_blamed_on_the_file(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run.toml"
