@@ -17,7 +17,7 @@ is ``model.X`` and ``.ref.X`` is ``ref.X``; both spellings work in files and on 
 line. ``VerlKeys`` is the translator ``relay.configs.loader`` calls for a key the run schema lacks;
 it records what it did (``notes``) for the launcher to print, and the placement keys
 (``placement``) for the launcher to apply to the topology. ``markdown_table`` renders
-``TABLE`` for ``configs/verl-keys.md`` (``tools/gen-verl-keys-doc.py``).
+``TABLE`` for ``configs/verl-keys.md`` (``tools/gen-verl-docs.py``).
 
 The key list the table is checked against (``tests/configs/verl_ppo_trainer_keys.txt``) is
 verl v0.5.0's ``verl/trainer/config/_generated_ppo_trainer.yaml``, flattened.
@@ -662,7 +662,7 @@ def _merged(base: dict[str, Any], extra: Any) -> Any:
 def markdown_table() -> str:
     """``TABLE`` as the markdown of ``configs/verl-keys.md``, grouped, with the counts."""
     lines = ["# verl's config keys in Relay", "",
-             "Generated from `configs/verl_keys.py` by `tools/gen-verl-keys-doc.py`; do not "
+             "Generated from `configs/verl_keys.py` by `tools/gen-verl-docs.py`; do not "
              "edit by hand. verl's `actor_rollout_ref.actor.X`, `.rollout.X`, `.model.X` and "
              "`.ref.X` are Relay's `actor.X`, `rollout.X`, `model.X` and `ref.X`; both "
              "spellings work in a run config and on the command line. A key Relay lacks is "

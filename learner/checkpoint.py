@@ -84,6 +84,7 @@ from relay.learner.checkpoint_files import (
     fsync_dir,
     listed_files,
     manifest,
+    replace_folder,
     tighten_modes,
     write_durably,
 )
@@ -92,7 +93,6 @@ from relay.learner.checkpoint_meta import (
     FORMAT,
     META_FILE,
     PARTIAL_SUFFIX,
-    REPLACED_SUFFIX,
     CheckpointMeta,
     LoopState,
     check_intact,
@@ -200,7 +200,7 @@ def save_checkpoint(learner: Learner, folder: Path, loop: LoopState, *, lineage:
         write_durably(partial / META_FILE, msgspec.json.encode(meta))
         tighten_modes(partial)  # meta.json too: the umask may leave group write on it
         claim_name(final, lineage)  # another run may have taken it meanwhile
-        _commit(partial, final)
+        replace_folder(partial, final)
         prune(folder, final, lineage, keep_last)
         logger.info("checkpoint saved to %s", final)
     _barrier()
@@ -231,17 +231,6 @@ def _fsync_tree(folder: Path) -> None:
             with open(os.path.join(root, name), "rb") as written:
                 os.fsync(written.fileno())
         fsync_dir(Path(root))
-
-
-def _commit(partial: Path, final: Path) -> None:
-    """Rename the written folder into place (replacing a checkpoint of the same step)."""
-    replaced = final.with_name(final.name + REPLACED_SUFFIX)
-    if final.exists():
-        os.replace(final, replaced)
-    os.replace(partial, final)
-    fsync_dir(final.parent)
-    if replaced.exists():
-        shutil.rmtree(replaced)
 
 
 def _manifest(partial: Path, group: dist.ProcessGroup | None) -> dict[str, FileDigest]:

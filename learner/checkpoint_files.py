@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pwd
+import shutil
 import stat
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,8 @@ import msgspec
 
 VERIFY_THREADS = 8  # hashlib releases the GIL while it hashes a file
 GROUP_OR_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+REPLACED_SUFFIX = ".replaced"  # a folder moved aside while its replacement takes its name
 
 
 class CheckpointError(ValueError):
@@ -111,6 +114,21 @@ def write_durably(path: Path, data: bytes) -> None:
         os.fsync(out.fileno())
     os.replace(temporary, path)
     fsync_dir(path.parent)
+
+
+def replace_folder(partial: Path, folder: Path) -> None:
+    """Rename the completely written ``partial`` into place as ``folder``: a ``folder``
+    already there is moved aside to ``<folder>.replaced`` first and removed last, so a crash
+    leaves the old folder or the new one whole, never half of either."""
+    replaced = folder.with_name(folder.name + REPLACED_SUFFIX)
+    if replaced.exists():  # left by a crash between the two renames
+        shutil.rmtree(replaced)
+    if folder.exists():
+        os.replace(folder, replaced)
+    os.replace(partial, folder)
+    fsync_dir(folder.parent)
+    if replaced.exists():
+        shutil.rmtree(replaced)
 
 
 def fsync_dir(folder: Path) -> None:

@@ -24,6 +24,7 @@ import msgspec
 
 from relay.learner import safe_dcp
 from relay.learner.checkpoint_files import (
+    REPLACED_SUFFIX,
     CheckpointError,
     FileDigest,
     check_owner_and_mode,
@@ -35,7 +36,6 @@ logger = logging.getLogger(__name__)
 FORMAT = 1  # CheckpointMeta.format; a checkpoint of another format is not resumed
 META_FILE = "meta.json"
 PARTIAL_SUFFIX = ".tmp"
-REPLACED_SUFFIX = ".replaced"
 COMPLETE_NAME = re.compile(r"step-(\d+)")
 DCP_METADATA = "dcp/.metadata"
 

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from relay.learner.checkpoint_files import fsync_dir
+from relay.learner.checkpoint_files import replace_folder
 from relay.learner.weight_buckets import BucketPlan, gather_buckets, plan_buckets
 
 DEFAULT_SHARD_BYTES = 1 << 30
@@ -41,7 +41,6 @@ CONFIG_FILE = "config.json"
 FINAL = "final"
 """The folder of a run directory that holds the trained policy (``save_final``)."""
 PARTIAL_SUFFIX = ".tmp"
-REPLACED_SUFFIX = ".replaced"
 
 
 def row_counts(plan: BucketPlan) -> dict[str, int]:
@@ -127,15 +126,7 @@ def commit_folder(partial: Path, folder: Path) -> None:
         for name in files:
             with open(os.path.join(root, name), "rb") as written:
                 os.fsync(written.fileno())
-    replaced = folder.with_name(folder.name + REPLACED_SUFFIX)
-    if replaced.exists():
-        shutil.rmtree(replaced)
-    if folder.exists():
-        os.replace(folder, replaced)
-    os.replace(partial, folder)
-    fsync_dir(folder.parent)
-    if replaced.exists():
-        shutil.rmtree(replaced)
+    replace_folder(partial, folder)
 
 
 def partial_folder(folder: Path) -> Path:

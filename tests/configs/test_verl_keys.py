@@ -58,7 +58,7 @@ def test_the_table_agrees_with_the_schema() -> None:
 
 def test_the_committed_doc_is_the_generated_table() -> None:
     assert (CONFIG_DIR / "verl-keys.md").read_text(encoding="utf-8") == markdown_table()
-    check = subprocess.run([sys.executable, str(REPO / "tools/gen-verl-keys-doc.py"), "--check"],
+    check = subprocess.run([sys.executable, str(REPO / "tools/gen-verl-docs.py"), "--check"],
                            capture_output=True, text=True, cwd=REPO)
     assert check.returncode == 0, check.stderr
 

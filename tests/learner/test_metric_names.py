@@ -46,7 +46,7 @@ def test_each_verl_name_is_aliased_once_and_the_doc_lists_every_alias() -> None:
 
 def test_the_committed_doc_is_up_to_date() -> None:
     assert (CONFIG_DIR / "verl-metrics.md").read_text(encoding="utf-8") == markdown_table(), \
-        "run tools/gen-verl-metrics-doc.py"
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gen-verl-metrics-doc.py"),
+        "run tools/gen-verl-docs.py"
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gen-verl-docs.py"),
                            "--check"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
