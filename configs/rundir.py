@@ -37,6 +37,7 @@ from relay.transport.security import ClientKeys, ServerKeys, load_keypair, load_
 RESOLVED_TOPOLOGY = "topology.toml"  # file names inside a run directory
 RESOLVED_RUN = "run.toml"
 VERL_KEYS = "verl-keys.txt"  # what each verl key of the launch became (relay.launch)
+FINAL_MODEL = "final"  # the trained policy as a Hugging Face folder (relay.learner.hf_export)
 SOCKETS = "sockets"  # the default sockets folder, inside the run directory
 SOCKET_NAMES = ("buffer", "weights", "weights-stream", "metrics")
 """The ipc socket files of a run without CURVE, one per bound address."""

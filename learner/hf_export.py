@@ -38,8 +38,6 @@ DEFAULT_SHARD_BYTES = 1 << 30
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
-FINAL = "final"
-"""The folder of a run directory that holds the trained policy (``save_final``)."""
 PARTIAL_SUFFIX = ".tmp"
 
 

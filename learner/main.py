@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from relay.configs.rundir import (
+    FINAL_MODEL,
     RESOLVED_RUN,
     RESOLVED_TOPOLOGY,
     RunContext,
@@ -39,7 +40,7 @@ from relay.learner.checkpoint import (
 from relay.learner.checkpoint_lineage import run_lineage
 from relay.learner.critic import Critic, load_value_model
 from relay.learner.eval_queue import EvalQueue
-from relay.learner.hf_export import FINAL, save_final
+from relay.learner.hf_export import save_final
 from relay.learner.implicit_prm import ImplicitPRM
 from relay.learner.loop import RankZero, Reporter, TrainLoop
 from relay.learner.model import learner_device, load_sharded, sharding_mesh
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = False
     try:
         loop.run_all()
-        final = save_final(learner.model, ctx.run_dir / FINAL, getattr(torch, run.model.dtype),
+        final = save_final(learner.model, ctx.run_dir / FINAL_MODEL,
+                           getattr(torch, run.model.dtype),
                            tokenizer=tokenizer if rank == 0 else None, group=cpu_group)
         ok = True
     finally:

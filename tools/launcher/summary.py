@@ -14,9 +14,8 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from relay.configs.rundir import FINAL_MODEL
 from relay.launcher.status import StatusBoard, clock
-
-FINAL_MODEL = "final"  # RUN_DIR/final/: the trained policy as a Hugging Face folder
 
 
 def accuracy_line(accuracy: dict[int, float], evaluates: bool) -> str:

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from relay.configs import ConfigError
-from relay.configs.rundir import RESOLVED_RUN, configure_logging, is_run_dir, load_run_dir
+from relay.configs.rundir import (FINAL_MODEL, RESOLVED_RUN, configure_logging, is_run_dir,
+                                  load_run_dir)
 from relay.learner.checkpoint_files import CheckpointError
 from relay.learner.checkpoint_meta import (
     CheckpointMeta,
@@ -30,7 +31,7 @@ from relay.learner.checkpoint_meta import (
     read_meta,
     scan_checkpoints,
 )
-from relay.learner.hf_export import FINAL, convert_folder
+from relay.learner.hf_export import convert_folder
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -59,7 +60,7 @@ def pick_checkpoint(checkpoints: Path, step: int | None) -> tuple[Path, Checkpoi
         if not complete:
             raise ExportError(f"{checkpoints}: no complete checkpoint (a run saves them every "
                               f"trainer.save_freq steps; its final policy is in "
-                              f"{checkpoints.parent / FINAL})")
+                              f"{checkpoints.parent / FINAL_MODEL})")
         return complete[0]
     path = checkpoints / f"step-{step}"
     try:
