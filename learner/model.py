@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    fully_shard)
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from relay.learner.attention import ATTENTION, check_relay_attention
@@ -203,6 +204,17 @@ def shard(model: nn.Module, *, compute_dtype: torch.dtype,
                 fully_shard(module, **options)
         fully_shard(model, **options)
     return model
+
+
+def back_to_shards(model: nn.Module) -> None:
+    """Back to its shards, an FSDP2 model after forward passes with no backward. FSDP2 leaves
+    the root module's parameters (embedding, final norm, head) gathered after a forward, for
+    the backward that frees them; after no-grad passes none comes, so they stayed gathered:
+    full copies on the GPU (beside the CPU shards under ``param_offload``) through the rest
+    of the step, or to the next step for a frozen reference. The cost: the next forward
+    gathers the root's parameters again. A model never sharded is left as it is."""
+    if isinstance(model, FSDPModule):
+        model.reshard()
 
 
 def forward_logprobs(model: nn.Module, batch: TrainBatch, temperature: float,

@@ -89,7 +89,7 @@ from relay.learner.batch import TrainBatch
 from relay.learner.critic import Critic
 from relay.learner.implicit_prm import ImplicitPRM
 from relay.learner.micro_batches import MicroBatches, MiniBatchTotals, mini_batch_totals
-from relay.learner.model import forward_logprobs
+from relay.learner.model import back_to_shards, forward_logprobs
 from relay.learner.shared_prompts import unsupported
 from relay.learner.ulysses import Parallelism
 from relay.learner.optim import clipped_step
@@ -399,8 +399,9 @@ class Learner:
     def _no_grad_logprobs(self, model: nn.Module, batch: TrainBatch,
                           micro: MicroBatches | None = None) -> torch.Tensor:
         """Log-probs of every row of the batch, in its own grid: each rank computes the rows
-        it trains on (a stand-in pass is not kept), and the ranks sum them. ``micro`` cuts
-        the passes (default: the actor's cut; the reference's is ``ref_micro``)."""
+        it trains on (a stand-in pass is not kept), and the ranks sum them; the model goes
+        back to its shards (``back_to_shards``). ``micro`` cuts the passes (default: the
+        actor's cut; the reference's is ``ref_micro``)."""
         micro = micro or self.micro
         out = torch.zeros_like(batch.behavior_logprobs)
         for mini in micro.mini_batches(batch):
@@ -409,6 +410,7 @@ class Learner:
                                                micro.share_prompts, self.sp)
                 if each.owned():
                     out[each.rows, :logprobs.shape[1]] = logprobs
+        back_to_shards(model)
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(out, group=self.group)
         return out

@@ -24,7 +24,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+# Run by path, tools/ comes first on sys.path, and its relay/ (the command's own modules) would
+# stand in for the installed package in the workers: tools/ goes last, found only for gpucheck.
+_TOOLS = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _TOOLS] + [str(_TOOLS)]
 
 from gpucheck.cli import main  # noqa: E402
 

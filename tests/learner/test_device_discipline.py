@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from relay.configs.run_schema import ActorConfig, AlgorithmConfig, FsdpConfig, OptimConfig
 from relay.generators.torch_engine import TorchEngine
@@ -147,6 +148,33 @@ def test_a_step_with_offloaded_parameters_and_optimizer_names_every_device(
     step = audited_step(learner, batch, monkeypatch)
     print(step.summary())
     assert_disciplined(step)
+
+
+def gathered_parameters(learner: Learner) -> list[str]:
+    """The parameters of the learner's models that are not FSDP2 shards (``DTensor``): ones
+    left gathered after a forward (on a GPU, full copies on the device, beside the CPU
+    shards of ``param_offload``)."""
+    models = {"actor": learner.model, "reference": learner.reference}
+    if learner.prm is not None:
+        models.update({"prm": learner.prm.model, "prm reference": learner.prm.reference})
+    return [f"{name} {param_name}" for name, model in models.items() if model is not None
+            for param_name, param in model.named_parameters()
+            if not isinstance(param, DTensor)]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("config", [CONFIGS["kl loss with the reference"], CONFIGS["prime"]],
+                         ids=["kl loss with the reference", "prime"])
+def test_a_step_leaves_no_model_gathered(random_model_dir: Path, batch: TrainBatch,
+                                         config: dict[str, object]) -> None:
+    """FSDP2 keeps its root module's parameters gathered after a forward, for the backward
+    that follows; after no-grad passes (the reference's, the PRM's scoring) none comes, so
+    the embedding and final norm stayed gathered on the GPU beside the CPU shards of
+    ``param_offload`` (gpu-check A/offload on an H100). After a step every model the learner
+    holds is back to its shards."""
+    learner = make_learner(random_model_dir, **config)
+    learner.step(batch)
+    assert gathered_parameters(learner) == []
 
 
 TWO_RANKS = {"ulysses": dict(sp=2, actor=dict(ulysses_sequence_parallel_size=2)),

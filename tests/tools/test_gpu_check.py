@@ -152,8 +152,8 @@ def test_wheels_install_offline_onto_the_path_of_child_processes(tmp_path: Path,
 
 def test_relay_travels_as_a_wheel_that_the_checkouts_scripts_import(tmp_path: Path) -> None:
     """The GPU machine has no editable install: Relay's own wheel, installed with the others,
-    is the ``relay`` that ``tools/launch-cluster.py`` (run by path, as check C does) imports,
-    not the checkout's tools/relay/ beside the script."""
+    is the ``relay`` that ``tools/launch-cluster.py`` (run by path, as check C does) and this
+    script's workers (checks A and B) import, not the checkout's tools/relay/ beside them."""
     folder = tmp_path / "wheels"
     subprocess.run(wheels.relay_wheel_command(ROOT, folder), check=True, timeout=300)
     (wheel,) = folder.glob("*.whl")
@@ -167,6 +167,13 @@ def test_relay_travels_as_a_wheel_that_the_checkouts_scripts_import(tmp_path: Pa
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{site}/relay/launch.py" in done.stderr
     assert str(ROOT / "tools" / "relay" / "launch.py") not in done.stderr
+    # a worker whose device is refused after its imports: the installed relay.learner
+    task = tmp_path / "task.json"
+    task.write_text(json.dumps({"kind": "learner", "model": str(tmp_path), "dtypes": [],
+                                "device": "no-such-device", "out": str(tmp_path / "out")}))
+    worker = subprocess.run([sys.executable, str(TOOL), "--worker", str(task)],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert f"{site}/relay/learner/model.py" in worker.stderr, worker.stderr[-3000:]
 
 # -- verdicts -----------------------------------------------------------------------------
 
