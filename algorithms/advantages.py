@@ -35,6 +35,8 @@ from typing import Callable, Literal
 
 import torch
 
+from relay.algorithms.registry import ADV_ESTIMATORS, advantage_estimator, register_adv_estimator
+
 _WHITEN_EPS = 1e-8  # verl's masked_whiten constant
 _STD_EPS = 1e-6  # added to the group std (verl's epsilon)
 
@@ -188,6 +190,8 @@ def grpo_advantages(
     return torch.where(count > 1, advantages, torch.zeros_like(advantages)).to(torch.float32)
 
 
+@register_adv_estimator("grpo", paper="Shao et al. 2024, DeepSeekMath", group=True,
+                        config_keys=("algorithm.norm_adv_by_std_in_grpo",))
 def grpo(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tensor:
     """``grpo``: ``grpo_advantages`` of the scores s (B,), broadcast over the response (B, T).
 
@@ -199,6 +203,7 @@ def grpo(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tens
     return _broadcast(advantages, inputs.trained_mask)
 
 
+@register_adv_estimator("rloo", paper="Ahmadian et al. 2024, Back to Basics", group=True)
 def rloo(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tensor:
     """``rloo``: REINFORCE leave-one-out (Ahmadian et al., 2024, arXiv 2402.14740):
 
@@ -213,6 +218,8 @@ def rloo(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tens
     return _broadcast(advantages, inputs.trained_mask)
 
 
+@register_adv_estimator("opo", paper="Hao et al. 2025, On-Policy RL with Optimal Reward Baseline",
+                        group=True)
 def opo(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tensor:
     """``opo``: On-Policy RL with Optimal reward baseline (Hao et al., 2025, arXiv 2505.23585):
 
@@ -232,6 +239,7 @@ def opo(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tenso
     return _broadcast(advantages, inputs.trained_mask)
 
 
+@register_adv_estimator("gpg", paper="Chu et al. 2025, GPG", group=True)
 def gpg(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tensor:
     """``gpg``: Group Policy Gradient (Chu et al., 2025, arXiv 2504.02546), as verl computes it:
 
@@ -247,6 +255,8 @@ def gpg(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tenso
     return _broadcast(alpha * _centered(scores, inputs.group_ids), inputs.trained_mask)
 
 
+@register_adv_estimator("grpo_passk", paper="Chen et al. 2025, Pass@k Training", group=True,
+                        config_keys=("algorithm.norm_adv_by_std_in_grpo",))
 def grpo_passk(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tensor:
     """``grpo_passk``: Pass@k training (Chen et al., 2025, arXiv 2503.19595), as verl:
 
@@ -273,6 +283,8 @@ def grpo_passk(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torc
     return _broadcast(advantages, inputs.trained_mask)
 
 
+@register_adv_estimator("reinforce_plus_plus_baseline", paper="Hu 2025, REINFORCE++",
+                        group=True)
 def reinforce_plus_plus_baseline(inputs: AdvantageInputs, norm_by_std: bool,
                                  gamma: float) -> torch.Tensor:
     """``reinforce_plus_plus_baseline``: REINFORCE++ with a group baseline (Hu, 2025,
@@ -288,6 +300,8 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs, norm_by_std: bool,
     return masked_whiten(centered.unsqueeze(-1) * mask, mask).float()
 
 
+@register_adv_estimator("reinforce_plus_plus", paper="Hu 2025, REINFORCE++",
+                        config_keys=("algorithm.gamma",))
 def reinforce_plus_plus(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tensor:
     """``reinforce_plus_plus``: REINFORCE++ (Hu, 2025, arXiv 2501.03262):
 
@@ -301,6 +315,7 @@ def reinforce_plus_plus(inputs: AdvantageInputs, norm_by_std: bool, gamma: float
     return masked_whiten(returns, inputs.trained_mask.to(torch.float64)).float()
 
 
+@register_adv_estimator("remax", paper="Li et al. 2023, ReMax", greedy_baseline=True)
 def remax(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Tensor:
     """``remax``: ReMax (Li et al., 2023, arXiv 2310.10505):
 
@@ -322,19 +337,16 @@ def remax(inputs: AdvantageInputs, norm_by_std: bool, gamma: float) -> torch.Ten
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus",
                        "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk", "remax",
                        "prime"]
-"""verl's ``algorithm.adv_estimator``: the keys of ``ESTIMATORS``, ``gae`` (with the
-learner's critic: ``gae_advantages``) and ``prime`` (``relay.algorithms.prime``)."""
+"""verl's ``algorithm.adv_estimator``: the built-in entries of ``relay.algorithms.registry``,
+``ESTIMATORS``, ``gae`` (with the learner's critic: ``gae_advantages``) and ``prime``
+(``relay.algorithms.prime``)."""
+
+DEFAULT_ESTIMATOR: AdvEstimator = "grpo"
 
 ESTIMATORS: dict[str, Estimator] = {
-    "grpo": grpo,
-    "rloo": rloo,
-    "opo": opo,
-    "gpg": gpg,
-    "grpo_passk": grpo_passk,
-    "reinforce_plus_plus": reinforce_plus_plus,
-    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
-    "remax": remax,
-}
+    name: entry.function for name, entry in ADV_ESTIMATORS.items()
+    if entry.function.__module__ == __name__ and not entry.learned_models}
+"""The built-in estimators of the ``Estimator`` protocol (those without a learned model)."""
 
 
 def _check_shapes(inputs: AdvantageInputs) -> None:
@@ -355,13 +367,18 @@ def compute_advantages(
     name: str, inputs: AdvantageInputs, *, norm_adv_by_std_in_grpo: bool, gamma: float
 ) -> torch.Tensor:
     """Advantages (B, T) float32, 0 off the trained tokens, of the estimator registered as
-    ``name``; ``norm_adv_by_std_in_grpo`` and ``gamma`` are verl's ``algorithm`` keys."""
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ESTIMATORS)}")
+    ``name`` (``relay.algorithms.registry``); ``norm_adv_by_std_in_grpo`` and ``gamma`` are
+    verl's ``algorithm`` keys."""
+    entry = advantage_estimator(name)
+    if entry.learned_models:
+        raise ValueError(f"advantage estimator {name!r} needs the learner's "
+                         f"{' and '.join(entry.learned_models)}; the learner computes it")
     _check_shapes(inputs)
-    return ESTIMATORS[name](inputs, norm_adv_by_std_in_grpo, gamma)
+    return entry.function(inputs, norm_adv_by_std_in_grpo, gamma)
 
 
+@register_adv_estimator("gae", paper="Schulman et al. 2016", critic=True,
+                        config_keys=("algorithm.gamma", "algorithm.lam", "critic"))
 @torch.no_grad()
 def gae_advantages(
     token_rewards: torch.Tensor,

@@ -48,22 +48,19 @@ import msgspec
 import torch
 
 from relay.algorithms.aggregation import LossAggMode, masked_mean
+from relay.algorithms.registry import POLICY_LOSSES, policy_loss_mode, register_policy_loss
 
 LOG_RATIO_CLAMP = 20.0
 GSPO_LOG_RATIO_MAX = 10.0  # verl's bound on GSPO's log s_i, for numerical stability
 
 LossMode = Literal["vanilla", "gspo", "clip_cov", "kl_cov", "gpg", "geo_mean", "cispo", "sapo"]
-# Modes whose objective is per sequence, and the aggregation verl forces for them.
-SEQUENCE_AGGREGATION: dict[str, LossAggMode] = {
-    "gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean",
-    "geo_mean": "seq-mean-token-mean"}
-
+DEFAULT_LOSS_MODE: LossMode = "vanilla"
 
 class PolicyLossConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """verl's ``actor.policy_loss``: which surrogate objective, and its own knobs.
 
-    ``loss_mode``: a key of ``LOSS_MODES`` (see the module docstring). The other keys belong
-    to the modes that name them:
+    ``loss_mode``: a mode of ``relay.algorithms.registry`` (see the module docstring). The
+    other keys belong to the modes that name them:
 
     - ``clip_cov_ratio``: fraction of response tokens whose gradient clip_cov may detach;
       ``clip_cov_lb``, ``clip_cov_ub``: clip_cov picks tokens with covariance in (lb, ub).
@@ -77,7 +74,7 @@ class PolicyLossConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     GSPO's paper uses 3e-4 / 4e-4, GMPO's 0.4 / 0.4 (in log space).
     """
 
-    loss_mode: LossMode = "vanilla"
+    loss_mode: LossMode = DEFAULT_LOSS_MODE
     clip_cov_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.0002
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
@@ -87,8 +84,8 @@ class PolicyLossConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     tau_neg: Annotated[float, msgspec.Meta(gt=0)] = 1.05
 
 
-class _Clip(NamedTuple):
-    """verl's actor.clip_ratio_low / high / c, as given to ``policy_loss``."""
+class Clip(NamedTuple):
+    """verl's actor.clip_ratio_low / high / c, as every mode receives them."""
 
     low: float
     high: float
@@ -104,13 +101,18 @@ class PolicyLossTerms(msgspec.Struct, frozen=True):
     approx_kl: torch.Tensor  # k3 estimate of KL(pi_prox || pi_theta): (r - 1) - log r
 
 
+@register_policy_loss(
+    "vanilla",
+    paper="Schulman et al. 2017; Yu et al. 2025 (DAPO clip-higher); Ye et al. 2020 (dual-clip)",
+    zero_advantage_zero_gradient=True,
+    config_keys=("actor.clip_ratio_low", "actor.clip_ratio_high", "actor.clip_ratio_c"))
 def vanilla_policy_loss(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: PolicyLossConfig,
-    clip: _Clip,
+    clip: Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -132,13 +134,16 @@ def vanilla_policy_loss(
     return _terms(loss, ratio, clipped | dual_clipped, log_ratio)
 
 
+@register_policy_loss(
+    "gspo", paper="Zheng et al. 2025, GSPO", per_sequence=True, zero_advantage_zero_gradient=True,
+    config_keys=("actor.clip_ratio_low", "actor.clip_ratio_high"))
 def gspo_policy_loss(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: PolicyLossConfig,
-    clip: _Clip,
+    clip: Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -165,13 +170,18 @@ def gspo_policy_loss(
     return _terms(loss, ratio, clipped, log_ratio)
 
 
+@register_policy_loss(
+    "clip_cov", paper="Cui et al. 2025, The Entropy Mechanism of RL for Reasoning LMs",
+    config_keys=("actor.clip_ratio_low", "actor.clip_ratio_high",
+                 "actor.policy_loss.clip_cov_ratio", "actor.policy_loss.clip_cov_lb",
+                 "actor.policy_loss.clip_cov_ub"))
 def clip_cov_policy_loss(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: PolicyLossConfig,
-    clip: _Clip,
+    clip: Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -203,13 +213,16 @@ def clip_cov_policy_loss(
     return _terms(loss, ratio, ppo_clipped | picked, log_ratio)
 
 
+@register_policy_loss(
+    "kl_cov", paper="Cui et al. 2025, The Entropy Mechanism of RL for Reasoning LMs",
+    config_keys=("actor.policy_loss.kl_cov_ratio", "actor.policy_loss.ppo_kl_coef"))
 def kl_cov_policy_loss(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: PolicyLossConfig,
-    clip: _Clip,
+    clip: Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -241,13 +254,15 @@ def kl_cov_policy_loss(
     return _terms(loss, ratio, penalized, log_ratio)
 
 
+@register_policy_loss(
+    "gpg", paper="Chu et al. 2025, GPG", zero_advantage_zero_gradient=True)
 def gpg_policy_loss(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: PolicyLossConfig,
-    clip: _Clip,
+    clip: Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -266,13 +281,17 @@ def gpg_policy_loss(
     return _terms(loss, log_ratio.exp(), torch.zeros_like(loss, dtype=torch.bool), log_ratio)
 
 
+@register_policy_loss(
+    "geo_mean", paper="Zhao et al. 2025, GMPO", per_sequence=True,
+    zero_advantage_zero_gradient=True,
+    config_keys=("actor.clip_ratio_low", "actor.clip_ratio_high"))
 def geo_mean_policy_loss(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: PolicyLossConfig,
-    clip: _Clip,
+    clip: Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -306,13 +325,16 @@ def geo_mean_policy_loss(
     return _terms(loss, log_ratio.exp(), clipped, log_ratio)
 
 
+@register_policy_loss(
+    "cispo", paper="MiniMax 2025, MiniMax-M1", zero_advantage_zero_gradient=True,
+    config_keys=("actor.clip_ratio_low", "actor.clip_ratio_high"))
 def cispo_policy_loss(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: PolicyLossConfig,
-    clip: _Clip,
+    clip: Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -334,13 +356,17 @@ def cispo_policy_loss(
     return _terms(loss, ratio, weight != ratio.detach(), log_ratio)
 
 
+@register_policy_loss(
+    "sapo", paper="Gao et al. 2025, Soft Adaptive Policy Optimization", per_sequence=True,
+    zero_advantage_zero_gradient=True,
+    config_keys=("actor.policy_loss.tau_pos", "actor.policy_loss.tau_neg"))
 def sapo_policy_loss(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: PolicyLossConfig,
-    clip: _Clip,
+    clip: Clip,
     *,
     generator: torch.Generator | None = None,
 ) -> PolicyLossTerms:
@@ -363,22 +389,10 @@ def sapo_policy_loss(
     return _terms(loss, ratio, torch.zeros_like(loss, dtype=torch.bool), log_ratio)
 
 
-ADVANTAGE_PROPORTIONAL = frozenset({"vanilla", "gspo", "gpg", "geo_mean", "cispo", "sapo"})
-"""The modes whose loss, and so gradient, for a sequence is exactly zero when all its
-advantages are zero: the learner may skip such rows' passes. Not clip_cov (its random token
-selection) nor kl_cov (its KL term), which see the whole micro-batch."""
-
 LOSS_MODES: dict[str, Callable[..., PolicyLossTerms]] = {
-    "vanilla": vanilla_policy_loss,
-    "gspo": gspo_policy_loss,
-    "clip_cov": clip_cov_policy_loss,
-    "kl_cov": kl_cov_policy_loss,
-    "gpg": gpg_policy_loss,
-    "geo_mean": geo_mean_policy_loss,
-    "cispo": cispo_policy_loss,
-    "sapo": sapo_policy_loss,
-}
-
+    name: entry.function for name, entry in POLICY_LOSSES.items()
+    if entry.function.__module__ == __name__}
+"""The built-in modes' functions, by name."""
 
 def policy_loss(
     logprobs: torch.Tensor,
@@ -404,16 +418,16 @@ def policy_loss(
     exp(sum_t m_t log w_t / sum_t m_t), as verl. ``generator`` drives clip_cov's random choice
     (the global RNG if None); other modes are deterministic and ignore it.
     """
-    mode_fn = _loss_mode_fn(config.loss_mode)
+    mode_fn = policy_loss_mode(config.loss_mode).function
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (dual-clip bound), got {clip_ratio_c}")
-    clip = _Clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    clip = Clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     terms = mode_fn(logprobs, proximal_logprobs, advantages, response_mask, config, clip,
                     generator=generator)
     if importance_weights is None:
         return terms
     weights = importance_weights.detach().float()
-    if config.loss_mode == "geo_mean":
+    if mode_fn is geo_mean_policy_loss:
         weights = _geometric_row_mean(weights, response_mask.float()).expand_as(weights)
     return msgspec.structs.replace(terms, loss=terms.loss * weights)
 
@@ -422,13 +436,7 @@ def policy_loss_agg_mode(loss_mode: str, configured: LossAggMode) -> LossAggMode
     """How the policy loss of ``loss_mode`` is aggregated: seq-mean-token-mean for the
     per-sequence objectives (gspo, sapo, geo_mean), as verl forces; ``configured``
     (``actor.loss_agg_mode``) for the rest."""
-    return SEQUENCE_AGGREGATION.get(loss_mode, configured)
-
-
-def _loss_mode_fn(loss_mode: str) -> Callable[..., PolicyLossTerms]:
-    if loss_mode not in LOSS_MODES:
-        raise ValueError(f"unknown loss_mode {loss_mode!r}; known: {', '.join(LOSS_MODES)}")
-    return LOSS_MODES[loss_mode]
+    return "seq-mean-token-mean" if policy_loss_mode(loss_mode).per_sequence else configured
 
 
 def _geometric_row_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -448,7 +456,7 @@ def _log_ratio(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor) -> torch
 
 
 def _clipped_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, clip: _Clip
+    ratio: torch.Tensor, advantages: torch.Tensor, clip: Clip
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) and where the clipped term won."""
     unclipped = -advantages * ratio

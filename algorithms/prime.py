@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from relay.algorithms.advantages import group_index, group_sum, masked_whiten
+from relay.algorithms.registry import register_adv_estimator
 
 
 def implicit_process_rewards(prm_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
@@ -83,6 +84,10 @@ def last_token_mask(response_mask: torch.Tensor) -> torch.Tensor:
     return out * (mask.sum(-1, keepdim=True) > 0)
 
 
+@register_adv_estimator("prime", paper="Cui et al. 2025, PRIME", group=True, prm=True,
+                        reference=True,
+                        config_keys=("algorithm.reward_dpo_coef", "algorithm.reward_gt_coef",
+                                     "reward_model"))
 def prime_advantages(process_rewards: torch.Tensor, outcome_rewards: torch.Tensor,
                      response_mask: torch.Tensor, group_ids: torch.Tensor,
                      reward_dpo_coef: float, reward_gt_coef: float,

@@ -129,7 +129,7 @@ def build_hub(ctx: RunContext) -> Hub:
                 run.buffer.max_staleness)
     limits = GroupLimits(n=run.rollout.n, vocab_size=vocab_size(run),
                          response_length=run.rollout.response_length,
-                         greedy_baseline=run.algorithm.adv_estimator == "remax")
+                         greedy_baseline=run.algorithm.estimator.greedy_baseline)
     hub = Hub(run.buffer, source, build_store(run), log, batch_size=run.data.train_batch_size,
               limits=limits, prompts_per_lease=run.rollout.prompts_per_lease,
               total_steps=run.trainer.total_training_steps,

@@ -40,9 +40,6 @@ long ones: their count needs the model's tokenizer, which this package does not 
 launcher's ``relay.launcher.resolve.epoch_rows`` does). A ``ValueError`` it raises (rows that do
 not load, or that ``data.truncation = "error"`` refuses) is reported against
 ``data.train_files``."""
-# Advantage estimators whose baseline comes from the other samples of the same prompt.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk",
-                    "prime")
 
 
 def load_topology(path: str | Path, overrides: Iterable[str] = (),
@@ -219,12 +216,12 @@ def check_run_config(run: RunConfig, source: str,
         raise ConfigError(source, "actor.ppo_mini_batch_size",
                           f"{mini} does not divide data.train_batch_size "
                           f"({data.train_batch_size})")
-    estimator = run.algorithm.adv_estimator
-    if estimator in GROUP_ESTIMATORS and run.rollout.n < 2:
+    estimator = run.algorithm.estimator
+    if estimator.group and run.rollout.n < 2:
         raise ConfigError(source, "rollout.n",
-                          f"{estimator} compares the samples of a prompt with each other and "
-                          f"needs at least 2 per prompt, got {run.rollout.n}")
-    per_prompt = run.rollout.n + (1 if estimator == "remax" else 0)  # remax: a greedy one
+                          f"{estimator.name} compares the samples of a prompt with each other "
+                          f"and needs at least 2 per prompt, got {run.rollout.n}")
+    per_prompt = estimator.samples_per_prompt(run.rollout.n)
     if run.rollout.max_num_seqs < per_prompt:
         raise ConfigError(source, "rollout.max_num_seqs",
                           f"{run.rollout.max_num_seqs} cannot hold one prompt's {per_prompt} "
@@ -423,13 +420,14 @@ def check_algorithm_combinations(run: RunConfig, source: str) -> None:
                           f"must be in (0, rollout.response_length = "
                           f"{run.rollout.response_length}] when the overlong buffer is "
                           f"enabled, got {overlong.len}")
-    if run.algorithm.adv_estimator == "prime" and overlong.enable:
+    prm = run.algorithm.adv_estimator if run.algorithm.estimator.prm else None
+    if prm and overlong.enable:
         raise ConfigError(source, "reward_model.overlong_buffer.enable",
-                          "prime trains its PRM on the rewards as labels in [0, 1], and the "
+                          f"{prm} trains its PRM on the rewards as labels in [0, 1], and the "
                           "overlong penalty makes them negative; turn one of them off")
-    if run.algorithm.adv_estimator == "prime" and run.algorithm.use_kl_in_reward:
+    if prm and run.algorithm.use_kl_in_reward:
         raise ConfigError(source, "algorithm.use_kl_in_reward",
-                          "prime builds its token rewards from the implicit PRM and does not "
+                          f"{prm} builds its token rewards from the implicit PRM and does not "
                           "take a KL penalty in the reward; use actor.use_kl_loss instead")
 
 
@@ -450,10 +448,10 @@ def check_replay(run: RunConfig, source: str) -> None:
                           f"{replay.max_age} is above buffer.max_staleness "
                           f"({run.buffer.max_staleness}): no group is trained on past the "
                           f"staleness bound")
-    if replay.priority == "td_error" and run.algorithm.adv_estimator != "gae":
+    if replay.priority == "td_error" and not run.algorithm.estimator.critic:
         raise ConfigError(source, "buffer.replay.priority",
-                          f"'td_error' needs the critic's values (algorithm.adv_estimator = "
-                          f"'gae'), got {run.algorithm.adv_estimator!r}")
+                          f"'td_error' needs the critic's values (an algorithm.adv_estimator "
+                          f"with a critic, as 'gae'), got {run.algorithm.adv_estimator!r}")
 
 
 def check_replay_filters(run: RunConfig, source: str) -> None:
@@ -474,7 +472,7 @@ def check_replay_filters(run: RunConfig, source: str) -> None:
                           f"{pf_ppo.mode!r} keeps {kept} of each prompt's samples and "
                           f"rollout.n = {n}: nothing would be filtered; raise rollout.n")
     estimator = run.algorithm.adv_estimator
-    if kept == 1 and estimator in GROUP_ESTIMATORS:
+    if kept == 1 and run.algorithm.estimator.group:
         raise ConfigError(source, "buffer.pf_ppo.mode",
                           f"'best' keeps one sample per prompt, but {estimator} compares the "
                           f"samples of a prompt with each other (every advantage would be 0); "

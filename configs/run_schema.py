@@ -19,11 +19,12 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from relay.algorithms.advantages import AdvEstimator
+from relay.algorithms.advantages import DEFAULT_ESTIMATOR, AdvEstimator
 from relay.algorithms.aggregation import LossAggMode
 from relay.algorithms.kl import KLControlConfig, KLType
 from relay.algorithms.off_policy import RolloutCorrectionConfig
 from relay.algorithms.policy_loss import PolicyLossConfig
+from relay.algorithms.registry import AdvantageEntry, advantage_estimator
 from relay.algorithms.rewards.config import RewardConfig
 
 Positive = Annotated[int, msgspec.Meta(gt=0)]
@@ -176,8 +177,8 @@ class ActorConfig(_Section):
     ``ppo_max_token_len_per_gpu`` padded tokens (``relay.learner.micro_batches``).
     ``skip_zero_advantage`` (Relay) skips the forward and backward passes of rows whose
     advantages are all zero (a GRPO group whose samples all scored the same) when their
-    loss and gradient are exactly zero: a loss mode in
-    ``relay.algorithms.policy_loss.ADVANTAGE_PROPORTIONAL``, no entropy bonus, no KL loss. The
+    loss and gradient are exactly zero: a loss mode whose registry entry says so
+    (``zero_advantage_zero_gradient``), no entropy bonus, no KL loss. The
     loss keeps its denominators, so the update is the same; the actor's diagnostics then
     describe the rows trained on.
     ``share_prompts`` (Relay) runs the samples of a prompt group as one sequence, the prompt
@@ -278,7 +279,7 @@ class AlgorithmConfig(_Section):
     ``reward_dpo_coef`` and the outcome rewards by ``reward_gt_coef``.
     """
 
-    adv_estimator: AdvEstimator = "grpo"
+    adv_estimator: AdvEstimator = DEFAULT_ESTIMATOR
     norm_adv_by_std_in_grpo: bool = True
     gamma: Fraction = 1.0
     lam: Fraction = 1.0
@@ -289,6 +290,11 @@ class AlgorithmConfig(_Section):
         default_factory=RolloutCorrectionConfig)
     reward_dpo_coef: NonNegativeFloat = 5.0  # prime: weight of the implicit process rewards
     reward_gt_coef: NonNegativeFloat = 5.0  # prime: weight of the outcome rewards
+
+    @property
+    def estimator(self) -> AdvantageEntry:
+        """``adv_estimator``'s registry entry: what it needs (``relay.algorithms.registry``)."""
+        return advantage_estimator(self.adv_estimator)
 
 
 class CriticFsdpConfig(_Section):
@@ -581,8 +587,9 @@ class RunConfig(_Section):
         """The models the learner loads: the policy (and its reference), the critic with
         ``gae``, the implicit PRM with ``prime`` (each defaulting to ``model.path``)."""
         paths = {self.model.path}
-        if self.algorithm.adv_estimator == "gae":
+        estimator = self.algorithm.estimator
+        if estimator.critic:
             paths.add(self.critic.model.path or self.model.path)
-        if self.algorithm.adv_estimator == "prime":
+        if estimator.prm:
             paths.add(self.reward_model.model.path or self.model.path)
         return paths

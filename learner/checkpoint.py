@@ -126,8 +126,7 @@ def trained_parts(learner: Learner) -> list[str]:
 
 def expected_parts(run: RunConfig) -> list[str]:
     """The trained models of a learner built for ``run`` (``relay.learner.main.build_learner``)."""
-    extra = {"gae": ["critic"], "prime": ["prm"]}.get(run.algorithm.adv_estimator, [])
-    return ["policy", *extra]
+    return ["policy", *run.algorithm.estimator.learned_models]
 
 
 def checkpoint_state(learner: Learner) -> dict[str, dict]:

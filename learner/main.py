@@ -82,7 +82,7 @@ def build_learner(ctx: RunContext, device: torch.device,
     (``relay.learner.model.load_sharded``)."""
     run = ctx.run
     dtype = getattr(torch, run.model.dtype)
-    estimator = run.algorithm.adv_estimator
+    estimator = run.algorithm.estimator
     critic_path = run.critic.model.path or run.model.path
     prm_path = run.reward_model.model.path or run.model.path
     sp_size = run.actor.ulysses_sequence_parallel_size
@@ -99,7 +99,7 @@ def build_learner(ctx: RunContext, device: torch.device,
                          trust_remote_code=run.model.trust_remote_code,
                          gradient_checkpointing=checkpointing, offload=offload,
                          compile_blocks=run.actor.use_torch_compile, mesh=actor_mesh)
-    prm_shares_reference = estimator == "prime" and prm_path == run.model.path
+    prm_shares_reference = estimator.prm and prm_path == run.model.path
     reference = None
     if run.actor.use_kl_loss or run.algorithm.use_kl_in_reward or prm_shares_reference:
         reference = load_sharded(run.model.path, compute_dtype=dtype, device=device,
@@ -110,14 +110,14 @@ def build_learner(ctx: RunContext, device: torch.device,
     scheduler = build_scheduler(optimizer, total_steps=run.trainer.total_training_steps,
                                 optim=run.actor.optim)
     critic = prm = None
-    if estimator == "gae":
+    if estimator.critic:
         value_model = load_value_model(critic_path, compute_dtype=dtype, device=device,
                                        trust_remote_code=run.model.trust_remote_code,
                                        gradient_checkpointing=checkpointing,
                                        mesh=meshes.get(run.critic.model.fsdp_config.fsdp_size,
                                                        "critic.model.fsdp_config.fsdp_size"))
         critic = Critic(value_model, run.critic, total_steps=run.trainer.total_training_steps)
-    if estimator == "prime":
+    if estimator.prm:
         prm_model = load_sharded(prm_path, compute_dtype=dtype, device=device,
                                  trust_remote_code=run.model.trust_remote_code,
                                  gradient_checkpointing=checkpointing, mesh=actor_mesh)

@@ -330,10 +330,11 @@ def count_learner_models(run: RunConfig,
     """``LearnerModels`` of ``run``, each model's config read by ``config_of(path)``."""
     trust = run.model.trust_remote_code
     critic = prm = None
-    if run.algorithm.adv_estimator == "gae":
+    estimator = run.algorithm.estimator
+    if estimator.critic:
         critic = count_parameters(config_of(run.critic.model.path or run.model.path),
                                   value_head=True, trust_remote_code=trust)
-    if run.algorithm.adv_estimator == "prime":
+    if estimator.prm:
         prm = count_parameters(config_of(run.reward_model.model.path or run.model.path),
                                trust_remote_code=trust)
     return LearnerModels(policy=count_parameters(config_of(run.model.path),

@@ -70,20 +70,15 @@ from torch import nn
 from relay.algorithms.advantages import (
     AdvantageInputs,
     compute_advantages,
-    gae_advantages,
     group_sum,
     token_level_rewards,
 )
 from relay.algorithms.aggregation import aggregate_loss
 from relay.algorithms.kl import kl_penalty, kl_reward_penalty, make_kl_controller
 from relay.algorithms.off_policy import Correction, a3po_proximal_logprobs, off_policy_correction
-from relay.algorithms.policy_loss import (
-    ADVANTAGE_PROPORTIONAL,
-    PolicyLossTerms,
-    policy_loss,
-    policy_loss_agg_mode,
-)
-from relay.algorithms.prime import implicit_process_rewards, prime_advantages
+from relay.algorithms.policy_loss import PolicyLossTerms, policy_loss, policy_loss_agg_mode
+from relay.algorithms.prime import implicit_process_rewards
+from relay.algorithms.registry import policy_loss_mode
 from relay.configs.run_schema import ActorConfig, AlgorithmConfig, RefConfig
 from relay.learner.batch import TrainBatch
 from relay.learner.critic import Critic
@@ -239,10 +234,11 @@ class Learner:
             micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
             max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz
             else None, share_prompts=actor.share_prompts, group=self.group, sp=self.sp)
-        if algorithm.adv_estimator == "gae" and critic is None:
-            raise ValueError("algorithm.adv_estimator = 'gae' needs the critic")
-        if algorithm.adv_estimator == "prime" and prm is None:
-            raise ValueError("algorithm.adv_estimator = 'prime' needs the implicit PRM")
+        self.estimator = estimator = algorithm.estimator  # its registry entry
+        for part, needed, given in (("critic", estimator.critic, critic),
+                                    ("implicit PRM", estimator.prm, prm)):
+            if needed and given is None:
+                raise ValueError(f"algorithm.adv_estimator = {estimator.name!r} needs the {part}")
         if (actor.use_kl_loss or algorithm.use_kl_in_reward) and reference is None:
             raise ValueError("KL (actor.use_kl_loss or algorithm.use_kl_in_reward) needs the "
                              "frozen reference model")
@@ -250,7 +246,8 @@ class Learner:
         self.kl_ctrl = make_kl_controller(algorithm.kl_ctrl) if algorithm.use_kl_in_reward \
             else None
         mode = actor.policy_loss.loss_mode
-        self.skips_zero_advantage = (actor.skip_zero_advantage and mode in ADVANTAGE_PROPORTIONAL
+        self.skips_zero_advantage = (actor.skip_zero_advantage
+                                     and policy_loss_mode(mode).zero_advantage_zero_gradient
                                      and not actor.use_kl_loss and actor.entropy_coeff == 0)
         why_not = unsupported(model.config) if actor.share_prompts else None
         if actor.share_prompts and self.sp is not None:
@@ -299,11 +296,11 @@ class Learner:
         inputs = AdvantageInputs(rewards=batch.rewards, group_ids=batch.group_ids,
                                  response_mask=batch.response_mask, token_rewards=token_rewards,
                                  baseline_rewards=self._greedy_baselines(batch), kept_mask=kept)
-        if self.critic is not None:
+        if self.estimator.critic:  # advantages from the critic's values (gae_advantages)
             old_values = self.critic.values(batch, minis, self.micro)
-            advantages, returns = gae_advantages(token_level_rewards(inputs), old_values,
-                                                 batch.response_mask, algorithm.gamma,
-                                                 algorithm.lam, kept_mask=kept)
+            advantages, returns = self.estimator.function(
+                token_level_rewards(inputs), old_values, batch.response_mask, algorithm.gamma,
+                algorithm.lam, kept_mask=kept)
             td_errors = group_td_errors(returns, old_values, batch.response_mask,
                                         batch.group_ids)
             extra.update(self.critic.train(batch, minis, self.micro, old_values, returns,
@@ -313,7 +310,7 @@ class Learner:
                 return StepResult({**extra, **self._peak_memory(),
                                    "actor/updates_skipped": float(updates)}, td_errors,
                                   policy_updated=False)
-        elif self.prm is not None:
+        elif self.estimator.prm:  # from the implicit PRM's token rewards (prime_advantages)
             advantages, extra_prm = self._prime_advantages(batch, minis, reference, kept)
             extra.update(extra_prm)
         else:
@@ -365,7 +362,7 @@ class Learner:
 
     def _greedy_baselines(self, batch: TrainBatch) -> torch.Tensor | None:
         """ReMax's baselines (B,), or None for the other estimators."""
-        if self.algorithm.adv_estimator != "remax":
+        if not self.estimator.greedy_baseline:
             return None
         if bool(batch.baseline_rewards.isnan().any()):
             raise ValueError("remax needs every group's greedy baseline reward "
@@ -389,9 +386,9 @@ class Learner:
                                            batch.response_mask, prm.beta)
         if not before:
             metrics = prm.train(batch, minis, self.micro, reference)
-        advantages, _ = prime_advantages(process, batch.rewards, batch.response_mask,
-                                         batch.group_ids, algorithm.reward_dpo_coef,
-                                         algorithm.reward_gt_coef, kept_mask=kept)
+        advantages, _ = self.estimator.function(process, batch.rewards, batch.response_mask,
+                                                batch.group_ids, algorithm.reward_dpo_coef,
+                                                algorithm.reward_gt_coef, kept_mask=kept)
         metrics["prm/process_reward_mean"] = float(process.sum() / batch.response_mask.sum())
         return advantages, metrics
 

@@ -299,7 +299,7 @@ def check_fsdp_sizes(topology: Topology, run: RunConfig, source: str) -> None:
     ranks = len(topology.learner.hosts) * topology.learner.nproc_per_node
     sizes = {"actor.fsdp_config.fsdp_size": run.actor.fsdp_config.fsdp_size,
              "ref.fsdp_config.fsdp_size": run.ref.fsdp_config.fsdp_size}
-    if run.algorithm.adv_estimator == "gae":
+    if run.algorithm.estimator.critic:
         sizes["critic.model.fsdp_config.fsdp_size"] = run.critic.model.fsdp_config.fsdp_size
     for key, size in sizes.items():
         if size is not None and size not in (-1, ranks) and ranks % size:
