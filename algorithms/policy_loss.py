@@ -59,8 +59,10 @@ DEFAULT_LOSS_MODE: LossMode = "vanilla"
 class PolicyLossConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """verl's ``actor.policy_loss``: which surrogate objective, and its own knobs.
 
-    ``loss_mode``: a mode of ``relay.algorithms.registry`` (see the module docstring). The
-    other keys belong to the modes that name them:
+    ``loss_mode``: a mode of ``relay.algorithms.registry`` (see the module docstring), or a
+    user's function by path, ``"my_pkg.losses:my_loss"`` or ``"path/to/file.py:my_loss"``,
+    with the modes' signature (``registry.PolicyLossEntry``). The other keys belong to the
+    modes that name them:
 
     - ``clip_cov_ratio``: fraction of response tokens whose gradient clip_cov may detach;
       ``clip_cov_lb``, ``clip_cov_ub``: clip_cov picks tokens with covariance in (lb, ub).
@@ -74,7 +76,7 @@ class PolicyLossConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     GSPO's paper uses 3e-4 / 4e-4, GMPO's 0.4 / 0.4 (in log space).
     """
 
-    loss_mode: LossMode = DEFAULT_LOSS_MODE
+    loss_mode: str = DEFAULT_LOSS_MODE  # a LossMode, or a function by path
     clip_cov_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.0002
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0

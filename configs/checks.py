@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 import pyarrow.parquet as pq
 
+from relay.algorithms.registry import advantage_estimator, check_protocol, policy_loss_mode
 from relay.buffer.rollout_dump import dump_dir_problem
 from relay.configs.gpu_placement import check_process_gpus
 from relay.configs.hub import looks_like_hub_id, resolve_hub_id
@@ -172,6 +173,7 @@ def load_run_config(path: str | Path, overrides: Iterable[str] = (),
                    ("checkpoint", "dir"), ("trainer", "resume_from_path"),
                    ("trainer", "validation_data_dir"), ("trainer", "rollout_data_dir")],
         file_or_module_keys=[("custom_reward_function", "path")],
+        function_keys=[("algorithm", "adv_estimator"), ("actor", "policy_loss", "loss_mode")],
         aliases=VERL_ALIASES,
         foreign=verl,
         hub_id_keys=MODEL_PATH_KEYS,
@@ -203,6 +205,7 @@ def check_run_config(run: RunConfig, source: str,
         for i, file in enumerate(getattr(data, key)):
             if not Path(file).is_file():
                 raise ConfigError(source, f"data.{key}[{i}]", f"file not found: {file}")
+    check_algorithm_entries(run, source)
     run = resolve_model_paths(run, source)
     model_path = run.model.path
     for key, path in (("critic.model.path", run.critic.model.path),
@@ -382,6 +385,20 @@ def check_same_vocabulary(source: str, key: str, path: str, policy_path: str) ->
                           f"vocab_size {sizes[0]} differs from the policy's ({sizes[1]}, "
                           f"model.path); it reads the policy's token ids, so it needs the "
                           "policy's tokenizer")
+
+
+def check_algorithm_entries(run: RunConfig, source: str) -> None:
+    """``algorithm.adv_estimator`` and ``actor.policy_loss.loss_mode`` name a registered entry
+    or a function by path that loads and whose signature takes what Relay passes it
+    (``relay.algorithms.registry``)."""
+    for key, name, lookup in (("algorithm.adv_estimator", run.algorithm.adv_estimator,
+                               advantage_estimator),
+                              ("actor.policy_loss.loss_mode", run.actor.policy_loss.loss_mode,
+                               policy_loss_mode)):
+        try:
+            check_protocol(lookup(name))
+        except ValueError as exc:
+            raise ConfigError(source, key, str(exc)) from exc
 
 
 def check_algorithm_sections(run: RunConfig, source: str) -> None:

@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 from msgspec import inspect as mi
 
+from relay.algorithms.user_code import is_file, is_spec
 from relay.configs.hub import looks_like_hub_id
 
 if sys.version_info >= (3, 11):
@@ -490,6 +491,7 @@ def translate_foreign(root: type[msgspec.Struct], data: dict[str, Any], source: 
 def load(root: type[T], path: str | Path, overrides: Iterable[str] = (),
          path_keys: Iterable[tuple[str, ...]] = (),
          file_or_module_keys: Iterable[tuple[str, ...]] = (),
+         function_keys: Iterable[tuple[str, ...]] = (),
          aliases: Mapping[KeyPath, KeyPath] | None = None,
          foreign: ForeignKeys | None = None,
          hub_id_keys: Iterable[tuple[str, ...]] = (),
@@ -502,6 +504,8 @@ def load(root: type[T], path: str | Path, overrides: Iterable[str] = (),
     hold a Hugging Face Hub ID (``relay.configs.hub``): a value that looks like one and is
     no existing path is kept as written. ``file_or_module_keys`` hold either a Python
     module name (left alone) or a file path (``*.py`` or containing ``/``, resolved).
+    ``function_keys`` may hold a function by path, ``module:function`` (left alone) or
+    ``path/to/file.py:function`` (its file resolved); any other value is left alone.
     ``aliases`` and ``foreign``: another project's names (module docstring).
     ``command_line_keys`` receives the key paths the overrides set, for the caller's later
     checks to name the command line as their source (``blame_command_line``).
@@ -528,6 +532,9 @@ def load(root: type[T], path: str | Path, overrides: Iterable[str] = (),
     for key in file_or_module_keys:
         _resolve_paths(data, key, base=Path.cwd() if key in touched else path.parent.resolve(),
                        only_if=lambda v: v.endswith(".py") or "/" in v)
+    for key in function_keys:
+        _resolve_function_path(data, key, Path.cwd() if key in touched
+                               else path.parent.resolve())
     try:
         return msgspec.convert(data, type=root)
     except msgspec.ValidationError as exc:
@@ -549,6 +556,17 @@ def blame_command_line(error: ConfigError, source: str,
     blamed = ConfigError(COMMAND_LINE, error.key, error.problem)
     blamed.__cause__ = error.__cause__
     return blamed
+
+
+def _resolve_function_path(data: dict[str, Any], key: tuple[str, ...], base: Path) -> None:
+    node: Any = data
+    for part in key[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    value = node.get(key[-1]) if isinstance(node, dict) else None
+    if isinstance(value, str) and is_spec(value):
+        location, _, name = value.rpartition(":")
+        if is_file(location):
+            node[key[-1]] = f"{(base / Path(location).expanduser()).resolve()}:{name}"
 
 
 def _resolve_paths(data: dict[str, Any], key: tuple[str, ...], base: Path,

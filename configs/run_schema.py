@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from relay.algorithms.advantages import DEFAULT_ESTIMATOR, AdvEstimator
+from relay.algorithms.advantages import DEFAULT_ESTIMATOR
 from relay.algorithms.aggregation import LossAggMode
 from relay.algorithms.kl import KLControlConfig, KLType
 from relay.algorithms.off_policy import RolloutCorrectionConfig
@@ -276,10 +276,13 @@ class AlgorithmConfig(_Section):
     decode one greedy response per prompt, whose reward is the baseline; ``prime`` (*Relay*
     name; verl's PRIME recipe runs it as its ``rloo``) trains an implicit process reward
     model (the ``reward_model`` section) and weighs its token rewards by
-    ``reward_dpo_coef`` and the outcome rewards by ``reward_gt_coef``.
+    ``reward_dpo_coef`` and the outcome rewards by ``reward_gt_coef``. ``adv_estimator`` is a
+    name of ``relay.algorithms.registry`` or a user's function by path,
+    ``"my_pkg.adv:my_est"`` or ``"path/to/file.py:my_est"``; one that does not load or whose
+    signature does not fit is refused when the config loads.
     """
 
-    adv_estimator: AdvEstimator = DEFAULT_ESTIMATOR
+    adv_estimator: str = DEFAULT_ESTIMATOR  # an AdvEstimator, or a function by path
     norm_adv_by_std_in_grpo: bool = True
     gamma: Fraction = 1.0
     lam: Fraction = 1.0

@@ -415,3 +415,32 @@ def test_a_check_failing_on_a_command_line_value_names_the_command_line(
     err = error_of(load_run_config,
                    write(run_dir, GOOD_RUN + "\n[actor]\nppo_mini_batch_size = 3\n"))
     assert (err.source, err.key) == (str(path), "actor.ppo_mini_batch_size")
+
+
+USER_ALGORITHMS = Path(__file__).resolve().parents[1] / "e2e" / "user_algorithms.py"
+
+
+def test_a_users_estimator_and_loss_by_path_resolve_against_the_working_directory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(USER_ALGORITHMS.parents[2])
+    run = load_run_config(DEFAULT_RUN, [
+        "algorithm.adv_estimator=tests/e2e/user_algorithms.py:centered_score",
+        "actor.policy_loss.loss_mode=tests/e2e/user_algorithms.py:clipped_reinforce"])
+    assert run.algorithm.adv_estimator == f"{USER_ALGORITHMS}:centered_score"
+    assert run.actor.policy_loss.loss_mode == f"{USER_ALGORITHMS}:clipped_reinforce"
+    assert run.algorithm.estimator.name == "user_centered_score"
+
+
+@pytest.mark.parametrize("key, value, problem", [
+    ("actor.policy_loss.loss_mode", f"{USER_ALGORITHMS}:wrong_signature_loss",
+     r"wrong_signature_loss\(logprobs.*does not take the arguments Relay passes"),
+    ("algorithm.adv_estimator", f"{USER_ALGORITHMS}:clipped_reinforce",
+     r"clipped_reinforce\(.*does not take the arguments Relay passes, \(inputs, "),
+    ("algorithm.adv_estimator", "ppo", "unknown advantage estimator 'ppo'; known: grpo, rloo"),
+    ("actor.policy_loss.loss_mode", "losses.py:mine", "file not found"),
+])
+def test_an_estimator_or_loss_that_does_not_fit_is_refused_naming_the_key(
+        key: str, value: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem) as info:
+        load_run_config(DEFAULT_RUN, [f"{key}={value}"])
+    assert info.value.key == key
