@@ -121,6 +121,9 @@ def register_adv_estimator(name: str, **declared: Any) -> Callable[[F], F]:
     return register
 
 
+register_adv_est = register_adv_estimator  # verl's name, so a verl user's decorator works
+
+
 def register_policy_loss(name: str, **declared: Any) -> Callable[[F], F]:
     """Decorator: register the function as the policy-loss mode ``name`` with the
     ``PolicyLossEntry`` fields ``declared``; the function is returned unchanged."""

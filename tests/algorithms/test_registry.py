@@ -106,6 +106,10 @@ def test_declared_config_keys_exist_in_the_run_schema() -> None:
     assert keys and not {key for key in keys if not _schema_has(key)}
 
 
+def test_verls_decorator_name_is_accepted() -> None:
+    assert registry.register_adv_est is registry.register_adv_estimator
+
+
 def test_a_name_registered_twice_is_refused_naming_the_first() -> None:
     def other(inputs: typing.Any, norm_by_std: bool, gamma: float) -> torch.Tensor:
         raise AssertionError

@@ -431,6 +431,15 @@ def test_a_users_estimator_and_loss_by_path_resolve_against_the_working_director
     assert run.algorithm.estimator.name == "user_centered_score"
 
 
+def test_a_users_file_named_in_the_config_resolves_against_its_folder(run_dir: Path) -> None:
+    (run_dir / "mine.py").write_text("def zero(inputs, norm_adv_by_std_in_grpo, gamma):\n"
+                                     "    return 0 * inputs.response_mask\n")
+    config = GOOD_RUN + '\n[algorithm]\nadv_estimator = "./mine.py:zero"\n'
+    run = load_run_config(write(run_dir, config), ["actor.policy_loss.loss_mode=gspo"])
+    assert run.algorithm.adv_estimator == f"{run_dir / 'mine.py'}:zero"
+    assert run.actor.policy_loss.loss_mode == "gspo"  # a name is left as it is
+
+
 @pytest.mark.parametrize("key, value, problem", [
     ("actor.policy_loss.loss_mode", f"{USER_ALGORITHMS}:wrong_signature_loss",
      r"wrong_signature_loss\(logprobs.*does not take the arguments Relay passes"),
