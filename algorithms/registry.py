@@ -51,7 +51,7 @@ class AdvantageEntry:
 
     name: str
     function: Callable[..., Any]
-    paper: str
+    paper: str = ""
     group: bool = False
     greedy_baseline: bool = False
     critic: bool = False
@@ -96,7 +96,7 @@ class PolicyLossEntry:
 
     name: str
     function: Callable[..., Any]
-    paper: str
+    paper: str = ""
     per_sequence: bool = False
     zero_advantage_zero_gradient: bool = False
     config_keys: tuple[str, ...] = ()
@@ -209,7 +209,7 @@ def _lookup(table: dict[str, Any], name: str, what: str, kind: type) -> Any:
     declared = [entry for entry in table.values() if _where(entry.function) == _where(function)]
     if declared:  # decorated: its declaration, with the function this import made
         return dataclasses.replace(declared[0], function=function)
-    return kind(name=name, function=function, paper="")
+    return kind(name=name, function=function)
 
 
 def _load_builtins() -> None:

@@ -110,6 +110,19 @@ def test_verls_decorator_name_is_accepted() -> None:
     assert registry.register_adv_est is registry.register_adv_estimator
 
 
+def test_a_name_alone_registers_an_entry_that_declares_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry, "POLICY_LOSSES", dict(registry.POLICY_LOSSES))
+
+    @registry.register_policy_loss("test_only_a_name")
+    def mine(*args: typing.Any, **kwargs: typing.Any) -> None:
+        raise AssertionError
+
+    entry = registry.policy_loss_mode("test_only_a_name")
+    assert entry.function is mine and entry.paper == "" and not entry.per_sequence
+    registry.check_protocol(entry)  # *args, **kwargs take anything
+
+
 def test_a_name_registered_twice_is_refused_naming_the_first() -> None:
     def other(inputs: typing.Any, norm_by_std: bool, gamma: float) -> torch.Tensor:
         raise AssertionError
