@@ -18,6 +18,7 @@ import msgspec
 import pyarrow.parquet as pq
 
 from relay.algorithms.registry import advantage_estimator, check_protocol, policy_loss_mode
+from relay.algorithms.user_code import is_spec
 from relay.buffer.rollout_dump import dump_dir_problem
 from relay.configs.gpu_placement import check_process_gpus
 from relay.configs.hub import looks_like_hub_id, resolve_hub_id
@@ -388,17 +389,26 @@ def check_same_vocabulary(source: str, key: str, path: str, policy_path: str) ->
 
 
 def check_algorithm_entries(run: RunConfig, source: str) -> None:
-    """``algorithm.adv_estimator`` and ``actor.policy_loss.loss_mode`` name a registered entry
+    """``algorithm.adv_estimator`` and ``actor.policy_loss.loss_mode`` name a built-in entry
     or a function by path that loads and whose signature takes what Relay passes it
-    (``relay.algorithms.registry``)."""
+    (``relay.algorithms.registry``). A user's entry by its registered name alone is refused:
+    only this process imported its module, the buffer's and the learner's would not."""
     for key, name, lookup in (("algorithm.adv_estimator", run.algorithm.adv_estimator,
                                advantage_estimator),
                               ("actor.policy_loss.loss_mode", run.actor.policy_loss.loss_mode,
                                policy_loss_mode)):
         try:
-            check_protocol(lookup(name))
+            entry = lookup(name)
+            check_protocol(entry)
         except ValueError as exc:
             raise ConfigError(source, key, str(exc)) from exc
+        module = getattr(entry.function, "__module__", "")
+        if not is_spec(name) and not module.startswith("relay."):
+            code = getattr(entry.function, "__code__", None)
+            where = f"{code.co_filename if code else module}:{entry.function.__name__}"
+            raise ConfigError(source, key, f"{name!r} is registered by a module that only this "
+                                           f"process imported; name its function by path, "
+                                           f"'{where}' or 'module:function'")
 
 
 def check_algorithm_sections(run: RunConfig, source: str) -> None:

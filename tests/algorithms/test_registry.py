@@ -142,7 +142,8 @@ def test_unknown_names_list_the_known_ones() -> None:
 # Where a registered name stands for something else: verl's reward manager "prime"; the GPU
 # check's scenario labels (each sets its estimator by an override, as a user does).
 _OTHER_MEANINGS = {("configs/verl_keys.py", "prime"),
-                   *(("tools/gpucheck/learner_check.py", name) for name in ("grpo", "gae", "prime"))}
+                   *(("tools/gpucheck/learner_check.py", name)
+                     for name in ("grpo", "gae", "prime"))}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

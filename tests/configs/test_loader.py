@@ -447,9 +447,14 @@ def test_a_users_file_named_in_the_config_resolves_against_its_folder(run_dir: P
      r"clipped_reinforce\(.*does not take the arguments Relay passes, \(inputs, "),
     ("algorithm.adv_estimator", "ppo", "unknown advantage estimator 'ppo'; known: grpo, rloo"),
     ("actor.policy_loss.loss_mode", "losses.py:mine", "file not found"),
+    # the user's file is loaded here by the estimator's path, not in the other processes
+    ("actor.policy_loss.loss_mode", "user_clipped_reinforce",
+     f"'user_clipped_reinforce' is registered by a module that only this process imported; "
+     f"name its function by path, '{USER_ALGORITHMS}:clipped_reinforce'"),
 ])
 def test_an_estimator_or_loss_that_does_not_fit_is_refused_naming_the_key(
         key: str, value: str, problem: str) -> None:
     with pytest.raises(ConfigError, match=problem) as info:
-        load_run_config(DEFAULT_RUN, [f"{key}={value}"])
+        load_run_config(DEFAULT_RUN, [f"algorithm.adv_estimator={USER_ALGORITHMS}:centered_score",
+                                      f"{key}={value}"])
     assert info.value.key == key
