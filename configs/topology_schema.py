@@ -114,9 +114,9 @@ class LeanOptions(_Section):
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
 
 
-class GeneratorPlacement(_Section):
-    """One generator process: an inference engine on a device; ``lean``, ``vllm`` and
-    ``sglang`` hold those engines' options.
+class EnginePlacement(_Section):
+    """A process that runs an inference engine on a device (a generator, the evaluator);
+    ``lean``, ``vllm`` and ``sglang`` hold those engines' options.
 
     ``gpus``: the GPUs of its host the process owns. The launcher starts it with
     ``CUDA_VISIBLE_DEVICES`` set to them and its ``device`` is then ``"cuda"``: Relay's
@@ -126,7 +126,6 @@ class GeneratorPlacement(_Section):
     share a GPU they list (``relay.configs.checks.check_gpu_placement``).
     """
 
-    name: str
     host: str = "127.0.0.1"
     engine: EngineName = "lean"
     device: str = "cpu"
@@ -137,20 +136,16 @@ class GeneratorPlacement(_Section):
     sglang: SGLangOptions = msgspec.field(default_factory=SGLangOptions)
 
 
-class EvaluatorPlacement(_Section):
+class GeneratorPlacement(EnginePlacement, kw_only=True):
+    """One generator process, named (its ``[[generators]]`` entry)."""
+
+    name: str
+
+
+class EvaluatorPlacement(EnginePlacement):
     """The evaluator process (``relay.generators.evaluator``): held-out evaluation of the weights
     the learner offers, with its own engine. Started only when the run config has
-    validation data to evaluate on (``RunConfig.evaluates``). ``gpus`` as a generator's
-    (``GeneratorPlacement``)."""
-
-    host: str = "127.0.0.1"
-    engine: EngineName = "lean"
-    device: str = "cpu"
-    gpus: list[GpuIndex] | None = None
-    threads: Threads = 0
-    lean: LeanOptions = msgspec.field(default_factory=LeanOptions)
-    vllm: VLLMOptions = msgspec.field(default_factory=VLLMOptions)
-    sglang: SGLangOptions = msgspec.field(default_factory=SGLangOptions)
+    validation data to evaluate on (``RunConfig.evaluates``)."""
 
 
 class Security(_Section):

@@ -23,7 +23,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from relay.configs.gpu_placement import on_cuda
 from relay.configs.run_schema import RunConfig
-from relay.configs.topology_schema import EvaluatorPlacement, GeneratorPlacement, Topology
+from relay.configs.topology_schema import EnginePlacement, Topology
 from relay.generators.memory_plan import CUDA_CONTEXT_BYTES, OWN_POOL_ENGINES, plan_engine
 from relay.learner.memory_plan import (
     GIB,
@@ -57,7 +57,7 @@ def plan_run(run: RunConfig, topology: Topology, *, config_of: ConfigOf,
     learner rank (of ``len(hosts) x nproc_per_node``), each generator, and the evaluator
     when ``run`` evaluates."""
     learner = topology.learner
-    engines: list[tuple[str, GeneratorPlacement | EvaluatorPlacement]] = [
+    engines: list[tuple[str, EnginePlacement]] = [
         (f"generator {g.name}", g) for g in topology.generators]
     if run.evaluates:
         engines.append(("evaluator", topology.evaluator))
@@ -85,7 +85,7 @@ class EngineSizing(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 0  # 0: the run's prompt + response length
 
 
-def engine_sizing(placement: GeneratorPlacement | EvaluatorPlacement) -> EngineSizing:
+def engine_sizing(placement: EnginePlacement) -> EngineSizing:
     """vLLM's or SGLang's section for those engines; the ``lean`` section for Relay's (the
     torch and hf engines' caches grow to every sequence at full length whatever it says)."""
     if placement.engine in OWN_POOL_ENGINES:
@@ -98,7 +98,7 @@ def engine_sizing(placement: GeneratorPlacement | EvaluatorPlacement) -> EngineS
                         max_num_batched_tokens=placement.lean.max_num_batched_tokens)
 
 
-def plan_generator(name: str, placement: GeneratorPlacement | EvaluatorPlacement,
+def plan_generator(name: str, placement: EnginePlacement,
                    run: RunConfig, config: PretrainedConfig, numel: int,
                    gpu_bytes: int) -> MemoryPlan:
     """The first GPU of a generator (or the evaluator): ``relay.generators.memory_plan``'s parts
