@@ -15,7 +15,7 @@ ratio vllm/lean; vLLM's CPU attention needs head_dim 32 or more.
 Last, continuous batching: ``--groups`` groups whose responses end at random lengths go
 through the lean engine's slots (the largest ``--batch``), and it prints the mean number
 of sequences in flight while groups waited, against static batches.
-The measurements live in ``relay.generators.bench``.
+The measurements live in ``relay.bench_engine``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM
 
-from relay.generators.bench import compare_engines, continuous_batching
+from relay.bench_engine import compare_engines, continuous_batching
 
 
 def default_model() -> str:

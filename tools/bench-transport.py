@@ -2,14 +2,14 @@
 
     tools/with-venv python tools/bench-transport.py [--repeats 5] [--messages 2000] [--megabytes 64]
 
-The measurements live in ``relay.transport.bench``.
+The measurements live in ``relay.bench_transport``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from relay.transport.bench import Comparison, codec_only, large_tensor, small_messages
+from relay.bench_transport import Comparison, codec_only, large_tensor, small_messages
 
 
 def row(comparison: Comparison) -> str:

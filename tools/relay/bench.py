@@ -4,6 +4,8 @@ The benchmarks (``tools/bench-NAME.py``) compare Relay with its peers side by si
 vLLM, verl's code paths) and need what a checkout has: their helper modules, the ``bench``
 extra, sometimes vLLM's CPU build. This command finds them beside the installed ``relay``
 package (an editable install of a checkout) and runs one; a wheel install has none, and says so.
+A benchmark whose measurements the tests also run keeps them beside this module, as
+``relay.bench_NAME`` (``bench_engine``, ``bench_transport``), out of the runtime packages.
 """
 
 from __future__ import annotations

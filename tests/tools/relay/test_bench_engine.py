@@ -1,6 +1,7 @@
-"""relay.generators.bench: the engine benchmark's contenders all decode the full length, its
-compute ceiling uses the stated FLOP count (attention over heads * head_dim channels), and
-its continuous-batching stream keeps the slots fuller than static batches would."""
+"""relay.bench_engine (``relay bench engine``): the engine benchmark's contenders all decode
+the full length, its compute ceiling uses the stated FLOP count (attention over heads *
+head_dim channels), and its continuous-batching stream keeps the slots fuller than static
+batches would."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM
 
-from relay.generators.bench import compare_engines, continuous_batching, forward_flops_per_token
+from relay.bench_engine import compare_engines, continuous_batching, forward_flops_per_token
 from relay.generators.torch_engine import TorchEngine
 
-from ..conftest import save_random_model
+from ...conftest import save_random_model
 
 
 def test_forward_flops_per_token_counts_weights_and_attention(random_model_dir: Path) -> None:

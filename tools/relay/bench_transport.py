@@ -11,8 +11,8 @@ the ratio relay/raw:
   machine's in-memory copy rate of 64 MB for scale.
 
 Both sides run in one process and one thread, so a number is the cost of the whole trip on
-one core plus ZeroMQ's IO thread. This module is used by ``tools/bench-transport.py``;
-nothing at run time imports it.
+one core plus ZeroMQ's IO thread. This module is used by ``tools/bench-transport.py``
+(``relay bench transport``); nothing at run time imports it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Measurements for ``tools/bench-engine.py``: Relay's engines against transformers' generate.
+"""Measurements for ``tools/bench-engine.py`` (``relay bench engine``): Relay's engines against
+transformers' generate; nothing at run time imports this module.
 
 Every contender decodes the same batch: ``batch`` sequences, ``batch / samples_per_prompt`` distinct
 prompts of ``prompt_len`` random token ids each repeated ``samples_per_prompt`` times (a GRPO

@@ -1,9 +1,9 @@
-"""relay.transport.bench (``relay bench transport``): each measurement runs end to end over
+"""relay.bench_transport (``relay bench transport``): each measurement runs end to end over
 loopback and reports positive rates for Relay's path and for bare ZeroMQ."""
 
 from __future__ import annotations
 
-from relay.transport.bench import codec_only, large_tensor, small_messages
+from relay.bench_transport import codec_only, large_tensor, small_messages
 
 
 def test_small_messages_and_the_codec_alone_are_measured() -> None:
