@@ -1,8 +1,9 @@
 """A user's own advantage estimator and policy loss, outside the relay package, as a run
 config names them: ``algorithm.adv_estimator = "tests/e2e/user_algorithms.py:..."``.
 
-The decorated ones declare what they need (``relay.algorithms.registry``); the undecorated
-``plain_centered_score`` is used by path alone, declaring nothing. Each call appends one line
+The decorated ones declare what they need (``relay.algorithms.registry``): ``td_lambda``
+needs a critic, so the learner trains one for it; the undecorated ``plain_centered_score`` is
+used by path alone, declaring nothing. Each call appends one line
 to the file ``$RELAY_USER_ALGORITHMS_CALLS`` names, if set, so a test can see which process
 ran what. ``wrong_signature_loss`` takes too few arguments: the launch must refuse it.
 """
@@ -13,7 +14,8 @@ import os
 
 import torch
 
-from relay.algorithms.advantages import AdvantageInputs, group_stats, sequence_scores
+from relay.algorithms.advantages import (AdvantageInputs, gae_advantages, group_stats,
+                                         sequence_scores)
 from relay.algorithms.policy_loss import Clip, PolicyLossConfig, PolicyLossTerms
 from relay.algorithms.registry import register_adv_estimator, register_policy_loss
 
@@ -39,6 +41,21 @@ def plain_centered_score(inputs: AdvantageInputs, norm_adv_by_std_in_grpo: bool,
     scores = sequence_scores(inputs)
     mean, _, _ = group_stats(scores, inputs.group_ids)
     return ((scores - mean).unsqueeze(-1) * inputs.trained_mask).float()
+
+
+@register_adv_estimator("user_td_lambda", paper="a test's own", critic=True,
+                        config_keys=("algorithm.gamma", "algorithm.lam", "critic"))
+def td_lambda(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+              gamma: float, lam: float, kept_mask: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE's TD(lambda) returns as the critic's targets, and unwhitened advantages
+    A_t = returns_t - V_t (GAE's advantages before whitening), clipped to [-5, 5]."""
+    _record("td_lambda")
+    _, returns = gae_advantages(token_rewards, values, response_mask, gamma, lam, kept_mask)
+    advantages = ((returns - values.float()) * response_mask).clamp(-5.0, 5.0)
+    if kept_mask is not None:
+        advantages = advantages * kept_mask
+    return advantages, returns
 
 
 @register_policy_loss("user_clipped_reinforce", paper="a test's own",
