@@ -28,7 +28,7 @@ from typing import get_args
 
 import msgspec
 
-from relay.buffer.dataset import PromptDataset
+from relay.configs.prompt_data import PromptDataset
 from relay.configs.run_schema import FingerprintKey, RunConfig
 
 Fingerprint = dict[str, str | int | bool]

@@ -57,22 +57,26 @@ from typing import TYPE_CHECKING, Any, Union
 import msgspec
 import torch
 
-from relay.buffer.dataset import PromptDataset, chat_token_counter, fit_prompts, load_prompt_rows
 from relay.buffer.dynamic_sampling import DynamicSampling
 from relay.buffer.fingerprint import BATCH_KEY, STREAM_KEYS, buffer_fingerprint, changes
 from relay.buffer.hub import SENDERS, Hub
 from relay.buffer.pf_ppo import PolicyFiltration
 from relay.buffer.prioritized import PrioritizedStore
-from relay.buffer.registry import HEARTBEAT_EVERY_S
 from relay.buffer.prompt_source import PromptSource, read_buffer_checkpoint
 from relay.buffer.rollout_dump import rollout_dump
 from relay.buffer.rollout_log import RolloutLogWriter
 from relay.buffer.store import FifoStore, FilteredStore, GroupFilter, ReplayStore
 from relay.buffer.validation import GroupLimits
+from relay.configs.prompt_data import (
+    PromptDataset,
+    chat_token_counter,
+    fit_prompts,
+    load_prompt_rows,
+)
 from relay.configs.run_schema import RunConfig
 from relay.configs.rundir import RunContext, configure_logging, load_run_dir
 from relay.transport.codec import Decoder
-from relay.transport.messages import BufferCheckpoint, Metrics, Sample
+from relay.transport.messages import HEARTBEAT_EVERY_S, BufferCheckpoint, Metrics, Sample
 from relay.transport.sockets import Pusher, Server
 
 if TYPE_CHECKING:

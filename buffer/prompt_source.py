@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from relay.buffer.dataset import PromptDataset, PromptRow
+from relay.configs.prompt_data import PromptDataset, PromptRow
 from relay.transport.codec import Decoder, WireError, encode
 from relay.transport.messages import BufferCheckpoint, Prompt, PromptSourceState
 from relay.transport.records import RecordError, pack, unpack

@@ -13,10 +13,6 @@ import msgspec
 
 from relay.transport.messages import Attach, Heartbeat
 
-HEARTBEAT_EVERY_S = 1.0
-"""How often a generator heartbeats (``relay.generators.process``): the buffer's stop drains for
-two of these, so that every attached generator asks once more and hears the run is over."""
-
 
 class GeneratorInfo(msgspec.Struct, kw_only=True):
     generator_id: str

@@ -63,12 +63,13 @@ class DataConfig(_Section):
 
     ``train_batch_size`` counts prompts per learner step; each prompt yields ``rollout.n``
     samples (verl's meaning). ``prompt_key`` names the column that holds each row's chat
-    messages (``relay.buffer.dataset``). A prompt longer than ``max_prompt_length`` tokens (after
-    the chat template) is, by ``truncation``: ``error``, refused when the buffer loads the
-    data, naming the row; ``left``, cut to its last ``max_prompt_length`` tokens (Relay's
-    default; verl's is ``error``); ``right``, cut to its first; ``middle``, to its first and
-    last halves (``relay.buffer.dataset.truncate_prompt``). ``filter_overlong_prompts``
-    drops such rows from the training data when the buffer loads it, and logs how many.
+    messages (``relay.configs.prompt_data``). A prompt longer than ``max_prompt_length``
+    tokens (after the chat template) is, by ``truncation``: ``error``, refused when the
+    buffer loads the data, naming the row; ``left``, cut to its last ``max_prompt_length``
+    tokens (Relay's default; verl's is ``error``); ``right``, cut to its first; ``middle``,
+    to its first and last halves (``relay.configs.prompt_data.truncate_prompt``).
+    ``filter_overlong_prompts`` drops such rows from the training data when the buffer
+    loads it, and logs how many.
     ``shuffle``: a new permutation of the rows each epoch, seeded by ``seed``.
     """
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from relay.algorithms.rewards.result import RewardItem, RewardResult
 from relay.algorithms.rewards.scorer import RewardScorer
-from relay.buffer.dataset import CutSide, PromptRow, truncate_prompt
+from relay.configs.prompt_data import CutSide, PromptRow, truncate_prompt
 from relay.generators.engine import Engine
 from relay.generators.sampling import SamplingParams
 from relay.generators.val_metrics import ScoredResponse, validation_metrics

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from relay.algorithms.rewards.scorer import RewardScorer
-from relay.buffer.dataset import (
+from relay.configs.prompt_data import (
     CutSide,
     PromptRow,
     chat_token_counter,

@@ -24,7 +24,7 @@ import msgspec
 import torch
 
 from relay.algorithms.rewards.scorer import RewardScorer
-from relay.buffer.dataset import load_prompt_rows
+from relay.configs.prompt_data import load_prompt_rows
 from relay.configs.rundir import RunContext, configure_logging, load_run_dir
 from relay.configs.topology_schema import GeneratorPlacement
 from relay.generators.build import build_engine

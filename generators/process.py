@@ -40,8 +40,7 @@ from typing import Literal
 import msgspec
 
 from relay.algorithms.rewards.scorer import RewardScorer
-from relay.buffer.dataset import CutSide, truncate_prompt
-from relay.buffer.registry import HEARTBEAT_EVERY_S
+from relay.configs.prompt_data import CutSide, truncate_prompt
 from relay.configs.run_schema import OverlongBufferConfig, RolloutConfig
 from relay.generators.engine import Engine, FinishedGroup
 from relay.generators.leases import HeldLease, LeaseBook
@@ -49,6 +48,7 @@ from relay.generators.sampling import SamplingParams
 from relay.generators.sender import Counters, FinishedPrompt, GroupSender, decode_all
 from relay.generators.weight_receiver import StagedWeights, WeightReceiver
 from relay.transport.messages import (
+    HEARTBEAT_EVERY_S,
     Attach,
     AttachAck,
     Detach,
@@ -168,8 +168,8 @@ class GeneratorLoop:
         self.greedy_params = msgspec.structs.replace(self.params, temperature=0.0)
         self.max_num_seqs = rollout.max_num_seqs
         self.max_prompt_length = max_prompt_length
-        # "error": the buffer refused overlong prompts when it loaded them (relay.buffer.main), so
-        # one seen here was measured with another tokenizer: keep its end, as "left" does
+        # "error": the buffer refused overlong prompts when it loaded them, so one seen here
+        # was measured with another tokenizer: keep its end, as "left" does
         self.truncation_side: CutSide = "left" if truncation == "error" else truncation
         self.weights_timeout_s = weights_timeout_s
         self.patience_s = patience_s  # retrying a buffer that does not answer

@@ -66,7 +66,7 @@ from relay.algorithms.rewards.config import RewardConfig
 from relay.algorithms.rewards.result import RewardItem
 from relay.configs import load_run_config
 from relay.algorithms.rewards.scorer import RewardScorer
-from relay.buffer.dataset import PromptRow, load_prompt_rows
+from relay.configs.prompt_data import PromptRow, load_prompt_rows
 from relay.generators.build import eos_and_pad
 from relay.generators.evaluate import evaluate
 from relay.generators.sampling import SamplingParams

@@ -88,6 +88,12 @@ class AttachAck(Message):
     retry_after_s: float = 0.0
 
 
+HEARTBEAT_EVERY_S = 1.0
+"""How often a generator sends ``Heartbeat`` (``relay.generators.process``): the buffer's stop
+drains for two of these, so that every attached generator asks once more and hears the run is
+over (``relay.buffer.main``)."""
+
+
 class Heartbeat(Message):
     """Periodic liveness signal, carrying the generator's throughput counters and the ids
     of the leases it holds (``leases``: only those are renewed; None, from a generator that

@@ -17,8 +17,8 @@ models answer in whatever style they saw, so that RL first has to discover the v
 format (the early phase of R1-Zero-style training) before it sharpens the arithmetic.
 
 This module knows the task's text and nothing of tokenizers, models or files:
-``relay.buffer.dataset`` validates and writes the rows, and ``relay.algorithms.rewards.arithmetic``
-scores responses.
+``relay.configs.prompt_data`` validates and writes the rows, and
+``relay.algorithms.rewards.arithmetic`` scores responses.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def sample_problems(seed: int, count: int, split: Split) -> list[Problem]:
 
 
 def verl_row(problem: Problem, split: Split, index: int) -> dict[str, Any]:
-    """The problem as a prompt row in verl's schema (``relay.buffer.dataset`` validates it)."""
+    """The problem as a prompt row in verl's schema (``relay.configs.prompt_data`` validates it)."""
     return {
         "data_source": DATA_SOURCE,
         "prompt": [{"role": "user", "content": problem.question}],

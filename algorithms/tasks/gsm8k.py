@@ -5,7 +5,7 @@ compare with verl's: the question plus a fixed instruction as the only user mess
 data source ``openai/gsm8k``, ground truth = the number after ``####`` with commas removed,
 and the raw question and answer kept in ``extra_info``. (verl's ``ability`` column is left
 out: nothing in Relay reads it.) This module converts one record; reading and writing files
-is ``relay.buffer.dataset``'s job.
+is ``relay.configs.prompt_data``'s job.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from relay.buffer.dataset import load_prompt_rows
 from relay.configs import CONFIG_DIR
+from relay.configs.prompt_data import load_prompt_rows
 from relay.learner.tiny_model.evaluate import evaluate_model_dir
 from relay.learner.tiny_model.tokenizer import build_tokenizer
 from relay.learner.tiny_model.warm_start import StepCallback, WarmStartConfig, warm_start

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relay.buffer.dataset import ChatMessage, PromptDataset, PromptRow, RewardSpec
 from relay.buffer.hub import Hub
 from relay.buffer.prompt_source import PromptSource
 from relay.buffer.rollout_log import RolloutLogWriter
 from relay.buffer.store import FifoStore, ReplayStore
 from relay.buffer.validation import GroupLimits
+from relay.configs.prompt_data import ChatMessage, PromptDataset, PromptRow, RewardSpec
 from relay.configs.run_schema import BufferConfig
 from relay.transport.messages import Attach, Prompt, RolloutGroup, Sample
 

@@ -9,10 +9,10 @@ import pytest
 import transformers
 
 import relay.buffer.main as buffer_main
-from relay.buffer.dataset import DatasetError
+from relay.configs.prompt_data import DatasetError
 from relay.configs.run_schema import DataConfig, ModelConfig, RunConfig
 
-from .test_dataset import WordTokenizer
+from ..configs.test_prompt_data import WordTokenizer
 
 
 def _run(tmp_path: Path, **data) -> RunConfig:

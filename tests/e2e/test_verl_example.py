@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from relay.buffer.dataset import load_prompt_rows, write_prompt_rows
 from relay.configs import CONFIG_DIR
+from relay.configs.prompt_data import load_prompt_rows, write_prompt_rows
 from relay.configs.rundir import RESOLVED_TOPOLOGY
 
 from ..conftest import save_random_model

@@ -19,11 +19,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from relay.buffer.dataset import ChatMessage, PromptDataset, PromptRow, RewardSpec
 from relay.buffer.hub import Hub
 from relay.buffer.prompt_source import PromptSource
 from relay.buffer.store import FifoStore
 from relay.buffer.validation import GroupLimits
+from relay.configs.prompt_data import ChatMessage, PromptDataset, PromptRow, RewardSpec
 from relay.configs.run_schema import BufferConfig, OverlongBufferConfig, RolloutConfig
 from relay.generators.engine import Completion, Engine, FinishedGroup, StepHook
 from relay.generators.process import GeneratorLoop, NameInUse

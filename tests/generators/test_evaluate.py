@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from relay.algorithms.rewards.result import RewardResult
-from relay.buffer.dataset import ChatMessage, PromptRow, RewardSpec
+from relay.configs.prompt_data import ChatMessage, PromptRow, RewardSpec
 from relay.generators.evaluate import evaluate, sample_generations, write_generations
 from relay.generators.sampling import SamplingParams
 from relay.transport.messages import ValGeneration

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from relay.algorithms.rewards.result import RewardResult, to_result
-from relay.buffer.dataset import ChatMessage, PromptRow, RewardSpec
+from relay.configs.prompt_data import ChatMessage, PromptRow, RewardSpec
 from relay.generators.evaluate import eval_metrics, evaluate
 from relay.generators.sampling import SamplingParams
 from relay.generators.val_metrics import (

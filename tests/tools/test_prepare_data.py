@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from relay.algorithms.tasks import arithmetic
-from relay.buffer.dataset import load_prompt_rows
 from relay.configs import CONFIG_DIR
+from relay.configs.prompt_data import load_prompt_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "prepare-data.py"

@@ -26,13 +26,13 @@ import msgspec
 from transformers import AutoConfig
 
 from relay.algorithms.rewards.registry import UnknownDataSourceError, check_data_sources
-from relay.buffer.dataset import DatasetError, PromptDataset, load_prompt_rows, rows_remembered
 from relay.buffer.fingerprint import buffer_fingerprint, changes
 from relay.buffer.main import training_prompts
 from relay.buffer.prompt_source import BufferCheckpointError, read_buffer_checkpoint
 from relay.configs.checks import load_run_config, load_topology
 from relay.configs.gpu_placement import check_gpu_placement, topology_claims
 from relay.configs.loader import COMMAND_LINE, ConfigError, KeyPath, blame_command_line, to_toml
+from relay.configs.prompt_data import DatasetError, PromptDataset, load_prompt_rows, rows_remembered
 from relay.configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
 from relay.configs.rundir import (
     RESOLVED_RUN,
@@ -258,7 +258,7 @@ def launch_prompts(run: RunConfig) -> PromptDataset:
 
 def check_prompt_files(run: RunConfig, source: str, key: str, files: Sequence[str]) -> None:
     """The rows of ``files`` (``key``: ``data.train_files`` or ``data.val_files``) load in
-    verl's schema (``relay.buffer.dataset``: suffix, rows, fields) and each ``data_source``
+    verl's schema (``relay.configs.prompt_data``: suffix, rows, fields) and each ``data_source``
     has a reward function (or ``custom_reward_function.path`` gives one): refused here, not
     by the buffer or the evaluator after the launch. Each file is read once per launch
     (``resolve_launch`` reads them inside ``rows_remembered``: the epoch count and the

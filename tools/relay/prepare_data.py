@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from relay.algorithms.tasks import arithmetic, gsm8k
-from relay.buffer.dataset import DatasetError, load_prompt_rows, write_prompt_rows
 from relay.configs import CONFIG_DIR
+from relay.configs.prompt_data import DatasetError, load_prompt_rows, write_prompt_rows
 
 
 def main(argv: list[str] | None = None) -> int:

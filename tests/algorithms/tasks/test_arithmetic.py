@@ -9,7 +9,7 @@ import msgspec
 from relay.algorithms.rewards.arithmetic import compute_score
 from relay.algorithms.tasks import arithmetic
 from relay.algorithms.tasks.arithmetic import Problem
-from relay.buffer.dataset import PromptRow
+from relay.configs.prompt_data import PromptRow
 
 
 def test_problem_text_answer_and_response_format():

@@ -16,9 +16,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from relay.configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
 from relay.configs.checks import load_run_config
-from relay.buffer.dataset import PromptDataset
 from relay.buffer.fingerprint import buffer_fingerprint
 from relay.buffer.prompt_source import PromptSource, write_buffer_checkpoint
+from relay.configs.prompt_data import PromptDataset
 from relay.configs.run_schema import RunConfig
 from relay.configs.topology_schema import GeneratorPlacement, Topology
 from relay.learner.checkpoint_files import listed_files, manifest

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from relay.buffer.dataset import load_prompt_rows, write_prompt_rows
 from relay.configs import CONFIG_DIR
+from relay.configs.prompt_data import load_prompt_rows, write_prompt_rows
 from relay.configs.verl_keys import ROLLOUT_NAME
 from relay.generators.build import missing_engine
 

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from relay.buffer.dataset import (
+from relay.configs.prompt_data import (
     ChatMessage,
     DatasetError,
     PromptDataset,
@@ -237,7 +237,7 @@ def _rows_of_words(*counts: int) -> list[PromptRow]:
 def test_filter_overlong_prompts_drops_and_logs_the_count(caplog):
     rows = _rows_of_words(2, 9, 3, 12)  # 3, 10, 4, 13 tokens
     count = chat_token_counter(WordTokenizer())
-    with caplog.at_level("WARNING", logger="relay.buffer"):
+    with caplog.at_level("WARNING", logger="relay.configs.prompt_data"):
         fit = fit_prompts(rows, count, 4, drop=True, refuse=True, what="data.train_files")
     assert fit.rows == [rows[0], rows[2]] and fit.dropped == 2
     assert "data.train_files: dropped 2 of 4 prompts longer than data.max_prompt_length = 4" \
@@ -269,7 +269,7 @@ def test_truncate_prompt_keeps_the_end_the_start_or_both_halves():
 
 
 def test_rows_are_read_once_while_the_file_is_unchanged(tmp_path, monkeypatch):
-    import relay.buffer.dataset as dataset
+    import relay.configs.prompt_data as dataset
 
     path = _jsonl(tmp_path / "train.jsonl", [_row(i) for i in range(3)])
     reads = []

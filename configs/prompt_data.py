@@ -20,7 +20,9 @@ dropped silently: ``fit_prompts`` drops prompts longer than the limit only when 
 ready for ``torchdata``'s ``StatefulDataLoader`` (use ``collate_fn=list``: rows are not
 tensors). This module knows the file schema; of tokenizers it knows only that a prompt's
 length is the length of its chat template's token ids (``chat_token_counter``); it knows
-nothing of rewards or leasing.
+nothing of rewards or leasing. It sits in ``configs`` because it is user input checked with
+errors that name the file and field, read by the buffer, the generators (the evaluator's
+held-out rows, prompt truncation), the launcher and the tools alike.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ CutSide = Literal["left", "right", "middle"]  # data.truncation's cuts (truncate
 GroundTruth = str | int | float | list[Any] | dict[str, Any]
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 
-logger = logging.getLogger("relay.buffer")
+logger = logging.getLogger(__name__)
 
 SUFFIXES = (".jsonl", ".parquet")
 MAX_REPORTED_PROBLEMS = 10
