@@ -55,8 +55,8 @@ from typing import Any
 import torch
 
 from relay.configs.topology_schema import SGLangOptions
-from relay.generators.checkpoint import checkpoint_tensors, parameter_shapes
 from relay.generators.engine import Completion, Engine, StepHook, check_weights
+from relay.generators.hf_layout import hf_tensors, parameter_shapes
 from relay.generators.sampling import SamplingParams
 from relay.generators.weight_chunks import chunks_of
 
@@ -217,7 +217,7 @@ class SGLangEngine(Engine):
         CUDA tensors, chunk by chunk: module docstring), flush its prefix cache and take
         ``version``; ``RuntimeError`` with SGLang's message when it fails."""
         check_weights(self._shapes, tensors)
-        named = list(checkpoint_tensors(tensors, self._tied))
+        named = list(hf_tensors(tensors, self._tied))
         if self.device == "cpu":
             self._update(version, named, flush_cache=True)
         else:

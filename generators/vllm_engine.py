@@ -51,7 +51,6 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from relay.configs.topology_schema import VLLMOptions
-from relay.generators.checkpoint import checkpoint_tensors, parameter_shapes
 from relay.generators.engine import (
     Completion,
     Engine,
@@ -61,6 +60,7 @@ from relay.generators.engine import (
     check_request,
     check_weights,
 )
+from relay.generators.hf_layout import hf_tensors, parameter_shapes
 from relay.generators.sampling import SamplingParams
 from relay.generators.vllm_weights import weight_sender
 
@@ -294,6 +294,6 @@ class VLLMEngine(Engine):
         ``relay.generators.vllm_weights`` chose) and label the tokens of the following steps with
         ``version``."""
         check_weights(self._shapes, tensors)
-        self._sender.send(checkpoint_tensors(tensors, self._tied))
+        self._sender.send(hf_tensors(tensors, self._tied))
         self.llm.llm_engine.set_weight_version(str(version))
         self.version = version

@@ -4,7 +4,7 @@ Relay keeps vLLM's engine core in the generator's process (``relay.generators.vl
 workers are in this process too when vLLM runs one of them (``distributed_executor_backend``
 "uni", vLLM's choice for one device), and processes of their own otherwise (tensor or
 pipeline parallel: "mp", "ray"). A version arrives here in host memory, in Hugging Face
-names (``relay.generators.checkpoint.checkpoint_tensors``); vLLM's ``load_weights`` fuses and
+names (``relay.generators.hf_layout.hf_tensors``); vLLM's ``load_weights`` fuses and
 shards it itself.
 
 - ``HostReload`` (CPU): ``collective_rpc("reload_weights")`` with the host tensors, passed by

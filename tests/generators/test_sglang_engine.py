@@ -18,8 +18,8 @@ from relay.configs.run_schema import ModelConfig
 from relay.configs.topology_schema import SGLangOptions
 from relay.generators import sglang_engine
 from relay.generators.build import build_engine
-from relay.generators.checkpoint import parameter_shapes
 from relay.generators.engine import GroupRequest, WeightMismatch
+from relay.generators.hf_layout import parameter_shapes
 from relay.generators.sampling import SamplingParams
 from relay.generators.sglang_engine import (
     SGLangEngine,

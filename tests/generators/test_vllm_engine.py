@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from relay.algorithms.logprobs import token_logprobs
 from relay.configs.topology_schema import VLLMOptions
-from relay.generators.checkpoint import checkpoint_tensors
 from relay.generators.engine import GroupRequest, WeightMismatch
+from relay.generators.hf_layout import hf_tensors
 from relay.generators.sampling import SamplingParams
 from relay.generators.vllm_weights import (
     CudaIpcSender,
@@ -87,9 +87,9 @@ def test_a_completion_keeps_the_sampled_tokens_logprobs_and_zero_for_greedy() ->
 
 def test_tied_embeddings_send_the_head_too() -> None:
     embed = torch.ones(3, 2)
-    tied = dict(checkpoint_tensors({"model.embed_tokens.weight": embed}, tied_embeddings=True))
+    tied = dict(hf_tensors({"model.embed_tokens.weight": embed}, tied_embeddings=True))
     assert tied["lm_head.weight"] is embed
-    untied = dict(checkpoint_tensors({"model.embed_tokens.weight": embed}, False))
+    untied = dict(hf_tensors({"model.embed_tokens.weight": embed}, False))
     assert "lm_head.weight" not in untied
 
 

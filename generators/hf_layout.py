@@ -1,8 +1,8 @@
-"""What a served model's weights look like in Hugging Face checkpoint form.
+"""What a served model's weights look like in Hugging Face form: names, shapes, tied tensors.
 
 Engines that hold the model in another runtime (vLLM, SGLang) cannot list Relay's
 parameters from a module in this process; ``parameter_shapes`` reads them from the model's
-config instead, and ``checkpoint_tensors`` turns a weight version into the named tensors
+config instead, and ``hf_tensors`` turns a weight version into the named tensors
 those runtimes' ``load_weights`` read. This module knows Hugging Face names; it knows
 nothing of either runtime's own layout (fused q/k/v, sharding): they convert themselves.
 """
@@ -15,8 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
-def checkpoint_tensors(tensors: Mapping[str, torch.Tensor],
-                       tied_embeddings: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensors(tensors: Mapping[str, torch.Tensor],
+               tied_embeddings: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """The named tensors a runtime's ``load_weights`` reads: Relay's set (the model's
     parameter names) and, for tied embeddings, ``lm_head.weight`` too, which a runtime may
     keep as a tensor of its own that would otherwise stay at the old version."""
