@@ -505,7 +505,7 @@ class TrainerConfig(_Section):
     log_freq: Positive = 10  # Relay: a metrics line in the learner's log every this many steps
     log_val_generations: NonNegative = 0  # held-out responses logged per evaluation (a table)
     # every held-out response of an evaluation as <dir>/<step>.jsonl, written on the
-    # evaluator's host (verl's dump; relay.generators.evaluate.write_generations); "": none
+    # evaluator's host (verl's dump; relay.generators.held_out.write_generations); "": none
     validation_data_dir: str = ""
     # each training step's samples as <dir>/<step>.jsonl, written by the buffer when it
     # serves the step (verl's dump; relay.buffer.rollout_dump); "": none

@@ -10,7 +10,7 @@ tells this process to keep it (``relay.generators.weight_receiver.EvalWeights``)
 asks for the next offer (``EvalRequest``; the first only once it has heard the stream: the
 learner streams ``StreamBeacon``s until that first request and nothing else before it, so
 no offered version goes by before this process listens), loads the kept
-version into its own engine, decodes the validation prompts (``relay.generators.evaluate``) and
+version into its own engine, decodes the validation prompts (``relay.generators.held_out``) and
 hands the metrics back with its next request. The learner logs them against the step
 whose weights they measured. When evaluation is slower than the offers come, they wait
 (in the learner's queue, ``relay.learner.eval_queue``, and as copies here), the oldest skipped
@@ -41,7 +41,7 @@ from relay.configs.prompt_data import (
 from relay.configs.rundir import configure_logging, load_run_dir
 from relay.generators.build import build_engine
 from relay.generators.engine import Engine
-from relay.generators.evaluate import eval_metrics, evaluate, write_generations
+from relay.generators.held_out import eval_metrics, evaluate, write_generations
 from relay.generators.sampling import SamplingParams
 from relay.generators.weight_receiver import EvalWeights
 from relay.transport.messages import ErrorReply, EvalReport, EvalRequest, Shutdown, WeightManifest

@@ -18,7 +18,7 @@ default run. Prints one JSON object per line on stdout (everything else goes to 
     {"event": "eval", "step": s, "train_seconds": t, "accuracy": a}
         held-out greedy accuracy at step 0, every ``--test-freq`` steps and at the last step (never
         with ``--test-freq 0``), measured by a ``TrainerCallback`` with Relay's own evaluation
-        (``relay.generators.evaluate``, its torch engine around the model being trained, Relay's
+        (``relay.generators.held_out``, its torch engine around the model being trained, Relay's
         verifier); its time is not in ``train_seconds``
     {"event": "done", ...}  the summary
 
@@ -68,7 +68,7 @@ from relay.configs import load_run_config
 from relay.algorithms.rewards.scorer import RewardScorer
 from relay.configs.prompt_data import PromptRow, load_prompt_rows
 from relay.generators.build import eos_and_pad
-from relay.generators.evaluate import evaluate
+from relay.generators.held_out import evaluate
 from relay.generators.sampling import SamplingParams
 from relay.generators.torch_engine import TorchEngine
 

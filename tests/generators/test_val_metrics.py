@@ -1,5 +1,5 @@
 """verl's validation metrics (``relay.generators.val_metrics``) against hand-computed values, and
-their place in an evaluation's metrics (``relay.generators.evaluate``)."""
+their place in an evaluation's metrics (``relay.generators.held_out``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from relay.algorithms.rewards.result import RewardResult, to_result
 from relay.configs.prompt_data import ChatMessage, PromptRow, RewardSpec
-from relay.generators.evaluate import eval_metrics, evaluate
+from relay.generators.held_out import eval_metrics, evaluate
 from relay.generators.sampling import SamplingParams
 from relay.generators.val_metrics import (
     ScoredResponse,

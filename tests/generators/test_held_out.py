@@ -1,6 +1,6 @@
-"""Held-out evaluation (``relay.generators.evaluate``): which responses ``trainer.log_val_generations``
-logs, picked as verl picks them, and the dump of every response
-(``trainer.validation_data_dir``)."""
+"""Held-out evaluation (``relay.generators.held_out``): which responses
+``trainer.log_val_generations`` logs, picked as verl picks them, and the dump of every
+response (``trainer.validation_data_dir``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from relay.algorithms.rewards.result import RewardResult
 from relay.configs.prompt_data import ChatMessage, PromptRow, RewardSpec
-from relay.generators.evaluate import evaluate, sample_generations, write_generations
+from relay.generators.held_out import evaluate, sample_generations, write_generations
 from relay.generators.sampling import SamplingParams
 from relay.transport.messages import ValGeneration
 

@@ -1,8 +1,8 @@
-"""Held-out evaluation: decode the validation prompts with an engine and score them.
+"""Held-out evaluation's work: decode the validation prompts with an engine and score them.
 
 The prompts are decoded with ``rollout.val_kwargs`` (greedy by default) and scored with the
-task's reward function. The evaluator process (``relay.generators.evaluator``) runs it on the
-weights the learner hands out for evaluation.
+task's reward function. This module is functions only; the process that runs them on the
+weights the learner hands out for evaluation is ``relay.generators.evaluator``.
 
     accuracy = mean over samples of info["acc"] when the reward function reports one
                (verl's math rewards do), else of [score >= 1]
