@@ -195,11 +195,6 @@ class LeanEngine(Engine):
     def in_flight(self) -> int:
         return self._active + sum(r.n for r in self._queue)
 
-    @property
-    def free_slots(self) -> int:
-        """Slots neither generating nor promised to a queued group."""
-        return self.max_num_seqs - self.in_flight
-
     def step(self, between_steps: StepHook | None = None) -> list[FinishedGroup]:
         finished: list[FinishedGroup] = []
         if self._active:
