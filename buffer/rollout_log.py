@@ -47,6 +47,7 @@ from typing import BinaryIO
 
 import msgspec
 
+from relay.buffer.durable import fsync_dir
 from relay.transport.codec import Decoder, WireError, encode
 from relay.transport.messages import RolloutGroup
 from relay.transport.records import RecordError, pack, unpack_from
@@ -135,7 +136,7 @@ class RolloutLogWriter:
             if file is not None:
                 file.flush()
                 os.fsync(file.fileno())
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
 
     def checkpointed(self, step: int, learner_version: int) -> None:
         """The learner wrote its checkpoint after ``step`` at ``learner_version`` (the log is
@@ -234,14 +235,6 @@ def _cut_torn_tail(file: BinaryIO, path: Path) -> None:
                            path, offset, exc)
             file.truncate(offset)
             return
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def served_group(logged: RolloutGroup) -> RolloutGroup:

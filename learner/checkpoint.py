@@ -55,7 +55,6 @@ import base64
 import hashlib
 import json
 import logging
-import os
 import random
 import secrets
 import shutil
@@ -71,6 +70,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from relay.buffer.durable import fsync_tree
 from relay.buffer.prompt_source import (
     BufferCheckpointError,
     read_buffer_checkpoint,
@@ -81,7 +81,6 @@ from relay.learner import safe_dcp
 from relay.learner.checkpoint_files import (
     CheckpointError,
     FileDigest,
-    fsync_dir,
     listed_files,
     manifest,
     replace_folder,
@@ -195,7 +194,7 @@ def save_checkpoint(learner: Learner, folder: Path, loop: LoopState, *, lineage:
                               mlflow_run_id=mlflow_run_id, lineage=lineage,
                               saved_at=time.time(), files=files)
         (partial / WRITER_FILE).unlink()
-        _fsync_tree(partial)
+        fsync_tree(partial)
         write_durably(partial / META_FILE, msgspec.json.encode(meta))
         tighten_modes(partial)  # meta.json too: the umask may leave group write on it
         claim_name(final, lineage)  # another run may have taken it meanwhile
@@ -222,14 +221,6 @@ def _write_rng(folder: Path, rank: int) -> None:
 
 def _b64(tensor: torch.Tensor) -> str:
     return base64.b64encode(tensor.numpy().tobytes()).decode()
-
-
-def _fsync_tree(folder: Path) -> None:
-    for root, _dirs, files in os.walk(folder):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as written:
-                os.fsync(written.fileno())
-        fsync_dir(Path(root))
 
 
 def _manifest(partial: Path, group: dist.ProcessGroup | None) -> dict[str, FileDigest]:

@@ -31,6 +31,8 @@ from pathlib import Path, PurePosixPath
 
 import msgspec
 
+from relay.buffer.durable import fsync_dir
+
 VERIFY_THREADS = 8  # hashlib releases the GIL while it hashes a file
 GROUP_OR_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
@@ -129,15 +131,6 @@ def replace_folder(partial: Path, folder: Path) -> None:
     fsync_dir(folder.parent)
     if replaced.exists():
         shutil.rmtree(replaced)
-
-
-def fsync_dir(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
 
 
 def check_owner_and_mode(checkpoint: Path) -> None:

@@ -21,7 +21,6 @@ folder under the final name.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from relay.buffer.durable import fsync_tree
 from relay.learner.checkpoint_files import replace_folder
 from relay.learner.weight_buckets import BucketPlan, gather_buckets, plan_buckets
 
@@ -117,13 +117,11 @@ def set_config_dtype(folder: Path, dtype: torch.dtype) -> None:
 
 
 def commit_folder(partial: Path, folder: Path) -> None:
-    """Make the completely written ``partial`` the folder ``folder``: its files are synced,
-    then it is renamed into place, replacing a ``folder`` already there (moved aside to
-    ``<folder>.replaced`` first, removed last)."""
-    for root, _dirs, files in os.walk(partial):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as written:
-                os.fsync(written.fileno())
+    """Make the completely written ``partial`` the folder ``folder``: its files and
+    folders are synced (``relay.buffer.durable.fsync_tree``), then it is renamed into place,
+    replacing a ``folder`` already there (moved aside to ``<folder>.replaced`` first,
+    removed last)."""
+    fsync_tree(partial)
     replace_folder(partial, folder)
 
 

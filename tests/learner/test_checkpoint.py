@@ -210,7 +210,7 @@ def test_a_checkpoint_is_complete_only_once_renamed(random_model_dir: Path, tmp_
         raise OSError("disk full")
 
     with monkeypatch.context() as patched:
-        patched.setattr(checkpoints, "_fsync_tree", crash)
+        patched.setattr(checkpoints, "fsync_tree", crash)
         with pytest.raises(OSError):
             save(learner, tmp_path, step=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2.tmp"]
