@@ -456,8 +456,9 @@ def _tensor(encoded: str) -> torch.Tensor:
 
 class BufferStateLink:
     """Rank 0's request for the buffer's state when it writes a checkpoint, on a connection
-    of its own beside ``relay.learner.rollouts.BufferLink``, retried through a buffer stall for up
-    to ``patience_s`` (``buffer.client_patience_s``) like that link's requests."""
+    of its own beside ``relay.learner.buffer_link.BufferLink``, retried through a buffer
+    stall for up to ``patience_s`` (``buffer.client_patience_s``) like that link's
+    requests."""
 
     def __init__(self, endpoint: str, patience_s: float, keys: ClientKeys | None = None) -> None:
         self._client = Client(endpoint, keys=keys)
