@@ -36,7 +36,7 @@ GREEDY = {"do_sample": False}
 
 
 @dataclass(frozen=True)
-class EvalReport:
+class ModelAccuracy:
     """Accuracy of one model on one set of prompt rows."""
 
     problems: int
@@ -53,7 +53,7 @@ def evaluate_model_dir(
     k: int = 8,
     seed: int = 0,
     batch_size: int = 512,
-) -> EvalReport:
+) -> ModelAccuracy:
     """Load ``model_dir`` with the Auto classes and measure it on ``rows`` (see module doc)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -61,7 +61,7 @@ def evaluate_model_dir(
     sampled = _correct(
         model, tokenizer, rows, SAMPLING, samples=k, seed=seed, batch_size=batch_size
     )
-    return EvalReport(
+    return ModelAccuracy(
         problems=len(rows),
         greedy_accuracy=sum(greedy) / len(rows),
         k=k,
