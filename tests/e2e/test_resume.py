@@ -6,7 +6,8 @@ small settings, a fixed seed and eta = 0 (``buffer.max_staleness=0``: synchronou
 step's batch is a function of the prompt stream and the weights). The killed run's
 learner, buffer, generator and launcher all die at once; the resumed run reloads the
 newest complete checkpoint, the buffer restarts its prompt stream from the checkpoint and
-the generator its sampling stream per lease (``relay.generators.process.SamplingSeeds``).
+the generator reseeds its engine at each lease from the lease's first prompt id
+(``relay.generators.process.lease_seed``).
 """
 
 from __future__ import annotations
