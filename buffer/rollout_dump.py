@@ -16,29 +16,31 @@ Where it is written: by the buffer, when it serves step N's batch (``relay.buffe
 not by the learner. The buffer alone holds the whole batch of a step in one process (the
 learner's ranks each hold a shard) and it already records what each step consumed (the
 rollout log). The file is written before the batch is sent, so the learner waits for it: a
-decode and a write per step (3 ms for the default's 256 samples on this project's 2-core CPU;
-more for long responses), only when the option is set. The samples are those the learner is served, after
-the buffer's filters, in the order served; a step served again after a resume
-overwrites its file, so the folder describes the lineage of the kept weights, as the rollout
-log does. The file is written beside its name and renamed into place: a reader never sees
-half of one.
+decode and a write per step (3 ms for the default's 256 samples on this project's 2-core
+CPU; more for long responses), only when the option is set. The samples are those the
+learner is served, after the buffer's filters, in the order served; a step served again
+after a resume overwrites its file, so the folder describes the lineage of the kept
+weights, as the rollout log does. The file is written beside its name and renamed into
+place: a reader never sees half of one.
 
 The path: relative values resolve as every path of a run config does (against the launch
 directory when given on the command line, verl's way; against the file's folder when set in
 a TOML file); ``relay.configs.checks`` refuses at launch a folder that cannot be created or
 written (``dump_dir_problem``), on the launcher's host and again on the buffer's.
+
+The tokenizer is ``model.path``'s: a ``builtin:`` model's folder by then, where the launcher
+built it and pointed the run config (``relay.launcher.supervisor.builtin_model``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # relay.configs.checks imports this module: nothing that imports it back
+if TYPE_CHECKING:
     import torch
 
     from relay.configs.run_schema import RunConfig
@@ -59,19 +61,12 @@ class RolloutDump:
 def rollout_dump(run: RunConfig) -> RolloutDump | None:
     """The run's dump (``trainer.rollout_data_dir``; None when unset), decoding with
     ``model.path``'s tokenizer (loaded only then: the buffer needs no other)."""
-    from relay.configs.run_schema import BUILTIN_MODEL_PREFIX
-
     if not run.trainer.rollout_data_dir:
         return None
-    if run.model.path.startswith(BUILTIN_MODEL_PREFIX):
-        from relay.learner.tiny_model.tokenizer import build_tokenizer
+    from transformers import AutoTokenizer
 
-        tokenizer = build_tokenizer()
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(
-            run.model.path, trust_remote_code=run.model.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        run.model.path, trust_remote_code=run.model.trust_remote_code)
 
     def decode(ids: torch.Tensor) -> str:
         return tokenizer.decode(ids.tolist(), skip_special_tokens=True)
@@ -99,20 +94,3 @@ def write_dump(folder: Path, step: int, groups: Sequence[RolloutGroup], decode: 
     partial.write_text("".join(lines), encoding="utf-8")
     partial.replace(path)
     return path
-
-
-def dump_dir_problem(folder: Path) -> str:
-    """Why ``folder`` cannot hold the dumps ("" when it can): it is not a folder, or it (or,
-    when it does not exist yet, its nearest existing parent, where it would be created) is
-    not writable by this user."""
-    existing = folder
-    while not existing.exists():
-        existing = existing.parent
-    if existing == folder and not folder.is_dir():
-        return f"{folder} exists and is not a folder"
-    if not existing.is_dir():
-        return f"{existing} is not a folder, so {folder} cannot be created"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = "is" if existing == folder else f"cannot be created: {existing} is"
-        return f"{folder} {what} not writable by this user"
-    return ""

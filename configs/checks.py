@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -19,7 +20,6 @@ import pyarrow.parquet as pq
 
 from relay.algorithms.registry import advantage_estimator, check_protocol, policy_loss_mode
 from relay.algorithms.user_code import is_spec
-from relay.buffer.rollout_dump import dump_dir_problem
 from relay.configs.gpu_placement import check_process_gpus
 from relay.configs.hub import looks_like_hub_id, resolve_hub_id
 from relay.configs.loader import ConfigError, KeyPath, blame_command_line, load, read_toml
@@ -349,6 +349,24 @@ def count_rows(path: Path) -> int:
         return pq.read_metadata(path).num_rows
     with path.open(encoding="utf-8") as lines:
         return sum(1 for line in lines if line.strip())
+
+
+def dump_dir_problem(folder: Path) -> str:
+    """Why ``folder`` cannot hold ``trainer.rollout_data_dir``'s dumps ("" when it can; the
+    buffer writes them, ``relay.buffer.rollout_dump``): it is not a folder, or it (or, when it
+    does not exist yet, its nearest existing parent, where it would be created) is not
+    writable by this user."""
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if existing == folder and not folder.is_dir():
+        return f"{folder} exists and is not a folder"
+    if not existing.is_dir():
+        return f"{existing} is not a folder, so {folder} cannot be created"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is" if existing == folder else f"cannot be created: {existing} is"
+        return f"{folder} {what} not writable by this user"
+    return ""
 
 
 def check_timeouts(run: RunConfig, source: str) -> None:
