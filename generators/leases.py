@@ -62,8 +62,9 @@ class HeldLease:
         return len(self.handed_on) == len(self.prompt_ids)
 
 
-class LeaseBook:
-    """Leases by id, in the order they were taken."""
+class HeldLeases:
+    """The leases this generator holds, by id, in the order they were taken: waiting for
+    weights, then generating (the buffer keeps its own book of every generator's leases)."""
 
     def __init__(self) -> None:
         self.waiting: list[HeldLease] = []  # for weights they need

@@ -43,7 +43,7 @@ from relay.algorithms.rewards.scorer import RewardScorer
 from relay.configs.prompt_data import CutSide, truncate_prompt
 from relay.configs.run_schema import OverlongBufferConfig, RolloutConfig
 from relay.generators.engine import Engine, FinishedGroup
-from relay.generators.leases import HeldLease, LeaseBook
+from relay.generators.leases import HeldLease, HeldLeases
 from relay.generators.sampling import SamplingParams
 from relay.generators.sender import Counters, FinishedPrompt, GroupSender, decode_all
 from relay.generators.weight_receiver import StagedWeights, WeightReceiver
@@ -174,7 +174,7 @@ class GeneratorLoop:
         self.weights_timeout_s = weights_timeout_s
         self.patience_s = patience_s  # retrying a buffer that does not answer
         self.counters = Counters()
-        self.leases = LeaseBook()
+        self.leases = HeldLeases()
         self.seed = seed  # the generator's own; each lease on an idle engine derives one
         self._buffer = Client(buffer_endpoint, keys=keys)
         self._weights = WeightReceiver(weights_endpoint, weights_stream_endpoint,
