@@ -237,6 +237,13 @@ def fit_prompts(rows: Sequence[PromptRow], count_tokens: Callable[[PromptRow], i
                        "drops them)")
 
 
+def cut_side(truncation: CutSide | Literal["error"]) -> CutSide:
+    """The side a generator cuts a prompt longer than ``data.max_prompt_length`` on:
+    ``data.truncation``'s, and for "error" (the buffer refused such prompts when it loaded
+    them, so one seen later was measured with another tokenizer) the end kept, as "left"."""
+    return "left" if truncation == "error" else truncation
+
+
 def truncate_prompt(ids: Sequence[int], max_length: int, side: CutSide) -> list[int]:
     """A prompt's token ids cut to ``max_length``: ``left`` keeps the last ones (the end of
     the conversation and the generation prompt), ``right`` the first ones, ``middle`` the

@@ -32,12 +32,13 @@ import torch
 
 from relay.algorithms.rewards.scorer import RewardScorer
 from relay.configs.prompt_data import (
-    CutSide,
     PromptRow,
     chat_token_counter,
+    cut_side,
     fit_prompts,
     load_prompt_rows,
 )
+from relay.configs.run_schema import DataConfig, RolloutConfig, TrainerConfig
 from relay.configs.rundir import configure_logging, load_run_dir
 from relay.generators.build import build_engine
 from relay.generators.engine import Engine
@@ -56,22 +57,35 @@ ARRIVAL_WAIT_S = 60.0  # for offered weights still on their way (or asked for ag
 SUBSCRIBE_WARN_S = 30.0  # says so each time this long goes by with the weight stream unheard
 
 
+def val_sampling_params(rollout: RolloutConfig) -> SamplingParams:
+    """The engine's sampling parameters for held-out evaluation (``rollout.val_kwargs``)."""
+    val = rollout.val_kwargs
+    return SamplingParams(max_new_tokens=rollout.response_length,
+                          temperature=val.sampling_temperature, top_p=val.top_p, top_k=val.top_k)
+
+
 class Evaluator:
-    """Asks for weights to evaluate, evaluates them, reports, until the run is over."""
+    """Asks for weights to evaluate, evaluates them, reports, until the run is over.
+
+    It reads the run's sections: ``rollout`` (``val_kwargs``: sampling and ``n``; the
+    response length), ``data`` (the prompt length limit and how to cut a longer prompt) and
+    ``trainer`` (``log_val_generations``, ``validation_data_dir``, ``max_waiting_evals``).
+    """
 
     def __init__(self, *, weights_endpoint: str, stream_endpoint: str, engine: Engine,
-                 tokenizer, scorer: RewardScorer, rows: list[PromptRow], params: SamplingParams,
-                 n: int, max_prompt_length: int, max_waiting: int,
-                 truncation: CutSide = "left", log_generations: int = 0,
-                 dump_dir: Path | None = None, keys: ClientKeys | None = None) -> None:
+                 tokenizer, scorer: RewardScorer, rows: list[PromptRow], rollout: RolloutConfig,
+                 data: DataConfig, trainer: TrainerConfig,
+                 keys: ClientKeys | None = None) -> None:
         self.engine, self.tokenizer, self.scorer = engine, tokenizer, scorer
-        self.rows, self.params, self.n = rows, params, n
-        self.max_prompt_length, self.truncation = max_prompt_length, truncation
-        self.log_generations = log_generations  # trainer.log_val_generations
-        self.dump_dir = dump_dir  # trainer.validation_data_dir
+        self.rows, self.params = rows, val_sampling_params(rollout)
+        self.n = rollout.val_kwargs.n
+        self.max_prompt_length = data.max_prompt_length
+        self.truncation = cut_side(data.truncation)
+        self.log_generations = trainer.log_val_generations
+        self.dump_dir = Path(trainer.validation_data_dir) if trainer.validation_data_dir else None
         self._client = Client(weights_endpoint, keys=keys)
-        self.weights = EvalWeights(weights_endpoint, stream_endpoint, max_waiting=max_waiting,
-                                   keys=keys)
+        self.weights = EvalWeights(weights_endpoint, stream_endpoint,
+                                   max_waiting=trainer.max_waiting_evals, keys=keys)
         self.evaluated: list[int] = []  # steps, in order
 
     def run(self, stop: threading.Event) -> None:
@@ -178,19 +192,10 @@ def main(argv: list[str] | None = None) -> int:
                        what="data.val_files").rows
     scorer = RewardScorer(run.custom_reward_function)
     scorer.check_data_sources({row.data_source for row in rows})
-    val = run.rollout.val_kwargs
-    params = SamplingParams(max_new_tokens=run.rollout.response_length,
-                            temperature=val.sampling_temperature, top_p=val.top_p,
-                            top_k=val.top_k)
     evaluator = Evaluator(weights_endpoint=ctx.weights_endpoint,
                           stream_endpoint=ctx.weights_stream_endpoint, engine=engine,
-                          tokenizer=tokenizer, scorer=scorer, rows=rows, params=params,
-                          n=val.n, max_prompt_length=run.data.max_prompt_length,
-                          truncation="left" if data.truncation == "error" else data.truncation,
-                          log_generations=run.trainer.log_val_generations,
-                          dump_dir=Path(run.trainer.validation_data_dir)
-                          if run.trainer.validation_data_dir else None,
-                          max_waiting=run.trainer.max_waiting_evals, keys=ctx.client_keys())
+                          tokenizer=tokenizer, scorer=scorer, rows=rows, rollout=run.rollout,
+                          data=run.data, trainer=run.trainer, keys=ctx.client_keys())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

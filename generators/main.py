@@ -108,12 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                          weights_endpoint=ctx.weights_endpoint,
                          weights_stream_endpoint=ctx.weights_stream_endpoint, engine=engine,
                          tokenizer=tokenizer, scorer=scorer, rollout=run.rollout,
-                         max_prompt_length=run.data.max_prompt_length,
-                         truncation=run.data.truncation,
-                         overlong=run.reward_model.overlong_buffer,
-                         patience_s=run.buffer.client_patience_s,
-                         weights_timeout_s=run.buffer.weights_timeout_s
-                         or run.buffer.lease_timeout_s, seed=seed,
+                         data=run.data, buffer=run.buffer,
+                         overlong=run.reward_model.overlong_buffer, seed=seed,
                          keys=ctx.client_keys())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -35,13 +35,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 import msgspec
 
 from relay.algorithms.rewards.scorer import RewardScorer
-from relay.configs.prompt_data import CutSide, truncate_prompt
-from relay.configs.run_schema import OverlongBufferConfig, RolloutConfig
+from relay.configs.prompt_data import CutSide, cut_side, truncate_prompt
+from relay.configs.run_schema import BufferConfig, DataConfig, OverlongBufferConfig, RolloutConfig
 from relay.generators.engine import Engine, FinishedGroup
 from relay.generators.leases import HeldLease, HeldLeases
 from relay.generators.sampling import SamplingParams
@@ -147,32 +146,28 @@ class Heartbeater:
 class GeneratorLoop:
     """The compute loop of one generator process.
 
-    ``rollout`` is the run's rollout section; from the others it needs the prompt length
-    limit (``data.max_prompt_length``), DAPO's overlong penalty
-    (``reward_model.overlong_buffer``), how long to retry a silent buffer
-    (``buffer.client_patience_s``) and how long a lease may wait for its weights
-    (``buffer.weights_timeout_s``, resolved). An unexpected death of the heartbeat or
+    It reads the run's sections: ``rollout`` (sampling, batch, lease size), ``data`` (the
+    prompt length limit and how to cut a longer prompt), ``buffer`` (how long to retry a
+    silent buffer, ``client_patience_s``, and how long a lease may wait for its weights,
+    ``weights_timeout_s``, 0 meaning ``lease_timeout_s``) and ``overlong`` (DAPO's overlong
+    penalty, ``reward_model.overlong_buffer``). An unexpected death of the heartbeat or
     weight-receiving thread stops the loop with ``ThreadDied`` naming it.
     """
 
     def __init__(self, *, generator_id: str, buffer_endpoint: str, weights_endpoint: str,
-                 weights_stream_endpoint: str,
-                 engine: Engine, tokenizer, scorer: RewardScorer, rollout: RolloutConfig,
-                 max_prompt_length: int, overlong: OverlongBufferConfig,
-                 truncation: Literal["error", "left", "right", "middle"] = "left",
-                 patience_s: float, weights_timeout_s: float, seed: int = 0,
+                 weights_stream_endpoint: str, engine: Engine, tokenizer, scorer: RewardScorer,
+                 rollout: RolloutConfig, data: DataConfig, buffer: BufferConfig,
+                 overlong: OverlongBufferConfig, seed: int = 0,
                  keys: ClientKeys | None = None) -> None:
         self.generator_id, self.buffer_endpoint = generator_id, buffer_endpoint
         self.engine, self.tokenizer = engine, tokenizer
         self.params = sampling_params(rollout)
         self.greedy_params = msgspec.structs.replace(self.params, temperature=0.0)
         self.max_num_seqs = rollout.max_num_seqs
-        self.max_prompt_length = max_prompt_length
-        # "error": the buffer refused overlong prompts when it loaded them, so one seen here
-        # was measured with another tokenizer: keep its end, as "left" does
-        self.truncation_side: CutSide = "left" if truncation == "error" else truncation
-        self.weights_timeout_s = weights_timeout_s
-        self.patience_s = patience_s  # retrying a buffer that does not answer
+        self.max_prompt_length = data.max_prompt_length
+        self.truncation_side = cut_side(data.truncation)
+        self.weights_timeout_s = buffer.weights_timeout_s or buffer.lease_timeout_s
+        self.patience_s = buffer.client_patience_s  # retrying a buffer that does not answer
         self.counters = Counters()
         self.leases = HeldLeases()
         self.seed = seed  # the generator's own; each lease on an idle engine derives one
@@ -190,7 +185,7 @@ class GeneratorLoop:
         self.sender = GroupSender(generator_id=generator_id, buffer_endpoint=buffer_endpoint,
                                   scorer=scorer, counters=self.counters,
                                   max_new_tokens=rollout.response_length, overlong=overlong,
-                                  patience_s=patience_s, keys=keys)
+                                  patience_s=self.patience_s, keys=keys)
         self._next_lease_at = 0.0
         # engine sequences per prompt and per lease; each lease corrects them (n, baseline)
         self._sequences_per_prompt = rollout.n

@@ -18,6 +18,7 @@ from relay.configs.prompt_data import (
     PromptRow,
     RewardSpec,
     chat_token_counter,
+    cut_side,
     fit_prompts,
     load_prompt_rows,
     truncate_prompt,
@@ -266,6 +267,13 @@ def test_truncate_prompt_keeps_the_end_the_start_or_both_halves():
     assert truncate_prompt(ids, 4, "middle") == [1, 2, 4, 5]
     assert truncate_prompt(ids, 1, "middle") == [5]
     assert truncate_prompt(ids, 6, "middle") == ids
+
+
+def test_a_generator_cuts_on_the_truncation_side_and_keeps_the_end_after_error() -> None:
+    # "error": the buffer refused longer prompts at load, so one a generator sees was
+    # measured with another tokenizer; it keeps the end, as "left" does
+    assert [cut_side(t) for t in ("error", "left", "right", "middle")] == \
+        ["left", "left", "right", "middle"]
 
 
 def test_rows_are_read_once_while_the_file_is_unchanged(tmp_path, monkeypatch):

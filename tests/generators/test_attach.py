@@ -24,7 +24,7 @@ from relay.buffer.prompt_source import PromptSource
 from relay.buffer.store import FifoStore
 from relay.buffer.validation import GroupLimits
 from relay.configs.prompt_data import ChatMessage, PromptDataset, PromptRow, RewardSpec
-from relay.configs.run_schema import BufferConfig, OverlongBufferConfig, RolloutConfig
+from relay.configs.run_schema import BufferConfig, DataConfig, OverlongBufferConfig, RolloutConfig
 from relay.generators.engine import Completion, Engine, FinishedGroup, StepHook
 from relay.generators.process import GeneratorLoop, NameInUse
 from relay.generators.sampling import SamplingParams
@@ -93,14 +93,17 @@ def weights() -> Iterator[str]:
 NOBODY_STREAMS = "tcp://127.0.0.1:9"  # the discard port: no weight stream listens there
 
 
-def loop(buffer_endpoint: str, weights_endpoint: str) -> GeneratorLoop:
+def loop(buffer_endpoint: str, weights_endpoint: str, data: DataConfig | None = None,
+         buffer: BufferConfig | None = None) -> GeneratorLoop:
     return GeneratorLoop(generator_id="gen0", buffer_endpoint=buffer_endpoint,
                          weights_endpoint=weights_endpoint,
                          weights_stream_endpoint=NOBODY_STREAMS, engine=EndlessEngine(),
                          tokenizer=FixedTokenizer(), scorer=None,
                          rollout=RolloutConfig(n=2, prompts_per_lease=2, max_num_seqs=8),
-                         max_prompt_length=16, overlong=OverlongBufferConfig(), patience_s=5.0,
-                         weights_timeout_s=60.0)
+                         data=data or DataConfig(train_files=[], max_prompt_length=16),
+                         buffer=buffer or BufferConfig(client_patience_s=5.0,
+                                                       weights_timeout_s=60.0),
+                         overlong=OverlongBufferConfig())
 
 
 def old_process(hub: Hub) -> None:

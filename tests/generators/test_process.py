@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from relay.buffer.hub import Hub
-from relay.configs.run_schema import BufferConfig, RolloutConfig
+from relay.configs.run_schema import BufferConfig, DataConfig, RolloutConfig
 from relay.generators import process
 from relay.generators.process import sampling_params
 from relay.generators.sampling import SamplingParams
@@ -28,6 +28,21 @@ def test_sampling_params_come_from_the_rollout_section() -> None:
     rollout = RolloutConfig(temperature=0.7, top_p=0.9, top_k=20, response_length=64)
     assert sampling_params(rollout) == SamplingParams(max_new_tokens=64, temperature=0.7,
                                                       top_p=0.9, top_k=20)
+
+
+NOBODY_LISTENS = "tcp://127.0.0.1:9"  # the discard port: no buffer answers there
+
+
+def test_prompt_limits_and_waits_come_from_the_data_and_buffer_sections(weights: str) -> None:
+    """``buffer.weights_timeout_s = 0`` waits for weights as long as a lease lives, and
+    ``data.truncation = "error"`` keeps a longer prompt's end, as "left" does (the buffer
+    measured it with another tokenizer)."""
+    data = DataConfig(train_files=[], max_prompt_length=7, truncation="error")
+    buffer = BufferConfig(lease_timeout_s=40.0, weights_timeout_s=0.0, client_patience_s=3.0)
+    generator = loop(NOBODY_LISTENS, weights, data=data, buffer=buffer)
+    assert (generator.max_prompt_length, generator.truncation_side) == (7, "left")
+    assert (generator.weights_timeout_s, generator.patience_s) == (40.0, 3.0)
+    assert generator.sender.patience_s == 3.0
 
 
 # -- leases over real sockets: the heartbeats name them, a lost reply parks nothing ---------
