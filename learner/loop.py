@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from relay.configs.run_schema import TrainerConfig
+from relay.configs.run_schema import RunConfig
 from relay.learner.batch import TrainBatch, collate
 from relay.learner.checkpoint import BufferStateLink, LoopState, save_checkpoint
 from relay.learner.checkpoint_lineage import Lineage, saves_at
-from relay.learner.rollouts import BufferLink, broadcast_batch
+from relay.learner.buffer_link import BufferLink, broadcast_batch
 from relay.learner.tracking import Tracker
 from relay.learner.update import Learner
 from relay.learner.weight_buckets import plan_buckets
@@ -154,23 +154,27 @@ def finite_priorities(groups: list[RolloutGroup], td_errors: list[float]
 
 
 class TrainLoop:
-    """Runs ``trainer``'s steps. From other sections it needs the groups per step
-    (``data.train_batch_size``), eta (``buffer.max_staleness``, for the staleness metrics),
-    whether the buffer wants TD-error priorities back (``buffer.replay.priority``), whether
-    the run evaluates (``RunConfig.evaluates``), how many checkpoints to keep and the
-    lineage they carry (``relay.learner.checkpoint_lineage.run_lineage``)."""
+    """Runs ``run.trainer``'s steps. From the run's other sections it reads the groups per
+    step (``data.train_batch_size``), eta (``buffer.max_staleness``, for the staleness
+    metrics), whether the buffer wants TD-error priorities back (``buffer.replay.priority``),
+    whether the run evaluates (``RunConfig.evaluates``), how many checkpoints to keep
+    (``checkpoint.keep_last``), and how weights are published (``model.dtype``,
+    ``rollout.update_weights_bucket_megabytes``). Besides the config it is given the padding
+    id, where checkpoints go and the lineage they carry
+    (``relay.learner.checkpoint_lineage.run_lineage``), rank 0's links and the CPU group."""
 
-    def __init__(self, trainer: TrainerConfig, learner: Learner, *, batch_size: int,
-                 max_staleness: int, send_td_errors: bool, evaluates: bool, keep_last: int,
-                 pad_id: int, publish_dtype: torch.dtype, bucket_bytes: int,
-                 checkpoint_dir: Path, lineage: Lineage, rank0: RankZero | None,
+    def __init__(self, run: RunConfig, learner: Learner, *, pad_id: int, checkpoint_dir: Path,
+                 lineage: Lineage, rank0: RankZero | None,
                  group: dist.ProcessGroup | None = None) -> None:
-        self.trainer, self.learner = trainer, learner
-        self.batch_size, self.max_staleness = batch_size, max_staleness
-        self.send_td_errors, self.evaluates, self.keep_last = send_td_errors, evaluates, keep_last
-        self.pad_id, self.publish_dtype, self.checkpoint_dir = pad_id, publish_dtype, checkpoint_dir
+        self.trainer, self.learner = run.trainer, learner
+        self.batch_size, self.max_staleness = run.data.train_batch_size, run.buffer.max_staleness
+        self.send_td_errors = run.buffer.replay.priority == "td_error"
+        self.evaluates, self.keep_last = run.evaluates, run.checkpoint.keep_last
+        self.publish_dtype: torch.dtype = getattr(torch, run.model.dtype)
+        self.pad_id, self.checkpoint_dir = pad_id, checkpoint_dir
         self.lineage, self.rank0, self.group = lineage, rank0, group
-        self.plan = plan_buckets(learner.model, publish_dtype, bucket_bytes)
+        self.plan = plan_buckets(learner.model, self.publish_dtype,
+                                 run.rollout.update_weights_bucket_megabytes << 20)
         self.version = 0
         self.published_step = 0  # the step after which self.version was taken
         self.unpublished_update = False  # the policy changed since the last publish

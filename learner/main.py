@@ -45,7 +45,7 @@ from relay.learner.implicit_prm import ImplicitPRM
 from relay.learner.loop import RankZero, Reporter, TrainLoop
 from relay.learner.model import learner_device, load_sharded, sharding_mesh
 from relay.learner.optim import build_optimizer, build_scheduler
-from relay.learner.rollouts import BufferLink
+from relay.learner.buffer_link import BufferLink
 from relay.learner.tracking import Resumed, Tracker
 from relay.learner.ulysses import Parallelism, check_heads, learner_parallelism
 from relay.learner.update import Learner
@@ -127,12 +127,10 @@ def build_learner(ctx: RunContext, device: torch.device,
         prm = ImplicitPRM(prm_model, prm_reference, run.reward_model,
                           total_steps=run.trainer.total_training_steps,
                           temperature=run.rollout.temperature)
-    return Learner(model, optimizer, scheduler, actor=run.actor, ref=run.ref,
-                   algorithm=run.algorithm,
-                   temperature=run.rollout.temperature, horizon=run.rollout.response_length,
-                   num_prompts=run.data.train_batch_size,
-                   critic_warmup=run.trainer.critic_warmup, reference=reference, critic=critic,
-                   prm=prm, parallelism=parallelism, device=device)
+    return Learner(model, optimizer, scheduler, actor=run.actor, algorithm=run.algorithm,
+                   ref=run.ref, rollout=run.rollout, data=run.data, trainer=run.trainer,
+                   reference=reference, critic=critic, prm=prm, parallelism=parallelism,
+                   device=device)
 
 
 def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase,
@@ -202,14 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                     resumed.loop.step, resumed.loop.version)
     lineage = run_lineage(ctx.checkpoint_dir, ctx.resume_from, group=cpu_group)
     rank0 = build_rank_zero(ctx, tokenizer, resumed) if rank == 0 else None
-    loop = TrainLoop(run.trainer, learner, batch_size=run.data.train_batch_size,
-                     max_staleness=run.buffer.max_staleness,
-                     send_td_errors=run.buffer.replay.priority == "td_error",
-                     evaluates=run.evaluates, keep_last=run.checkpoint.keep_last, pad_id=pad,
-                     publish_dtype=getattr(torch, run.model.dtype),
-                     bucket_bytes=run.rollout.update_weights_bucket_megabytes << 20,
-                     checkpoint_dir=ctx.checkpoint_dir, lineage=lineage, rank0=rank0,
-                     group=cpu_group)
+    loop = TrainLoop(run, learner, pad_id=pad, checkpoint_dir=ctx.checkpoint_dir,
+                     lineage=lineage, rank0=rank0, group=cpu_group)
     if resumed is not None:
         loop.resume(resumed.loop)
     ok = False

@@ -79,7 +79,14 @@ from relay.algorithms.off_policy import Correction, a3po_proximal_logprobs, off_
 from relay.algorithms.policy_loss import PolicyLossTerms, policy_loss, policy_loss_agg_mode
 from relay.algorithms.prime import implicit_process_rewards
 from relay.algorithms.registry import policy_loss_mode
-from relay.configs.run_schema import ActorConfig, AlgorithmConfig, RefConfig
+from relay.configs.run_schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    DataConfig,
+    RefConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 from relay.learner.batch import TrainBatch
 from relay.learner.critic import Critic
 from relay.learner.implicit_prm import ImplicitPRM
@@ -196,32 +203,32 @@ def reset_peak_memory(device: torch.device) -> None:
 class Learner:
     """The policy being trained, its optimizer and schedule, and the optional reference.
 
-    It reads its own sections, ``actor`` and ``algorithm``, and four numbers from elsewhere in
-    the run config: ``temperature`` (``rollout.temperature``: log-probs of
-    softmax(logits / T)), ``horizon`` (``rollout.response_length``, the constant of
-    seq-mean-token-sum-norm), ``num_prompts`` (``data.train_batch_size``, groups per batch)
-    and ``critic_warmup`` (``trainer.critic_warmup``: the first steps update only the critic).
+    It reads its own sections, ``actor``, ``algorithm`` and ``ref``, and from three others:
+    ``rollout.temperature`` (log-probs of softmax(logits / T)), ``rollout.response_length``
+    (the horizon, the constant of seq-mean-token-sum-norm), ``data.train_batch_size``
+    (groups per batch) and ``trainer.critic_warmup`` (the first steps update only the
+    critic).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, *, actor: ActorConfig,
                  algorithm: AlgorithmConfig, ref: RefConfig | None = None,
-                 temperature: float, horizon: int, num_prompts: int,
-                 critic_warmup: int = 0, reference: nn.Module | None = None,
-                 critic: Critic | None = None, prm: ImplicitPRM | None = None,
-                 parallelism: Parallelism | None = None,
+                 rollout: RolloutConfig, data: DataConfig, trainer: TrainerConfig | None = None,
+                 reference: nn.Module | None = None, critic: Critic | None = None,
+                 prm: ImplicitPRM | None = None, parallelism: Parallelism | None = None,
                  device: torch.device | None = None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         # where every step computes: its batch is moved there first (``step``)
         self.device = device or compute_device(model)
         self.actor, self.algorithm = actor, algorithm
-        self.temperature, self.horizon = temperature, horizon
-        self.critic_warmup = critic_warmup
+        self.temperature, self.horizon = rollout.temperature, rollout.response_length
+        self.critic_warmup = (trainer or TrainerConfig()).critic_warmup
         self.reference, self.critic, self.prm = reference, critic, prm
         parallelism = parallelism or Parallelism()
         self.group, self.sp = parallelism.data_group, parallelism.sequence
         self.steps_done = 0  # learner steps taken, counting the critic's warm-up
-        self.micro = MicroBatches(groups_per_mini_batch=actor.ppo_mini_batch_size or num_prompts,
+        self.micro = MicroBatches(groups_per_mini_batch=actor.ppo_mini_batch_size
+                                  or data.train_batch_size,
                                   micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
                                   max_token_len=actor.ppo_max_token_len_per_gpu
                                   if actor.use_dynamic_bsz else None,

@@ -126,7 +126,13 @@ def worker(spec_file: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from relay.configs.run_schema import ActorConfig, AlgorithmConfig, OptimConfig
+    from relay.configs.run_schema import (
+        ActorConfig,
+        AlgorithmConfig,
+        DataConfig,
+        OptimConfig,
+        RolloutConfig,
+    )
     from relay.learner.model import load_sharded
     from relay.learner.optim import build_optimizer, build_scheduler
     from relay.learner.ulysses import learner_parallelism
@@ -149,8 +155,10 @@ def worker(spec_file: str) -> None:
         optimizer = build_optimizer(model, optim)
         learner = Learner(model, optimizer,
                           build_scheduler(optimizer, total_steps=args.steps, optim=optim),
-                          actor=actor, algorithm=AlgorithmConfig(), temperature=1.0,
-                          horizon=args.response_len, num_prompts=args.groups,
+                          actor=actor, algorithm=AlgorithmConfig(),
+                          rollout=RolloutConfig(temperature=1.0,
+                                                response_length=args.response_len),
+                          data=DataConfig(train_files=[], train_batch_size=args.groups),
                           parallelism=parallelism)
         loaded = resident_mib()
         seconds = []

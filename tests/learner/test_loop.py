@@ -14,7 +14,16 @@ import torch
 import relay.learner.loop as loop_module
 from relay.buffer.prioritized import PrioritizedStore
 from relay.buffer.store import PriorityError
-from relay.configs.run_schema import ReplayConfig, TrainerConfig
+from relay.configs.run_schema import (
+    BufferConfig,
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    ReplayConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+)
 from relay.learner.loop import RankZero, Reporter, TrainLoop, finite_priorities, metrics_line
 from relay.learner.update import StepResult
 from relay.learner.weights import StreamStats
@@ -98,10 +107,26 @@ def train_loop(sent: list[Metrics], **trainer: object) -> TrainLoop:
                         SimpleNamespace(send=sent.append))
     rank0 = RankZero(link=FakeLink(), buffer_state=None, weights=FakeWeights(),
                      stream=None, reporter=reporter, tokenizer=None)
-    return TrainLoop(TrainerConfig(total_training_steps=6, **trainer), FakeLearner(),
-                     batch_size=2, max_staleness=1, send_td_errors=False, evaluates=False,
-                     keep_last=1, pad_id=0, publish_dtype=torch.float32, bucket_bytes=1 << 20,
-                     checkpoint_dir=Path("unused"), lineage=None, rank0=rank0)
+    run = RunConfig(data=DataConfig(train_files=[], train_batch_size=2),
+                    model=ModelConfig(path="unused", dtype="float32"),
+                    rollout=RolloutConfig(update_weights_bucket_megabytes=1),
+                    buffer=BufferConfig(max_staleness=1),
+                    trainer=TrainerConfig(total_training_steps=6, **trainer),
+                    checkpoint=CheckpointConfig(keep_last=1))
+    return TrainLoop(run, FakeLearner(), pad_id=0, checkpoint_dir=Path("unused"), lineage=None,
+                     rank0=rank0)
+
+
+def test_the_loop_reads_its_knobs_from_the_run_sections() -> None:
+    run = RunConfig(data=DataConfig(train_files=[], val_files=["val.jsonl"], train_batch_size=5),
+                    model=ModelConfig(path="unused", dtype="bfloat16"),
+                    buffer=BufferConfig(max_staleness=4, replay=ReplayConfig(priority="td_error")),
+                    checkpoint=CheckpointConfig(keep_last=3))
+    loop = TrainLoop(run, FakeLearner(), pad_id=0, checkpoint_dir=Path("unused"), lineage=None,
+                     rank0=None)
+    assert (loop.batch_size, loop.max_staleness, loop.send_td_errors, loop.evaluates,
+            loop.keep_last) == (5, 4, True, True, 3)
+    assert {entry.dtype for entry in loop.plan.entries} == {"bfloat16"}  # published as model.dtype
 
 
 def test_the_log_has_a_metrics_line_every_log_freq_steps_and_no_line_per_version(

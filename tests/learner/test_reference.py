@@ -15,7 +15,7 @@ from relay.learner.model import load_sharded
 from relay.learner.optim import build_optimizer, build_scheduler
 from relay.learner.update import Learner
 
-from .test_update import PROMPTS, N, rollouts
+from .test_update import DATA, N, PROMPTS, ROLLOUT, rollouts
 
 
 def build(path: Path, ref: RefConfig) -> Learner:
@@ -26,8 +26,8 @@ def build(path: Path, ref: RefConfig) -> Learner:
     reference = load_sharded(str(path), trainable=False, **load)
     optimizer = build_optimizer(model, optim)
     return Learner(model, optimizer, build_scheduler(optimizer, total_steps=10, optim=optim),
-                   actor=actor, ref=ref, algorithm=AlgorithmConfig(), temperature=1.0,
-                   horizon=6, num_prompts=len(PROMPTS), reference=reference)
+                   actor=actor, algorithm=AlgorithmConfig(), ref=ref, rollout=ROLLOUT,
+                   data=DATA, reference=reference)
 
 
 @pytest.mark.usefixtures("one_rank_group")

@@ -13,7 +13,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from relay.configs.run_schema import ActorConfig, AlgorithmConfig, FsdpConfig, OptimConfig
+from relay.configs.run_schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    DataConfig,
+    FsdpConfig,
+    OptimConfig,
+    RolloutConfig,
+)
 from relay.generators.sampling import SamplingParams
 from relay.generators.torch_engine import TorchEngine
 from relay.learner.batch import TrainBatch, collate
@@ -30,6 +37,8 @@ PROMPTS = [[1, 271, 201, 273, 272, 223, 19, 20, 280, 2, 201, 1, 278, 201],
 N = 4
 LR = 1e-3
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+ROLLOUT = RolloutConfig(temperature=1.0, response_length=6)  # the rollouts below: 6 tokens
+DATA = DataConfig(train_files=[], train_batch_size=len(PROMPTS))  # one batch: PROMPTS
 
 
 def synthetic_reward(response: torch.Tensor) -> float:
@@ -85,8 +94,7 @@ def build_learner(path: Path, gradient_checkpointing: bool = False,
                          compile_blocks=actor.use_torch_compile)
     optimizer = build_optimizer(model, optim)
     return Learner(model, optimizer, build_scheduler(optimizer, total_steps=10, optim=optim),
-                   actor=actor, algorithm=AlgorithmConfig(), temperature=1.0, horizon=6,
-                   num_prompts=len(PROMPTS))
+                   actor=actor, algorithm=AlgorithmConfig(), rollout=ROLLOUT, data=DATA)
 
 
 @pytest.mark.usefixtures("one_rank_group")

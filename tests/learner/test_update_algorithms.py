@@ -20,6 +20,7 @@ from relay.configs.run_schema import (
     OptimConfig,
     PrmModelConfig,
     RewardModelConfig,
+    TrainerConfig,
 )
 from relay.generators.torch_engine import TorchEngine
 from relay.learner.batch import TrainBatch, collate
@@ -31,7 +32,7 @@ from relay.learner.ulysses import Parallelism
 from relay.learner.update import Learner
 
 from ..conftest import gather_full_weights, save_random_model
-from .test_update import LR, PROMPTS, rollouts
+from .test_update import DATA, LR, ROLLOUT, rollouts
 
 
 def make_learner(path: Path, actor: ActorConfig | None = None,
@@ -71,8 +72,8 @@ def make_learner(path: Path, actor: ActorConfig | None = None,
                         total_steps=10)
     return Learner(model, optimizer, build_scheduler(optimizer, total_steps=10,
                                                      optim=actor.optim),
-                   actor=actor, algorithm=algorithm, temperature=1.0, horizon=6,
-                   num_prompts=len(PROMPTS), critic_warmup=critic_warmup,
+                   actor=actor, algorithm=algorithm, rollout=ROLLOUT, data=DATA,
+                   trainer=TrainerConfig(critic_warmup=critic_warmup),
                    reference=reference, critic=critic, prm=prm, parallelism=parallelism)
 
 
