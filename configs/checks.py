@@ -344,7 +344,7 @@ def training_steps(run: RunConfig, source: str, epoch_rows: EpochRows | None = N
 
 def count_rows(path: Path) -> int:
     """Rows in a prompt file: a parquet file's row count, a JSONL file's non-blank lines
-    (``relay.buffer.dataset`` validates them when the buffer loads them)."""
+    (``relay.configs.prompt_data`` validates them when the buffer loads them)."""
     if path.suffix == ".parquet":
         return pq.read_metadata(path).num_rows
     with path.open(encoding="utf-8") as lines:

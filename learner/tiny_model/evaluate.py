@@ -28,7 +28,7 @@ from transformers import (
 )
 
 from relay.algorithms.rewards.arithmetic import compute_score
-from relay.buffer.dataset import PromptRow
+from relay.configs.prompt_data import PromptRow
 
 MAX_NEW_TOKENS = 16  # the task's answers take at most 8: "<answer>", 5 digits, "</answer>", eos
 SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}

@@ -27,10 +27,10 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import Metadata
 
-from relay.buffer.dataset import PromptDataset
 from relay.buffer.prompt_source import PromptSource, write_buffer_checkpoint
 from relay.buffer.rollout_log import read_rollout_log
 from relay.configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
+from relay.configs.prompt_data import PromptDataset
 from relay.launcher.plan import write_resolved
 from relay.launcher.resolve import ResolvedLaunch, resolve_launch
 from relay.learner.checkpoint_meta import FORMAT, META_FILE, CheckpointMeta, LoopState, scan_checkpoints
