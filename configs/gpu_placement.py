@@ -18,12 +18,11 @@ from collections.abc import Sequence
 import msgspec
 
 from relay.configs.loader import ConfigError
-from relay.configs.topology_schema import EvaluatorPlacement, GeneratorPlacement, Topology
+from relay.configs.topology_schema import EnginePlacement, Topology
 from relay.transport.endpoints import is_loopback
 
 OWN_PARALLEL_ENGINES = ("vllm", "sglang")  # spread over tensor_model_parallel_size GPUs
 THIS_MACHINE = "this machine"  # how a loopback host is named in messages
-EnginePlacement = GeneratorPlacement | EvaluatorPlacement
 
 
 def on_cuda(device: str) -> bool:
