@@ -80,7 +80,7 @@ def _import_file(location: str, spec: str, what: str, error: type[Exception]) ->
         module_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # report any import failure
         del sys.modules[module_name]
-        raise error(f"{what} {spec!r}: importing {path} raised {_describe(exc)}") from exc
+        raise error(f"{what} {spec!r}: importing {path} raised {describe(exc)}") from exc
     return module
 
 
@@ -93,13 +93,13 @@ def _import_module(location: str, spec: str, what: str, error: type[Exception]) 
             raise error(f"{what} {spec!r}: module {location!r} not found on sys.path (give "
                         "a file path 'path/to/file.py:function' instead?)") from exc
         raise error(f"{what} {spec!r}: importing module {location!r} raised "
-                    f"{_describe(exc)}") from exc
+                    f"{describe(exc)}") from exc
     except (Exception, SystemExit) as exc:  # report any import failure
         raise error(f"{what} {spec!r}: importing module {location!r} raised "
-                    f"{_describe(exc)}") from exc
+                    f"{describe(exc)}") from exc
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     """``TypeName: message``, even for an exception whose ``str`` itself raises."""
     try:
         message = str(exc)

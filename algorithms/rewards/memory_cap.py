@@ -17,7 +17,7 @@ import errno
 import os
 import resource
 
-from relay.algorithms.rewards.result import describe
+from relay.algorithms.user_code import describe
 
 KEY = "custom_reward_function.worker_memory_gb"
 _ENOMEM_TEXTS = (os.strerror(errno.ENOMEM), "can't allocate memory")

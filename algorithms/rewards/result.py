@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+from relay.algorithms.user_code import describe
+
 ScoreFn = Callable[..., Any]  # (*, data_source, solution_str, ground_truth, extra_info)
 _MAX_ERROR_CHARS = 500
 MAX_PRED_CHARS = 1000  # an extracted answer longer than this is cut (it is only compared)
@@ -54,15 +56,6 @@ class RewardResult(msgspec.Struct, frozen=True):
 def failure(reason: str) -> RewardResult:
     """A zero reward that says why."""
     return RewardResult(score=0.0, error=reason[:_MAX_ERROR_CHARS])
-
-
-def describe(exc: BaseException) -> str:
-    """``TypeName: message``, even for an exception whose ``str`` itself raises."""
-    try:
-        message = str(exc)
-    except Exception:  # a user's exception class may be broken
-        message = "<unprintable message>"
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def _finite_float(value: object) -> float | None:

@@ -61,7 +61,8 @@ from relay.algorithms.rewards.custom import RewardLoadError
 from relay.algorithms.rewards.memory_cap import KEY as MEMORY_KEY
 from relay.algorithms.rewards.memory_cap import apply_memory_cap, is_out_of_memory, over_cap
 from relay.algorithms.rewards.registry import preload_builtins
-from relay.algorithms.rewards.result import RewardItem, RewardResult, describe, failure
+from relay.algorithms.rewards.result import RewardItem, RewardResult, failure
+from relay.algorithms.user_code import describe
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # ``-c`` puts the working directory first on sys.path: dropped, so a user's own ``relay/``
