@@ -4,12 +4,14 @@ A call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; a turn m
 several. The parser knows text, not tokens or tools: it never checks that a name is a tool.
 It accepts what small models emit, each departure from strict JSON named:
 
-- whitespace and newlines around and inside the tags, a ```` ```json ```` fence inside;
+- whitespace and newlines around and inside the tags, a ```` ```json ```` fence inside,
+  special tokens after the JSON (``<|im_end|>``, ``</s>``: a decode that kept them);
 - a missing ``</tool_call>``: the call runs to the next ``<tool_call>`` or the end of the
   text (a stop string ``</tool_call>`` that the engine strips leaves exactly this);
 - trailing commas before ``}`` or ``]`` (outside strings), extra ``}`` after the object;
 - ``arguments`` given as a JSON string holding the object (``""`` is ``{}``), ``parameters``
-  for ``arguments`` (Llama's name), no ``arguments`` at all (``{}``);
+  for ``arguments`` (Llama's name), no ``arguments`` at all (``{}``), OpenAI's nesting
+  ``{"type": "function", "function": {"name": ..., "arguments": ...}}``;
 - a Python dict literal (single quotes, ``True``), read with ``ast.literal_eval`` (literals
   only, never code).
 
@@ -33,7 +35,8 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_CALL_CHARS = 64_000
 """A call's text longer than this is refused before parsing (bounds ``literal_eval``)."""
 
-_FENCE = re.compile(r"^```[A-Za-z]*\s*|\s*```$")
+_FENCE_OPEN = re.compile(r"```[A-Za-z]*")
+_SPECIAL_TOKEN = re.compile(r"<\|[^|<>\s]*\|>|</s>")
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|(?=" + re.escape(OPEN)
                    + r")|\Z)", re.DOTALL)
 
@@ -72,17 +75,19 @@ def parse_tool_calls(text: str, format: Format = "hermes") -> ParsedTurn:
 
 
 def _parse_call(raw: str) -> ParsedCall:
-    body = _FENCE.sub("", raw.strip())
+    if len(raw) > MAX_CALL_CHARS:
+        return _failed(raw, f"call is {len(raw)} characters, over {MAX_CALL_CHARS}")
+    body = _unwrap(raw)
     if not body:
         return _failed(raw, "empty <tool_call>")
-    if len(body) > MAX_CALL_CHARS:
-        return _failed(raw, f"call is {len(body)} characters, over {MAX_CALL_CHARS}")
     value, error = _load_object(body)
     if error:
         return _failed(raw, error)
     if not isinstance(value, dict):
         return _failed(raw, f"call is a {type(value).__name__}, not an object with 'name' "
                             "and 'arguments'")
+    if "name" not in value and isinstance(value.get("function"), dict):
+        value = value["function"]
     name = value.get("name")
     if not isinstance(name, str) or not name.strip():
         return _failed(raw, "call has no 'name' string")
@@ -91,6 +96,23 @@ def _parse_call(raw: str) -> ParsedCall:
     if error:
         return ParsedCall(name=name, arguments={}, raw=raw, error=error)
     return ParsedCall(name=name, arguments=arguments, raw=raw)
+
+
+def _unwrap(raw: str) -> str:
+    """The call's text without surrounding whitespace, special tokens after it and a code
+    fence around it (string operations: no regex backtracks over long whitespace)."""
+    body = raw.strip()
+    while True:
+        tail = max(body.rfind("<|"), body.rfind("</s>"))
+        if tail < 0 or not _SPECIAL_TOKEN.fullmatch(body, tail):
+            break
+        body = body[:tail].rstrip()
+    fence = _FENCE_OPEN.match(body)
+    if fence:
+        body = body[fence.end():].lstrip()
+    if body.endswith("```"):
+        body = body[:-3].rstrip()
+    return body
 
 
 def _arguments(call: dict[str, Any]) -> tuple[dict[str, Any], str]:

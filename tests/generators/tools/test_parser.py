@@ -59,6 +59,14 @@ WELL_FORMED = [
      [("search", {"query": "café ☕", "filters": {"year": [2020, 2021]}})]),
     ("name with spaces around it", '<tool_call>{"name": " calculator ", "arguments": '
      '{"expression": "7"}}</tool_call>', "", [(CALC, {"expression": "7"})]),
+    ("unclosed, then the end-of-turn token kept by the decode",
+     '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}<|im_end|>\n'
+     '<|endoftext|>', "", [(CALC, {"expression": "6*7"})]),
+    ("Llama's end-of-sequence token", '<tool_call>{"name": "f", "arguments": {}}</s>', "",
+     [("f", {})]),
+    ("OpenAI's nested function object", '<tool_call>{"type": "function", "function": '
+     '{"name": "calculator", "arguments": "{\\"expression\\": \\"1\\"}"}}</tool_call>', "",
+     [(CALC, {"expression": "1"})]),
     ("a stray closing tag leaves the content", 'Done.</tool_call>', "Done.", []),
 ]
 
