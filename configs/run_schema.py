@@ -9,8 +9,10 @@ A section that configures one piece of ``algorithms`` is defined beside that cod
 composed here, so each knob is defined once: ``actor.policy_loss``
 (``relay.algorithms.policy_loss.PolicyLossConfig``), ``algorithm.kl_ctrl``
 (``relay.algorithms.kl.KLControlConfig``), ``algorithm.rollout_correction``
-(``relay.algorithms.off_policy.RolloutCorrectionConfig``) and ``custom_reward_function``
-(``relay.algorithms.rewards.config.RewardConfig``).
+(``relay.algorithms.off_policy.RolloutCorrectionConfig``), ``custom_reward_function``
+(``relay.algorithms.rewards.config.RewardConfig``) and ``sandbox``
+(``relay.algorithms.sandbox.config.SandboxSettings``; verl's
+``reward_model.sandbox_fusion.*`` keys are its ``sandbox.sandbox_fusion.*``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from relay.algorithms.off_policy import RolloutCorrectionConfig
 from relay.algorithms.policy_loss import PolicyLossConfig
 from relay.algorithms.registry import AdvantageEntry, advantage_estimator
 from relay.algorithms.rewards.config import RewardConfig
+from relay.algorithms.sandbox.config import SandboxSettings
 
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -578,6 +581,7 @@ class RunConfig(_Section):
     tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     custom_reward_function: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    sandbox: SandboxSettings = msgspec.field(default_factory=SandboxSettings)  # Relay's
 
     @property
     def evaluates(self) -> bool:

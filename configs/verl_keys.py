@@ -434,11 +434,10 @@ TABLE: tuple[VerlKey, ...] = tuple([
             accept=("naive", "prime", "dapo", "batch")),
     *_inert("generators score rewards off the learner's path, always; no effect",
             "reward_model.launch_reward_fn_async"),
-    *_inert("the code sandbox is not supported yet; only null", "reward_model.sandbox_fusion.url",
-            accept=(None,)),
-    *_inert("the code sandbox is not supported yet; no effect",
-            "reward_model.sandbox_fusion.max_concurrent",
-            "reward_model.sandbox_fusion.memory_limit_mb"),
+    *[VerlKey(key=f"reward_model.sandbox_fusion.{name}", group="mapped",
+              to=(f"sandbox.sandbox_fusion.{name}",),
+              note="the code sandbox's SandboxFusion server (relay.algorithms.sandbox)")
+      for name in ("url", "max_concurrent", "memory_limit_mb")],
     # ---- custom_reward_function, algorithm ---------------------------------------------
     *_same("custom_reward_function.path", "custom_reward_function.name", "algorithm.gamma",
            "algorithm.lam", "algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo",
