@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                        chat_token_counter(tokenizer), data.max_prompt_length,
                        drop=data.filter_overlong_prompts, refuse=data.truncation == "error",
                        what="data.val_files").rows
-    scorer = RewardScorer(run.custom_reward_function)
+    scorer = RewardScorer(run.custom_reward_function, run.sandbox)
     scorer.check_data_sources({row.data_source for row in rows})
     evaluator = Evaluator(weights_endpoint=ctx.weights_endpoint,
                           stream_endpoint=ctx.weights_stream_endpoint, engine=engine,

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                                      max_num_seqs=run.rollout.max_num_seqs,
                                      max_len=run.data.max_prompt_length
                                      + run.rollout.response_length)
-    scorer = RewardScorer(run.custom_reward_function)
+    scorer = RewardScorer(run.custom_reward_function, run.sandbox)
     scorer.check_data_sources({row.data_source for row in load_prompt_rows(
         run.data.train_files, prompt_key=run.data.prompt_key)})
     loop = GeneratorLoop(generator_id=args.name, buffer_endpoint=ctx.buffer_endpoint,

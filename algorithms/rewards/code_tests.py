@@ -7,6 +7,9 @@ Two forms, as a dict or its JSON string (verl's ``prime_code`` reads the same):
 - call-based: ``{"fn_name": "f", "inputs": [...], "outputs": [...]}``; each input is the
   argument list (a list, or a string of JSON values one per line as PrimeIntellect and
   LiveCodeBench store it); each output is the return value (a JSON string is decoded).
+- a list of tests, as DeepCoder stores LiveCodeBench and PrimeIntellect: ``[{"input": ...,
+  "output": ..., "fn_name": "f"}, ...]`` (``fn_name`` only on call-based tests, the same on
+  every test; a ``testtype`` / ``type`` field is ignored).
 
 HumanEval's form is a check program: ``{"test": "def check(candidate): ...",
 "entry_point": "f", "prompt": "def f(...):\n    \"\"\"...\"\"\"\n"}`` (``prompt`` optional).
@@ -97,8 +100,29 @@ def _return_value(value: Any) -> Any:
     return value
 
 
+def _from_test_list(tests: list[Any]) -> dict[str, Any]:
+    """A list of ``{"input", "output"[, "fn_name"]}`` tests as the dict form."""
+    if not all(isinstance(test, Mapping) and "input" in test and "output" in test
+               for test in tests):
+        raise BadGroundTruth("a code ground truth list must hold tests with 'input' and "
+                             "'output'")
+    names = {test.get("fn_name") or None for test in tests}
+    if len(names) > 1:
+        raise BadGroundTruth(f"the tests name different functions: {sorted(map(str, names))}")
+    return {"fn_name": names.pop() if names else None,
+            "inputs": [test["input"] for test in tests],
+            "outputs": [test["output"] for test in tests]}
+
+
 def parse_tests(ground_truth: Any) -> CodeTests:
     """The tests of a stdin/stdout or call-based problem; raises ``BadGroundTruth``."""
+    if isinstance(ground_truth, (str, bytes)):
+        try:
+            ground_truth = json.loads(ground_truth)
+        except ValueError as exc:
+            raise BadGroundTruth(f"code ground truth is not valid JSON: {exc}") from None
+    if isinstance(ground_truth, list):
+        ground_truth = _from_test_list(ground_truth)
     truth = _as_mapping(ground_truth)
     inputs, outputs = truth.get("inputs"), truth.get("outputs")
     if not isinstance(inputs, list) or not isinstance(outputs, list):

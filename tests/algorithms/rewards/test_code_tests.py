@@ -35,7 +35,8 @@ def test_an_empty_fn_name_means_stdin_style() -> None:
 
 @pytest.mark.parametrize(("truth", "message"), [
     ("{not json", "not valid JSON"),
-    ("[1, 2]", "must be a dict"),
+    ("[1, 2]", "must hold tests with 'input' and 'output'"),
+    ("3", "must be a dict"),
     ({"inputs": ["1"]}, "needs lists 'inputs' and 'outputs'"),
     ({"inputs": ["1", "2"], "outputs": ["1"]}, "2 inputs but 1 outputs"),
     ({"inputs": [], "outputs": []}, "no tests"),
@@ -65,3 +66,15 @@ def test_humaneval_check_program() -> None:
 def test_a_malformed_check_program_is_refused(truth: dict[str, object], message: str) -> None:
     with pytest.raises(BadGroundTruth, match=message):
         parse_check(truth)
+
+
+def test_a_list_of_tests_as_deepcoder_stores_them() -> None:
+    stdin = [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]
+    assert parse_tests(json.dumps(stdin)) == CodeTests(None, [Case("1 2\n", "3\n")])
+    calls = [{"input": "[1, 2]", "output": "3", "fn_name": "add"},
+             {"input": [4, 5], "output": 9, "fn_name": "add"}]
+    assert parse_tests(calls) == CodeTests("add", [Case([[1, 2]], 3), Case([4, 5], 9)])
+    with pytest.raises(BadGroundTruth, match="different functions"):
+        parse_tests([calls[0], {**calls[1], "fn_name": "sub"}])
+    with pytest.raises(BadGroundTruth, match="tests with 'input' and 'output'"):
+        parse_tests([{"inputs": ["1"]}])
