@@ -196,24 +196,24 @@ def run_tests(sandbox: Sandbox, solution: Extracted, tests: CodeTests,
     else:
         program, run_one = call_program(solution.code, tests.fn_name), _call_test
     deadline = None if budget_s is None else time.monotonic() + budget_s
-    passed, first = 0, _Outcome("pass")
-    run = 0
+    passed = run = 0
+    first: _Outcome | None = None  # the first failure
     for index, case in enumerate(cases):
         left = float("inf") if deadline is None else deadline - time.monotonic()
         if left < _MIN_TEST_S:
-            outcome = _Outcome("timeout", f"the sample's time budget ({budget_s:g} s) ran out "
-                                          f"after {index} of {len(cases)} tests")
-        else:
-            outcome = run_one(sandbox, program, case, config.limits(left, base or Limits()))
-            run += 1
+            first = first or _Outcome("timeout", f"test {index}: the sample's time budget "
+                                                 f"({budget_s:g} s) ran out after {index} of "
+                                                 f"{len(cases)} tests")
+            break
+        outcome = run_one(sandbox, program, case, config.limits(left, base or Limits()))
+        run += 1
         if outcome.kind == "pass":
             passed += 1
             continue
-        if first.kind == "pass":
-            first = _Outcome(outcome.kind, f"test {index}: {outcome.reason}")
-        if not config.partial_credit or outcome.kind == "timeout" and left < _MIN_TEST_S:
+        first = first or _Outcome(outcome.kind, f"test {index}: {outcome.reason}")
+        if not config.partial_credit:
             break
-    if first.kind == "pass":
+    if first is None:
         return CodeVerdict(1.0, "pass", f"all {len(cases)} tests passed", passed, run,
                            len(cases))
     score = passed / len(cases) if config.partial_credit else 0.0
