@@ -29,6 +29,8 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Literal, get_args
 
 import msgspec
@@ -119,6 +121,9 @@ class _Outcome(msgspec.Struct, frozen=True):
     reason: str = ""
 
 
+_RunOne = Callable[[Sandbox, str, Case, Limits], _Outcome]  # one test's execution
+
+
 def _cut(text: str) -> str:
     text = text.strip()
     return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
@@ -182,15 +187,28 @@ def _compile_verdict(solution: Extracted) -> CodeVerdict | None:
     return CodeVerdict(0.0, "syntax_error", error)
 
 
+def _wave(sandbox: Sandbox, program: str, run_one: _RunOne, cases: Sequence[Case],
+          limits: Limits) -> list[_Outcome]:
+    """The outcomes of ``cases``, run at once (each in a thread: ``Sandbox.run`` blocks)."""
+    if len(cases) == 1:
+        return [run_one(sandbox, program, cases[0], limits)]
+    with ThreadPoolExecutor(max_workers=len(cases), thread_name_prefix="code-test") as pool:
+        return list(pool.map(lambda case: run_one(sandbox, program, case, limits), cases))
+
+
 def run_tests(sandbox: Sandbox, solution: Extracted, tests: CodeTests,
               config: CodeRewardConfig, budget_s: float | None = None,
-              base: Limits | None = None) -> CodeVerdict:
+              base: Limits | None = None, parallel: int = 1) -> CodeVerdict:
     """Run ``solution`` on ``tests`` (the first ``max_tests``), within ``budget_s`` s, each
-    under ``config.limits`` over ``base`` (default: ``Limits()``)."""
+    under ``config.limits`` over ``base`` (default: ``Limits()``), ``parallel`` at a time.
+
+    Tests run in waves of ``parallel``; all-or-nothing scoring stops after the wave with the
+    first failure (``tests_run`` counts the whole wave)."""
     not_runnable = _compile_verdict(solution)
     cases = tests.cases[: config.max_tests]
     if not_runnable is not None:
         return msgspec.structs.replace(not_runnable, tests_total=len(cases))
+    run_one: _RunOne
     if tests.fn_name is None:
         program, run_one = stdio_program(solution.code), _stdio_test
     else:
@@ -198,21 +216,21 @@ def run_tests(sandbox: Sandbox, solution: Extracted, tests: CodeTests,
     deadline = None if budget_s is None else time.monotonic() + budget_s
     passed = run = 0
     first: _Outcome | None = None  # the first failure
-    for index, case in enumerate(cases):
+    while run < len(cases) and (first is None or config.partial_credit):
         left = float("inf") if deadline is None else deadline - time.monotonic()
         if left < _MIN_TEST_S:
-            first = first or _Outcome("timeout", f"test {index}: the sample's time budget "
-                                                 f"({budget_s:g} s) ran out after {index} of "
+            first = first or _Outcome("timeout", f"test {run}: the sample's time budget "
+                                                 f"({budget_s:g} s) ran out after {run} of "
                                                  f"{len(cases)} tests")
             break
-        outcome = run_one(sandbox, program, case, config.limits(left, base or Limits()))
-        run += 1
-        if outcome.kind == "pass":
-            passed += 1
-            continue
-        first = first or _Outcome(outcome.kind, f"test {index}: {outcome.reason}")
-        if not config.partial_credit:
-            break
+        wave = cases[run: run + max(1, parallel)]
+        outcomes = _wave(sandbox, program, run_one, wave, config.limits(left, base or Limits()))
+        for index, outcome in enumerate(outcomes, start=run):
+            if outcome.kind == "pass":
+                passed += 1
+            else:
+                first = first or _Outcome(outcome.kind, f"test {index}: {outcome.reason}")
+        run += len(wave)
     if first is None:
         return CodeVerdict(1.0, "pass", f"all {len(cases)} tests passed", passed, run,
                            len(cases))
@@ -240,10 +258,10 @@ def run_check(sandbox: Sandbox, completion: str, check: CheckProgram,
 
 def score_code(sandbox: Sandbox, solution_str: str, ground_truth: Any,
                config: CodeRewardConfig, budget_s: float | None = None,
-               base: Limits | None = None) -> CodeVerdict:
+               base: Limits | None = None, parallel: int = 1) -> CodeVerdict:
     """The verdict on a response to a stdin/stdout or call-based problem."""
     return run_tests(sandbox, extract_code(solution_str), parse_tests(ground_truth), config,
-                     budget_s, base)
+                     budget_s, base, parallel)
 
 
 def score_humaneval(sandbox: Sandbox, solution_str: str, ground_truth: Any,
@@ -279,6 +297,13 @@ class SandboxHandle:
         included); the settings' own before the sandbox is made."""
         limits = getattr(self._sandbox, "limits", None)
         return limits if isinstance(limits, Limits) else self.settings.limits
+
+    @property
+    def concurrency(self) -> int:
+        """How many programs the sandbox runs at once: the local pool's ``workers``, or
+        SandboxFusion's ``max_concurrent``."""
+        fusion = self.settings.sandbox_fusion
+        return fusion.max_concurrent if fusion.url else self.settings.workers
 
     def close(self) -> None:
         """Close the sandbox if one was made; idempotent."""

@@ -131,7 +131,8 @@ def default_compute_score(
     and failure kinds of ``code.CodeVerdict.as_reward``); ``extra_info`` is accepted for
     verl's signature and unused by the built-in rules. Code sources run in ``sandbox``
     (default: this process's shared one, local with default settings) under ``code``'s
-    limits, all of a sample's tests within ``budget_s`` seconds (None: no overall limit).
+    limits, as many at once as the sandbox runs, all of a sample's tests within
+    ``budget_s`` seconds (None: no overall limit).
     Raises ``UnknownDataSourceError`` for an unknown source; a code source raises
     ``code.SandboxFailure`` or ``code_tests.BadGroundTruth`` when the sample cannot be judged.
     """
@@ -145,11 +146,14 @@ def default_compute_score(
     if family == "math":
         return boxed_math.compute_score(solution_str, ground_truth)
     if family in ("code", "humaneval"):
-        score = score_code if family == "code" else score_humaneval
         handle = sandbox if sandbox is not None else _shared_sandbox()
-        verdict = score(handle.get(), solution_str, ground_truth,
-                        code if code is not None else CodeRewardConfig(), budget_s,
-                        handle.limits)
+        config = code if code is not None else CodeRewardConfig()
+        if family == "code":
+            verdict = score_code(handle.get(), solution_str, ground_truth, config, budget_s,
+                                 handle.limits, parallel=handle.concurrency)
+        else:
+            verdict = score_humaneval(handle.get(), solution_str, ground_truth, config,
+                                      budget_s, handle.limits)
         return verdict.as_reward()
     raise _unknown([data_source])
 

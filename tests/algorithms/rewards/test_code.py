@@ -5,6 +5,8 @@ reason, and the reward worker's route for ``data_source = "codecontests"``."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -195,3 +197,40 @@ def test_the_code_section_of_the_reward_config() -> None:
         msgspec.convert({"code": {"test_timeout_s": 0}}, RewardConfig)
     with pytest.raises(ValueError, match="code.test_timeout_s must be a finite"):
         CodeRewardConfig(test_timeout_s=float("inf"))
+
+
+class CountingSandbox(ScriptedSandbox):
+    """Answers "3" after a short sleep, counting the most runs in flight at once."""
+
+    def __init__(self) -> None:
+        super().__init__(status="ok", exit_code=0, stdout="3")
+        self.in_flight = self.most = 0
+        self.lock = threading.Lock()
+
+    def run(self, program: str, **kwargs: Any) -> Execution:
+        with self.lock:
+            self.in_flight += 1
+            self.most = max(self.most, self.in_flight)
+        time.sleep(0.05)
+        with self.lock:
+            self.in_flight -= 1
+        return super().run(program, **kwargs)
+
+
+def test_tests_run_in_waves_as_wide_as_the_sandbox() -> None:
+    assert SandboxHandle(SandboxSettings(workers=3)).concurrency == 3
+    assert SandboxHandle(SandboxSettings(sandbox_fusion=SandboxFusionConfig(
+        url="http://h:1/run_code", max_concurrent=7))).concurrency == 7
+    many = {"inputs": ["1 2"] * 10, "outputs": ["3"] * 10}
+    fake = CountingSandbox()
+    verdict = score_code(fake, fenced("print(3)"), many, FAST, parallel=4)
+    assert (verdict.score, verdict.tests_run, len(fake.calls), fake.most) == (1.0, 10, 10, 4)
+
+
+def test_all_or_nothing_stops_after_the_wave_with_the_first_failure(
+        sandbox: SandboxHandle) -> None:
+    cases = {"inputs": [str(n) for n in range(6)], "outputs": ["0", "1", "x", "3", "4", "5"]}
+    verdict = score_code(sandbox.get(), fenced("print(input())"), cases, FAST, parallel=2)
+    assert (verdict.score, verdict.kind, verdict.tests_passed, verdict.tests_run) == (
+        0.0, "wrong_answer", 3, 4)
+    assert verdict.reason == "test 2: expected 'x', got '2'"
