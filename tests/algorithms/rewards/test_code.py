@@ -22,7 +22,7 @@ from relay.algorithms.rewards.code import (
     SandboxHandle,
     score_code,
 )
-from relay.algorithms.rewards.registry import check_data_sources, default_compute_score
+from relay.algorithms.rewards.registry import check_data_sources, family_of
 from relay.algorithms.sandbox import Execution, Limits, SandboxFusionConfig, SandboxSettings
 
 PROBLEMS = Path(__file__).parent / "data" / "code_problems.jsonl"
@@ -47,19 +47,16 @@ def sandbox() -> Iterator[SandboxHandle]:
     handle.close()
 
 
-def kind_of(reward: dict[str, float]) -> str:
-    return next((kind for kind in FAILURE_KINDS if reward[kind]), "pass")
-
-
 @pytest.mark.parametrize(("name", "data_source", "truth", "response"), labelled(),
                          ids=lambda value: value if isinstance(value, str) and len(value) < 40
                          else None)
 def test_hand_written_problems_score_as_labelled(sandbox: SandboxHandle, name: str,
                                                  data_source: str, truth: Any,
                                                  response: dict[str, Any]) -> None:
-    reward = default_compute_score(data_source, response["text"], truth, code=FAST,
-                                   sandbox=sandbox, budget_s=10.0)
-    assert (reward["score"], kind_of(reward)) == (response["score"], response["kind"]), name
+    assert family_of(data_source) == "code"
+    verdict = score_code(sandbox.get(), response["text"], truth, FAST, budget_s=10.0,
+                         base=sandbox.limits, parallel=sandbox.concurrency)
+    assert (verdict.score, verdict.kind) == (response["score"], response["kind"]), (name, verdict)
 
 
 def test_all_or_nothing_stops_at_the_first_failure_and_partial_credit_runs_every_test(
@@ -149,6 +146,14 @@ def test_a_sandbox_that_cannot_start_is_a_sandbox_failure(monkeypatch: pytest.Mo
     monkeypatch.setattr(code, "make_sandbox", broken)
     with pytest.raises(SandboxFailure, match="cannot start the sandbox: OSError: no /proc"):
         SandboxHandle().get()
+
+
+def test_a_verdict_as_a_reward_has_the_counts_and_one_flag_per_failure_kind() -> None:
+    reward = code.CodeVerdict(0.5, "timeout", "why", 2, 3, 4).as_reward()
+    assert reward == {"score": 0.5, "tests_passed": 2.0, "tests_run": 3.0, "tests_total": 4.0,
+                      **{kind: float(kind == "timeout") for kind in FAILURE_KINDS}}
+    assert set(FAILURE_KINDS) == {"no_code", "syntax_error", "runtime_error", "timeout",
+                                  "memory", "wrong_answer"}
 
 
 def test_code_sources_are_known() -> None:
