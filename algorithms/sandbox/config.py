@@ -12,8 +12,11 @@ import msgspec
 
 from relay.algorithms.sandbox.api import Limits
 
+UID_BLOCK = 1024  # uids one zygote claims (zygote.py); the most workers a pool may have
+UID_BLOCKS = 4096
+DEFAULT_UID_BASE = 1_800_000_000
 Positive = Annotated[int, msgspec.Meta(gt=0)]
-Uid = Annotated[int, msgspec.Meta(ge=1, le=(1 << 32) - 2 - 4096)]
+Uid = Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1 - UID_BLOCK * UID_BLOCKS)]
 
 
 class SandboxFusionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -38,13 +41,14 @@ class SandboxSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Where and how untrusted code runs (Relay's ``sandbox`` section).
 
     ``workers``: programs the local pool runs at once (the rest queue). ``uid_base``: when
-    Relay runs as root, worker slot ``k`` runs programs as uid ``uid_base + k`` (uids that
-    own no file; pick a free range). ``limits``: each program's ``Limits`` when a call passes
-    none. ``sandbox_fusion``: the remote server, used instead of the local pool when its
-    ``url`` is set.
+    Relay runs as root, each pool claims a free block of ``UID_BLOCK`` uids from
+    ``uid_base + b * UID_BLOCK`` (b < ``UID_BLOCKS``) for its life, and worker slot ``k`` runs
+    programs as the block's ``k``-th uid: uids that must own no file (pick a free range).
+    ``limits``: each program's ``Limits`` when a call passes none. ``sandbox_fusion``: the
+    remote server, used instead of the local pool when its ``url`` is set.
     """
 
-    workers: Positive = 4
-    uid_base: Uid = 1_800_000_000
+    workers: Annotated[int, msgspec.Meta(ge=1, le=UID_BLOCK)] = 4
+    uid_base: Uid = DEFAULT_UID_BASE
     limits: Limits = msgspec.field(default_factory=Limits)
     sandbox_fusion: SandboxFusionConfig = msgspec.field(default_factory=SandboxFusionConfig)

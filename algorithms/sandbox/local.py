@@ -6,8 +6,9 @@ What it isolates (Linux):
   separate interpreter that imported nothing of the caller), in its own session and process
   group, with RLIMIT_CPU / AS / FSIZE / NOFILE / NPROC / CORE set from ``Limits``; the zygote
   kills its whole process group at ``wall_s``.
-- **Identity (when the caller is root).** The child runs as a uid of its own
-  (``uid_base + slot``, no supplementary groups, no capabilities): it cannot signal the
+- **Identity (when the caller is root).** The child runs as a uid of its own (from a block
+  above ``uid_base`` that this zygote alone holds on the machine, an flock in
+  /tmp/relay-sandbox-uids; no supplementary groups, no capabilities): it cannot signal the
   caller, the zygote or another program, read ``/proc/<pid>/environ`` of any of them, or
   write where that uid has no permission (the caller's files, a test's ``tmp_path``).
   After it exits, everything still running under that uid is killed. Not root: the program
@@ -54,6 +55,7 @@ from pathlib import Path
 import msgspec
 
 from relay.algorithms.sandbox.api import Execution, Limits, check_request
+from relay.algorithms.sandbox.config import DEFAULT_UID_BASE, UID_BLOCK, UID_BLOCKS
 from relay.algorithms.sandbox.outcome import classify
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,7 @@ class _Zygote:
     def __init__(self, workers: int, uid_base: int | None, network: bool) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         config = {"fd": theirs.fileno(), "workers": workers, "uid_base": uid_base,
-                  "network": network}
+                  "uid_blocks": [UID_BLOCK, UID_BLOCKS], "network": network}
         self.process = subprocess.Popen(
             [sys.executable, "-I", str(ZYGOTE_SCRIPT), json.dumps(config)],
             pass_fds=(theirs.fileno(),), env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
@@ -88,7 +90,7 @@ class _Zygote:
                                f"(exit status {self.process.wait()}); its stderr is above")
         ours.settimeout(None)
         self.network_isolated: bool = hello["network_isolated"]
-        self.uid_isolated: bool = hello["uid_isolated"]
+        self.uid_first: int | None = hello["uid_first"]
         for note in hello["notes"]:
             log.warning("sandbox: %s", note)
 
@@ -123,15 +125,14 @@ class LocalSandbox:
     """The local sandbox (module docstring). ``limits``: used when a call passes none."""
 
     def __init__(self, *, workers: int = 4, limits: Limits | None = None,
-                 uid_base: int | None = 1_800_000_000) -> None:
-        if workers < 1:
-            raise ValueError(f"LocalSandbox workers must be >= 1, got {workers}")
+                 uid_base: int | None = DEFAULT_UID_BASE) -> None:
+        if not 1 <= workers <= UID_BLOCK:
+            raise ValueError(f"LocalSandbox workers must be in 1..{UID_BLOCK}, got {workers}")
         self.workers = workers
         self.limits = limits or Limits()
         self.uid_base = uid_base
         self._zygotes: dict[bool, _Zygote] = {False: _Zygote(workers, uid_base, network=False)}
         self.network_isolated = self._zygotes[False].network_isolated
-        self.uid_isolated = self._zygotes[False].uid_isolated
         self._ids = iter(range(1, 1 << 62))
         self._queue: collections.deque[_Run] = collections.deque()
         self._lock = threading.Lock()
@@ -174,6 +175,18 @@ class LocalSandbox:
             self._closed = True
         os.write(self._wake_w, b"x")
         self._thread.join()
+
+    @property
+    def uid_isolated(self) -> bool:
+        """Whether programs run as uids of their own (Relay is root)."""
+        return self.uids is not None
+
+    @property
+    def uids(self) -> range | None:
+        """The uids the default (no-network) zygote runs programs as, or None."""
+        zygote = self._zygotes.get(False)
+        first = zygote.uid_first if zygote else None
+        return None if first is None else range(first, first + self.workers)
 
     def __enter__(self) -> LocalSandbox:
         return self

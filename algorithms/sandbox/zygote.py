@@ -1,31 +1,35 @@
-"""The local sandbox's zygote: a fresh interpreter that forks one child per program.
+"""The local sandbox's zygote: a fresh interpreter whose pre-forked children run one program each.
 
 This file is run as a script (``python -I zygote.py CONFIG``) by ``relay.algorithms.sandbox
-.local`` and imports only the standard library: nothing of the caller (torch, sockets,
-secrets) is ever in its memory. Forking this small, warm process costs about a millisecond,
-where starting an interpreter costs tens. It knows limits, uids and process groups; it never
-sees a program's code, stdin or files: those reach the child through pipes the caller
-passes in (``SCM_RIGHTS``), so no program can read another's data from the forked memory.
+.local`` and imports only the standard library (plus ``PRELOAD``): nothing of the caller
+(torch, sockets, secrets) is ever in its memory. While idle it forks *spares*, one per free
+slot, each waiting on a socket of its own; a program's start is handing a spare its order,
+not a fork (2-4 ms on a small VM) and never an interpreter start. It knows limits, uids and
+process groups; it never sees a program's code, stdin or files: those reach the child
+through pipes the caller passes in (``SCM_RIGHTS``), so no program can read another's data
+from the forked memory.
 
 Protocol on a ``SOCK_SEQPACKET`` pair (one JSON object per message)::
 
-    zygote -> caller  {"op": "hello", "pid", "network_isolated", "uid_isolated", "notes"}
+    zygote -> caller  {"op": "hello", "pid", "network_isolated", "uid_first", "notes"}
     caller -> zygote  {"op": "run", "id", "limits"} + fds [stdin_r, stdout_w, stderr_w, job_r]
     zygote -> caller  {"op": "done", "id", "wait_status", "cpu_s", "wall_s", "timed_out",
                        "ready", "error"}
 
 The child: own session, stdio from the passed pipes, every other descriptor closed, a fresh
-directory (``chdir``), the slot's uid when the zygote is root, rlimits, an environment of
-PATH/LANG/HOME/TMPDIR only; it reads ``{"code", "files"}`` from ``job_r``, writes the files,
-signals "ready" on a private pipe, and runs the code as ``__main__``. The zygote kills the
-child's process group at the wall-clock deadline; after each exit it kills whatever the slot's
-uid still runs, removes the directory and frees the slot.
+directory (``chdir``), the slot's uid when the zygote is root (from a block of uids this
+zygote holds alone, ``claim_uids``), killed by the kernel if the zygote dies, rlimits, an
+environment of PATH/LANG/HOME/TMPDIR only; it reads ``{"code", "files"}`` from ``job_r``,
+writes the files, signals "ready" on a private pipe, and runs the code as ``__main__``. The
+zygote kills the child's process group at the wall-clock deadline; after each exit it kills
+whatever the slot's uid still runs, removes the directory and frees the slot.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import io
 import json
 import math
@@ -43,7 +47,9 @@ import types
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+UID_LOCKS = "/tmp/relay-sandbox-uids"
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PDEATHSIG = 1
 READY = b"R"
 # Imported once here so that programs get them warm, and can import them at all when the
 # sandbox uid cannot read the interpreter's files (a Python under /root, mode 0700).
@@ -81,6 +87,20 @@ def cut_network() -> str:
         except OSError as user_error:
             return (f"unshare(CLONE_NEWNET) failed ({root_error.strerror}) and so did a user "
                     f"namespace ({user_error.strerror}): programs can reach the network")
+
+
+def claim_uids(uid_base: int, block_size: int, blocks: int) -> int:
+    """The first uid of a block of ``block_size`` that no other zygote on this machine holds
+    (an flock held for this process's life), so that no two sandboxes share a uid."""
+    os.makedirs(UID_LOCKS, mode=0o700, exist_ok=True)
+    for block in range(blocks):
+        fd = os.open(f"{UID_LOCKS}/{uid_base}-{block}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return uid_base + block * block_size  # fd stays open: the claim
+        except BlockingIOError:
+            os.close(fd)
+    raise RuntimeError(f"all {blocks} uid blocks above {uid_base} are in use")
 
 
 def set_limits(limits: dict) -> None:
@@ -131,7 +151,15 @@ def run_main(code: str, workdir: str) -> int:
     return status
 
 
-def child(fds: list[int], ready_w: int, limits: dict, workdir: str, uid: int | None) -> None:
+def die_with(parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent (the zygote) dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(125)
+
+
+def child(fds: list[int], ready_w: int, limits: dict, workdir: str, uid: int | None,
+          parent: int) -> None:
     """In the forked child: set the boundary up, then run the program. Never returns."""
     try:
         os.setsid()
@@ -147,6 +175,7 @@ def child(fds: list[int], ready_w: int, limits: dict, workdir: str, uid: int | N
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
+            die_with(parent)  # a change of uid clears the parent-death signal
         with os.fdopen(3, "rb") as job_file:
             job = json.loads(job_file.read())
         for name, text in job["files"].items():
@@ -167,11 +196,29 @@ def child(fds: list[int], ready_w: int, limits: dict, workdir: str, uid: int | N
     os._exit(run_main(job["code"], workdir))
 
 
+def spare(order_socket: socket.socket) -> None:
+    """In a pre-forked child: wait for one program's order, then become it. Never returns."""
+    try:
+        parent = os.getppid()
+        die_with(parent)
+        signal.set_wakeup_fd(-1)
+        keep = order_socket.fileno()
+        os.closerange(3, keep)  # the zygote's control socket, pipes, other spares' sockets
+        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+        data, fds, _, _ = socket.recv_fds(order_socket, 1 << 16, 5)
+        if not data:  # the zygote is gone or shutting down
+            os._exit(0)
+        order = json.loads(data)
+    except BaseException:
+        os._exit(125)
+    child(fds[:4], fds[4], order["limits"], order["workdir"], order["uid"], parent)
+
+
 class Zygote:
     """The serving loop: jobs in on the control socket, children forked, exits reported."""
 
     def __init__(self, control: socket.socket, workers: int, uid_base: int | None,
-                 network: bool) -> None:
+                 uid_blocks: tuple[int, int], network: bool) -> None:
         self.control = control
         self.notes: list[str] = []
         self.network_isolated = False
@@ -180,8 +227,9 @@ class Zygote:
             self.network_isolated = not note
             if note:
                 self.notes.append(note)
-        self.uid_base = uid_base if os.geteuid() == 0 else None
-        if uid_base is not None and self.uid_base is None:
+        root = os.geteuid() == 0
+        self.uid_first = claim_uids(uid_base, *uid_blocks) if uid_base and root else None
+        if uid_base is not None and not root:
             self.notes.append("not root: programs run as the caller's uid (no uid boundary)")
         self.free_slots = list(range(workers))
         # orphans of a program (killed with its group) are reparented here and reaped
@@ -190,6 +238,7 @@ class Zygote:
         self.root = tempfile.mkdtemp(prefix="relay-sandbox-")
         os.chmod(self.root, 0o711)
         self.jobs: dict[int, dict] = {}  # pid -> job
+        self.spares: list[tuple[int, socket.socket]] = []  # pre-forked, waiting for an order
         self.selector = selectors.DefaultSelector()
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
@@ -205,21 +254,28 @@ class Zygote:
 
     def serve(self) -> None:
         self.send({"op": "hello", "pid": os.getpid(), "network_isolated": self.network_isolated,
-                   "uid_isolated": self.uid_base is not None, "notes": self.notes})
+                   "uid_first": self.uid_first, "notes": self.notes})
         try:
             while True:
+                # fork spares while idle, one per free slot, so a program's start is no fork
+                want_spare = len(self.spares) < len(self.free_slots)
                 now = time.monotonic()
                 deadlines = [job["deadline"] for job in self.jobs.values()
                              if not job["timed_out"]]
                 timeout = max(0.0, min(deadlines) - now) if deadlines else None
-                for key, _ in self.selector.select(timeout):
+                events = self.selector.select(0 if want_spare else timeout)
+                for key, _ in events:
                     if key.data == "control" and not self.receive():
                         return
                     if key.data == "wake":
                         self.drain_wakeups()
                 self.reap()
                 self.enforce_deadlines()
+                if want_spare and not events:
+                    self.fork_spare()
         finally:
+            for _, order_socket in self.spares:
+                order_socket.close()  # each spare sees EOF and exits
             for pid in list(self.jobs):
                 self.kill(pid)
             shutil.rmtree(self.root, ignore_errors=True)
@@ -256,27 +312,49 @@ class Zygote:
         if not self.free_slots:
             raise OSError(errno.EAGAIN, "no free worker slot")
         slot = self.free_slots.pop()
-        uid = None if self.uid_base is None else self.uid_base + slot
+        uid = None if self.uid_first is None else self.uid_first + slot
         workdir = tempfile.mkdtemp(dir=self.root)
         ready_r, ready_w = os.pipe()
         try:
             if uid is not None:
                 os.chown(workdir, uid, uid)
-            pid = os.fork()
+            pid = self.dispatch(message["limits"], workdir, uid, [*fds, ready_w])
         except OSError:
             self.free_slots.append(slot)
             shutil.rmtree(workdir, ignore_errors=True)
             os.close(ready_r)
-            os.close(ready_w)
             raise
-        if pid == 0:
-            child(fds, ready_w, message["limits"], workdir, uid)
-        os.close(ready_w)
+        finally:
+            os.close(ready_w)
         limits = message["limits"]
         now = time.monotonic()
         self.jobs[pid] = {"id": message["id"], "slot": slot, "uid": uid, "workdir": workdir,
                           "ready_r": ready_r, "start": now, "deadline": now + limits["wall_s"],
                           "timed_out": False, "sweep": limits["processes"] > 1}
+
+    def fork_spare(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            spare(theirs)
+        theirs.close()
+        self.spares.append((pid, ours))
+
+    def dispatch(self, limits: dict, workdir: str, uid: int | None, fds: list[int]) -> int:
+        """Hand the order to a spare (forking one if none waits); returns its pid."""
+        order = json.dumps({"limits": limits, "workdir": workdir, "uid": uid}).encode()
+        for _ in range(2):  # a spare that died while waiting: fork a fresh one, once
+            if not self.spares:
+                self.fork_spare()
+            pid, order_socket = self.spares.pop(0)
+            try:
+                socket.send_fds(order_socket, [order], fds)
+                return pid
+            except OSError:
+                self.kill(pid)
+            finally:
+                order_socket.close()
+        raise OSError(errno.EPIPE, "two spare children in a row could not take an order")
 
     def enforce_deadlines(self) -> None:
         now = time.monotonic()
@@ -341,7 +419,8 @@ def main() -> None:
         __import__(name)
     config = json.loads(sys.argv[1])
     control = socket.socket(fileno=config["fd"])
-    Zygote(control, config["workers"], config["uid_base"], config["network"]).serve()
+    Zygote(control, config["workers"], config["uid_base"], tuple(config["uid_blocks"]),
+           config["network"]).serve()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import threading
 import time
@@ -55,7 +56,28 @@ def test_a_fork_bomb_with_a_process_budget_ends_and_leaves_nothing_behind(sandbo
             "            os.setsid()\n    except OSError:\n        pass\ntime.sleep(60)\n")
     result = sandbox.run(bomb, limits=Limits(processes=8, wall_s=1.0))
     hostile(result, "timeout")
-    assert _running_as(range(sandbox.uid_base, sandbox.uid_base + 2)) == []
+    left = _still_running_as(sandbox.uids)
+    assert left == [], [_describe(pid) for pid in left]
+
+
+def _describe(pid: str) -> str:
+    try:
+        status = open(f"/proc/{pid}/status").read()
+        keep = [line for line in status.splitlines()
+                if line.split(":")[0] in ("State", "PPid", "Uid", "SigPnd", "ShdPnd")]
+        parent = keep[1].split()[1] if len(keep) > 1 else "?"
+        return f"{pid}: {keep} parent cmd {open(f'/proc/{parent}/cmdline').read()[:120]!r}"
+    except OSError as error:
+        return f"{pid}: gone ({error})"
+
+
+def _still_running_as(uids: range, within_s: float = 5.0) -> list[str]:
+    """``_running_as`` once it is empty, or after ``within_s`` (a SIGKILLed process takes
+    a moment to finish exiting)."""
+    deadline = time.monotonic() + within_s
+    while (running := _running_as(uids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return running
 
 
 def _running_as(uids: range) -> list[str]:
@@ -143,6 +165,42 @@ def test_killing_the_parent_or_the_test_process_fails(sandbox):
         assert "PermissionError" in result.reason
 
 
+def test_a_dead_zygote_fails_its_program_and_is_restarted():
+    with LocalSandbox(workers=1) as box:
+        needs_uid_boundary(box)  # to tell the program from the zygote's spares, by uid
+        uids = box.uids
+        running = box.submit("import time\ntime.sleep(30)\n")
+        zygote = box._zygotes[False].process
+        deadline = time.monotonic() + 10
+        while not (programs := [pid for pid in zygote_children(zygote.pid)
+                                if _uid(pid) in uids]):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(zygote.pid, signal.SIGKILL)
+        result = running.result(timeout=10)
+        hostile(result, "sandbox_error")
+        assert "zygote" in result.reason
+        assert box.run("print(1)").stdout == "1\n"
+        # the kernel kills the orphaned program (its parent-death signal)
+        left = _still_running_as(uids)
+        assert left == [], (programs, [_describe(pid) for pid in left])
+
+
+def _uid(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def zygote_children(pid: int) -> list[int]:
+    """The zygote's children (its spares and running programs)."""
+    try:
+        return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
+
+
 def test_stdin_reaches_the_program_and_stdout_comes_back(sandbox):
     text = "héllo\n" * 10_000  # larger than a pipe's buffer
     result = sandbox.run("import sys\nsys.stdout.write(sys.stdin.read().upper())\n",
@@ -173,7 +231,8 @@ def test_exit_codes_and_exceptions(sandbox):
     assert (result.status, result.exit_code, result.reason) == ("error", 3,
                                                                 "exited with code 3")
     failed = sandbox.run("1 / 0\n")
-    assert failed.status == "error" and failed.reason.endswith("ZeroDivisionError: division by zero")
+    assert failed.status == "error"
+    assert failed.reason.endswith("ZeroDivisionError: division by zero")
     assert "zygote" not in failed.stderr  # the traceback shows the program, not the sandbox
     killed = sandbox.run("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
     assert (killed.status, killed.exit_code, killed.reason) == ("killed", -11,
