@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from relay.algorithms.sandbox.api import Execution, Limits, check_request
 from relay.algorithms.sandbox.config import SandboxFusionConfig
-from relay.algorithms.sandbox.outcome import last_line
+from relay.algorithms.sandbox.outcome import exception_line
 
 COMPILE_TIMEOUT_S = 10.0
 HTTP_MARGIN_S = 30.0  # the HTTP timeout is the program's run_timeout plus this
@@ -65,7 +65,7 @@ def to_execution(answer: dict, limits: Limits, wall_s: float) -> Execution:
         return ended("sandbox_error", f"SandboxFusion answered without a run_result: {answer}")
     if code == 0:
         return ended("ok", "")
-    failure = last_line(stderr)
+    failure = exception_line(stderr)
     if failure.startswith("MemoryError"):
         return ended("memory", f"memory limit of {limits.memory_mb} MB exceeded ({failure})")
     return ended("error", f"exited with code {code}" + (f": {failure}" if failure else ""))

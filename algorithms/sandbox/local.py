@@ -14,7 +14,8 @@ What it isolates (Linux):
   After it exits, everything still running under that uid is killed. Not root: the program
   runs as the caller's uid and *can* signal it, read its ``/proc/<pid>/environ`` and write
   its files; the pool survives (a dead zygote is restarted), the caller does not.
-- **Environment and descriptors.** Only PATH, LANG, HOME and TMPDIR (its own directory); no
+- **Environment and descriptors.** Only PATH, LANG, HOME and TMPDIR (its own directory)
+  and one-thread caps for numeric libraries; no
   descriptor but its three pipes; stdin is a pipe fed by the caller.
 - **Working directory.** A fresh directory per program, removed after it ends.
 - **Network.** With ``network=False`` the zygote moves into a new, empty network namespace

@@ -6,15 +6,22 @@ It knows wait statuses, signals and the limits; it does not know processes or pi
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 from relay.algorithms.sandbox.api import Execution, Limits
 
 
-def last_line(text: str) -> str:
-    """The last non-empty line of ``text`` (a traceback's exception line), or ""."""
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else ""
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(: |$)")
+
+
+def exception_line(stderr: str) -> str:
+    """The line of ``stderr`` that names how the program failed: the last unindented
+    ``Name: message`` line (a traceback's exception, even when its message runs on over
+    more lines), else the last non-empty line, else ""."""
+    lines = [line.rstrip() for line in stderr.strip().splitlines() if line.strip()]
+    named = [line for line in lines if EXCEPTION_LINE.match(line)]
+    return (named or lines or [""])[-1]
 
 
 def classify(report: dict, limits: Limits, stdout: str, stderr: str,
@@ -38,7 +45,7 @@ def classify(report: dict, limits: Limits, stdout: str, stderr: str,
     exit_code = -signum if signum is not None else os.waitstatus_to_exitcode(status_word)
     if not report["ready"] and not report["timed_out"]:
         return ended("sandbox_error", exit_code,
-                     f"the sandbox could not set the program up: {last_line(stderr)}")
+                     f"the sandbox could not set the program up: {exception_line(stderr)}")
     if report["timed_out"]:
         return ended("timeout", exit_code, f"wall-clock limit of {limits.wall_s:g} s exceeded; "
                      "its process group was killed")
@@ -49,7 +56,7 @@ def classify(report: dict, limits: Limits, stdout: str, stderr: str,
         return ended("killed", exit_code, f"killed by {signal.Signals(signum).name}")
     if exit_code == 0:
         return ended("ok", 0, "")
-    failure = last_line(stderr)
+    failure = exception_line(stderr)
     if failure.startswith("MemoryError"):
         return ended("memory", exit_code,
                      f"address-space limit of {limits.memory_mb} MB exceeded ({failure})")

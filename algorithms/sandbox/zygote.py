@@ -19,7 +19,7 @@ Protocol on a ``SOCK_SEQPACKET`` pair (one JSON object per message)::
 The child: own session, stdio from the passed pipes, every other descriptor closed, a fresh
 directory (``chdir``), the slot's uid when the zygote is root (from a block of uids this
 zygote holds alone, ``claim_uids``), killed by the kernel if the zygote dies, rlimits, an
-environment of PATH/LANG/HOME/TMPDIR only; it reads ``{"code", "files"}`` from ``job_r``,
+environment of PATH/LANG/HOME/TMPDIR and THREAD_CAPS only; it reads ``{"code", "files"}`` from ``job_r``,
 writes the files, signals "ready" on a private pipe, and runs the code as ``__main__``. The
 zygote kills the child's process group at the wall-clock deadline; after each exit it kills
 whatever the slot's uid still runs, removes the directory and frees the slot.
@@ -39,6 +39,7 @@ import selectors
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -54,12 +55,16 @@ READY = b"R"
 # Imported once here so that programs get them warm, and can import them at all when the
 # sandbox uid cannot read the interpreter's files (a Python under /root, mode 0700).
 PRELOAD = ("__future__ abc argparse array ast base64 bisect calendar cmath codecs collections "
-           "collections.abc contextlib copy csv dataclasses datetime decimal difflib "
+           "collections.abc contextlib contextvars copy copyreg csv dataclasses datetime decimal "
+           "difflib fnmatch glob pathlib pickle platform shutil tempfile zlib "
            "encodings.ascii encodings.idna encodings.latin_1 enum fractions functools gc "
            "hashlib heapq inspect io itertools json keyword math numbers operator pprint queue "
            "random re secrets statistics string struct textwrap threading time timeit "
            "typing unicodedata uuid warnings weakref").split()
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+# one thread for numeric libraries: Limits.processes counts threads, and OpenBLAS aborts
+# when it cannot start the threads it wants
+THREAD_CAPS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def _unshare(flags: int) -> None:
@@ -87,6 +92,15 @@ def cut_network() -> str:
         except OSError as user_error:
             return (f"unshare(CLONE_NEWNET) failed ({root_error.strerror}) and so did a user "
                     f"namespace ({user_error.strerror}): programs can reach the network")
+
+
+def closed_to_others(path: str) -> str:
+    """The first directory above ``path`` that other uids cannot enter, or ""."""
+    while path not in ("/", ""):
+        if not os.stat(path).st_mode & stat.S_IXOTH:
+            return path
+        path = os.path.dirname(path)
+    return ""
 
 
 def claim_uids(uid_base: int, block_size: int, blocks: int) -> int:
@@ -185,7 +199,8 @@ def child(fds: list[int], ready_w: int, limits: dict, workdir: str, uid: int | N
                 f.write(text)
         sys.dont_write_bytecode = True  # no __pycache__ in its directory
         os.environ.clear()
-        os.environ.update(PATH=SAFE_PATH, LANG="C.UTF-8", HOME=workdir, TMPDIR=workdir)
+        os.environ.update(PATH=SAFE_PATH, LANG="C.UTF-8", HOME=workdir, TMPDIR=workdir,
+                          **THREAD_CAPS)
         tempfile.tempdir = None
         set_limits(limits)
         os.write(4, READY)
@@ -229,6 +244,10 @@ class Zygote:
                 self.notes.append(note)
         root = os.geteuid() == 0
         self.uid_first = claim_uids(uid_base, *uid_blocks) if uid_base and root else None
+        closed = closed_to_others(os.path.dirname(os.__file__)) if self.uid_first else ""
+        if closed:
+            self.notes.append(f"the sandbox uids cannot enter {closed}: programs can import only "
+                              "the standard-library modules the zygote preloads (PRELOAD)")
         if uid_base is not None and not root:
             self.notes.append("not root: programs run as the caller's uid (no uid boundary)")
         self.free_slots = list(range(workers))

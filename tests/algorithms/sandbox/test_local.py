@@ -251,7 +251,8 @@ def test_output_past_the_cap_is_cut(sandbox):
 def test_the_environment_is_minimal(sandbox):
     result = sandbox.run("import os, json\nprint(json.dumps(dict(os.environ)))\n")
     keys = set(__import__("json").loads(result.stdout))
-    assert keys == {"PATH", "LANG", "HOME", "TMPDIR"}
+    assert keys == {"PATH", "LANG", "HOME", "TMPDIR", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                    "MKL_NUM_THREADS"}
 
 
 def test_concurrent_runs_from_threads(sandbox):
