@@ -19,10 +19,11 @@ Protocol on a ``SOCK_SEQPACKET`` pair (one JSON object per message)::
 The child: own session, stdio from the passed pipes, every other descriptor closed, a fresh
 directory (``chdir``), the slot's uid when the zygote is root (from a block of uids this
 zygote holds alone, ``claim_uids``), killed by the kernel if the zygote dies, rlimits, an
-environment of PATH/LANG/HOME/TMPDIR and THREAD_CAPS only; it reads ``{"code", "files"}`` from ``job_r``,
-writes the files, signals "ready" on a private pipe, and runs the code as ``__main__``. The
-zygote kills the child's process group at the wall-clock deadline; after each exit it kills
-whatever the slot's uid still runs, removes the directory and frees the slot.
+environment of PATH/LANG/HOME/TMPDIR and THREAD_CAPS only; it reads ``{"code", "files"}``
+from ``job_r``, writes the files, signals "ready" on a private pipe, and runs the code as
+``__main__``. The zygote kills the child's process group at the wall-clock deadline; after
+each exit it kills whatever the slot's uid still runs, removes the directory and frees the
+slot.
 """
 
 from __future__ import annotations
