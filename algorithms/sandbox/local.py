@@ -69,7 +69,7 @@ BACKSTOP_S = 30.0  # a program the zygote never reports on fails this long after
 class _Zygote:
     """One zygote process and its control socket."""
 
-    def __init__(self, workers: int, uid_base: int | None, network: bool) -> None:
+    def __init__(self, workers: int, uid_base: int, network: bool) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         config = {"fd": theirs.fileno(), "workers": workers, "uid_base": uid_base,
                   "uid_blocks": [UID_BLOCK, UID_BLOCKS], "network": network}
@@ -126,7 +126,7 @@ class LocalSandbox:
     """The local sandbox (module docstring). ``limits``: used when a call passes none."""
 
     def __init__(self, *, workers: int = 4, limits: Limits | None = None,
-                 uid_base: int | None = DEFAULT_UID_BASE) -> None:
+                 uid_base: int = DEFAULT_UID_BASE) -> None:
         if not 1 <= workers <= UID_BLOCK:
             raise ValueError(f"LocalSandbox workers must be in 1..{UID_BLOCK}, got {workers}")
         self.workers = workers

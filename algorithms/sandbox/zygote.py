@@ -233,7 +233,7 @@ def spare(order_socket: socket.socket) -> None:
 class Zygote:
     """The serving loop: jobs in on the control socket, children forked, exits reported."""
 
-    def __init__(self, control: socket.socket, workers: int, uid_base: int | None,
+    def __init__(self, control: socket.socket, workers: int, uid_base: int,
                  uid_blocks: tuple[int, int], network: bool) -> None:
         self.control = control
         self.notes: list[str] = []
@@ -244,12 +244,13 @@ class Zygote:
             if note:
                 self.notes.append(note)
         root = os.geteuid() == 0
-        self.uid_first = claim_uids(uid_base, *uid_blocks) if uid_base and root else None
+        # as root, programs never run as root: a uid of their own or nothing
+        self.uid_first = claim_uids(uid_base, *uid_blocks) if root else None
         closed = closed_to_others(os.path.dirname(os.__file__)) if self.uid_first else ""
         if closed:
             self.notes.append(f"the sandbox uids cannot enter {closed}: programs can import only "
                               "the standard-library modules the zygote preloads (PRELOAD)")
-        if uid_base is not None and not root:
+        if not root:
             self.notes.append("not root: programs run as the caller's uid (no uid boundary)")
         self.free_slots = list(range(workers))
         # orphans of a program (killed with its group) are reparented here and reaped
