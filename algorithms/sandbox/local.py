@@ -209,6 +209,8 @@ class LocalSandbox:
                 backstop = min((r.deadline for r in self._runs.values()), default=None)
                 timeout = None if backstop is None else max(0.0, backstop - time.monotonic())
                 for key, mask in self._selector.select(timeout):
+                    if self._selector.get_map().get(key.fd) is not key:
+                        continue  # unregistered by an earlier event of this batch
                     kind, target = key.data
                     if kind == "wake":
                         self._drain_wake()
@@ -217,6 +219,14 @@ class LocalSandbox:
                     else:
                         self._on_pipe(key.fd, target, kind)
                 self._expire_backstops()
+        except BaseException as exc:  # no caller may wait forever on a dead I/O thread
+            log.exception("sandbox I/O thread failed; failing its programs")
+            with self._lock:
+                self._closed = True  # submit refuses from now on
+            for run in [*self._runs.values(), *self._drain_queue()]:
+                if not run.future.done():
+                    run.future.set_result(self._failure(run, f"the sandbox failed: {exc!r}"))
+            raise
         finally:
             for zygote in self._zygotes.values():
                 self._selector.unregister(zygote.control)

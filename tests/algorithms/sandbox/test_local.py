@@ -290,3 +290,20 @@ def test_arun_does_not_block_the_event_loop(sandbox):
     runs, ticks = asyncio.run(main())
     assert [r.stdout for r in runs] == [f"{i}\n" for i in range(4)]
     assert ticks >= 20  # ~0.6 s of runs: the loop kept ticking
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_failing_io_thread_fails_its_programs_and_refuses_new_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No caller waits forever on a dead I/O thread: its programs end as sandbox errors
+    and the sandbox refuses new ones (found under load: a stale selector event)."""
+    def broken(self: LocalSandbox, fd: int, run: object, kind: str) -> None:
+        raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(LocalSandbox, "_on_pipe", broken)
+    with LocalSandbox(workers=1) as box:
+        result = box.submit("print(1)\n").result(timeout=30)
+        assert result.status == "sandbox_error"
+        assert "the sandbox failed" in result.reason and "Bad file descriptor" in result.reason
+        with pytest.raises(RuntimeError, match="closed"):
+            box.run("print(1)\n")
