@@ -9,9 +9,12 @@ name that leaves the directory, a wrong type).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import posixpath
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from concurrent.futures import Future
 from typing import Annotated, Literal, Protocol
 
 import msgspec
@@ -92,6 +95,29 @@ class Sandbox(Protocol):
                    files: Mapping[str, str] | None = None) -> Execution: ...
 
     def close(self) -> None: ...
+
+
+class FutureSandbox(ABC):
+    """A sandbox whose executions are futures (``submit``): ``run`` waits on one, ``arun``
+    awaits it without blocking the event loop. Subclasses give ``submit`` and ``close``."""
+
+    @abstractmethod
+    def submit(self, code: str, *, stdin: str = "", limits: Limits | None = None,
+               files: Mapping[str, str] | None = None) -> Future[Execution]:
+        """Start a program; the future holds its ``Execution``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the workers; later calls are refused."""
+
+    def run(self, code: str, *, stdin: str = "", limits: Limits | None = None,
+            files: Mapping[str, str] | None = None) -> Execution:
+        return self.submit(code, stdin=stdin, limits=limits, files=files).result()
+
+    async def arun(self, code: str, *, stdin: str = "", limits: Limits | None = None,
+                   files: Mapping[str, str] | None = None) -> Execution:
+        return await asyncio.wrap_future(self.submit(code, stdin=stdin, limits=limits,
+                                                     files=files))
 
 
 def check_request(code: str, stdin: str, files: Mapping[str, str] | None) -> dict[str, str]:

@@ -18,7 +18,6 @@ access and CPU time; ``Limits.wall_s`` becomes ``run_timeout`` and ``memory_mb``
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import time
@@ -27,7 +26,7 @@ import urllib.request
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from relay.algorithms.sandbox.api import Execution, Limits, check_request
+from relay.algorithms.sandbox.api import Execution, FutureSandbox, Limits, check_request
 from relay.algorithms.sandbox.config import SandboxFusionConfig
 from relay.algorithms.sandbox.outcome import exception_line
 
@@ -71,7 +70,7 @@ def to_execution(answer: dict, limits: Limits, wall_s: float) -> Execution:
     return ended("error", f"exited with code {code}" + (f": {failure}" if failure else ""))
 
 
-class FusionSandbox:
+class FusionSandbox(FutureSandbox):
     """``Sandbox`` over a SandboxFusion server (module docstring)."""
 
     def __init__(self, config: SandboxFusionConfig, *, limits: Limits | None = None) -> None:
@@ -87,15 +86,6 @@ class FusionSandbox:
                files: Mapping[str, str] | None = None) -> Future[Execution]:
         checked = check_request(code, stdin, files)
         return self._pool.submit(self._call, code, stdin, limits or self.limits, checked)
-
-    def run(self, code: str, *, stdin: str = "", limits: Limits | None = None,
-            files: Mapping[str, str] | None = None) -> Execution:
-        return self.submit(code, stdin=stdin, limits=limits, files=files).result()
-
-    async def arun(self, code: str, *, stdin: str = "", limits: Limits | None = None,
-                   files: Mapping[str, str] | None = None) -> Execution:
-        return await asyncio.wrap_future(self.submit(code, stdin=stdin, limits=limits,
-                                                     files=files))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -38,7 +38,6 @@ future, ``arun`` awaits the same future, so the event loop never blocks. At most
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import logging
@@ -55,7 +54,7 @@ from pathlib import Path
 
 import msgspec
 
-from relay.algorithms.sandbox.api import Execution, Limits, check_request
+from relay.algorithms.sandbox.api import Execution, FutureSandbox, Limits, check_request
 from relay.algorithms.sandbox.config import DEFAULT_UID_BASE, UID_BLOCK, UID_BLOCKS
 from relay.algorithms.sandbox.outcome import classify
 
@@ -122,7 +121,7 @@ class _Run:
         self.deadline = time.monotonic() + limits.wall_s + BACKSTOP_S
 
 
-class LocalSandbox:
+class LocalSandbox(FutureSandbox):
     """The local sandbox (module docstring). ``limits``: used when a call passes none."""
 
     def __init__(self, *, workers: int = 4, limits: Limits | None = None,
@@ -159,15 +158,6 @@ class LocalSandbox:
             self._queue.append(run)
         os.write(self._wake_w, b"x")
         return run.future
-
-    def run(self, code: str, *, stdin: str = "", limits: Limits | None = None,
-            files: Mapping[str, str] | None = None) -> Execution:
-        return self.submit(code, stdin=stdin, limits=limits, files=files).result()
-
-    async def arun(self, code: str, *, stdin: str = "", limits: Limits | None = None,
-                   files: Mapping[str, str] | None = None) -> Execution:
-        return await asyncio.wrap_future(self.submit(code, stdin=stdin, limits=limits,
-                                                     files=files))
 
     def close(self) -> None:
         with self._lock:
