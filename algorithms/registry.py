@@ -110,6 +110,9 @@ class PolicyLossEntry:
 
 ADV_ESTIMATORS: dict[str, AdvantageEntry] = {}
 POLICY_LOSSES: dict[str, PolicyLossEntry] = {}
+# Entries of functions named by path, by (what, path): looked up once per process, not at
+# every call (``policy_loss`` asks at every micro-batch pass).
+_BY_PATH: dict[tuple[str, str], Any] = {}
 
 
 def register_adv_estimator(name: str, **declared: Any) -> Callable[[F], F]:
@@ -202,6 +205,14 @@ def _lookup(table: dict[str, Any], name: str, what: str, kind: type) -> Any:
     if not is_spec(name):
         raise ValueError(f"unknown {what} {name!r}; known: {', '.join(table)} (or a "
                          "function by path: 'module:function', 'path/to/file.py:function')")
+    if (what, name) not in _BY_PATH:
+        _BY_PATH[what, name] = _load_entry(table, name, what, kind)
+    return _BY_PATH[what, name]
+
+
+def _load_entry(table: dict[str, Any], name: str, what: str, kind: type) -> Any:
+    """The entry of the function at path ``name``: its decorator's declaration, else one
+    that declares nothing."""
     try:
         function = load_function(name, what)
     except UserCodeError as exc:

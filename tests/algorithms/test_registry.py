@@ -204,6 +204,17 @@ def test_an_undecorated_function_by_path_declares_nothing() -> None:
                                        or entry.learned_models or entry.reference)
 
 
+def test_a_function_by_path_is_loaded_once_per_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``policy_loss`` asks for its entry at every micro-batch pass: a path is resolved and
+    loaded at the first lookup only."""
+    spec = f"{USER}:clipped_reinforce"
+    first = registry.policy_loss_mode(spec)
+    monkeypatch.setattr(registry, "load_function",
+                        lambda *args: pytest.fail("loaded again"))
+    assert registry.policy_loss_mode(spec) is first
+
+
 def test_a_loss_by_module_path_trains(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(USER.parent))
     spec = "user_algorithms:clipped_reinforce"
