@@ -9,8 +9,9 @@ the dtype it trains in: a larger one would become inf there), log-probs <= 0, an
 learner has published. A multi-turn sample's ``loss_mask`` must be bool, one entry per response
 token, with at least one token the policy sampled, and log-prob 0 on every inserted token (the
 wire's promise: ``relay.transport.messages.Sample``); an inserted token's version is real, so the
-version span is checked over every token. It answers every decoded group, whatever its tensors hold, with a reason or
-"", and never raises: a bad group is refused whole and its prompt goes back to the pool.
+version span is checked over every token. It answers every decoded group, whatever its tensors
+hold, with a reason or "", and never raises: a bad group is refused whole and its prompt goes back
+to the pool.
 
 ``sample_request_problem`` and ``version_problem`` judge the learner's requests: a batch of
 1 to ``data.train_batch_size`` groups; versions and steps that only go forward, at most one

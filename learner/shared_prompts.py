@@ -25,8 +25,8 @@ packed positions whose logits predict a response token under the response mask
 (``PackedRows.predictors``: the forward computes logits there only, never over the prompts
 nor over a multi-turn episode's inserted tokens, which are context only);
 ``PackedRows.to_grid`` puts per-prediction values (log-probs, entropies) back in the row
-layout ``(B, L - 1)``, so losses are computed exactly as before. ``unsupported`` says which models cannot be run
-this way.
+layout ``(B, L - 1)``, so losses are computed exactly as before. ``unsupported`` says which
+models cannot be run this way.
 """
 
 from __future__ import annotations
