@@ -28,6 +28,7 @@ Family = Literal["arithmetic", "gsm8k", "math", "code", "humaneval"]
 
 _EXACT: dict[str, Family] = {
     "relay/arithmetic": "arithmetic",
+    "relay/arithmetic-tools": "arithmetic",  # the same <answer>N</answer> rule, after a tool call
     "openai/gsm8k": "gsm8k",
     "gsm8k": "gsm8k",
     # verl's MATH sources (verl/utils/reward_score/__init__.py) and common MATH sets
