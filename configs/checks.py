@@ -28,7 +28,7 @@ from relay.configs.topology_schema import Topology
 from relay.configs.verl_keys import Placement, VerlKeys, apply_placement
 from relay.transport.endpoints import is_loopback
 
-BUILTIN_MODELS = ("tiny-arith",)
+BUILTIN_MODELS = ("tiny-arith", "tiny-arith-tools")
 DEFAULT_TOPOLOGY_FILE = Path(__file__).resolve().parent / "topology.toml"
 MODEL_PATH_KEYS = (("model", "path"), ("critic", "model", "path"),
                    ("reward_model", "model", "path"))
