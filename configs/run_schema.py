@@ -119,10 +119,43 @@ class ValKwargs(_Section):
         return self.temperature if self.do_sample else 0.0
 
 
+class MultiTurnConfig(_Section):
+    """Multi-turn rollouts with tool calls (verl's ``rollout.multi_turn``; the loop is
+    ``relay.generators.tool_loop``). Each episode is one sample: the prompt (rendered with
+    the tools' schemas), then assistant turns with the tool responses between them, all
+    within ``rollout.response_length`` tokens; the learner trains on the assistant's
+    tokens only.
+
+    ``tool_config_path``: verl's tool YAML (``relay.generators.tools.loader``).
+    ``max_assistant_turns`` / ``max_user_turns`` (tool-response turns): None, no limit but
+    the response length. A turn's calls (``format``: hermes ``<tool_call>`` JSON) run
+    concurrently, the first ``max_parallel_calls`` of them, each within ``tool_timeout_s``
+    (Relay's key); a response is cut to ``max_tool_response_length`` characters on
+    ``tool_response_truncate_side``. verl's ``interaction_config_path`` (a simulated user)
+    is not supported yet.
+    """
+
+    enable: bool = False
+    max_assistant_turns: Positive | None = None
+    max_user_turns: Positive | None = None
+    max_parallel_calls: Positive = 1
+    max_tool_response_length: Positive = 256
+    tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
+    tool_config_path: str = ""
+    format: Literal["hermes"] = "hermes"
+    tool_timeout_s: PositiveFloat = 30.0
+
+
 class RolloutConfig(_Section):
     """Sampling on the generators: tokens are drawn from the processed distribution
     (temperature, then top-k, then top-p), and their behavior log-probs are the
-    temperature-only ones the learner recomputes (``relay.generators.sampling``)."""
+    temperature-only ones the learner recomputes (``relay.generators.sampling``).
+
+    ``workflow`` (Relay; AReaL's ``RolloutWorkflow``): the user's own episode function,
+    ``"my_pkg.agent:run_episode"`` or ``"path/to/agent.py:run_episode"``
+    (``relay.generators.workflow``); ``multi_turn`` runs Relay's tool loop, itself one
+    such workflow.
+    """
 
     n: Positive = 8
     temperature: PositiveFloat = 1.0
@@ -133,6 +166,8 @@ class RolloutConfig(_Section):
     max_num_seqs: Positive = 256  # vLLM's name: sequences a generator keeps in flight
     update_weights_bucket_megabytes: Positive = 128  # weights stream in buckets this large
     val_kwargs: ValKwargs = msgspec.field(default_factory=ValKwargs)
+    multi_turn: MultiTurnConfig = msgspec.field(default_factory=MultiTurnConfig)
+    workflow: str = ""
 
 
 class OptimConfig(_Section):

@@ -135,8 +135,9 @@ _COLOCATED = ("verl's colocated mode (generation sharing the learner's GPUs: cac
               "separate processes that load model.path and keep their engine; no effect")
 _LOGPROB = ("generators return the behavior log-prob of every token they sample; the "
             "learner recomputes proximal log-probs with the actor's passes; no effect")
-_MULTI_TURN = ("multi-turn and tool-calling rollouts are not supported yet (multi_turn.enable "
-               "is refused), so this has no effect")
+_MULTI_TURN = ("the multi-turn loop renders each episode with the model's own chat template "
+               "and never re-tokenizes the policy's tokens (relay.configs.chat_turns); no "
+               "effect")
 _NO_RAY = "Relay does not run on Ray (the launcher starts its processes); no effect"
 _DEPRECATED = ("verl's deprecated global micro-batch size; give the per-GPU size "
                "{}_per_gpu instead (a micro-batch size per rank is what the learner cuts)")
@@ -233,15 +234,15 @@ TABLE: tuple[VerlKey, ...] = tuple([
             f"{R}.calculate_log_probs"),
     *_inert("training rollouts are sampled (greedy decoding is for evaluation: "
             "rollout.val_kwargs.do_sample); only true", f"{R}.do_sample", accept=(True,)),
-    *_inert("multi-turn and tool-calling rollouts are not supported yet; only false",
-            f"{R}.multi_turn.enable", accept=(False,)),
-    *_inert(_MULTI_TURN, f"{R}.multi_turn.max_assistant_turns", f"{R}.multi_turn.tool_config_path",
-            f"{R}.multi_turn.max_user_turns", f"{R}.multi_turn.max_parallel_calls",
-            f"{R}.multi_turn.max_tool_response_length",
-            f"{R}.multi_turn.tool_response_truncate_side",
-            f"{R}.multi_turn.interaction_config_path", f"{R}.multi_turn.completion_callback",
+    *_same(f"{R}.multi_turn.enable", f"{R}.multi_turn.max_assistant_turns",
+           f"{R}.multi_turn.tool_config_path", f"{R}.multi_turn.max_user_turns",
+           f"{R}.multi_turn.max_parallel_calls", f"{R}.multi_turn.max_tool_response_length",
+           f"{R}.multi_turn.tool_response_truncate_side", f"{R}.multi_turn.format"),
+    VerlKey(key=f"{R}.multi_turn.interaction_config_path", group="differs", accept=("", None),
+            note="verl's simulated user (interactions) is not supported yet; only empty"),
+    *_inert(_MULTI_TURN, f"{R}.multi_turn.completion_callback",
             f"{R}.multi_turn.use_inference_chat_template",
-            f"{R}.multi_turn.tokenization_sanity_check_mode", f"{R}.multi_turn.format"),
+            f"{R}.multi_turn.tokenization_sanity_check_mode"),
     *_inert("each generator process runs its own rollout loop; no effect",
             f"{R}.agent.num_workers"),
     *_inert("agent loops are not supported yet; only null", f"{R}.agent.agent_loop_config_path",

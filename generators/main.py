@@ -29,6 +29,7 @@ from relay.configs.rundir import RunContext, configure_logging, load_run_dir
 from relay.configs.topology_schema import GeneratorPlacement
 from relay.generators.build import build_engine
 from relay.generators.process import GeneratorLoop, NameInUse
+from relay.generators.tool_loop import configured_workflow
 
 logger = logging.getLogger("relay.generator")
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                          tokenizer=tokenizer, scorer=scorer, rollout=run.rollout,
                          data=run.data, buffer=run.buffer,
                          overlong=run.reward_model.overlong_buffer, seed=seed,
-                         keys=ctx.client_keys())
+                         keys=ctx.client_keys(), workflow=configured_workflow(run.rollout))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
