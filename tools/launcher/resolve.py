@@ -44,7 +44,10 @@ from relay.configs.rundir import (
 from relay.configs.topology_schema import Topology
 from relay.configs.verl_keys import ROLLOUT_NAME, Placement
 from relay.generators.build import missing_engine
+from relay.generators.tool_loop import configured_workflow
+from relay.generators.tools import ToolConfigError
 from relay.generators.vllm_engine import filters_refused
+from relay.generators.workflow import WorkflowError
 from relay.launcher.plan import ProcessSpec, build_plan, new_run_dir
 from relay.learner.checkpoint import CheckpointError, check_resumable, resumable_checkpoint
 from relay.learner.checkpoint_lineage import continued_lineage, overwritten_checkpoints, saves_at
@@ -146,6 +149,7 @@ def load_checked(topology_file: str, run_file: str, topology_overrides: Sequence
         check_fsdp_sizes(topology, run, run_file)
         check_local_engines(topology, run, topology_file, placement)
         check_engine_sampling(topology, run, run_file)
+        check_rollout_workflow(run, run_file)
     except ConfigError as exc:
         blamed = blame_command_line(blame_command_line(exc, run_file, run_keys),
                                     topology_file, topology_keys)
@@ -345,6 +349,20 @@ def check_engine_sampling(topology: Topology, run: RunConfig, source: str) -> No
         if problem:
             key = f"{section}.top_p" if top_p < 1.0 else f"{section}.top_k"
             raise ConfigError(source, key, problem)
+
+
+def check_rollout_workflow(run: RunConfig, source: str) -> None:
+    """``rollout.workflow`` or the multi-turn tool loop loaded as the generators will load
+    them (the tool YAML built, a verl tool class's Relay stand-in noted), so that a bad one
+    is refused before anything starts, naming the key."""
+    rollout = run.rollout
+    if not (rollout.workflow or rollout.multi_turn.enable):
+        return
+    key = "rollout.workflow" if rollout.workflow else "rollout.multi_turn.tool_config_path"
+    try:
+        configured_workflow(rollout)
+    except (WorkflowError, ToolConfigError, OSError) as exc:
+        raise ConfigError(source, key, str(exc)) from exc
 
 
 def dry_run_report(resolved: ResolvedLaunch) -> str:
