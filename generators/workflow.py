@@ -25,6 +25,7 @@ loop, which submits their turns to the engine (``relay.generators.process``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import itertools
 import math
@@ -41,6 +42,9 @@ from relay.algorithms.user_code import describe, load_function
 from relay.generators.engine import Completion, Engine, FinishedGroup, GroupRequest
 from relay.generators.sampling import SamplingParams
 from relay.transport.messages import EpisodeStats, Prompt
+
+
+CLOSE_WAIT_S = 5.0  # how long close() waits for cancelled episodes to unwind
 
 
 class WorkflowError(RuntimeError):
@@ -201,13 +205,16 @@ class WorkflowRunner:
         self.live = 0  # episodes started and not finished (the compute loop's count)
         self._off_engine = 0  # episodes between a turn's result and their next request
         self._count_lock = threading.Lock()
+        self._groups: set[concurrent.futures.Future[None]] = set()  # groups in progress
 
     # -- the compute loop's side ----------------------------------------------------------
 
     def start(self, request: GroupRequest, row: EpisodeRow) -> None:
         """Play ``request.n`` episodes of ``row``; their group finishes under ``request.key``."""
         self.live += request.n
-        asyncio.run_coroutine_threadsafe(self._group(request, row), self._loop)
+        group = asyncio.run_coroutine_threadsafe(self._group(request, row), self._loop)
+        self._groups.add(group)  # the loop keeps only weak references to its tasks
+        group.add_done_callback(self._groups.discard)
 
     def submit_turns(self, engine: Engine) -> None:
         """Hand every turn asked for since the last call to ``engine``."""
@@ -266,13 +273,22 @@ class WorkflowRunner:
         self._wake.wait(timeout_s)
 
     def close(self) -> None:
-        """Cancel the episodes in progress and stop the loop's thread."""
-        def cancel_all() -> None:
-            for task in asyncio.all_tasks(self._loop):
+        """Cancel the episodes in progress, letting them unwind (their ``finally`` blocks and
+        ``async with`` exits release tools), and stop the loop's thread."""
+        async def cancel_all() -> None:
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in tasks:
                 task.cancel()
-        self._loop.call_soon_threadsafe(cancel_all)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5.0)
+            if tasks:
+                await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(
+                    CLOSE_WAIT_S + 1.0)
+            except TimeoutError:
+                pass  # an episode that ignores its cancellation: the daemon thread goes anyway
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(CLOSE_WAIT_S)
 
     # -- the episodes' side (the loop's thread) ---------------------------------------------
 
@@ -296,6 +312,8 @@ class WorkflowRunner:
             episodes = await asyncio.gather(
                 *(self._episode(EngineHandle(self, request.params), r) for r in rows))
             self._done.put((request.key, list(episodes)))
+        except asyncio.CancelledError:
+            raise  # close(): no result to give
         except BaseException as exc:  # noqa: BLE001 - raised in the compute loop
             self._done.put((request.key, exc))
         self._wake.set()
