@@ -33,12 +33,7 @@ import torch  # noqa: E402 (after the environment above)
 from tqdm import tqdm  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from relay.generators.tools.calculator import (  # noqa: E402
-    CalculatorError,
-    evaluate,
-    format_number,
-)
-from relay.generators.tools.parser import parse_tool_calls  # noqa: E402
+from relay.generators.tools.calculator import reply_to  # noqa: E402
 from relay.learner.tiny_model.build import (  # noqa: E402
     ToolBuildReport,
     build_tiny_model,
@@ -51,23 +46,6 @@ from relay.learner.tiny_model.warm_start import WarmStartConfig  # noqa: E402
 ACCURACY_BAND = (0.05, 0.60)
 TOOLS_ACCURACY_BAND = (0.10, 0.50)
 BUILTIN_NAMES = {"arith": "tiny-arith", "tools": "tiny-arith-tools"}
-
-
-def run_calculator(text: str) -> str | None:
-    """The tool message a turn's first hermes call of the calculator gets (its value, or
-    ``Error: ...`` as the generators' call runner writes a failed call); None: no call."""
-    calls = parse_tool_calls(text, "hermes").calls
-    if not calls:
-        return None
-    call = calls[0]
-    if call.error:
-        return f"Error: malformed tool call: {call.error}"
-    if call.name != "calculator":
-        return f"Error: unknown tool {call.name!r}"
-    try:
-        return format_number(evaluate(str(call.arguments.get("expression", ""))))
-    except CalculatorError as error:
-        return f"Error: {error}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.variant == "tools":
                 return _report_tools(build_tools_model(
-                    args.out, run_calculator, seed=args.seed, overwrite=True, on_step=on_step,
+                    args.out, reply_to, seed=args.seed, overwrite=True, on_step=on_step,
                     recipe=ToolWarmStartConfig(optim=WarmStartConfig(steps=args.steps)),
                 ))
             report = build_tiny_model(

@@ -16,13 +16,17 @@ refused, naming it. Bounds keep a model from stalling the generator:
 from __future__ import annotations
 
 import ast
+import asyncio
 import math
 import operator
 from collections.abc import Callable
 from typing import Any
 
 from relay.generators.tools.base import BaseTool, ExecuteResult
+from relay.generators.tools.calls import run_calls
+from relay.generators.tools.parser import parse_tool_calls
 from relay.generators.tools.schema import FunctionParameters, FunctionSchema, ToolSchema
+from relay.generators.tools.session import ToolSession
 
 MAX_EXPRESSION_CHARS = 1000
 MAX_EXPONENT = 1000
@@ -133,3 +137,16 @@ class CalculatorTool(BaseTool):
         if not isinstance(expression, str):
             raise CalculatorError("missing argument 'expression' (a string)")
         return format_number(evaluate(expression)), 0.0, {}
+
+
+def reply_to(text: str) -> str | None:
+    """The tool message the first call of an assistant turn ``text`` gets when the
+    calculator is the only tool, exactly as the multi-turn loop's call runner writes it (the
+    value, or ``Error: ...``); None when the turn calls nothing. Loops outside the
+    generators use it: the tiny tool model's build evaluates with it."""
+    calls = parse_tool_calls(text, "hermes").calls
+    if not calls:
+        return None
+    tools = {"calculator": CalculatorTool({}, None)}
+    (result,) = asyncio.run(run_calls(ToolSession(tools), calls[:1]))
+    return result.message["content"]

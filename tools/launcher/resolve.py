@@ -238,7 +238,7 @@ def served_model_path(run: RunConfig) -> str:
         return run.model.path
     from relay.learner.tiny_model.build import default_model_dir
 
-    return str(default_model_dir())
+    return str(default_model_dir(run.model.path.removeprefix(BUILTIN_MODEL_PREFIX)))
 
 
 def epoch_rows(run: RunConfig) -> int:
@@ -254,9 +254,9 @@ def launch_prompts(run: RunConfig) -> PromptDataset:
     """The training rows as the buffer will load them (``epoch_rows``)."""
     tokenizer = None
     if run.model.path.startswith(BUILTIN_MODEL_PREFIX):
-        from relay.learner.tiny_model.tokenizer import build_tokenizer
+        from relay.learner.tiny_model.tokenizer import builtin_tokenizer
 
-        tokenizer = build_tokenizer()
+        tokenizer = builtin_tokenizer(run.model.path.removeprefix(BUILTIN_MODEL_PREFIX))
     return training_prompts(run, tokenizer)
 
 

@@ -12,6 +12,7 @@ from relay.generators.tools.calculator import (
     CalculatorTool,
     evaluate,
     format_number,
+    reply_to,
 )
 
 
@@ -69,3 +70,22 @@ def test_the_tool_answers_with_the_value_and_raises_for_a_bad_call() -> None:
     assert asyncio.run(tool.execute("i", {"expression": 12})) == ("12", 0.0, {})
     with pytest.raises(CalculatorError, match="missing argument 'expression'"):
         asyncio.run(tool.execute("i", {"expr": "1"}))
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "47*385"}}</tool_call>',
+     "18095"),
+    ("<answer>5</answer>", None),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "7 / 2"}}</tool_call>', "3.5"),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "x * 2"}}</tool_call>',
+     "Error: tool 'calculator' raised CalculatorError: the name 'x' is not allowed: only "
+     "numbers, + - * / // % **, unary minus and parentheses"),
+    ('<tool_call>{"name": "search", "arguments": {"q": "1"}}</tool_call>',
+     "Error: unknown tool 'search'; the tools are calculator"),
+])
+def test_reply_to_answers_a_turn_as_the_loops_call_runner_would(text, expected) -> None:
+    assert reply_to(text) == expected
+
+
+def test_reply_to_a_malformed_call_is_an_error_message() -> None:
+    assert reply_to("<tool_call>{not json</tool_call>").startswith("Error: malformed tool call:")
