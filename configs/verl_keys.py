@@ -226,6 +226,9 @@ TABLE: tuple[VerlKey, ...] = tuple([
                        for at in ("generators[*]", "evaluator"))) for engine in ("vllm", "sglang")],
     *_inert(_COLOCATED, f"{R}.free_cache_engine", f"{R}.multi_stage_wake_up",
             f"{R}.load_format", f"{R}.layered_summon"),
+    *_inert("generators stream each finished group to the buffer, so no batch waits for its "
+            "slowest rollouts and none is over-sampled to be aborted (verl >= 0.6); no effect",
+            f"{R}.over_sample_rate"),
     *_inert("Relay's vLLM engine leaves it to vllm.LLM; engine_kwargs.vllm.disable_log_stats "
             "sets it; no effect", f"{R}.disable_log_stats"),
     *_inert("generators stop at EOS; only false", f"{R}.ignore_eos", accept=(False,)),
@@ -281,6 +284,7 @@ TABLE: tuple[VerlKey, ...] = tuple([
     *_inert(_PROFILER, "trainer.npu_profile.*", "trainer.controller_nsight_options.*",
             "trainer.worker_nsight_options.*"),
     *_inert(_PROFILER.replace("no effect", "only null"), "trainer.profile_steps", accept=(None,)),
+    *_inert(_PROFILER + " (verl >= 0.6's global_profiler section)", "global_profiler.*"),
     *_inert("each learner rank's passes are balanced by length (relay.learner.micro_batches); "
             "no effect", "trainer.balance_batch"),
     VerlKey(key="trainer.total_epochs", group="differs",
