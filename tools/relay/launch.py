@@ -16,8 +16,9 @@ reward model's) may be a ``builtin:`` model, a local folder or a Hub ID, resolve
 GPU is warned about (``relay.launcher.memory``). ``--dry-run`` prints the resolved configs and
 the processes that would start, and exits. verl's ``--config-path DIR --config-name NAME``
 (a recipe's Hydra config file, ``DIR/NAME.yaml``, over verl's ``ppo_trainer`` defaults) reads
-that file's keys as overrides placed before the command line's, so the command line wins. ``--resume RUN_DIR`` continues the run in RUN_DIR from its newest complete checkpoint, with the configs
-stored there (and any overrides, e.g. more ``trainer.total_training_steps``).
+that file's keys as overrides placed before the command line's, so the command line wins.
+``--resume RUN_DIR`` continues the run in RUN_DIR from its newest complete checkpoint, with
+the configs stored there (and any overrides, e.g. more ``trainer.total_training_steps``).
 """
 
 from __future__ import annotations
