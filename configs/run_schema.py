@@ -131,8 +131,10 @@ class MultiTurnConfig(_Section):
     the response length. A turn's calls (``format``: hermes ``<tool_call>`` JSON) run
     concurrently, the first ``max_parallel_calls`` of them, each within ``tool_timeout_s``
     (Relay's key); a response is cut to ``max_tool_response_length`` characters on
-    ``tool_response_truncate_side``. verl's ``interaction_config_path`` (a simulated user)
-    is not supported yet.
+    ``tool_response_truncate_side``. ``interaction_config_path``: verl's interaction YAML,
+    simulated users that reply to a turn that called no tool
+    (``relay.generators.tools.interaction``); tool responses and their replies count as
+    user turns.
     """
 
     enable: bool = False
@@ -142,6 +144,7 @@ class MultiTurnConfig(_Section):
     max_tool_response_length: Positive = 256
     tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
     tool_config_path: str = ""
+    interaction_config_path: str = ""
     format: Literal["hermes"] = "hermes"
     tool_timeout_s: PositiveFloat = 30.0
 

@@ -55,18 +55,24 @@ def load_tools(path: str | Path) -> dict[str, BaseTool]:
     return tools
 
 
-def _read_entries(path: Path) -> list[Any]:
+def read_yaml(path: Path, what: str = "tool config") -> Any:
+    """The YAML document at ``path``; ``ToolConfigError`` naming the file (and ``what`` it
+    should be) when it cannot be read or parsed."""
     try:
         import yaml  # PyYAML: verl's tool configs are YAML
     except ModuleNotFoundError as exc:
-        raise ToolConfigError(f"{path}: reading a tool YAML needs PyYAML "
+        raise ToolConfigError(f"{path}: reading a {what} needs PyYAML "
                               "(pip install pyyaml)") from exc
     try:
-        document = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except OSError as exc:
-        raise ToolConfigError(f"{path}: cannot read the tool config: {describe(exc)}") from exc
+        raise ToolConfigError(f"{path}: cannot read the {what}: {describe(exc)}") from exc
     except yaml.YAMLError as exc:
         raise ToolConfigError(f"{path}: not valid YAML: {exc}") from exc
+
+
+def _read_entries(path: Path) -> list[Any]:
+    document = read_yaml(path)
     if not isinstance(document, dict) or not isinstance(document.get("tools"), list):
         raise ToolConfigError(f"{path}: expected a mapping with a 'tools' list "
                               "(tools: - class_name: ..., config: ..., tool_schema: ...)")

@@ -184,3 +184,31 @@ def test_configured_workflow_builds_the_loop_from_verl_keys(tmp_path: Path) -> N
     assert configured_workflow(RolloutConfig()) is None
     with pytest.raises(WorkflowError, match="choose one"):
         configured_workflow(RolloutConfig(workflow="x:y", multi_turn=MultiTurnConfig(enable=True)))
+
+
+def test_a_simulated_user_replies_until_the_answer_is_right(tokenizer) -> None:
+    """verl's GSM8K interaction: a turn that calls no tool gets the user's verdict; a wrong
+    answer gets another turn, the right one ends the episode."""
+    from relay.generators.tools.interaction import Gsm8kInteraction
+
+    answers = iter(["#### 5535", "#### 5536"][::-1])
+    engine = ScriptedEngine(tokenizer, lambda text: next(answers))
+    loop = ToolLoop(MultiTurnConfig(enable=True, max_user_turns=3), {},
+                    {"gsm8k": Gsm8kInteraction({"name": "gsm8k"})})
+    runner = WorkflowRunner(loop, tokenizer=tokenizer, response_length=400,
+                            engine_version=lambda: engine.version)
+    messages = [{"role": "user", "content": "What is 123 * 45?"}]
+    prompt = loop.render_prompt(tokenizer, messages)
+    row = EpisodeRow(prompt_id="p0", messages=messages, data_source="test", ground_truth="5535",
+                     extra_info={"interaction_kwargs": {"name": "gsm8k", "ground_truth": "5535"}},
+                     prompt_ids=prompt, sample_index=0)
+    try:
+        ((episode,),) = play_episodes(runner, engine,
+                                      [(GroupRequest("g", prompt, 1, PARAMS), row)])
+    finally:
+        runner.close()
+    assert episode.stats.turns == 2 and episode.stats.tool_calls == 0
+    reply = tokenizer.decode(engine.prompts[1][len(engine.prompts[0]):])
+    assert "<|im_start|>user\nYour response is incorrect!" in reply
+    assert episode.reward_info == {"interaction/last_turn_score": 1.0}
+    assert episode.loss_mask.sum() < episode.token_ids.numel()

@@ -353,15 +353,19 @@ def check_engine_sampling(topology: Topology, run: RunConfig, source: str) -> No
 
 def check_rollout_workflow(run: RunConfig, source: str) -> None:
     """``rollout.workflow`` or the multi-turn tool loop loaded as the generators will load
-    them (the tool YAML built, a verl tool class's Relay stand-in noted), so that a bad one
-    is refused before anything starts, naming the key."""
+    them (the tool and interaction YAML built, a verl class's Relay stand-in noted), so that
+    a bad one is refused before anything starts, naming the key."""
     rollout = run.rollout
     if not (rollout.workflow or rollout.multi_turn.enable):
         return
-    key = "rollout.workflow" if rollout.workflow else "rollout.multi_turn.tool_config_path"
     try:
         configured_workflow(rollout)
     except (WorkflowError, ToolConfigError, OSError) as exc:
+        interaction = rollout.multi_turn.interaction_config_path
+        key = ("rollout.workflow" if rollout.workflow
+               else "rollout.multi_turn.interaction_config_path"
+               if interaction and str(exc).startswith(interaction)
+               else "rollout.multi_turn.tool_config_path")
         raise ConfigError(source, key, str(exc)) from exc
 
 
