@@ -41,7 +41,7 @@ import torch
 from relay.algorithms.user_code import describe, load_function
 from relay.generators.engine import Completion, Engine, FinishedGroup, GroupRequest
 from relay.generators.sampling import SamplingParams
-from relay.transport.messages import EpisodeStats, Prompt
+from relay.transport.messages import EpisodeStats
 
 
 CLOSE_WAIT_S = 5.0  # how long close() waits for cancelled episodes to unwind
@@ -254,6 +254,9 @@ class WorkflowRunner:
     def finished(self) -> list[FinishedGroup]:
         """The groups whose episodes are all done. Raises ``WorkflowError`` for an episode
         that failed (the workflow raised or returned an unusable episode)."""
+        self._wake.clear()  # before reading: what arrives from now on sets it again
+        if not self._requests.empty():
+            self._wake.set()
         out = []
         while True:
             try:
@@ -264,8 +267,6 @@ class WorkflowRunner:
                 raise WorkflowError(str(result)) from result
             self.live -= len(result)
             out.append(FinishedGroup(key, list(result)))
-        if self._done.empty() and self._requests.empty():
-            self._wake.clear()
         return out
 
     def wait(self, timeout_s: float) -> None:
