@@ -22,6 +22,12 @@ response: unlike verl, whose return recursion treats a masked token as a tool-ob
 token (no reward of its own, nothing flows across), a rejected token here is a policy token
 whose reward is real, so a rejected last token does not erase its sequence's outcome.
 
+A multi-turn episode's tokens inserted between its turns (tool responses, the chat
+template's markers) are off m altogether (``relay.learner.batch``): no reward sits there,
+the outcome sits on the last policy token, and the return-based estimators skip them, so a
+later turn's return reaches the earlier turns (REINFORCE++ and GAE step from one response
+position to the next; verl's REINFORCE++ resets there instead).
+
 Every estimator returns a (B, T) float32 tensor that is 0 off the response mask. One deviation
 from verl holds throughout: a group of a single sample has its own score as baseline, so its
 advantage is 0 (before any batch whitening); verl uses the baseline 0 there, which makes the
@@ -155,14 +161,18 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = R_t + gamma * G_{t+1}, (B, T); the running return restarts at masked positions
-    (as verl's "reset after EOS"), so nothing flows back across a masked token."""
+    """G_t = R_t + gamma * G_t', (B, T), where t' is the next position of the mask (0 past
+    the last); G is 0 off the mask. Positions off the mask are skipped, as in
+    ``gae_advantages``: a multi-turn episode's inserted tokens (tool responses, template)
+    lie between its turns, and a later turn's return flows back across them to the earlier
+    turns. verl resets the running return at every masked position ("reset after EOS"),
+    which with a contiguous response mask gives the same returns on it."""
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[-1])):
-        running = rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
+        on = mask[:, t] > 0
+        running = torch.where(on, rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(on, running, 0.0)
     return returns
 
 
@@ -307,8 +317,9 @@ def reinforce_plus_plus(inputs: AdvantageInputs, norm_by_std: bool, gamma: float
 
         G_it = sum_{t' >= t} gamma^(t'-t) R_it',   A_it = whiten_batch(G_it)      (B, T)
 
-    on the token-level total rewards R, whitened over all trained tokens of the batch; the
-    return does not flow back across a position off the response (verl's reset after EOS).
+    on the token-level total rewards R, whitened over all trained tokens of the batch; t' runs
+    over the response mask only, so a multi-turn episode's return flows back across the
+    inserted tokens between its turns (``_discounted_returns``).
     """
     mask = inputs.response_mask.to(torch.float64)
     returns = _discounted_returns(token_level_rewards(inputs), mask, gamma)

@@ -103,8 +103,10 @@ mark; a client has one request in flight), and replies it queues to a peer that 
 read them: a connection holds at most REQUEST_HWM + 1 requests (the one being read) in the
 buffer's memory, each of frames up to ``buffer.max_message_bytes``; the default, 1000,
 let one peer park a message per 64 MiB up to 64 GiB."""
-TENSORS_PER_SAMPLE = sum(f.type is torch.Tensor for f in msgspec.structs.fields(Sample))
-"""Tensor fields of a ``Sample``: a sound group holds ``rollout.n`` times as many tensors."""
+TENSORS_PER_SAMPLE = sum(f.type in (torch.Tensor, torch.Tensor | None)
+                         for f in msgspec.structs.fields(Sample))
+"""Tensor fields of a ``Sample`` (the optional ``loss_mask`` included): a sound group holds
+at most ``rollout.n`` times as many tensors."""
 
 
 def build_store(run: RunConfig) -> ReplayStore:

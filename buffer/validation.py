@@ -6,8 +6,12 @@ float32 log-probs: float8, float16 or int64 tensors decode fine but are refused 
 that agree, token ids inside the model's vocabulary, responses no longer than
 ``rollout.response_length``, rewards the learner can train on (finite and within float32's range,
 the dtype it trains in: a larger one would become inf there), log-probs <= 0, and token versions the
-learner has published. It answers every decoded group, whatever its tensors hold, with a reason or
-"", and never raises: a bad group is refused whole and its prompt goes back to the pool.
+learner has published. A multi-turn sample's ``loss_mask`` must be bool, one entry per response
+token, with at least one token the policy sampled, and log-prob 0 on every inserted token (the
+wire's promise: ``relay.transport.messages.Sample``); an inserted token's version is real, so the
+version span is checked over every token. It answers every decoded group, whatever its tensors
+hold, with a reason or "", and never raises: a bad group is refused whole and its prompt goes back
+to the pool.
 
 ``sample_request_problem`` and ``version_problem`` judge the learner's requests: a batch of
 1 to ``data.train_batch_size`` groups; versions and steps that only go forward, at most one
@@ -90,12 +94,34 @@ def sample_problem(sample: Sample, limits: GroupLimits) -> str:
                     f"[0, {limits.vocab_size})")
     if not bool(sample.logprobs.isfinite().all()) or bool((sample.logprobs > LOGPROB_SLACK).any()):
         return "log-probs must be finite and <= 0"
+    if sample.loss_mask is not None:
+        problem = loss_mask_problem(sample.loss_mask, sample.logprobs)
+        if problem:
+            return problem
     problem = reward_problem(sample.reward)
     if problem:
         return problem
     bad_info = sorted(k for k, v in sample.reward_info.items() if not math.isfinite(v))
     if bad_info:
         return f"reward_info {', '.join(bad_info)} not finite"
+    return ""
+
+
+def loss_mask_problem(mask: torch.Tensor, logprobs: torch.Tensor) -> str:
+    """Why a multi-turn sample's ``loss_mask`` is unsound next to its ``logprobs`` (R,), or
+    "": bool (R,), True somewhere (a sample with no policy token trains nothing), and the
+    log-prob 0 wherever it is False (an inserted token was not sampled)."""
+    length = logprobs.numel()
+    if mask.dtype != torch.bool or mask.shape != (length,):
+        return (f"loss_mask is {dtype_name(mask.dtype)} {tuple(mask.shape)}; it must be bool "
+                f"({length},), one entry per response token")
+    if not bool(mask.any()):
+        return "loss_mask has no True entry: no token of the response was sampled by the policy"
+    inserted = ~mask & (logprobs != 0)
+    if bool(inserted.any()):
+        return (f"log-prob {float(logprobs[inserted][0]):g} at response token "
+                f"{int(inserted.nonzero()[0])} where loss_mask is False; an inserted token's "
+                "log-prob must be 0")
     return ""
 
 

@@ -28,7 +28,7 @@ from relay.configs.topology_schema import Topology
 from relay.configs.verl_keys import Placement, VerlKeys, apply_placement
 from relay.transport.endpoints import is_loopback
 
-BUILTIN_MODELS = ("tiny-arith",)
+BUILTIN_MODELS = ("tiny-arith", "tiny-arith-tools")
 DEFAULT_TOPOLOGY_FILE = Path(__file__).resolve().parent / "topology.toml"
 MODEL_PATH_KEYS = (("model", "path"), ("critic", "model", "path"),
                    ("reward_model", "model", "path"))
@@ -172,9 +172,12 @@ def load_run_config(path: str | Path, overrides: Iterable[str] = (),
         overrides,
         path_keys=[("data", "train_files"), ("data", "val_files"), *MODEL_PATH_KEYS,
                    ("checkpoint", "dir"), ("trainer", "resume_from_path"),
-                   ("trainer", "validation_data_dir"), ("trainer", "rollout_data_dir")],
+                   ("trainer", "validation_data_dir"), ("trainer", "rollout_data_dir"),
+                   ("rollout", "multi_turn", "tool_config_path"),
+                   ("rollout", "multi_turn", "interaction_config_path")],
         file_or_module_keys=[("custom_reward_function", "path")],
-        function_keys=[("algorithm", "adv_estimator"), ("actor", "policy_loss", "loss_mode")],
+        function_keys=[("algorithm", "adv_estimator"), ("actor", "policy_loss", "loss_mode"),
+                       ("rollout", "workflow")],
         aliases=VERL_ALIASES,
         foreign=verl,
         hub_id_keys=MODEL_PATH_KEYS,

@@ -9,8 +9,10 @@ A section that configures one piece of ``algorithms`` is defined beside that cod
 composed here, so each knob is defined once: ``actor.policy_loss``
 (``relay.algorithms.policy_loss.PolicyLossConfig``), ``algorithm.kl_ctrl``
 (``relay.algorithms.kl.KLControlConfig``), ``algorithm.rollout_correction``
-(``relay.algorithms.off_policy.RolloutCorrectionConfig``) and ``custom_reward_function``
-(``relay.algorithms.rewards.config.RewardConfig``).
+(``relay.algorithms.off_policy.RolloutCorrectionConfig``), ``custom_reward_function``
+(``relay.algorithms.rewards.config.RewardConfig``) and ``sandbox``
+(``relay.algorithms.sandbox.config.SandboxSettings``; verl's
+``reward_model.sandbox_fusion.*`` keys are its ``sandbox.sandbox_fusion.*``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from relay.algorithms.off_policy import RolloutCorrectionConfig
 from relay.algorithms.policy_loss import PolicyLossConfig
 from relay.algorithms.registry import AdvantageEntry, advantage_estimator
 from relay.algorithms.rewards.config import RewardConfig
+from relay.algorithms.sandbox.config import SandboxSettings
 
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -116,10 +119,46 @@ class ValKwargs(_Section):
         return self.temperature if self.do_sample else 0.0
 
 
+class MultiTurnConfig(_Section):
+    """Multi-turn rollouts with tool calls (verl's ``rollout.multi_turn``; the loop is
+    ``relay.generators.tool_loop``). Each episode is one sample: the prompt (rendered with
+    the tools' schemas), then assistant turns with the tool responses between them, all
+    within ``rollout.response_length`` tokens; the learner trains on the assistant's
+    tokens only.
+
+    ``tool_config_path``: verl's tool YAML (``relay.generators.tools.loader``).
+    ``max_assistant_turns`` / ``max_user_turns`` (tool-response turns): None, no limit but
+    the response length. A turn's calls (``format``: hermes ``<tool_call>`` JSON) run
+    concurrently, the first ``max_parallel_calls`` of them, each within ``tool_timeout_s``
+    (Relay's key); a response is cut to ``max_tool_response_length`` characters on
+    ``tool_response_truncate_side``. ``interaction_config_path``: verl's interaction YAML,
+    simulated users that reply to a turn that called no tool
+    (``relay.generators.tools.interaction``); tool responses and their replies count as
+    user turns.
+    """
+
+    enable: bool = False
+    max_assistant_turns: Positive | None = None
+    max_user_turns: Positive | None = None
+    max_parallel_calls: Positive = 1
+    max_tool_response_length: Positive = 256
+    tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
+    tool_config_path: str = ""
+    interaction_config_path: str = ""
+    format: Literal["hermes"] = "hermes"
+    tool_timeout_s: PositiveFloat = 30.0
+
+
 class RolloutConfig(_Section):
     """Sampling on the generators: tokens are drawn from the processed distribution
     (temperature, then top-k, then top-p), and their behavior log-probs are the
-    temperature-only ones the learner recomputes (``relay.generators.sampling``)."""
+    temperature-only ones the learner recomputes (``relay.generators.sampling``).
+
+    ``workflow`` (Relay; AReaL's ``RolloutWorkflow``): the user's own episode function,
+    ``"my_pkg.agent:run_episode"`` or ``"path/to/agent.py:run_episode"``
+    (``relay.generators.workflow``); ``multi_turn`` runs Relay's tool loop, itself one
+    such workflow.
+    """
 
     n: Positive = 8
     temperature: PositiveFloat = 1.0
@@ -130,6 +169,8 @@ class RolloutConfig(_Section):
     max_num_seqs: Positive = 256  # vLLM's name: sequences a generator keeps in flight
     update_weights_bucket_megabytes: Positive = 128  # weights stream in buckets this large
     val_kwargs: ValKwargs = msgspec.field(default_factory=ValKwargs)
+    multi_turn: MultiTurnConfig = msgspec.field(default_factory=MultiTurnConfig)
+    workflow: str = ""
 
 
 class OptimConfig(_Section):
@@ -578,6 +619,7 @@ class RunConfig(_Section):
     tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     custom_reward_function: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    sandbox: SandboxSettings = msgspec.field(default_factory=SandboxSettings)  # Relay's
 
     @property
     def evaluates(self) -> bool:

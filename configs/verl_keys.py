@@ -135,8 +135,9 @@ _COLOCATED = ("verl's colocated mode (generation sharing the learner's GPUs: cac
               "separate processes that load model.path and keep their engine; no effect")
 _LOGPROB = ("generators return the behavior log-prob of every token they sample; the "
             "learner recomputes proximal log-probs with the actor's passes; no effect")
-_MULTI_TURN = ("multi-turn and tool-calling rollouts are not supported yet (multi_turn.enable "
-               "is refused), so this has no effect")
+_MULTI_TURN = ("the multi-turn loop renders each episode with the model's own chat template "
+               "and never re-tokenizes the policy's tokens (relay.configs.chat_turns); no "
+               "effect")
 _NO_RAY = "Relay does not run on Ray (the launcher starts its processes); no effect"
 _DEPRECATED = ("verl's deprecated global micro-batch size; give the per-GPU size "
                "{}_per_gpu instead (a micro-batch size per rank is what the learner cuts)")
@@ -225,6 +226,9 @@ TABLE: tuple[VerlKey, ...] = tuple([
                        for at in ("generators[*]", "evaluator"))) for engine in ("vllm", "sglang")],
     *_inert(_COLOCATED, f"{R}.free_cache_engine", f"{R}.multi_stage_wake_up",
             f"{R}.load_format", f"{R}.layered_summon"),
+    *_inert("generators stream each finished group to the buffer, so no batch waits for its "
+            "slowest rollouts and none is over-sampled to be aborted (verl >= 0.6); no effect",
+            f"{R}.over_sample_rate"),
     *_inert("Relay's vLLM engine leaves it to vllm.LLM; engine_kwargs.vllm.disable_log_stats "
             "sets it; no effect", f"{R}.disable_log_stats"),
     *_inert("generators stop at EOS; only false", f"{R}.ignore_eos", accept=(False,)),
@@ -233,15 +237,14 @@ TABLE: tuple[VerlKey, ...] = tuple([
             f"{R}.calculate_log_probs"),
     *_inert("training rollouts are sampled (greedy decoding is for evaluation: "
             "rollout.val_kwargs.do_sample); only true", f"{R}.do_sample", accept=(True,)),
-    *_inert("multi-turn and tool-calling rollouts are not supported yet; only false",
-            f"{R}.multi_turn.enable", accept=(False,)),
-    *_inert(_MULTI_TURN, f"{R}.multi_turn.max_assistant_turns", f"{R}.multi_turn.tool_config_path",
-            f"{R}.multi_turn.max_user_turns", f"{R}.multi_turn.max_parallel_calls",
-            f"{R}.multi_turn.max_tool_response_length",
-            f"{R}.multi_turn.tool_response_truncate_side",
-            f"{R}.multi_turn.interaction_config_path", f"{R}.multi_turn.completion_callback",
+    *_same(f"{R}.multi_turn.enable", f"{R}.multi_turn.max_assistant_turns",
+           f"{R}.multi_turn.tool_config_path", f"{R}.multi_turn.max_user_turns",
+           f"{R}.multi_turn.max_parallel_calls", f"{R}.multi_turn.max_tool_response_length",
+           f"{R}.multi_turn.tool_response_truncate_side", f"{R}.multi_turn.format",
+           f"{R}.multi_turn.interaction_config_path"),
+    *_inert(_MULTI_TURN, f"{R}.multi_turn.completion_callback",
             f"{R}.multi_turn.use_inference_chat_template",
-            f"{R}.multi_turn.tokenization_sanity_check_mode", f"{R}.multi_turn.format"),
+            f"{R}.multi_turn.tokenization_sanity_check_mode"),
     *_inert("each generator process runs its own rollout loop; no effect",
             f"{R}.agent.num_workers"),
     *_inert("agent loops are not supported yet; only null", f"{R}.agent.agent_loop_config_path",
@@ -280,6 +283,7 @@ TABLE: tuple[VerlKey, ...] = tuple([
     *_inert(_PROFILER, "trainer.npu_profile.*", "trainer.controller_nsight_options.*",
             "trainer.worker_nsight_options.*"),
     *_inert(_PROFILER.replace("no effect", "only null"), "trainer.profile_steps", accept=(None,)),
+    *_inert(_PROFILER + " (verl >= 0.6's global_profiler section)", "global_profiler.*"),
     *_inert("each learner rank's passes are balanced by length (relay.learner.micro_batches); "
             "no effect", "trainer.balance_batch"),
     VerlKey(key="trainer.total_epochs", group="differs",
@@ -434,11 +438,10 @@ TABLE: tuple[VerlKey, ...] = tuple([
             accept=("naive", "prime", "dapo", "batch")),
     *_inert("generators score rewards off the learner's path, always; no effect",
             "reward_model.launch_reward_fn_async"),
-    *_inert("the code sandbox is not supported yet; only null", "reward_model.sandbox_fusion.url",
-            accept=(None,)),
-    *_inert("the code sandbox is not supported yet; no effect",
-            "reward_model.sandbox_fusion.max_concurrent",
-            "reward_model.sandbox_fusion.memory_limit_mb"),
+    *[VerlKey(key=f"reward_model.sandbox_fusion.{name}", group="mapped",
+              to=(f"sandbox.sandbox_fusion.{name}",),
+              note="the code sandbox's SandboxFusion server (relay.algorithms.sandbox)")
+      for name in ("url", "max_concurrent", "memory_limit_mb")],
     # ---- custom_reward_function, algorithm ---------------------------------------------
     *_same("custom_reward_function.path", "custom_reward_function.name", "algorithm.gamma",
            "algorithm.lam", "algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo",

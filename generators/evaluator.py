@@ -44,7 +44,9 @@ from relay.generators.build import build_engine
 from relay.generators.engine import Engine
 from relay.generators.held_out import eval_metrics, evaluate, write_generations
 from relay.generators.sampling import SamplingParams
+from relay.generators.tool_loop import ConfiguredWorkflow, configured_workflow
 from relay.generators.weight_receiver import EvalWeights
+from relay.generators.workflow import WorkflowRunner
 from relay.transport.messages import ErrorReply, EvalReport, EvalRequest, Shutdown, WeightManifest
 from relay.transport.security import ClientKeys
 from relay.transport.sockets import Client, PeerTimeout
@@ -75,8 +77,13 @@ class Evaluator:
     def __init__(self, *, weights_endpoint: str, stream_endpoint: str, engine: Engine,
                  tokenizer, scorer: RewardScorer, rows: list[PromptRow], rollout: RolloutConfig,
                  data: DataConfig, trainer: TrainerConfig,
-                 keys: ClientKeys | None = None) -> None:
+                 keys: ClientKeys | None = None,
+                 workflow: ConfiguredWorkflow | None = None) -> None:
         self.engine, self.tokenizer, self.scorer = engine, tokenizer, scorer
+        self.workflow = workflow
+        self.episodes = None if workflow is None else WorkflowRunner(
+            workflow.function, tokenizer=tokenizer, response_length=rollout.response_length,
+            engine_version=lambda: engine.version, name=workflow.name)
         self.rows, self.params = rows, val_sampling_params(rollout)
         self.n = rollout.val_kwargs.n
         self.max_prompt_length = data.max_prompt_length
@@ -122,6 +129,8 @@ class Evaluator:
         finally:
             self.weights.stop()
             self._client.close()
+            if self.episodes is not None:
+                self.episodes.close()
 
     def _wait_until_heard(self, stop: threading.Event) -> None:
         """Until a message is heard on the weight stream: the learner beacons until this
@@ -155,7 +164,8 @@ class Evaluator:
         result = evaluate(self.engine, self.tokenizer, self.rows, self.scorer, self.params,
                           n=self.n, max_prompt_length=self.max_prompt_length,
                           truncation=self.truncation, keep=self.log_generations,
-                          record=self.dump_dir is not None)
+                          record=self.dump_dir is not None, workflow=self.workflow,
+                          runner=self.episodes)
         if self.dump_dir is not None:
             path = write_generations(self.dump_dir, step, result.records)
             logger.info("step %d: %d held-out responses written to %s", step,
@@ -190,12 +200,13 @@ def main(argv: list[str] | None = None) -> int:
                        chat_token_counter(tokenizer), data.max_prompt_length,
                        drop=data.filter_overlong_prompts, refuse=data.truncation == "error",
                        what="data.val_files").rows
-    scorer = RewardScorer(run.custom_reward_function)
+    scorer = RewardScorer(run.custom_reward_function, run.sandbox)
     scorer.check_data_sources({row.data_source for row in rows})
     evaluator = Evaluator(weights_endpoint=ctx.weights_endpoint,
                           stream_endpoint=ctx.weights_stream_endpoint, engine=engine,
                           tokenizer=tokenizer, scorer=scorer, rows=rows, rollout=run.rollout,
-                          data=run.data, trainer=run.trainer, keys=ctx.client_keys())
+                          data=run.data, trainer=run.trainer, keys=ctx.client_keys(),
+                          workflow=configured_workflow(run.rollout))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

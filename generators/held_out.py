@@ -27,9 +27,11 @@ import numpy as np
 from relay.algorithms.rewards.result import RewardItem, RewardResult
 from relay.algorithms.rewards.scorer import RewardScorer
 from relay.configs.prompt_data import CutSide, PromptRow, truncate_prompt
-from relay.generators.engine import Engine
+from relay.generators.engine import Completion, Engine, GroupRequest
 from relay.generators.sampling import SamplingParams
+from relay.generators.tool_loop import ConfiguredWorkflow
 from relay.generators.val_metrics import ScoredResponse, validation_metrics
+from relay.generators.workflow import EpisodeCompletion, EpisodeRow, WorkflowRunner, play_episodes
 from relay.transport.messages import ValGeneration
 
 EVAL_BATCH = 256
@@ -95,13 +97,21 @@ def is_correct(result: RewardResult) -> float:
 
 def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardScorer,
              params: SamplingParams, n: int = 1, max_prompt_length: int = 1 << 30,
-             truncation: CutSide = "left", keep: int = 0, record: bool = False) -> EvalResult:
+             truncation: CutSide = "left", keep: int = 0, record: bool = False,
+             workflow: ConfiguredWorkflow | None = None,
+             runner: WorkflowRunner | None = None) -> EvalResult:
     """Generate ``n`` responses per row and score them; a prompt longer than
     ``max_prompt_length`` tokens is cut on its ``truncation`` side (``truncate_prompt``).
     ``keep`` responses, verl's sample of all of them (``sample_generations``), are kept as
     text (``trainer.log_val_generations``); with ``record``, every response with its ground
-    truth and the reward's extra values (``EvalResult.records``, ``write_generations``)."""
+    truth and the reward's extra values (``EvalResult.records``, ``write_generations``).
+    With a ``workflow`` (and its ``runner``) each response is an episode it plays (the
+    multi-turn tool loop), scored by its own reward or else the reward function, and the
+    metrics add ``eval/turns_mean`` and ``eval/tool_calls_mean``."""
+    if (workflow is None) != (runner is None):
+        raise ValueError("evaluate: a workflow needs its runner, and a runner its workflow")
     correct = rewards = lengths = 0.0
+    turns = tool_calls = 0.0
     per_source: dict[str, list[float]] = defaultdict(list)
     scored: list[ScoredResponse] = []
     generations: list[ValGeneration] = []
@@ -111,10 +121,18 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
         prompts = []
         for row in chunk:
             messages = [{"role": m.role, "content": m.content} for m in row.prompt]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
+            render = workflow.render_prompt if workflow is not None else None
+            ids = render(tokenizer, messages) if render is not None else \
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)
             prompts.extend([truncate_prompt(ids, max_prompt_length, truncation)] * n)
-        completions = engine.generate(prompts, params)
+        if runner is None:
+            completions = engine.generate(prompts, params)
+        else:
+            completions = [c for group in play_episodes(runner, engine, [
+                (GroupRequest(i, prompts[i * n], n, params),
+                 _episode_row(f"val/{start + i}", row, prompts[i * n]))
+                for i, row in enumerate(chunk)]) for c in group]
         items, texts = [], []
         for index, completion in enumerate(completions):
             row = chunk[index // n]
@@ -123,7 +141,12 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
                                     dict(row.extra_info)))
             texts.append(text)
             lengths += completion.token_ids.numel()
-        for index, (item, result) in enumerate(zip(items, scorer.score(items), strict=True)):
+        for completion in completions:
+            if isinstance(completion, EpisodeCompletion):
+                turns += completion.stats.turns
+                tool_calls += completion.stats.tool_calls
+        for index, (item, result) in enumerate(zip(items, _scores(scorer, items, completions),
+                                                   strict=True)):
             scored.append(ScoredResponse(data_source=item.data_source, prompt=start + index // n,
                                          values={"reward": result.score, **result.info},
                                          pred=result.pred))
@@ -142,8 +165,25 @@ def evaluate(engine: Engine, tokenizer, rows: list[PromptRow], scorer: RewardSco
             rewards += result.score
             per_source[item.data_source].append(hit)
     total = max(len(rows) * n, 1)
+    episodes = {} if runner is None else {"eval/turns_mean": turns / total,
+                                          "eval/tool_calls_mean": tool_calls / total}
     return EvalResult(accuracy=correct / total, reward_mean=rewards / total,
                       response_length_mean=lengths / total, samples=len(rows) * n,
                       by_source={s: sum(v) / len(v) for s, v in per_source.items()},
-                      verl=validation_metrics(scored),
+                      verl={**validation_metrics(scored), **episodes},
                       generations=sample_generations(generations, keep), records=records)
+
+
+def _scores(scorer: RewardScorer, items: list[RewardItem],
+            completions: Sequence[Completion]) -> list[RewardResult]:
+    """An episode's own reward where its workflow gave one, else the reward function's."""
+    own = [c.reward if isinstance(c, EpisodeCompletion) else None for c in completions]
+    scored = iter(scorer.score([item for item, r in zip(items, own, strict=True) if r is None]))
+    return [next(scored) if r is None else RewardResult(score=r) for r in own]
+
+
+def _episode_row(prompt_id: str, row: PromptRow, prompt_ids: list[int]) -> EpisodeRow:
+    return EpisodeRow(prompt_id=prompt_id,
+                      messages=[{"role": m.role, "content": m.content} for m in row.prompt],
+                      data_source=row.data_source, ground_truth=row.reward_model.ground_truth,
+                      extra_info=dict(row.extra_info), prompt_ids=prompt_ids, sample_index=0)

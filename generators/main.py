@@ -29,6 +29,7 @@ from relay.configs.rundir import RunContext, configure_logging, load_run_dir
 from relay.configs.topology_schema import GeneratorPlacement
 from relay.generators.build import build_engine
 from relay.generators.process import GeneratorLoop, NameInUse
+from relay.generators.tool_loop import configured_workflow
 
 logger = logging.getLogger("relay.generator")
 
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                                      max_num_seqs=run.rollout.max_num_seqs,
                                      max_len=run.data.max_prompt_length
                                      + run.rollout.response_length)
-    scorer = RewardScorer(run.custom_reward_function)
+    scorer = RewardScorer(run.custom_reward_function, run.sandbox)
     scorer.check_data_sources({row.data_source for row in load_prompt_rows(
         run.data.train_files, prompt_key=run.data.prompt_key)})
     loop = GeneratorLoop(generator_id=args.name, buffer_endpoint=ctx.buffer_endpoint,
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                          tokenizer=tokenizer, scorer=scorer, rollout=run.rollout,
                          data=run.data, buffer=run.buffer,
                          overlong=run.reward_model.overlong_buffer, seed=seed,
-                         keys=ctx.client_keys())
+                         keys=ctx.client_keys(), workflow=configured_workflow(run.rollout))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

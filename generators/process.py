@@ -45,7 +45,9 @@ from relay.generators.engine import Engine, FinishedGroup
 from relay.generators.leases import HeldLease, HeldLeases
 from relay.generators.sampling import SamplingParams
 from relay.generators.sender import Counters, FinishedPrompt, GroupSender, decode_all
+from relay.generators.tool_loop import ConfiguredWorkflow
 from relay.generators.weight_receiver import StagedWeights, WeightReceiver
+from relay.generators.workflow import EpisodeRow, WorkflowRunner
 from relay.transport.messages import (
     HEARTBEAT_EVERY_S,
     Attach,
@@ -73,6 +75,7 @@ REQUEST_TIMEOUT_S = 30.0
 # peers may be gone already, and the threads are daemons
 RUN_OVER_WAIT_S = 2.0
 REPORT_EVERY_S = 30.0  # how often the loop logs its throughput and batch occupancy
+EPISODES_PER_SLOT = 2  # workflow episodes alive per engine slot: those awaiting tools hold none
 _KEPT: dict[CutSide, str] = {"left": "last", "right": "first", "middle": "first and last"}
 
 
@@ -152,15 +155,26 @@ class GeneratorLoop:
     ``weights_timeout_s``, 0 meaning ``lease_timeout_s``) and ``overlong`` (DAPO's overlong
     penalty, ``reward_model.overlong_buffer``). An unexpected death of the heartbeat or
     weight-receiving thread stops the loop with ``ThreadDied`` naming it.
+
+    With a ``workflow`` (``rollout.workflow``, or the multi-turn tool loop) each sample is an
+    episode that a ``WorkflowRunner`` plays: the loop hands the episodes' turns to the engine
+    and their results back, and an episode awaiting a tool holds no engine slot, so the
+    loop leases more prompts while episodes wait (up to ``EPISODES_PER_SLOT`` episodes per
+    ``max_num_seqs`` slot) and the batch stays full.
     """
 
     def __init__(self, *, generator_id: str, buffer_endpoint: str, weights_endpoint: str,
                  weights_stream_endpoint: str, engine: Engine, tokenizer, scorer: RewardScorer,
                  rollout: RolloutConfig, data: DataConfig, buffer: BufferConfig,
                  overlong: OverlongBufferConfig, seed: int = 0,
-                 keys: ClientKeys | None = None) -> None:
+                 keys: ClientKeys | None = None,
+                 workflow: ConfiguredWorkflow | None = None) -> None:
         self.generator_id, self.buffer_endpoint = generator_id, buffer_endpoint
         self.engine, self.tokenizer = engine, tokenizer
+        self.workflow = workflow
+        self.episodes = None if workflow is None else WorkflowRunner(
+            workflow.function, tokenizer=tokenizer, response_length=rollout.response_length,
+            engine_version=lambda: engine.version, name=workflow.name)
         self.params = sampling_params(rollout)
         self.greedy_params = msgspec.structs.replace(self.params, temperature=0.0)
         self.max_num_seqs = rollout.max_num_seqs
@@ -232,6 +246,8 @@ class GeneratorLoop:
                 self._weights.stop()
                 self._detach()
             self._buffer.close()
+            if self.episodes is not None:
+                self.episodes.close()
 
     def _stopping(self, stop: threading.Event) -> bool:
         return stop.is_set() or self._heart.stop_requested.is_set()
@@ -280,6 +296,11 @@ class GeneratorLoop:
         self._lease_if_room()
         self.apply_staged_weights()
         self._start_ready_leases()
+        episodes = self.episodes
+        if episodes is not None:
+            for group in episodes.finished():
+                self._collect(group)
+            episodes.submit_turns(self.engine)
         if self.engine.in_flight:
             began = time.perf_counter()
             finished = self.engine.step(between_steps=self.apply_staged_weights)
@@ -287,8 +308,12 @@ class GeneratorLoop:
             self._occupied += self.engine.in_flight
             self._steps += 1
             for group in finished:
-                self._collect(group)
+                self.counters.tokens += sum(c.token_ids.numel() for c in group.completions)
+                if episodes is None or not episodes.take_turn(group):
+                    self._collect(group)
             self._report()
+        elif episodes is not None and episodes.live:
+            episodes.wait(0.5)  # every episode awaits a tool: until one asks for a turn
         elif self.leases.waiting:
             self._wait_for_weights()
         else:
@@ -298,12 +323,24 @@ class GeneratorLoop:
         """Ask for prompts while a whole lease's sequences fit beside the work in flight
         (any lease at all when the engine is idle), until the buffer has none to give."""
         while time.monotonic() >= self._next_lease_at and not self._heart.stop_requested.is_set():
-            free = self.max_num_seqs - self.engine.in_flight - self.leases.waiting_sequences
-            busy = self.engine.in_flight or self.leases.waiting
+            free = self.max_num_seqs - self._busy_slots() - self.leases.waiting_sequences
+            busy = self.engine.in_flight or self.leases.waiting or self._live_episodes()
             if free < self._sequences_per_prompt or (busy and free < self._lease_sequences):
                 return
             if not self._lease(max_prompts=free // self._sequences_per_prompt):
                 return
+
+    def _busy_slots(self) -> int:
+        """Engine slots taken: the sequences in flight; with a workflow, also its episodes
+        beyond what the slots can keep waiting (``EPISODES_PER_SLOT``)."""
+        if self.episodes is None:
+            return self.engine.in_flight
+        live = self.episodes.live
+        return max(live - self.episodes.off_engine,
+                   live - (EPISODES_PER_SLOT - 1) * self.max_num_seqs)
+
+    def _live_episodes(self) -> int:
+        return 0 if self.episodes is None else self.episodes.live
 
     def _lease(self, max_prompts: int) -> bool:
         """One lease request, named so that a retry after a lost reply gets the lease the
@@ -340,10 +377,13 @@ class GeneratorLoop:
         for held in list(self.leases.waiting):
             if self.engine.version >= held.lease.min_version:
                 self.leases.start(held)
-                if not self.engine.in_flight:
+                if not self.engine.in_flight and not self._live_episodes():
                     self.engine.reseed(lease_seed(self.seed, held.lease.prompts[0].prompt_id))
                 for request in held.requests(self.params, self.greedy_params):
-                    self.engine.submit(request)
+                    if self.episodes is None:
+                        self.engine.submit(request)
+                    else:
+                        self.episodes.start(request, episode_row(held, request.key[1]))
             elif now - held.leased_at > self.weights_timeout_s:
                 self.leases.forget(held)
                 self._give_back(held, f"weights version {held.lease.min_version} never arrived")
@@ -355,8 +395,7 @@ class GeneratorLoop:
             self._load(staged)
 
     def _collect(self, group: FinishedGroup) -> None:
-        """Record a finished engine group; hand its prompt on once the prompt is done."""
-        self.counters.tokens += sum(c.token_ids.numel() for c in group.completions)
+        """Record a finished group; hand its prompt on once the prompt is done."""
         done = self.leases.finish(group)
         if done is None:
             return
@@ -399,8 +438,10 @@ class GeneratorLoop:
         self._next_report_at = now + REPORT_EVERY_S
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False)
+        render = None if self.workflow is None else self.workflow.render_prompt
+        ids = render(self.tokenizer, prompt.messages) if render is not None else \
+            self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
         limit = self.max_prompt_length
         if len(ids) > limit:
             logger.warning("prompt %s has %d tokens; keeping the %s %d (data.max_prompt_length, "
@@ -449,3 +490,12 @@ class GeneratorLoop:
                        "now generating with weights version %d (%d sequences in flight)%s",
                        staged.version, self.engine.in_flight,
                        "; later versions are logged at DEBUG" if first else "")
+
+
+def episode_row(held: HeldLease, index: int) -> EpisodeRow:
+    """Prompt ``index`` of a lease as a workflow's episodes see it."""
+    prompt = held.lease.prompts[index]
+    return EpisodeRow(prompt_id=prompt.prompt_id, messages=prompt.messages,
+                      data_source=prompt.data_source, ground_truth=prompt.ground_truth,
+                      extra_info=prompt.extra_info, prompt_ids=held.prompt_ids[index],
+                      sample_index=0)

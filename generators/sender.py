@@ -18,10 +18,11 @@ import msgspec
 import torch
 
 from relay.algorithms.reward_shaping import overlong_penalty
-from relay.algorithms.rewards.result import RewardItem
+from relay.algorithms.rewards.result import RewardItem, RewardResult
 from relay.algorithms.rewards.scorer import RewardScorer
 from relay.configs.run_schema import OverlongBufferConfig
 from relay.generators.engine import Completion
+from relay.generators.workflow import EpisodeCompletion
 from relay.transport.messages import Prompt, RolloutAck, RolloutGroup, Sample
 from relay.transport.retry import patient_request
 from relay.transport.security import ClientKeys
@@ -108,18 +109,23 @@ class GroupSender:
     # -- one group ----------------------------------------------------------------------
 
     def build(self, finished: FinishedPrompt) -> RolloutGroup:
-        """Score every sample (and the greedy response) and assemble the group."""
+        """Score every sample (and the greedy response) and assemble the group. An episode
+        whose workflow gave its own reward keeps it; the reward function scores the rest."""
         prompt = finished.prompt
-        rewards = self.scorer.score([RewardItem(prompt.data_source, text, prompt.ground_truth,
-                                                prompt.extra_info) for text in finished.texts])
+        rewards = self._scores(prompt, finished.completions, finished.texts)
         prompt_tensor = torch.tensor(finished.prompt_ids, dtype=torch.int32)
         samples = []
         for c, r, text in zip(finished.completions, rewards, finished.texts, strict=True):
             reward, info = self._shaped(r.score, r.info, c)
+            episode = c if isinstance(c, EpisodeCompletion) else None
+            if episode is not None:
+                info = {**info, **episode.reward_info}
             samples.append(Sample(prompt_ids=prompt_tensor, response_ids=c.token_ids,
                                   logprobs=c.logprobs, versions=c.versions, reward=reward,
                                   finish_reason=c.finish_reason, reward_info=info,
-                                  reward_error=r.error, text=text))
+                                  reward_error=r.error, text=text,
+                                  loss_mask=None if episode is None else episode.loss_mask,
+                                  episode=None if episode is None else episode.stats))
         group = RolloutGroup(rollout_id=finished.rollout_id, lease_id=finished.lease_id,
                              prompt_id=prompt.prompt_id, generator_id=self.generator_id,
                              samples=samples, data_source=prompt.data_source,
@@ -127,6 +133,17 @@ class GroupSender:
         if finished.greedy is not None:
             group = self._with_baseline(group, prompt, finished.greedy, finished.greedy_text)
         return group
+
+    def _scores(self, prompt: Prompt, completions: Sequence[Completion],
+                texts: Sequence[str]) -> list[RewardResult]:
+        """One result per completion: the workflow's reward, else the reward function's
+        (one scorer call for all those that need it)."""
+        own = [c.reward if isinstance(c, EpisodeCompletion) else None for c in completions]
+        scored = iter(self.scorer.score([
+            RewardItem(prompt.data_source, text, prompt.ground_truth, prompt.extra_info)
+            for text, reward in zip(texts, own, strict=True) if reward is None]))
+        return [next(scored) if reward is None else RewardResult(score=reward)
+                for reward in own]
 
     def _shaped(self, score: float, info: dict[str, float],
                 completion: Completion) -> tuple[float, dict[str, float]]:

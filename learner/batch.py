@@ -2,8 +2,16 @@
 
 Each sample becomes one right-padded row ``prompt + response``. Token t's log-prob comes
 from the logits at t - 1, so per-token quantities live on the shifted grid (B, L - 1):
-entry j describes token j + 1. ``response_mask`` marks the response tokens there; behavior
+entry j describes token j + 1. ``response_mask`` marks the tokens trained on there; behavior
 log-probs and versions sit at the same positions.
+
+A multi-turn episode is one sample whose response holds the policy's turns and the tokens
+inserted between them (tool responses, the chat template's turn markers), told apart by its
+``loss_mask``. Only the policy's tokens are in ``response_mask``; an inserted token is "off
+the response" as the prompt is (mask 0, behavior log-prob 0, version -1), so every loss,
+correction, advantage and diagnostic, all of which read ``response_mask``, ignores it. It
+stays in the row, ``attention_mask`` and ``response_lengths`` (the whole response), as the
+context of the later turns: packing and attention follow those two.
 
 ``collate`` builds the batch on the host (into pinned memory when it is bound for a GPU);
 the learner's step moves it to its device once (``TrainBatch.to``), and everything after
@@ -26,12 +34,14 @@ class TrainBatch(msgspec.Struct, kw_only=True):
 
     input_ids: torch.Tensor  # (B, L) long, right-padded with pad_id
     attention_mask: torch.Tensor  # (B, L) long
-    response_mask: torch.Tensor  # (B, L-1) float: 1 where token j+1 is a response token
-    behavior_logprobs: torch.Tensor  # (B, L-1) float32, 0 off the response
-    versions: torch.Tensor  # (B, L-1) int64, -1 off the response
+    # (B, L-1) float: 1 where token j+1 is a response token the policy sampled (0 on a
+    # multi-turn episode's inserted tokens)
+    response_mask: torch.Tensor
+    behavior_logprobs: torch.Tensor  # (B, L-1) float32, 0 off the response mask
+    versions: torch.Tensor  # (B, L-1) int64, -1 off the response mask
     rewards: torch.Tensor  # (B,) float32
     group_ids: torch.Tensor  # (B,) long: samples of one prompt share an id
-    response_lengths: torch.Tensor  # (B,) long
+    response_lengths: torch.Tensor  # (B,) long: every response token, inserted ones too
     # (B,) float32: the importance weight of each row's group under prioritized replay
     # (``relay.buffer.prioritized``), multiplying every token loss of the row; 1 otherwise
     sample_weights: torch.Tensor
@@ -82,7 +92,9 @@ def collate(groups: list[RolloutGroup], pad_id: int,
     says ``device="cpu"``: this is the host side of the copy); ``group_weights`` (one per
     group, or empty for all 1) become the rows' ``sample_weights``. ``pin_memory`` (for a
     learner on a GPU): into page-locked memory, so that ``TrainBatch.to(device,
-    non_blocking=True)`` is an asynchronous copy; ignored where torch has no GPU."""
+    non_blocking=True)`` is an asynchronous copy; ignored where torch has no GPU. A
+    sample's ``loss_mask`` (when not None) becomes its row of ``response_mask`` (module
+    docstring)."""
     samples = [(g_index, s) for g_index, g in enumerate(groups) for s in g.samples]
     if not samples:
         raise ValueError("cannot train on an empty batch")
@@ -102,9 +114,16 @@ def collate(groups: list[RolloutGroup], pad_id: int,
         input_ids[row, :p] = s.prompt_ids
         input_ids[row, p:p + r] = s.response_ids
         attention[row, :p + r] = 1
-        response_mask[row, p - 1:p - 1 + r] = 1.0  # token p + i is predicted at p - 1 + i
-        behavior[row, p - 1:p - 1 + r] = s.logprobs.float()
-        versions[row, p - 1:p - 1 + r] = s.versions.long()
+        span = slice(p - 1, p - 1 + r)  # token p + i is predicted at p - 1 + i
+        if s.loss_mask is None:
+            response_mask[row, span] = 1.0
+            behavior[row, span] = s.logprobs.float()
+            versions[row, span] = s.versions.long()
+        else:
+            policy = _loss_mask(s.loss_mask, r)
+            response_mask[row, span] = policy.float()
+            behavior[row, span] = torch.where(policy, s.logprobs.float(), 0.0)
+            versions[row, span] = torch.where(policy, s.versions.long(), -1)
     return TrainBatch(
         input_ids=input_ids, attention_mask=attention, response_mask=response_mask,
         behavior_logprobs=behavior, versions=versions,
@@ -117,3 +136,13 @@ def collate(groups: list[RolloutGroup], pad_id: int,
         baseline_rewards=torch.tensor(
             [math.nan if groups[g].baseline_reward is None else groups[g].baseline_reward
              for g, _ in samples], dtype=torch.float32, **host))
+
+
+def _loss_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """A sample's ``loss_mask`` as (``length``,) bool; a mask of another shape or dtype is
+    an error (the hub refuses such samples: ``relay.buffer.validation``)."""
+    if mask.dtype != torch.bool or mask.shape != (length,):
+        raise ValueError(f"loss_mask is {str(mask.dtype).removeprefix('torch.')} "
+                         f"{tuple(mask.shape)}; it must be bool ({length},), one entry per "
+                         "response token")
+    return mask

@@ -47,7 +47,15 @@ from relay.learner.tracking import Tracker
 from relay.learner.update import Learner
 from relay.learner.weight_buckets import plan_buckets
 from relay.learner.weights import WeightServer, WeightStream, publish_weights
-from relay.transport.messages import EvalOffer, EvalReport, Metrics, RolloutGroup, SampleBatch
+from relay.transport.messages import (
+    EpisodeStats,
+    EvalOffer,
+    EvalReport,
+    Metrics,
+    RolloutGroup,
+    Sample,
+    SampleBatch,
+)
 from relay.transport.sockets import Pusher
 
 logger = logging.getLogger(__name__)
@@ -119,8 +127,33 @@ def batch_metrics(batch: SampleBatch, train: TrainBatch, version: int,
     }
     for k in range(max_staleness + 1):
         metrics[f"staleness/frac_{k}"] = float((staleness == k).float().mean())
+    if any(s.episode is not None for s in samples):
+        metrics.update(episode_metrics(samples, train))
     metrics.update(batch.buffer_stats)
     return metrics
+
+
+def episode_metrics(samples: list[Sample], train: TrainBatch) -> dict[str, float]:
+    """Multi-turn statistics of a batch (``Sample.episode``; a sample without one counts as
+    one turn without tool calls): ``rollout/turns_mean`` and ``rollout/tool_calls_mean`` per
+    sample, ``rollout/tool_failure_frac`` = failed calls / calls and
+    ``rollout/tool_latency_p95_s`` over every call of the batch (both 0 without calls), and
+    ``rollout/policy_token_frac`` = tokens the policy sampled / response tokens (the rest
+    were inserted: tool responses, the chat template's turn markers)."""
+    stats = [s.episode or EpisodeStats() for s in samples]
+    calls = sum(e.tool_calls for e in stats)
+    latencies = torch.tensor([t for e in stats for t in e.tool_latencies_s],
+                             dtype=torch.float64, device="cpu")
+    return {
+        "rollout/turns_mean": sum(e.turns for e in stats) / len(stats),
+        "rollout/tool_calls_mean": calls / len(stats),
+        "rollout/tool_failure_frac": sum(e.tool_failures for e in stats) / calls if calls
+        else 0.0,
+        "rollout/tool_latency_p95_s": float(latencies.quantile(0.95)) if latencies.numel()
+        else 0.0,
+        "rollout/policy_token_frac": float(train.response_mask.sum()
+                                           / train.response_lengths.sum().clamp(min=1)),
+    }
 
 
 def metrics_line(step: int, total: int, metrics: dict[str, float],

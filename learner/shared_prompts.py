@@ -21,11 +21,12 @@ responses, as it is across rows: the update is the same (up to float summation o
 forward of Prefix Grouper (Liu et al., 2025, arXiv:2506.05433).
 
 ``pack`` builds the packed inputs of a pass: all its groups in one sequence, and the N
-packed positions whose logits predict a response token (``PackedRows.predictors``: the
-forward computes logits there only, never over the prompts); ``PackedRows.to_grid`` puts
-per-prediction values (log-probs, entropies) back in the row layout ``(B, L - 1)``, so
-losses are computed exactly as before. ``unsupported`` says which models cannot be run
-this way.
+packed positions whose logits predict a response token under the response mask
+(``PackedRows.predictors``: the forward computes logits there only, never over the prompts
+nor over a multi-turn episode's inserted tokens, which are context only);
+``PackedRows.to_grid`` puts per-prediction values (log-probs, entropies) back in the row
+layout ``(B, L - 1)``, so losses are computed exactly as before. ``unsupported`` says which
+models cannot be run this way.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class PackedRows(msgspec.Struct, frozen=True):
     position_ids: torch.Tensor  # (1, T) long
     rows: tuple[AttentionRows, AttentionRows]  # the prompts' rows, the responses' rows
     source: torch.Tensor  # (B, L) long: the packed position of each row position
-    predictors: torch.Tensor  # (N,) long: packed positions whose logits predict a response token
+    # (N,) long: packed positions whose logits predict a token of the response mask
+    predictors: torch.Tensor
     grid_rows: torch.Tensor  # (N,) long: where each prediction sits in the (B, L - 1) grid
     grid_columns: torch.Tensor  # (N,) long
 
@@ -79,8 +81,8 @@ class PackedRows(msgspec.Struct, frozen=True):
         return batch.input_ids[self.grid_rows, self.grid_columns + 1]
 
     def to_grid(self, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-        """(N,) values per prediction -> (B, L - 1) in the row layout, zero off the responses
-        (differentiable)."""
+        """(N,) values per prediction -> (B, L - 1) in the row layout, zero off the response
+        mask (differentiable)."""
         return values.new_zeros(shape).index_put((self.grid_rows, self.grid_columns), values)
 
 
@@ -117,9 +119,9 @@ def pack(batch: TrainBatch) -> PackedRows:
     column = torch.arange(row_width, device=device)[None]  # (1, L)
     in_prompt = column < prompt[:, None]
     in_row = column < total[:, None]
-    groups, prompts, lengths, same_prompt = torch.stack(
-        [batch.group_ids, prompt, response, _shares_first_prompt(batch, prompt, in_prompt)]
-    ).tolist()  # the pass's one host read
+    groups, prompts, lengths, same_prompt, policy = torch.stack(
+        [batch.group_ids, prompt, response, _shares_first_prompt(batch, prompt, in_prompt),
+         batch.response_mask.sum(-1).long()]).tolist()  # the pass's one host read
     sequences: dict[tuple, list[int]] = {}
     for row, (group, p) in enumerate(zip(groups, prompts)):
         # a row that differs from its group's first (rare) is keyed by its own tokens
@@ -148,6 +150,9 @@ def pack(batch: TrainBatch) -> PackedRows:
     # row position p - 1 + i predicts response token i (as in relay.learner.batch.collate)
     grid_rows, within = _ranges(response, sum(lengths))
     grid_columns = prompt[grid_rows] - 1 + within
+    if sum(policy) < len(grid_rows):  # multi-turn: inserted tokens are predicted by nobody
+        grid_rows, grid_columns = _on_mask(batch.response_mask, grid_rows, grid_columns,
+                                           sum(policy))
     first_prompts = [prompts[row] for row in first_rows]
     prompt_rows = _attention_rows(source[firsts], first_query=torch.zeros_like(firsts),
                                   queries=prompt[firsts], keys=prompt[firsts],
@@ -171,6 +176,16 @@ def _shares_first_prompt(batch: TrainBatch, prompt: torch.Tensor,
     first = (batch.group_ids[:, None] == batch.group_ids[None, :]).long().argmax(-1)
     same_tokens = ((batch.input_ids == batch.input_ids[first]) | ~in_prompt).all(-1)
     return (same_tokens & (prompt == prompt[first])).long()
+
+
+def _on_mask(mask: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor,
+             count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid entries (``rows``, ``columns``) where ``mask`` (B, L - 1) is set, in their
+    order; ``count`` of them, known on the host, so no host sync (a stable sort puts them
+    first)."""
+    dropped = (mask[rows, columns] == 0).to(torch.uint8)
+    kept = dropped.argsort(stable=True)[:count]
+    return rows[kept], columns[kept]
 
 
 def _ranges(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:

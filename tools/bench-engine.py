@@ -14,7 +14,10 @@ makes the batch GRPO-like (each prompt sampled 8 times: the lean engine prefills
 ratio vllm/lean; vLLM's CPU attention needs head_dim 32 or more.
 Last, continuous batching: ``--groups`` groups whose responses end at random lengths go
 through the lean engine's slots (the largest ``--batch``), and it prints the mean number
-of sequences in flight while groups waited, against static batches.
+of sequences in flight while groups waited, against static batches. With ``--tool-sleep S``
+(default 2), two-turn episodes whose every fourth tool call sleeps S seconds go through the
+same slots: the batch's occupancy while sleeps are pending, and the wall time against an
+instant tool (a lockstep batcher would add S per batch holding a sleeper); 0 skips it.
 The measurements live in ``relay.bench_engine``.
 """
 
@@ -25,7 +28,7 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM
 
-from relay.bench_engine import compare_engines, continuous_batching
+from relay.bench_engine import compare_engines, continuous_batching, tool_episodes
 
 
 def default_model() -> str:
@@ -51,6 +54,9 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true", help="add vLLM's CPU build")
     parser.add_argument("--groups", type=int, default=64,
                         help="groups in the continuous-batching stream")
+    parser.add_argument("--tool-sleep", type=float, default=2.0,
+                        help="seconds a sleepy tool call takes in the tool-episode stream "
+                             "(0: skip it)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,6 +88,16 @@ def main() -> None:
           f"after 1-{args.new_tokens} tokens: {o.continuous:.1f} sequences in flight per "
           f"decode step while groups waited ({o.continuous_fraction:.0%} of the slots; static "
           f"batches: {o.static_fraction:.0%}), {o.tokens_per_s:,.0f} tokens/s", flush=True)
+    if args.tool_sleep > 0:
+        t = tool_episodes(model, max_num_seqs=slots, prompt_len=args.prompt_len,
+                          new_tokens=args.new_tokens, episodes=24 * slots, sleepy_every=4,
+                          sleep_s=args.tool_sleep)
+        print(f"tools never block decoding, {slots} slots, {t.episodes} two-turn episodes, "
+              f"{t.sleepy} of whose tools sleep {t.sleep_s:g} s: {t.occupancy_while_sleeping:.1f} "
+              f"sequences in flight per decode step while sleeps were pending; "
+              f"{t.sleepy_s:.2f} s against {t.instant_s:.2f} s with an instant tool "
+              f"(+{t.extra_s:.2f} s; lockstep batches would add {t.lockstep_extra_s:.0f} s)",
+              flush=True)
 
 
 def start_vllm(path: str, dtype: str, max_num_seqs: int, max_len: int):

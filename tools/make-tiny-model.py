@@ -3,11 +3,18 @@
 
     python tools/make-tiny-model.py                      # ~/.cache/relay/models/tiny-arith-r3
     python tools/make-tiny-model.py --out /tmp/tiny --seed 1 --force
+    python tools/make-tiny-model.py --variant tools      # ~/.cache/relay/models/tiny-arith-tools-r1
 
 Prints the build time, parameter count and held-out accuracy (greedy, and sampled pass@1 /
 pass@8 on configs/data/arithmetic-test.jsonl). Exits 1 if the greedy accuracy falls
 outside the 5-60% band that leaves the RL stage something to learn, 2 if --out is not a
 model directory it may replace.
+
+``--variant tools`` builds ``builtin:tiny-arith-tools``, which calls a calculator tool on
+part of its answers, and prints its tool-call rate and its held-out accuracy with the calls
+executed (relay.generators.tools' hermes parser and calculator) and without, greedy and
+sampled (configs/data/arithmetic-tools-test.jsonl); exits 1 if the sampled accuracy with
+tools falls outside the 10-50% band (RL should lift it by raising tool use).
 """
 
 from __future__ import annotations
@@ -26,14 +33,28 @@ import torch  # noqa: E402 (after the environment above)
 from tqdm import tqdm  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from relay.learner.tiny_model.build import build_tiny_model, default_model_dir  # noqa: E402
+from relay.generators.tools.calculator import reply_to  # noqa: E402
+from relay.learner.tiny_model.build import (  # noqa: E402
+    ToolBuildReport,
+    build_tiny_model,
+    build_tools_model,
+    default_model_dir,
+)
+from relay.learner.tiny_model.tool_warm_start import ToolWarmStartConfig  # noqa: E402
 from relay.learner.tiny_model.warm_start import WarmStartConfig  # noqa: E402
 
 ACCURACY_BAND = (0.05, 0.60)
+TOOLS_ACCURACY_BAND = (0.10, 0.50)
+BUILTIN_NAMES = {"arith": "tiny-arith", "tools": "tiny-arith-tools"}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.out is None:
+        args.out = default_model_dir(BUILTIN_NAMES[args.variant])
+    if args.steps is None:
+        args.steps = (ToolWarmStartConfig().optim.steps if args.variant == "tools"
+                      else WarmStartConfig.steps)
     if args.out.exists() and not args.force:
         print(f"{args.out} already exists (use --force to rebuild it)")
         return 0
@@ -46,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
 
         try:
+            if args.variant == "tools":
+                return _report_tools(build_tools_model(
+                    args.out, reply_to, seed=args.seed, overwrite=True, on_step=on_step,
+                    recipe=ToolWarmStartConfig(optim=WarmStartConfig(steps=args.steps)),
+                ))
             report = build_tiny_model(
                 args.out,
                 seed=args.seed,
@@ -72,11 +98,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _report_tools(report: ToolBuildReport) -> int:
+    heldout = report.heldout
+    print(f"built {report.path} in {report.seconds:.0f} s ({report.warm_start_steps} warm-start "
+          f"steps in {report.warm_start_seconds:.0f} s, final loss {report.final_loss:.3f})\n"
+          f"parameters: {report.params:,}\nheld-out ({heldout.problems} problems):")
+    for name, d in (("greedy", heldout.greedy), (f"sampled x{heldout.sampled.samples}, T=1",
+                                                   heldout.sampled)):
+        print(f"  {name}: tool-call rate {d.tool_call_rate:.1%}, accuracy with tools "
+              f"{d.accuracy:.1%} (when called {d.accuracy_when_called:.1%}), without tools "
+              f"{d.accuracy_without_tools:.1%}")
+    low, high = TOOLS_ACCURACY_BAND
+    if not low <= heldout.sampled.accuracy <= high:
+        print(f"sampled accuracy with tools outside the {low:.0%}-{high:.0%} band",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=default_model_dir(), help="model directory")
+    parser.add_argument("--variant", choices=sorted(BUILTIN_NAMES), default="arith",
+                        help="arith: builtin:tiny-arith; tools: builtin:tiny-arith-tools")
+    parser.add_argument("--out", type=Path, help="model directory (default: the launcher's "
+                                                 "cache of the variant)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=WarmStartConfig.steps, help="warm-start steps")
+    parser.add_argument("--steps", type=int, help="warm-start steps (default: the recipe's)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--force", action="store_true", help="rebuild an existing --out")
     return parser

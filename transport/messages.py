@@ -177,12 +177,32 @@ class LeaseReturn(Message):
 # ---------------------------------------------------------------------------------------
 
 
+class EpisodeStats(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True,
+                   gc=False):
+    """What one multi-turn episode did: its assistant turns, its tool calls (failed and
+    malformed ones included, ``tool_failures`` of them) and each call's wall time."""
+
+    turns: int = 1
+    tool_calls: int = 0
+    tool_failures: int = 0
+    tool_latencies_s: list[float] = []
+
+
 class Sample(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True, gc=False):
     """One completion of a prompt, with what the learner needs to train on it.
 
     Shapes: ``prompt_ids`` (P,) int32; ``response_ids``, ``logprobs`` (behavior log-probs
     of the sampled tokens under the processed sampling distribution) and ``versions``
     (policy version that produced each token) are (R,), int32 / float32 / int32.
+
+    A multi-turn episode is one sample: ``response_ids`` is everything after the prompt,
+    the policy's turns and the tokens inserted between them (tool responses, the chat
+    template's turn markers). ``loss_mask`` (R,) bool is True on the tokens the policy
+    sampled, False on inserted ones (None: every token was sampled). On an inserted token
+    ``logprobs`` is 0 and ``versions`` the engine's version when it was inserted (so the
+    oldest version of a sample is still its oldest policy token's or older); the learner
+    trains on the masked tokens only. ``episode`` says what the episode did (None for a
+    single-turn sample).
     """
 
     prompt_ids: torch.Tensor
@@ -194,6 +214,8 @@ class Sample(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True, 
     reward_info: dict[str, float] = {}
     reward_error: str = ""  # why the reward function failed (reward is then 0)
     text: str = ""  # decoded response, for logs and offline inspection
+    loss_mask: torch.Tensor | None = None
+    episode: EpisodeStats | None = None
 
 
 class RolloutGroup(Message):

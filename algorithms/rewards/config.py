@@ -14,9 +14,13 @@ from typing import Annotated, get_args
 import msgspec
 
 from relay.algorithms.rewards import gsm8k
+from relay.algorithms.rewards.code import CodeRewardConfig, SandboxHandle
 from relay.algorithms.rewards.custom import load_score_fn
 from relay.algorithms.rewards.registry import default_compute_score
 from relay.algorithms.rewards.result import ScoreFn
+from relay.algorithms.sandbox import SandboxSettings
+
+CODE_BUDGET_SHARE = 0.8  # of timeout_s, for a code sample's tests; the rest is the margin
 
 
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -44,6 +48,10 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
       run in the worker.
     - ``gsm8k_method`` / ``gsm8k_format_score`` (*Relay* keys for verl's GSM8K options,
       ``gsm8k``).
+    - ``code`` (*Relay*): how the code sources' tests run (``code.CodeRewardConfig``: partial
+      credit, per-test limits, how many tests). A code sample's tests share
+      ``CODE_BUDGET_SHARE`` of ``timeout_s``, so they end, scored, before the worker's limit
+      would kill it: raise ``timeout_s`` for problems with many or slow tests.
     """
 
     path: str = ""
@@ -55,6 +63,7 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     in_process_builtins: bool = True
     gsm8k_method: gsm8k.Method = "strict"
     gsm8k_format_score: float = 0.0
+    code: CodeRewardConfig = msgspec.field(default_factory=CodeRewardConfig)
 
     def __post_init__(self) -> None:
         # Decoding checks these against the annotations first; this guards direct construction.
@@ -80,12 +89,16 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         return f"{self.path}:{self.name}" if self.path else ""
 
 
-def build_score_fn(config: RewardConfig) -> ScoreFn:
-    """The function the config selects: the custom one, or the built-in dispatcher."""
+def build_score_fn(config: RewardConfig, sandbox: SandboxSettings | None = None) -> ScoreFn:
+    """The function the config selects: the custom one, or the built-in dispatcher, with a
+    sandbox of its own made from ``sandbox`` when the first code sample comes."""
     if config.custom_function:
         return load_score_fn(config.custom_function)
     return functools.partial(
         default_compute_score,
         gsm8k_method=config.gsm8k_method,
         gsm8k_format_score=config.gsm8k_format_score,
+        code=config.code,
+        sandbox=SandboxHandle(sandbox),
+        budget_s=CODE_BUDGET_SHARE * config.timeout_s,
     )

@@ -5,20 +5,30 @@ extra_info)``, so a custom reward function can fall back to it for the sources i
 handle, as verl users do with ``verl.utils.reward_score.default_compute_score``.
 
 This module knows names and routing; each rule lives in its own module (``arithmetic``,
-``gsm8k``, ``boxed_math``). It knows nothing of processes or time limits (``scorer``).
+``gsm8k``, ``boxed_math``, ``code``). It knows nothing of processes or time limits
+(``scorer``); the code rules are handed their sandbox and time budget.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 from collections.abc import Iterable
 from typing import Any, Literal
 
 from relay.algorithms.rewards import arithmetic, boxed_math, gsm8k
+from relay.algorithms.rewards.code import (
+    CodeRewardConfig,
+    SandboxHandle,
+    score_code,
+    score_humaneval,
+)
 
-Family = Literal["arithmetic", "gsm8k", "math"]
+Family = Literal["arithmetic", "gsm8k", "math", "code", "humaneval"]
 
 _EXACT: dict[str, Family] = {
     "relay/arithmetic": "arithmetic",
+    "relay/arithmetic-tools": "arithmetic",  # the same <answer>N</answer> rule, after a tool call
     "openai/gsm8k": "gsm8k",
     "gsm8k": "gsm8k",
     # verl's MATH sources (verl/utils/reward_score/__init__.py) and common MATH sets
@@ -33,6 +43,19 @@ _EXACT: dict[str, Family] = {
     "numina_synthetic_amc": "math",
     "numina_cn_k12": "math",
     "numina_olympiads": "math",
+    # tests run in the sandbox: verl's default_compute_score names (prime_code's scorer),
+    # PRIME's and DeepCoder's sources
+    "codecontests": "code",
+    "apps": "code",
+    "taco": "code",
+    "codeforces": "code",
+    "prime_code": "code",
+    "primeintellect": "code",
+    "livecodebench": "code",
+    # a check(candidate) program (OpenAI's HumanEval form)
+    "humaneval": "humaneval",
+    "openai_humaneval": "humaneval",
+    "openai/openai_humaneval": "humaneval",
 }
 _PREFIXES: dict[str, Family] = {"aime": "math"}  # verl: data_source.startswith("aime")
 
@@ -99,11 +122,20 @@ def default_compute_score(
     *,
     gsm8k_method: gsm8k.Method = "strict",
     gsm8k_format_score: float = 0.0,
+    code: CodeRewardConfig | None = None,
+    sandbox: SandboxHandle | None = None,
+    budget_s: float | None = None,
 ) -> dict[str, float]:
     """Score one completion with the built-in rule for its data_source.
 
-    Returns ``{"score", "format_ok"}``; ``extra_info`` is accepted for verl's signature and
-    unused by the built-in rules. Raises ``UnknownDataSourceError`` for an unknown source.
+    Returns ``{"score", ...}`` (the rule's other entries: ``format_ok``; for code the counts
+    and failure kinds of ``code.CodeVerdict.as_reward``); ``extra_info`` is accepted for
+    verl's signature and unused by the built-in rules. Code sources run in ``sandbox``
+    (default: this process's shared one, local with default settings) under ``code``'s
+    limits, as many at once as the sandbox runs, all of a sample's tests within
+    ``budget_s`` seconds (None: no overall limit).
+    Raises ``UnknownDataSourceError`` for an unknown source; a code source raises
+    ``code.SandboxFailure`` or ``code_tests.BadGroundTruth`` when the sample cannot be judged.
     """
     family = family_of(data_source)
     if family == "arithmetic":
@@ -114,4 +146,23 @@ def default_compute_score(
         )
     if family == "math":
         return boxed_math.compute_score(solution_str, ground_truth)
+    if family in ("code", "humaneval"):
+        handle = sandbox if sandbox is not None else _shared_sandbox()
+        config = code if code is not None else CodeRewardConfig()
+        if family == "code":
+            verdict = score_code(handle.get(), solution_str, ground_truth, config, budget_s,
+                                 handle.limits, parallel=handle.concurrency)
+        else:
+            verdict = score_humaneval(handle.get(), solution_str, ground_truth, config,
+                                      budget_s, handle.limits)
+        return verdict.as_reward()
     raise _unknown([data_source])
+
+
+@functools.cache
+def _shared_sandbox() -> SandboxHandle:
+    """The sandbox of code rewards scored without one (a custom function falling back to
+    ``default_compute_score``): one per process, default settings, closed at exit."""
+    handle = SandboxHandle()
+    atexit.register(handle.close)
+    return handle

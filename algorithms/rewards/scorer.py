@@ -42,6 +42,7 @@ from relay.algorithms.rewards.config import RewardConfig, build_score_fn
 from relay.algorithms.rewards.registry import check_data_sources, runs_in_process
 from relay.algorithms.rewards.result import RewardItem, RewardResult, evaluate
 from relay.algorithms.rewards.worker import RewardWorker
+from relay.algorithms.sandbox import SandboxSettings
 
 logger = logging.getLogger(__name__)
 
@@ -77,17 +78,22 @@ class FailureAlarm:
 class RewardScorer:
     """Scores lists of ``RewardItem``; one ``RewardResult`` per item, in the same order.
 
-    Thread-safe (calls are serialized). Close it, or use it as a context manager, to stop
-    the worker process; a custom function's worker is started (and the function loaded)
-    here, so a bad ``path`` or ``name`` raises ``RewardLoadError`` at construction.
+    Thread-safe (calls are serialized). ``sandbox``: where the worker runs the code sources'
+    programs (the run's ``sandbox`` section; default: a local pool with default settings),
+    one sandbox per worker process, started by its first code sample. Close the scorer, or
+    use it as a context manager, to stop the worker process (and its sandbox); a custom
+    function's worker is started (and the function loaded) here, so a bad ``path`` or
+    ``name`` raises ``RewardLoadError`` at construction.
     """
 
-    def __init__(self, config: RewardConfig | None = None) -> None:
+    def __init__(self, config: RewardConfig | None = None,
+                 sandbox: SandboxSettings | None = None) -> None:
         self.config = config if config is not None else RewardConfig()
         self._custom = bool(self.config.custom_function)
         # The built-in dispatcher, for the in-process route (None: everything goes remote).
+        # Code rules never run in process, so its sandbox is never started.
         self._local = None if self._custom else build_score_fn(self.config)
-        self._worker = RewardWorker(self.config)
+        self._worker = RewardWorker(self.config, sandbox)
         self._lock = threading.Lock()
         self._closed = False
         self._alarm = FailureAlarm()

@@ -5,7 +5,7 @@ Both ends of its socket live here. The caller holds a ``RewardWorker`` and calls
 
 Protocol (msgpack via msgspec, never pickle), length-prefixed frames on a socket pair::
 
-    caller -> worker   RewardConfig                  once, at start
+    caller -> worker   _Start(config, sandbox)       once, at start
     worker -> caller   _Ready(error)                 once, after loading the function
     caller -> worker   _Job(job_id, items)           a whole group in one frame
     worker -> caller   _Reply(job_id, index, result) one per item, in order, as each ends
@@ -62,6 +62,7 @@ from relay.algorithms.rewards.memory_cap import KEY as MEMORY_KEY
 from relay.algorithms.rewards.memory_cap import apply_memory_cap, is_out_of_memory, over_cap
 from relay.algorithms.rewards.registry import preload_builtins
 from relay.algorithms.rewards.result import RewardItem, RewardResult, failure
+from relay.algorithms.sandbox import SandboxSettings
 from relay.algorithms.user_code import describe
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -74,6 +75,11 @@ REPORT_GRACE_S = 1.0  # an async function's worker reports its own timeouts; the
 
 class RewardWorkerError(RuntimeError):
     """The reward worker could not be started (not a per-sample failure)."""
+
+
+class _Start(msgspec.Struct, array_like=True):
+    config: RewardConfig
+    sandbox: SandboxSettings  # where the code rewards' programs run
 
 
 class _Ready(msgspec.Struct, array_like=True):
@@ -146,11 +152,12 @@ def serve(fd: int, parent_pid: int) -> None:
     """Worker entry point: cap memory, load the reward function, then score jobs until EOF."""
     _exit_with_parent(parent_pid)
     conn = Connection(fd)
-    config = msgspec.msgpack.decode(conn.recv_bytes(), type=RewardConfig)
+    start = msgspec.msgpack.decode(conn.recv_bytes(), type=_Start)
+    config = start.config
     apply_memory_cap(config.worker_memory_gb)
     watch = _MemoryWatch(config.worker_memory_gb)
     try:
-        score_fn = build_score_fn(config)
+        score_fn = build_score_fn(config, start.sandbox)
     except RewardLoadError as exc:
         error = str(exc)
         if config.worker_memory_gb > 0 and exc.__cause__ is not None \
@@ -215,8 +222,9 @@ class RewardWorker:
     Not thread-safe; ``RewardScorer`` serializes calls.
     """
 
-    def __init__(self, config: RewardConfig) -> None:
+    def __init__(self, config: RewardConfig, sandbox: SandboxSettings | None = None) -> None:
         self._config = config
+        self._sandbox = sandbox if sandbox is not None else SandboxSettings()
         self._process: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         # Kills the worker if this handle is dropped unclosed, or at interpreter exit.
@@ -254,7 +262,7 @@ class RewardWorker:
         assert self._conn is not None
         limit = self._config.startup_timeout_s
         try:
-            self._conn.send_bytes(_encoder.encode(self._config))
+            self._conn.send_bytes(_encoder.encode(_Start(self._config, self._sandbox)))
             if not self._conn.poll(limit):
                 self.stop()
                 raise RewardWorkerError(

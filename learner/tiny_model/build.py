@@ -9,6 +9,11 @@ The same seed gives bit-identical weights on the same machine and torch build: t
 tokenizer does not depend on the seed, the init is seeded, and the warm start draws its
 data from the seeded stream. The directory is assembled under a temporary name and renamed
 into place, so a crashed build never leaves a half-written model behind.
+
+``build_tools_model`` builds the tool-using variant (``builtin:tiny-arith-tools``) the same
+way: the same architecture, its own tokenizer (``tokenizer.build_tools_tokenizer``) and
+warm start (``tool_warm_start``), measured with its tool calls executed
+(``tool_evaluate``) on ``configs/data/arithmetic-tools-test.jsonl``.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,10 +30,17 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from relay.configs import CONFIG_DIR
 from relay.configs.prompt_data import load_prompt_rows
 from relay.learner.tiny_model.evaluate import evaluate_model_dir
-from relay.learner.tiny_model.tokenizer import build_tokenizer
+from relay.learner.tiny_model.tokenizer import build_tokenizer, build_tools_tokenizer
+from relay.learner.tiny_model.tool_evaluate import (
+    ToolModelAccuracy,
+    ToolRunner,
+    evaluate_tool_model_dir,
+)
+from relay.learner.tiny_model.tool_warm_start import ToolWarmStartConfig, tool_warm_start
 from relay.learner.tiny_model.warm_start import StepCallback, WarmStartConfig, warm_start
 
 TEST_FILE = CONFIG_DIR / "data" / "arithmetic-test.jsonl"
+TOOLS_TEST_FILE = CONFIG_DIR / "data" / "arithmetic-tools-test.jsonl"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,18 +82,41 @@ class BuildReport:
     pass_at_k: float
 
 
+@dataclass(frozen=True)
+class ToolBuildReport:
+    """What ``build_tools_model`` made and how it does on the held-out problems, tools run."""
+
+    path: Path
+    params: int
+    seconds: float  # whole build: tokenizer, warm start, save and evaluation
+    warm_start_steps: int
+    warm_start_seconds: float
+    final_loss: float  # mean response-token loss over the last warm-start steps
+    heldout: ToolModelAccuracy
+
+
 RECIPE_VERSION = 3
 """Bump whenever the tokenizer, architecture or warm start changes: it names the cache."""
+TOOLS_RECIPE_VERSION = 1
+"""The same for the tool-using variant."""
+BUILTIN_RECIPES: dict[str, int] = {"tiny-arith": RECIPE_VERSION,
+                                   "tiny-arith-tools": TOOLS_RECIPE_VERSION}
+"""Each ``builtin:`` model's name and recipe version (``relay.configs.checks.BUILTIN_MODELS``
+lists the same names)."""
 
 
-def default_model_dir() -> Path:
-    """Where the launcher caches the built model: ``$XDG_CACHE_HOME/relay/models/tiny-arith-r3``.
+def default_model_dir(name: str = "tiny-arith") -> Path:
+    """Where the launcher caches the built model ``name``:
+    ``$XDG_CACHE_HOME/relay/models/tiny-arith-r3`` (``tiny-arith-tools-r1``).
 
     The recipe version is part of the name, so a cache built by an older recipe is never
-    mistaken for the current model.
+    mistaken for the current model. Raises ``ValueError`` for a name not in
+    ``BUILTIN_RECIPES``.
     """
+    if name not in BUILTIN_RECIPES:
+        raise ValueError(f"unknown built-in model {name!r}; known: {', '.join(BUILTIN_RECIPES)}")
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "relay" / "models" / f"tiny-arith-r{RECIPE_VERSION}"
+    return Path(cache) / "relay" / "models" / f"{name}-r{BUILTIN_RECIPES[name]}"
 
 
 def build_tiny_model(
@@ -114,16 +149,7 @@ def build_tiny_model(
     trained = warm_start(
         model, tokenizer, WarmStartConfig(steps=warm_start_steps, seed=seed), on_step=on_step
     )
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
-
-    partial = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial, save_jinja_files=False)  # template in tokenizer_config.json
-    shutil.rmtree(out_dir, ignore_errors=True)
-    partial.rename(out_dir)
+    _save(model, tokenizer, out_dir)
 
     measured = evaluate_model_dir(out_dir, rows, k=eval_k, seed=seed)
     return BuildReport(
@@ -139,6 +165,58 @@ def build_tiny_model(
         pass_at_1=measured.pass_at_1,
         pass_at_k=measured.pass_at_k,
     )
+
+
+def build_tools_model(
+    out_dir: str | os.PathLike[str],
+    run_tool: ToolRunner,
+    seed: int = 0,
+    *,
+    recipe: ToolWarmStartConfig = ToolWarmStartConfig(),
+    spec: ModelSpec = ModelSpec(),
+    eval_limit: int | None = None,
+    eval_k: int = 8,
+    overwrite: bool = False,
+    on_step: StepCallback | None = None,
+) -> ToolBuildReport:
+    """Build, save and measure the tool-using variant in ``out_dir``; ``run_tool`` runs the
+    calculator in the measurement (``tool_evaluate``). ``recipe.optim.seed`` is replaced by
+    ``seed``; the rest as ``build_tiny_model``."""
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    _check_replaceable(out_dir, overwrite)
+    rows = load_prompt_rows(TOOLS_TEST_FILE)[:eval_limit]
+
+    tokenizer = build_tools_tokenizer()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(_llama_config(spec, tokenizer))
+    recipe = replace(recipe, optim=replace(recipe.optim, seed=seed))
+    trained = tool_warm_start(model, tokenizer, recipe, on_step=on_step)
+    _save(model, tokenizer, out_dir)
+
+    heldout = evaluate_tool_model_dir(out_dir, rows, run_tool, k=eval_k, seed=seed)
+    return ToolBuildReport(
+        path=out_dir,
+        params=sum(p.numel() for p in model.parameters()),
+        seconds=time.perf_counter() - started,
+        warm_start_steps=trained.steps,
+        warm_start_seconds=trained.seconds,
+        final_loss=trained.final_loss,
+        heldout=heldout,
+    )
+
+
+def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
+    """Save with eos/pad in the generation config, under a temporary name renamed into place."""
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial, save_jinja_files=False)  # template in tokenizer_config.json
+    shutil.rmtree(out_dir, ignore_errors=True)
+    partial.rename(out_dir)
 
 
 def _check_replaceable(out_dir: Path, overwrite: bool) -> None:

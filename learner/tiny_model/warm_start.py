@@ -91,18 +91,33 @@ def warm_start(
     on_step: StepCallback | None = None,
 ) -> WarmStartResult:
     """Train ``model`` in place on the arithmetic task and return a summary."""
+    problems = arithmetic.iter_problems(config.seed, "train")
+    styles = random.Random(f"answer-styles/{config.seed}")
+
+    def next_batch() -> Batch:
+        chosen = _take(problems, config.batch_size)
+        return encode_batch(tokenizer, chosen, [_draw_style(styles, p) for p in chosen])
+
+    return train_steps(model, next_batch, config, on_step)
+
+
+def train_steps(
+    model: PreTrainedModel,
+    next_batch: Callable[[], Batch],
+    config: WarmStartConfig,
+    on_step: StepCallback | None = None,
+) -> WarmStartResult:
+    """``config.steps`` AdamW steps of ``model`` (in place) on the cross-entropy of the
+    labelled tokens of ``next_batch()``, with the recipe's schedule; any task's warm start."""
     started = time.perf_counter()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
-    problems = arithmetic.iter_problems(config.seed, "train")
-    styles = random.Random(f"answer-styles/{config.seed}")
     model.train()
     losses: list[float] = []
     for step in range(1, config.steps + 1):
-        chosen = _take(problems, config.batch_size)
-        batch = encode_batch(tokenizer, chosen, [_draw_style(styles, p) for p in chosen])
+        batch = next_batch()
         # Right padding needs no attention mask: causal attention never looks ahead to pads.
         loss = model(input_ids=batch.input_ids, labels=batch.labels).loss
         loss.backward()

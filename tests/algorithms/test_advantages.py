@@ -13,6 +13,7 @@ from relay.algorithms.advantages import (
     compute_advantages,
     gae_advantages,
     grpo_advantages,
+    masked_whiten,
     sequence_scores,
     token_level_rewards,
 )
@@ -165,6 +166,62 @@ def test_reinforce_plus_plus_discounted_returns_whitened() -> None:
     sd = math.sqrt(0.492 + 1e-8)
     expected = torch.tensor([[-0.68 / sd, -0.48 / sd, 0.12 / sd], [-0.08 / sd, 1.12 / sd, 0.0]])
     torch.testing.assert_close(adv, expected)
+
+
+def verl_reinforce_plus_plus(inputs: AdvantageInputs, gamma: float) -> torch.Tensor:
+    """verl's REINFORCE++ recursion (the running return reset at every masked position),
+    then the batch whitening: what Relay computed before it skipped masked positions."""
+    rewards = token_level_rewards(inputs)
+    mask = inputs.response_mask.to(torch.float64)
+    returns, running = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[-1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    return masked_whiten(returns, inputs.trained_mask.to(torch.float64)).float()
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_plus_plus_on_contiguous_responses_is_verls_bit_for_bit(gamma: float) -> None:
+    """Single-turn responses (prompt offset, then a contiguous response, then padding): the
+    returns that skip masked positions are exactly verl's, which reset there."""
+    generator = torch.Generator().manual_seed(0)
+    starts, lengths = torch.randint(0, 4, (16,), generator=generator), \
+        torch.randint(1, 9, (16,), generator=generator)
+    column = torch.arange(12)[None]
+    mask = ((column >= starts[:, None]) & (column < (starts + lengths)[:, None])).float()
+    inputs = AdvantageInputs(rewards=torch.randn(16, generator=generator),
+                             group_ids=torch.arange(16) // 4, response_mask=mask,
+                             token_rewards=torch.randn(16, 12, generator=generator) * mask,
+                             kept_mask=(torch.rand(16, 12, generator=generator) > 0.2).float())
+    ours = estimate("reinforce_plus_plus", inputs, gamma=gamma)
+    assert torch.equal(ours, verl_reinforce_plus_plus(inputs, gamma))
+
+
+def test_reinforce_plus_plus_carries_a_later_turns_return_across_inserted_tokens() -> None:
+    """A two-turn episode: policy tokens at t0, t1, a tool response at t2, t3 (off the mask),
+    policy tokens at t4, t5, outcome 1 on t5, gamma 0.5. The return steps from t4 to t1 as
+    if the tool tokens were not there: returns 1, 0.5, (0, 0), 0.25, 0.125 reversed; verl's
+    reset would leave turn 1 with nothing."""
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    inputs = AdvantageInputs(rewards=torch.tensor([1.0, 0.0]), group_ids=torch.tensor([0, 1]),
+                             response_mask=mask)
+    adv = estimate("reinforce_plus_plus", inputs, gamma=0.5)
+    returns = torch.tensor([[0.125, 0.25, 0.0, 0.0, 0.5, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]],
+                           dtype=torch.float64)
+    torch.testing.assert_close(adv, masked_whiten(returns, mask.double()).float())
+    assert (adv[0, :2] > adv[1, :2]).all() and adv[0, 2:4].eq(0).all()
+    reset = verl_reinforce_plus_plus(inputs, 0.5)
+    assert (reset[0, :2] == reset[1, :2]).all(), "verl's reset: turn 1 as if unrewarded"
+
+
+def test_the_outcome_sits_on_the_last_policy_token_of_a_multi_turn_episode() -> None:
+    """An episode that ends on inserted tokens (a tool response after the last turn): the
+    outcome reward goes to the last token the policy sampled."""
+    inputs = AdvantageInputs(rewards=torch.tensor([2.0]), group_ids=torch.tensor([0]),
+                             response_mask=torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0, 0.0]]))
+    torch.testing.assert_close(token_level_rewards(inputs), torch.tensor(
+        [[0.0, 0.0, 0.0, 2.0, 0.0, 0.0]], dtype=torch.float64))
 
 
 def test_remax_returns_minus_greedy_baseline() -> None:

@@ -73,11 +73,12 @@ def test_a_message_the_hub_does_not_take_is_a_schema_error(message: Any) -> None
 
 
 def test_a_group_with_more_tensors_than_rollout_n_samples_hold_is_refused() -> None:
-    assert buffer_main.TENSORS_PER_SAMPLE == 4
-    assert decoder(n=2).max_tensors == 8
+    assert buffer_main.TENSORS_PER_SAMPLE == 5  # prompt, response, log-probs, versions, mask
+    assert decoder(n=2).max_tensors == 10
     with pytest.raises(WireError) as info:
-        decoder(n=2).decode(wire(group(3)))
-    assert (info.value.kind, info.value.detail) == ("tensor", "more than 8 tensors in one message")
+        decoder(n=3).decode(wire(group(4)))
+    assert (info.value.kind, info.value.detail) == ("tensor",
+                                                    "more than 15 tensors in one message")
 
 
 @pytest.mark.parametrize("untyped", [{"metadata": {"t": torch.ones(1)}},
@@ -225,3 +226,11 @@ def test_the_live_buffer_refuses_the_issues_tensor_bomb_and_non_requests_at_once
     assert isinstance(bomb_reply, ErrorReply) and bomb_reply.code == "tensor", bomb_reply
     assert isinstance(metrics_reply, ErrorReply) and metrics_reply.code == "schema"
     assert live_buffer.grown_mib() < 64  # the 15 MB frame itself, not a tensor per byte
+
+
+def test_a_group_of_multi_turn_samples_with_loss_masks_fits() -> None:
+    samples = [msgspec.structs.replace(s, loss_mask=torch.ones(s.response_ids.numel(),
+                                                               dtype=torch.bool))
+               for s in group(8).samples]
+    decoded = decoder(n=8).decode(wire(msgspec.structs.replace(group(8), samples=samples)))
+    assert all(s.loss_mask is not None for s in decoded.samples)

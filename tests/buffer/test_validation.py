@@ -15,7 +15,7 @@ import torch
 
 from relay.buffer.hub import Hub
 from relay.buffer.main import vocab_size
-from relay.buffer.rollout_log import RolloutLogWriter
+from relay.buffer.rollout_log import RolloutLogWriter, read_rollout_log
 from relay.configs.run_schema import BufferConfig, DataConfig, ModelConfig, RunConfig
 from relay.transport.messages import (
     Ack,
@@ -91,6 +91,18 @@ BAD_GROUPS = {
         "reward_info acc not finite"),
     "a version from the future": (field("versions", lambda t: torch.full_like(t, 5)),
                                   "but the learner is at version 0"),
+    "a float loss mask": (
+        field("loss_mask", lambda _: torch.ones(3)),
+        "loss_mask is float32 (3,); it must be bool (3,), one entry per response token"),
+    "a loss mask of another length": (
+        field("loss_mask", lambda _: torch.ones(2, dtype=torch.bool)),
+        "loss_mask is bool (2,); it must be bool (3,)"),
+    "a loss mask without a policy token": (
+        field("loss_mask", lambda _: torch.zeros(3, dtype=torch.bool)),
+        "loss_mask has no True entry"),
+    "a log-prob on an inserted token": (
+        field("loss_mask", lambda _: torch.tensor([True, False, True])),
+        "log-prob -0.5 at response token 1 where loss_mask is False"),
     "a sample too many": (lambda g: msgspec.structs.replace(g, samples=[*g.samples,
                                                                         g.samples[0]]),
                           "3 samples, the lease asked for 2"),
@@ -114,6 +126,30 @@ def test_a_bad_group_is_refused_whole_and_its_prompt_is_leased_again(
     assert all(a.accepted for a in answer(hub, granted)[1:] + answer(hub, again))
     assert len(hub.handle(SampleRequest(num_groups=2)).groups) == 2
     assert hub.accounting_problems() == []
+
+
+def multi_turn(sample: Sample) -> Sample:
+    """``sample`` as a two-turn episode: response token 1 inserted (a tool response), with
+    log-prob 0 and a real version."""
+    return msgspec.structs.replace(sample, loss_mask=torch.tensor([True, False, True]),
+                                   logprobs=torch.tensor([-0.5, 0.0, -0.5]))
+
+
+def test_a_sound_multi_turn_sample_is_stored_logged_and_served_with_its_mask(
+        make_hub, tmp_path: Path) -> None:
+    log = RolloutLogWriter(tmp_path)
+    hub: Hub = make_hub(batch_size=2, n=2, per_lease=2, log=log)
+    granted = lease(hub)
+    for prompt in granted.prompts:
+        assert hub.handle(first_sample(multi_turn)(
+            make_group(granted.lease_id, prompt, granted.n))).accepted
+    log.close()
+    logged = [g.samples[0].loss_mask for g in read_rollout_log(tmp_path)]
+    assert [m.tolist() for m in logged] == [[True, False, True]] * 2
+    batch = hub.handle(SampleRequest(num_groups=2))
+    masks = [g.samples[0].loss_mask for g in batch.groups]
+    assert all(m is not None and m.tolist() == [True, False, True] for m in masks)
+    assert all(g.samples[1].loss_mask is None for g in batch.groups)
 
 
 def test_the_largest_float32_reward_is_trained_on_as_itself(make_hub) -> None:

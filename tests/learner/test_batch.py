@@ -52,3 +52,43 @@ def test_group_weights_become_per_row_sample_weights() -> None:
     assert weighted.select(torch.tensor([1, 2])).sample_weights.tolist() == [0.25, 1.0]
     with pytest.raises(ValueError, match="1 group weights for 2 groups"):
         collate(groups, pad_id=0, group_weights=[0.5])
+
+
+def test_a_loss_mask_keeps_inserted_tokens_in_the_row_but_off_the_response_mask() -> None:
+    """A two-turn episode: policy tokens 8, 9, inserted 30, 31, policy token 10. The inserted
+    tokens stay in the row (context of turn 2) and in ``response_lengths``; on the grid they
+    are off the response: mask 0, behavior log-prob 0, version -1 (whatever the sample says
+    there)."""
+    episode = sample([5, 6], [8, 9, 30, 31, 10], version=1)
+    episode.versions[4] = 2  # turn 2 after a weight swap
+    episode.loss_mask = torch.tensor([True, True, False, False, True])
+    groups = [RolloutGroup(rollout_id="a", lease_id="l", prompt_id="p", generator_id="g",
+                           samples=[episode, sample([5, 6], [8])])]
+    batch = collate(groups, pad_id=0)
+    assert batch.input_ids[0].tolist() == [5, 6, 8, 9, 30, 31, 10]
+    assert batch.attention_mask[0].tolist() == [1] * 7
+    assert batch.response_lengths.tolist() == [5, 1]
+    assert batch.response_mask.tolist() == [[0, 1, 1, 0, 0, 1], [0, 1, 0, 0, 0, 0]]
+    torch.testing.assert_close(batch.behavior_logprobs[0],
+                               torch.tensor([0.0, -0.1, -0.2, 0.0, 0.0, -0.5]))
+    assert batch.versions[0].tolist() == [-1, 1, 1, -1, -1, 2]
+    # an all-True mask is the single-turn sample
+    everything = sample([5, 6], [8, 9, 30, 31, 10])
+    plain = collate([RolloutGroup(rollout_id="b", lease_id="l", prompt_id="p",
+                                  generator_id="g", samples=[everything])], pad_id=0)
+    everything.loss_mask = torch.ones(5, dtype=torch.bool)
+    masked = collate([RolloutGroup(rollout_id="b", lease_id="l", prompt_id="p",
+                                   generator_id="g", samples=[everything])], pad_id=0)
+    for name in masked.__struct_fields__:
+        torch.testing.assert_close(getattr(masked, name), getattr(plain, name), rtol=0,
+                                   atol=0, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("mask", [torch.ones(3, dtype=torch.bool), torch.ones(2)])
+def test_a_loss_mask_of_the_wrong_shape_or_dtype_is_refused(mask: torch.Tensor) -> None:
+    bad = sample([1], [2, 3])
+    bad.loss_mask = mask
+    groups = [RolloutGroup(rollout_id="a", lease_id="l", prompt_id="p", generator_id="g",
+                           samples=[bad])]
+    with pytest.raises(ValueError, match=r"loss_mask is .*it must be bool \(2,\)"):
+        collate(groups, pad_id=0)

@@ -313,6 +313,23 @@ def test_packing_a_pass_with_shared_prompts_stays_on_the_device_of_the_batch(
     assert_same(labels, expected.labels(part))
 
 
+def test_packing_a_multi_turn_pass_stays_on_the_device_and_reads_the_host_once(
+        batch: TrainBatch) -> None:
+    """A pass whose responses have inserted tokens (response mask 0 inside the response, as
+    a multi-turn episode's ``loss_mask`` makes it): the predictions left out of ``pack`` are
+    picked on CUDA, with the pass's one host read."""
+    part = batch.select(torch.arange(8))
+    inside = part.response_mask.cumsum(-1) == 2  # each row's second response token
+    part = msgspec.structs.replace(part, response_mask=part.response_mask.masked_fill(inside, 0))
+    on_gpu = cuda_batch(part)
+    with fake_cuda(), DeviceAudit(FOLDERS) as audit:
+        packed = pack(on_gpu)
+    expected = pack(part)
+    assert_same(packed, expected)
+    assert len(expected.predictors) == int(part.response_mask.sum())
+    assert audit.sync_count == 1 and audit.unplaced == [], audit.report()
+
+
 def test_packing_a_pass_for_ulysses_stays_on_the_device_of_the_batch(batch: TrainBatch) -> None:
     part = batch.select(torch.arange(5))
     on_gpu = cuda_batch(part)

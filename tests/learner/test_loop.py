@@ -24,10 +24,18 @@ from relay.configs.run_schema import (
     RunConfig,
     TrainerConfig,
 )
-from relay.learner.loop import RankZero, Reporter, TrainLoop, finite_priorities, metrics_line
+from relay.learner.batch import collate
+from relay.learner.loop import (
+    RankZero,
+    Reporter,
+    TrainLoop,
+    batch_metrics,
+    finite_priorities,
+    metrics_line,
+)
 from relay.learner.update import StepResult
 from relay.learner.weights import StreamStats
-from relay.transport.messages import Metrics, Prompt, SampleBatch
+from relay.transport.messages import EpisodeStats, Metrics, Prompt, SampleBatch
 
 from ..buffer.conftest import make_group
 
@@ -47,6 +55,49 @@ def test_non_finite_td_errors_are_left_out_and_counted() -> None:
     assert priorities == {"lease/p0": 0.5, "lease/p2": 2.0}
     assert left_out == 3
     assert finite_priorities(batch[:2], [0.25, 0.0]) == ({"lease/p0": 0.25, "lease/p1": 0.0}, 0)
+
+
+MULTI_TURN_KEYS = {"rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_failure_frac",
+                   "rollout/tool_latency_p95_s", "rollout/policy_token_frac"}
+
+
+def test_a_single_turn_batch_has_no_multi_turn_metrics() -> None:
+    batch = SampleBatch(groups=groups(2))
+    metrics = batch_metrics(batch, collate(batch.groups, pad_id=0), version=0, max_staleness=1)
+    assert "rollout/reward_mean" in metrics and not MULTI_TURN_KEYS & metrics.keys()
+
+
+def test_multi_turn_metrics_count_turns_tool_calls_failures_latency_and_policy_tokens() -> None:
+    """Four 3-token samples: two episodes with tools (one token of each inserted), one
+    episode without a call, one single-turn sample (one turn, no call)."""
+    batch = SampleBatch(groups=groups(2))
+    first, second = batch.groups[0].samples
+    first.episode = EpisodeStats(turns=3, tool_calls=2, tool_failures=1,
+                                 tool_latencies_s=[0.5, 2.0])
+    first.loss_mask = torch.tensor([True, False, True])
+    first.logprobs[1] = 0.0
+    second.episode = EpisodeStats(turns=2, tool_calls=3, tool_failures=0,
+                                  tool_latencies_s=[0.1, 0.2, 0.3])
+    second.loss_mask = torch.tensor([True, True, False])
+    batch.groups[1].samples[0].episode = EpisodeStats()
+    metrics = batch_metrics(batch, collate(batch.groups, pad_id=0), version=0, max_staleness=1)
+    assert metrics["rollout/turns_mean"] == pytest.approx((3 + 2 + 1 + 1) / 4)
+    assert metrics["rollout/tool_calls_mean"] == pytest.approx(5 / 4)
+    assert metrics["rollout/tool_failure_frac"] == pytest.approx(1 / 5)
+    latencies = torch.tensor([0.5, 2.0, 0.1, 0.2, 0.3], dtype=torch.float64)
+    assert metrics["rollout/tool_latency_p95_s"] == pytest.approx(float(latencies.quantile(0.95)))
+    assert 0.5 < metrics["rollout/tool_latency_p95_s"] <= 2.0
+    assert metrics["rollout/policy_token_frac"] == pytest.approx(10 / 12)
+
+
+def test_multi_turn_metrics_without_a_tool_call_are_zero_not_nan() -> None:
+    batch = SampleBatch(groups=groups(1))
+    batch.groups[0].samples[0].episode = EpisodeStats(turns=2)
+    metrics = batch_metrics(batch, collate(batch.groups, pad_id=0), version=0, max_staleness=1)
+    assert metrics["rollout/tool_failure_frac"] == 0.0
+    assert metrics["rollout/tool_latency_p95_s"] == 0.0
+    assert metrics["rollout/policy_token_frac"] == 1.0
+    assert metrics["rollout/turns_mean"] == 1.5
 
 
 def test_what_is_sent_is_what_the_store_accepts() -> None:

@@ -83,6 +83,21 @@ def test_logits_are_asked_only_where_a_response_token_is_predicted() -> None:
     assert bool(((grid != 0) == (batch.response_mask > 0)).all())
 
 
+def test_a_multi_turn_episodes_inserted_tokens_are_context_not_predictions() -> None:
+    """Row 1's response 8 30 9 has an inserted token 30 (loss mask False): it is packed as
+    context (its position is there, row 1's 9 attends to it) but nothing predicts it, so the
+    grid is zero there as in the row layout."""
+    episode = group("a", [[5, 6]] * 2, [[7], [8, 30, 9]])
+    episode.samples[1].loss_mask = torch.tensor([True, False, True])
+    batch = collate([episode, group("b", [[10, 11, 12]], [[13, 14]])], pad_id=0)
+    packed = pack(batch)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 30, 9, 10, 11, 12, 13, 14]]
+    assert packed.predictors.tolist() == [1, 1, 4, 8, 9]
+    assert packed.labels(batch).tolist() == [7, 8, 9, 13, 14]
+    grid = packed.to_grid(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), (3, 4))
+    assert bool(((grid != 0) == (batch.response_mask > 0)).all())
+
+
 @pytest.mark.parametrize("keys", [7, EXPLICIT_ATTENTION_MAX_KEYS + 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_attention_gives_sdpa_values_and_gradients(keys: int, dtype: torch.dtype) -> None:

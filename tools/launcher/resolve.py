@@ -44,7 +44,10 @@ from relay.configs.rundir import (
 from relay.configs.topology_schema import Topology
 from relay.configs.verl_keys import ROLLOUT_NAME, Placement
 from relay.generators.build import missing_engine
+from relay.generators.tool_loop import configured_workflow
+from relay.generators.tools import ToolConfigError
 from relay.generators.vllm_engine import filters_refused
+from relay.generators.workflow import WorkflowError
 from relay.launcher.plan import ProcessSpec, build_plan, new_run_dir
 from relay.learner.checkpoint import CheckpointError, check_resumable, resumable_checkpoint
 from relay.learner.checkpoint_lineage import continued_lineage, overwritten_checkpoints, saves_at
@@ -146,6 +149,7 @@ def load_checked(topology_file: str, run_file: str, topology_overrides: Sequence
         check_fsdp_sizes(topology, run, run_file)
         check_local_engines(topology, run, topology_file, placement)
         check_engine_sampling(topology, run, run_file)
+        check_rollout_workflow(run, run_file)
     except ConfigError as exc:
         blamed = blame_command_line(blame_command_line(exc, run_file, run_keys),
                                     topology_file, topology_keys)
@@ -234,7 +238,7 @@ def served_model_path(run: RunConfig) -> str:
         return run.model.path
     from relay.learner.tiny_model.build import default_model_dir
 
-    return str(default_model_dir())
+    return str(default_model_dir(run.model.path.removeprefix(BUILTIN_MODEL_PREFIX)))
 
 
 def epoch_rows(run: RunConfig) -> int:
@@ -250,9 +254,9 @@ def launch_prompts(run: RunConfig) -> PromptDataset:
     """The training rows as the buffer will load them (``epoch_rows``)."""
     tokenizer = None
     if run.model.path.startswith(BUILTIN_MODEL_PREFIX):
-        from relay.learner.tiny_model.tokenizer import build_tokenizer
+        from relay.learner.tiny_model.tokenizer import builtin_tokenizer
 
-        tokenizer = build_tokenizer()
+        tokenizer = builtin_tokenizer(run.model.path.removeprefix(BUILTIN_MODEL_PREFIX))
     return training_prompts(run, tokenizer)
 
 
@@ -345,6 +349,24 @@ def check_engine_sampling(topology: Topology, run: RunConfig, source: str) -> No
         if problem:
             key = f"{section}.top_p" if top_p < 1.0 else f"{section}.top_k"
             raise ConfigError(source, key, problem)
+
+
+def check_rollout_workflow(run: RunConfig, source: str) -> None:
+    """``rollout.workflow`` or the multi-turn tool loop loaded as the generators will load
+    them (the tool and interaction YAML built, a verl class's Relay stand-in noted), so that
+    a bad one is refused before anything starts, naming the key."""
+    rollout = run.rollout
+    if not (rollout.workflow or rollout.multi_turn.enable):
+        return
+    try:
+        configured_workflow(rollout)
+    except (WorkflowError, ToolConfigError, OSError) as exc:
+        interaction = rollout.multi_turn.interaction_config_path
+        key = ("rollout.workflow" if rollout.workflow
+               else "rollout.multi_turn.interaction_config_path"
+               if interaction and str(exc).startswith(interaction)
+               else "rollout.multi_turn.tool_config_path")
+        raise ConfigError(source, key, str(exc)) from exc
 
 
 def dry_run_report(resolved: ResolvedLaunch) -> str:

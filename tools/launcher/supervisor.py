@@ -69,29 +69,45 @@ class Outcome(msgspec.Struct, frozen=True):
 
 
 def builtin_model(run: RunConfig) -> RunConfig:
-    """Build (once, cached) the ``builtin:`` model and point every model path that names
-    it at it: the policy's, the critic's and the reward model's (``MODEL_PATH_KEYS``)."""
-    builtin = [parts for parts in MODEL_PATH_KEYS
-               if model_path_at(run, parts).startswith(BUILTIN_MODEL_PREFIX)]
-    if not builtin:
-        return run
-    from relay.learner.tiny_model.build import build_tiny_model, default_model_dir
+    """Build (once, cached) each ``builtin:`` model the run names and point every model path
+    that names one at it: the policy's, the critic's and the reward model's
+    (``MODEL_PATH_KEYS``)."""
+    for parts in MODEL_PATH_KEYS:
+        path = model_path_at(run, parts)
+        if path.startswith(BUILTIN_MODEL_PREFIX):
+            built = built_model(path.removeprefix(BUILTIN_MODEL_PREFIX))
+            run = replace_model_path(run, parts, str(built))
+    return run
 
-    path = default_model_dir()
-    if not (path / "config.json").is_file():
-        print(f"relay launch: building the tiny default model into {path} (once; a few "
-              "minutes)", flush=True)
 
-        def progress(step: int, loss: float) -> None:
-            if step % 50 == 0:
-                print(f"\r  warm start step {step}, loss {loss:.3f}", end="", flush=True)
+def built_model(name: str) -> Path:
+    """The cache folder of the built-in model ``name``, built there first if missing:
+    ``tiny-arith`` (the embedded default) or ``tiny-arith-tools`` (the agentic default,
+    which calls a calculator; its build evaluates it with the calculator's replies)."""
+    from relay.learner.tiny_model.build import build_tiny_model, build_tools_model, \
+        default_model_dir
 
+    path = default_model_dir(name)
+    if (path / "config.json").is_file():
+        return path
+    print(f"relay launch: building the built-in model {name} into {path} (once; a few "
+          "minutes)", flush=True)
+
+    def progress(step: int, loss: float) -> None:
+        if step % 50 == 0:
+            print(f"\r  warm start step {step}, loss {loss:.3f}", end="", flush=True)
+
+    if name == "tiny-arith-tools":
+        from relay.generators.tools.calculator import reply_to
+
+        tools = build_tools_model(path, reply_to, overwrite=True, on_step=progress)
+        print(f"\n  built in {tools.seconds:.0f} s; held-out accuracy, sampled with its "
+              f"calculator calls run: {tools.heldout.sampled.accuracy:.1%}", flush=True)
+    else:
         report = build_tiny_model(path, overwrite=True, on_step=progress)
         print(f"\n  built in {report.seconds:.0f} s; held-out accuracy "
               f"{report.heldout_accuracy:.1%}", flush=True)
-    for parts in builtin:
-        run = replace_model_path(run, parts, str(path))
-    return run
+    return path
 
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -346,7 +362,9 @@ class Supervisor:
                         code != 0 or self.board.step < self.run.trainer.total_training_steps):
                     return self._died(proc, code)  # exit code 0 too, unless the run is over
                 elif proc.spec.role == "generator" and code != 0 and learner_done_at is None:
-                    self.board.note(f"generator {proc.spec.name} died ({describe_exit(code)}); "
+                    cause = last_exception(proc.log)  # e.g. a rollout workflow that raised
+                    self.board.note(f"generator {proc.spec.name} died ({describe_exit(code)}"
+                                    f"{', raising ' + cause if cause else ''}); "
                                     f"training goes on. Log: {proc.log}")
                 elif proc.spec.role == "evaluator" and code != 0 and learner_done_at is None:
                     self.board.note(f"the evaluator died ({describe_exit(code)}); training "

@@ -19,6 +19,16 @@ than fit at once, goes through ``max_num_seqs`` slots; it reports the mean numbe
 sequences in flight over the decode steps taken while groups waited, against what static
 batches (each decoding until its longest sequence ends) would keep in flight.
 
+``tool_episodes`` shows that tools never block decoding: two-turn episodes (a turn, a tool
+call, a second turn) go through the lean engine's slots, and every ``sleepy_every``-th
+episode's tool sleeps ``sleep_s``. It reports the mean number of sequences in flight over
+the decode steps taken while a sleep was pending and enough other episodes were awake to
+fill the slots (at the end of the stream only sleepers are left), and the wall time against the same
+episodes with an instant tool: an episode awaiting its tool holds no slot, so the sleeps
+overlap the other episodes' decoding (and each other), where a lockstep batcher, whose
+batch of ``max_num_seqs`` waits for its slowest tool, would add ``sleep_s`` per batch
+holding a sleepy episode (``lockstep_extra_s``).
+
 ``compute_ceiling`` is what the arithmetic alone would allow: this machine's measured
 matmul rate in the model's dtype divided by the forward FLOPs of one decoded token,
 
@@ -31,6 +41,7 @@ floor and this ceiling is the framework's per-call overhead.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from collections.abc import Callable
@@ -42,7 +53,10 @@ from transformers import DynamicCache, PreTrainedModel
 from relay.generators.engine import Engine, GroupRequest
 from relay.generators.lean_engine import LeanEngine
 from relay.generators.sampling import SamplingParams
+from relay.generators.tools import BaseTool, ParsedCall, ToolSchema, ToolSession, run_calls
 from relay.generators.torch_engine import TorchEngine
+from relay.generators.workflow import (EngineHandle, Episode, EpisodeBuilder, EpisodeRow,
+                                       WorkflowRunner, play_episodes)
 
 
 class EngineComparison(msgspec.Struct, frozen=True):
@@ -119,6 +133,116 @@ def continuous_batching(model: PreTrainedModel, *, max_num_seqs: int, prompt_len
     return BatchOccupancy(max_num_seqs=max_num_seqs, groups=groups,
                      samples_per_prompt=samples_per_prompt, continuous=engine.occupancy.mean,
                      static=static, tokens_per_s=tokens / seconds)
+
+
+class ToolOccupancy(msgspec.Struct, frozen=True):
+    """Two-turn episodes with a sleeping tool against an instant one (``tool_episodes``)."""
+
+    max_num_seqs: int
+    episodes: int
+    sleepy: int  # episodes whose tool slept
+    sleep_s: float
+    instant_s: float  # wall time with an instant tool
+    sleepy_s: float  # wall time with the sleeping tool
+    # mean sequences in flight per decode step taken while a sleep pended and enough other
+    # episodes were awake to fill the slots
+    occupancy_while_sleeping: float
+    steps_while_sleeping: int
+    lockstep_extra_s: float  # what waiting for each batch's slowest tool would add
+
+    @property
+    def extra_s(self) -> float:
+        return self.sleepy_s - self.instant_s
+
+
+class _SleepTool(BaseTool):
+    """A tool that sleeps ``sleep_s`` when asked to (``{"sleep": true}``), else answers at
+    once; ``pending`` counts the sleeps in progress."""
+
+    def __init__(self, sleep_s: float) -> None:
+        super().__init__({}, ToolSchema.parse({"type": "function", "function": {
+            "name": "wait", "description": "waits",
+            "parameters": {"type": "object", "properties": {}}}}))
+        self.sleep_s, self.pending = sleep_s, 0
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        if parameters.get("sleep"):
+            self.pending += 1
+            try:
+                await asyncio.sleep(self.sleep_s)
+            finally:
+                self.pending -= 1
+        return "done", 0.0, {}
+
+
+def tool_episodes(model: PreTrainedModel, *, max_num_seqs: int, prompt_len: int,
+                  new_tokens: int, episodes: int, sleepy_every: int, sleep_s: float,
+                  seed: int = 0) -> ToolOccupancy:
+    """Run ``episodes`` two-turn episodes of up to ``new_tokens`` tokens a turn through the
+    lean engine's ``max_num_seqs`` slots, first with an instant tool, then with one that
+    sleeps ``sleep_s`` on every ``sleepy_every``-th episode (module docstring)."""
+    rng = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, model.config.vocab_size, (episodes, prompt_len),
+                            generator=rng).tolist()
+    lengths = torch.randint(1, new_tokens + 1, (episodes, 2), generator=rng).tolist()
+    reply = torch.randint(0, model.config.vocab_size, (4,), generator=rng).tolist()
+    sleepy = set(range(0, episodes, sleepy_every))
+
+    def run(sleeping: bool) -> tuple[float, list[int]]:
+        tool = _SleepTool(sleep_s)
+        tools = {"wait": tool}
+
+        async def episode(engine: EngineHandle, row: EpisodeRow) -> Episode:
+            index = int(row.prompt_id)
+            builder = EpisodeBuilder(engine.response_length)
+            turn = await engine.generate(row.prompt_ids, max_new_tokens=lengths[index][0])
+            builder.sampled(turn)
+            call = ParsedCall(name="wait", arguments={"sleep": sleeping and index in sleepy},
+                              raw="")
+            async with ToolSession(tools) as session:
+                await run_calls(session, [call], timeout_s=sleep_s + 30.0)
+            builder.inserted(reply, engine.version)
+            context = [*row.prompt_ids, *turn.token_ids, *reply]
+            builder.sampled(await engine.generate(context, max_new_tokens=lengths[index][1]))
+            return builder.episode
+
+        engine = LeanEngine.from_model(model.eval(), eos_ids=[], pad_id=0, seed=seed,
+                                       max_num_seqs=max_num_seqs,
+                                       max_len=prompt_len + 2 * new_tokens + len(reply))
+        in_flight_while_sleeping: list[int] = []
+        plain_step = engine.step
+
+        def recording_step(between_steps=None):
+            # a step while a sleep pends and enough episodes are awake to fill the slots
+            if tool.pending and runner.live - tool.pending >= max_num_seqs:
+                in_flight_while_sleeping.append(min(engine.in_flight, max_num_seqs))
+            return plain_step(between_steps)
+
+        engine.step = recording_step  # type: ignore[method-assign]
+        runner = WorkflowRunner(episode, tokenizer=None,
+                                response_length=2 * new_tokens + len(reply),
+                                engine_version=lambda: engine.version)
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
+        groups = [(GroupRequest(i, prompt, 1, params),
+                   EpisodeRow(prompt_id=str(i), messages=[], data_source="", ground_truth=None,
+                              extra_info={}, prompt_ids=prompt, sample_index=0))
+                  for i, prompt in enumerate(prompts)]
+        began = time.perf_counter()
+        try:
+            play_episodes(runner, engine, groups, wait_s=0.01)
+        finally:
+            runner.close()
+        return time.perf_counter() - began, in_flight_while_sleeping
+
+    instant_s, _ = run(sleeping=False)
+    sleepy_s, in_flight = run(sleeping=True)
+    batches = [range(i, min(i + max_num_seqs, episodes)) for i in range(0, episodes, max_num_seqs)]
+    lockstep = sleep_s * sum(any(i in sleepy for i in batch) for batch in batches)
+    return ToolOccupancy(max_num_seqs=max_num_seqs, episodes=episodes, sleepy=len(sleepy),
+                         sleep_s=sleep_s, instant_s=instant_s, sleepy_s=sleepy_s,
+                         occupancy_while_sleeping=statistics.mean(in_flight) if in_flight
+                         else 0.0, steps_while_sleeping=len(in_flight),
+                         lockstep_extra_s=lockstep)
 
 
 def _median_tokens_per_s(run: Callable[[], int], repeats: int) -> float:

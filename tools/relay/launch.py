@@ -14,8 +14,11 @@ a device that is not ``cpu``, ``cuda`` or ``cuda:N``); ``model.path`` (and the c
 reward model's) may be a ``builtin:`` model, a local folder or a Hub ID, resolved once here
 (``relay.configs.hub``); a process on this machine's GPUs whose memory plan does not fit its
 GPU is warned about (``relay.launcher.memory``). ``--dry-run`` prints the resolved configs and
-the processes that would start, and exits. ``--resume RUN_DIR`` continues the run in RUN_DIR from its newest complete checkpoint, with the configs
-stored there (and any overrides, e.g. more ``trainer.total_training_steps``).
+the processes that would start, and exits. verl's ``--config-path DIR --config-name NAME``
+(a recipe's Hydra config file, ``DIR/NAME.yaml``, over verl's ``ppo_trainer`` defaults) reads
+that file's keys as overrides placed before the command line's, so the command line wins.
+``--resume RUN_DIR`` continues the run in RUN_DIR from its newest complete checkpoint, with
+the configs stored there (and any overrides, e.g. more ``trainer.total_training_steps``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from relay.configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
 from relay.configs.rundir import VERL_KEYS
@@ -50,9 +54,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="print the resolved configs and the processes, start nothing")
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its newest complete checkpoint")
+    parser.add_argument("--config-path", metavar="DIR",
+                        help="verl's Hydra config folder (with --config-name)")
+    parser.add_argument("--config-name", metavar="NAME",
+                        help="verl's Hydra config DIR/NAME.yaml: its keys are overrides "
+                             "before the command line's")
     args = parser.parse_intermixed_args(argv)  # `--dry-run` anywhere among the overrides
     files = [a for a in args.items if "=" not in a]
     overrides = [a for a in args.items if "=" in a]
+    if args.config_name:
+        try:
+            overrides = hydra_file_overrides(Path(args.config_path or "."),
+                                             args.config_name) + overrides
+        except ConfigError as exc:
+            parser.error(str(exc))
+    elif args.config_path:
+        parser.error("--config-path needs --config-name (the file DIR/NAME.yaml)")
     if len(files) > 2:
         parser.error(f"at most two config files (topology, run); got {files}")
     if args.resume and files:
@@ -63,6 +80,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                if o.startswith(TOPOLOGY_PREFIX)]
     args.run_overrides = [o for o in overrides if not o.startswith(TOPOLOGY_PREFIX)]
     return args
+
+
+def hydra_file_overrides(config_dir: Path, name: str) -> list[str]:
+    """The keys of verl's Hydra config ``config_dir/name.yaml`` as ``key=value`` overrides
+    (values as TOML text). Its ``defaults`` may name only verl's ``ppo_trainer`` (which
+    Relay's defaults stand for) and ``_self_``; its ``hydra`` section is Hydra's own."""
+    import json
+
+    import yaml
+
+    path = config_dir / (name if name.endswith(".yaml") else f"{name}.yaml")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(str(path), "--config-name", f"cannot read it: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "--config-name", "expected a mapping of verl's keys")
+    defaults = data.pop("defaults", [])
+    unknown = [d for d in defaults or [] if d not in ("ppo_trainer", "_self_")]
+    if unknown:
+        raise ConfigError(str(path), "defaults", f"{unknown}: only verl's ppo_trainer (and "
+                          "_self_) can be built on; put those configs' keys in the file")
+    data.pop("hydra", None)
+
+    def flatten(node: Any, prefix: str) -> list[str]:
+        if isinstance(node, dict) and node:
+            return [o for key, value in node.items() for o in flatten(value, f"{prefix}{key}.")]
+        text = node if isinstance(node, str) else "null" if node is None else json.dumps(node)
+        return [f"{prefix[:-1]}={text}"]
+
+    return flatten(data, "")
 
 
 def main(argv: list[str]) -> int:

@@ -101,9 +101,9 @@ def run_decoder(run_dir: Path, run: dict[str, Any]) -> Decode:
     path = str(model.get("path", ""))
     try:
         if path.startswith(BUILTIN_MODEL_PREFIX):
-            from relay.learner.tiny_model.tokenizer import build_tokenizer
+            from relay.learner.tiny_model.tokenizer import builtin_tokenizer
 
-            tokenizer = build_tokenizer()
+            tokenizer = builtin_tokenizer(path.removeprefix(BUILTIN_MODEL_PREFIX))
         else:
             from transformers import AutoTokenizer
 

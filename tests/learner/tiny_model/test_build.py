@@ -1,13 +1,15 @@
-"""build_tiny_model: a loadable, deterministic Hugging Face model directory.
+"""build_tiny_model and build_tools_model: loadable, deterministic Hugging Face model
+directories.
 
-The fast tests build with a few warm-start steps (seconds); the slow test does the full
-default build and checks the accuracy band the RL stage relies on.
+The fast tests build with a few warm-start steps (seconds); the slow tests do the full
+builds and check the accuracy bands the RL stage relies on.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -18,7 +20,16 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from relay.learner.tiny_model.build import build_tiny_model
+from relay.configs.checks import BUILTIN_MODELS
+from relay.learner.tiny_model.build import (
+    BUILTIN_RECIPES,
+    TOOLS_RECIPE_VERSION,
+    build_tiny_model,
+    build_tools_model,
+    default_model_dir,
+)
+from relay.learner.tiny_model.tool_warm_start import ToolWarmStartConfig
+from relay.learner.tiny_model.warm_start import WarmStartConfig
 
 FAST = {"warm_start_steps": 20, "eval_limit": 16, "eval_k": 2}
 
@@ -112,3 +123,45 @@ def test_default_build_leaves_room_for_rl(tmp_path):
     assert report.eval_problems == 300 and report.k == 8
     assert 0.05 <= report.heldout_accuracy <= 0.60
     assert report.pass_at_k > report.heldout_accuracy + 0.05  # sampling finds more: room for RL
+
+
+def _calculator(text: str) -> str | None:
+    """A stand-in for the generators' calculator (the learner does not import them)."""
+    match = re.search(r'"expression": "(\d+) \* (\d+)"', text)
+    return None if match is None else str(int(match[1]) * int(match[2]))
+
+
+def test_builtin_models_have_their_own_cache_folders(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_model_dir() == tmp_path / "relay" / "models" / "tiny-arith-r3"
+    assert default_model_dir("tiny-arith-tools") == \
+        tmp_path / "relay" / "models" / f"tiny-arith-tools-r{TOOLS_RECIPE_VERSION}"
+    assert set(BUILTIN_RECIPES) == set(BUILTIN_MODELS)
+    with pytest.raises(ValueError, match="unknown built-in model 'tiny'"):
+        default_model_dir("tiny")
+
+
+def test_tools_variant_builds_a_loadable_model_that_is_measured_with_its_tool(tmp_path):
+    recipe = ToolWarmStartConfig(optim=WarmStartConfig(steps=5, batch_size=8))
+    report = build_tools_model(tmp_path / "tools", _calculator, recipe=recipe, eval_limit=4,
+                               eval_k=2)
+    tokenizer = AutoTokenizer.from_pretrained(report.path)
+    model = AutoModelForCausalLM.from_pretrained(report.path)
+    assert "<tool_call>" in tokenizer.get_vocab() and model.config.vocab_size == len(tokenizer)
+    assert report.warm_start_steps == 5 and report.params == model.num_parameters()
+    assert (report.heldout.problems, report.heldout.sampled.samples) == (4, 2)
+    again = build_tools_model(tmp_path / "again", _calculator, recipe=recipe, eval_limit=1,
+                              eval_k=1)
+    for name, tensor in _weights(report.path).items():
+        assert torch.equal(tensor, _weights(again.path)[name]), name
+
+
+@pytest.mark.slow
+def test_tools_variant_calls_its_tool_on_a_share_that_rl_can_raise(tmp_path):
+    heldout = build_tools_model(tmp_path / "tools", _calculator).heldout
+    assert heldout.problems == 300
+    sampled = heldout.sampled
+    assert 0.15 <= sampled.tool_call_rate <= 0.35
+    assert sampled.accuracy_when_called >= 0.6  # the tool route works once taken
+    assert sampled.accuracy_without_tools <= 0.05  # guessing a product rarely does
+    assert 0.10 <= sampled.accuracy <= 0.35

@@ -26,6 +26,7 @@ from relay.learner.checkpoint_meta import FORMAT, META_FILE, CheckpointMeta, Lin
 from relay.learner.tiny_model.build import default_model_dir
 from relay.launcher.resolve import (
     check_engine_sampling,
+    check_rollout_workflow,
     check_fingerprint,
     check_local_engines,
     dry_run_report,
@@ -336,3 +337,34 @@ def test_vllm_with_filters_for_greedy_evaluation_only_is_not_refused() -> None:
     topology = Topology(generators=[GeneratorPlacement(name="g", engine="vllm")])
     topology.evaluator.engine = "vllm"
     check_engine_sampling(topology, run, "run.toml")
+
+
+def test_a_tool_config_or_workflow_that_cannot_load_is_refused_before_launch(
+        tmp_path: Path) -> None:
+    bad_yaml = tmp_path / "tools.yaml"
+    bad_yaml.write_text("tools:\n  - class_name: no_such_module.Tool\n")
+    run = load_run_config(str(DEFAULT_RUN), ["rollout.multi_turn.enable=true",
+                                             f"rollout.multi_turn.tool_config_path={bad_yaml}"])
+    with pytest.raises(ConfigError) as error:
+        check_rollout_workflow(run, "run.toml")
+    assert error.value.key == "rollout.multi_turn.tool_config_path"
+    assert "tools[0]" in str(error.value) and "no_such_module" in str(error.value)
+    agent = tmp_path / "agent.py"
+    agent.write_text("def run_episode(engine, row):\n    return None\n")
+    run = load_run_config(str(DEFAULT_RUN), [f"rollout.workflow={agent}:run_episode"])
+    with pytest.raises(ConfigError, match="not an async function") as error:
+        check_rollout_workflow(run, "run.toml")
+    assert error.value.key == "rollout.workflow"
+    check_rollout_workflow(load_run_config(str(DEFAULT_RUN)), "run.toml")  # single-turn
+
+
+def test_verls_tool_class_is_noted_at_launch(caplog: pytest.LogCaptureFixture) -> None:
+    from relay.configs import CONFIG_DIR
+
+    run = load_run_config(str(DEFAULT_RUN), [
+        "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.tool_config_path={CONFIG_DIR / 'tools' / 'gsm8k.yaml'}"])
+    with caplog.at_level("WARNING"):
+        check_rollout_workflow(run, "run.toml")
+    assert "verl's verl.tools.gsm8k_tool.Gsm8kTool runs as Relay's " \
+           "relay.generators.tools.gsm8k.Gsm8kTool" in caplog.text

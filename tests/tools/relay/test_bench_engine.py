@@ -12,7 +12,8 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM
 
-from relay.bench_engine import compare_engines, continuous_batching, forward_flops_per_token
+from relay.bench_engine import (compare_engines, continuous_batching, forward_flops_per_token,
+                                tool_episodes)
 from relay.generators.torch_engine import TorchEngine
 
 from ...conftest import save_random_model
@@ -67,3 +68,23 @@ def test_a_stream_too_short_to_queue_is_refused(random_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="do not fill 16 slots twice"):
         continuous_batching(model, max_num_seqs=16, prompt_len=5, new_tokens=12,
                             samples_per_prompt=4, groups=6)
+
+
+def test_a_tool_that_sleeps_2_s_leaves_the_other_sequences_decoding(tmp_path: Path) -> None:
+    """Issue 33: a quarter of 192 two-turn episodes call a tool that sleeps 2 s. While a
+    sleep is pending the batch stays (nearly) full, and the run is slower than with an
+    instant tool by at most about one sleep (the sleeps overlap the others' decoding and
+    each other), not by a sleep per batch as a lockstep batcher's would be."""
+    model = AutoModelForCausalLM.from_pretrained(
+        save_random_model(tmp_path / "model", hidden=256, layers=4))
+    o = tool_episodes(model, max_num_seqs=8, prompt_len=16, new_tokens=24, episodes=192,
+                      sleepy_every=4, sleep_s=2.0)
+    print(f"\n{o.sleepy} of {o.episodes} episodes' tools slept {o.sleep_s:g} s: "
+          f"{o.occupancy_while_sleeping:.1f} of {o.max_num_seqs} sequences in flight over "
+          f"{o.steps_while_sleeping} decode steps while a sleep was pending; "
+          f"{o.sleepy_s:.2f} s against {o.instant_s:.2f} s with an instant tool "
+          f"(+{o.extra_s:.2f} s; lockstep batches would add {o.lockstep_extra_s:.0f} s)")
+    assert o.steps_while_sleeping > 100  # the others decoded through the sleeps
+    assert o.occupancy_while_sleeping >= 0.75 * o.max_num_seqs
+    assert o.extra_s < o.sleep_s + 1.0  # noise allowance on a shared machine
+    assert o.lockstep_extra_s >= 10 * o.sleep_s

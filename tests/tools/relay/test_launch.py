@@ -104,7 +104,8 @@ def test_builtin_works_for_the_critic_and_the_reward_model(
     assert dry_run(tmp_path, "algorithm.adv_estimator=gae", "rollout.n=1", *builtin) == 0
     from relay.learner.tiny_model import build
 
-    monkeypatch.setattr(build, "default_model_dir", lambda: random_model_dir)  # built already
+    monkeypatch.setattr(build, "default_model_dir",
+                        lambda name="tiny-arith": random_model_dir)  # built already
     run = supervisor.builtin_model(load_run_config(DEFAULT_RUN, builtin))
     assert {run.model.path, run.critic.model.path, run.reward_model.model.path} == {
         str(random_model_dir)}
@@ -149,3 +150,36 @@ def test_a_launch_writes_and_prints_the_verl_key_notes(
     out = capsys.readouterr().out
     assert "1 verl key(s) translated" in out and str(run_dir / VERL_KEYS) in out
     assert "model.use_remove_padding = True: " in out
+
+
+def test_verls_hydra_config_file_gives_overrides_the_command_line_wins_over(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "recipe.yaml").write_text(
+        "hydra:\n  searchpath: [file://verl/trainer/config]\n"
+        "defaults:\n  - ppo_trainer\n  - _self_\n"
+        "data:\n  train_batch_size: 8\n  return_raw_chat: True\n"
+        "actor_rollout_ref:\n  rollout:\n    n: 3\n    multi_turn:\n      enable: True\n"
+        "      max_assistant_turns: 5\n"
+        "trainer:\n  logger: ['console']\n")
+    assert launch.hydra_file_overrides(tmp_path, "recipe") == [
+        "data.train_batch_size=8", "data.return_raw_chat=true", "actor_rollout_ref.rollout.n=3",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5",
+        'trainer.logger=["console"]']
+    assert dry_run(tmp_path, f"--config-path={tmp_path}", "--config-name=recipe",
+                   "actor_rollout_ref.rollout.n=2") == 0
+    out = capsys.readouterr().out
+    assert "max_assistant_turns = 5" in out and "\nn = 2\n" in out  # the command line's n
+
+
+def test_a_hydra_file_built_on_other_defaults_is_refused_naming_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "recipe.yaml").write_text("defaults:\n  - ppo_megatron_trainer\n  - _self_\n")
+    with pytest.raises(SystemExit) as exit_:
+        dry_run(tmp_path, f"--config-path={tmp_path}", "--config-name=recipe")
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "defaults: ['ppo_megatron_trainer']: only verl's ppo_trainer" in err
+    with pytest.raises(SystemExit):
+        dry_run(tmp_path, f"--config-path={tmp_path}", "--config-name=absent")
+    assert "absent.yaml: --config-name: cannot read it" in capsys.readouterr().err
