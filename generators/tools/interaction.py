@@ -20,16 +20,13 @@ logged note. Every error names the file, the entry (``interaction[i]``) and the 
 
 from __future__ import annotations
 
-import logging
 import uuid
 from pathlib import Path
 from typing import Any
 
 from relay.algorithms.rewards.gsm8k import compute_score
-from relay.algorithms.user_code import describe, is_spec, load_function
-from relay.generators.tools.loader import ToolConfigError, read_yaml
-
-logger = logging.getLogger(__name__)
+from relay.algorithms.user_code import describe
+from relay.generators.tools.loader import ToolConfigError, load_class, read_yaml
 
 VERL_BUILTINS: dict[str, str] = {
     "verl.interactions.gsm8k_interaction.Gsm8kInteraction":
@@ -134,25 +131,8 @@ def _build(entry: Any, where: str) -> BaseInteraction:
 
 
 def _interaction_class(class_name: Any, where: str) -> type[BaseInteraction]:
-    if not isinstance(class_name, str) or not class_name.strip():
-        raise ToolConfigError(f"{where}: expected a class path such as "
-                              "'my_pkg.users.MyUser' or 'path/to/file.py:MyUser'")
-    spec = VERL_BUILTINS.get(class_name)
-    if spec is not None:
-        logger.warning("interaction %s: verl's %s runs as Relay's %s", where, class_name,
-                       spec.replace(":", "."))
-    elif is_spec(class_name):
-        spec = class_name
-    else:
-        module, _, name = class_name.rpartition(".")
-        if not module:
-            raise ToolConfigError(f"{where}: {class_name!r} is not a class path; expected "
-                                  "'module.Class' or 'path/to/file.py:Class'")
-        spec = f"{module}:{name}"
-    cls = load_function(spec, f"{where}: interaction class", ToolConfigError)
-    if not (isinstance(cls, type) and issubclass(cls, BaseInteraction)):
-        raise ToolConfigError(f"{where}: {class_name} is not a subclass of "
-                              "relay.generators.tools.interaction.BaseInteraction (verl's "
-                              "interface: start_interaction, generate_response, "
-                              "calculate_score, finalize_interaction)")
-    return cls
+    return load_class(class_name, where, builtins=VERL_BUILTINS, base=BaseInteraction,
+                      what="interaction",
+                      interface="relay.generators.tools.interaction.BaseInteraction (verl's "
+                                "interface: start_interaction, generate_response, "
+                                "calculate_score, finalize_interaction)")

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from relay.algorithms.user_code import describe, is_spec, load_function
 from relay.generators.tools.base import BaseTool
 from relay.generators.tools.schema import ToolSchema, ToolSchemaError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 VERL_BUILTINS: dict[str, str] = {
     "verl.tools.gsm8k_tool.Gsm8kTool": "relay.generators.tools.gsm8k:Gsm8kTool",
@@ -110,12 +111,23 @@ def _build(entry: Any, where: str) -> BaseTool:
 
 
 def _tool_class(class_name: Any, where: str) -> type[BaseTool]:
+    return load_class(class_name, where, builtins=VERL_BUILTINS, base=BaseTool,
+                      what="tool", interface="relay.generators.tools.BaseTool (verl's "
+                                              "BaseTool interface: create, execute, "
+                                              "calc_reward, release)")
+
+
+def load_class(class_name: Any, where: str, *, builtins: dict[str, str], base: type[T],
+               what: str, interface: str) -> type[T]:
+    """The subclass of ``base`` that ``class_name`` names: a dotted path (verl's form, or
+    one of verl's ``builtins``, which runs as Relay's with a logged note) or a Relay spec
+    (``module:Class``, ``file.py:Class``). ``ToolConfigError`` naming ``where`` otherwise."""
     if not isinstance(class_name, str) or not class_name.strip():
         raise ToolConfigError(f"{where}: expected a class path such as "
-                              "'my_pkg.tools.MyTool' or 'path/to/file.py:MyTool'")
-    spec = VERL_BUILTINS.get(class_name)
+                              "'my_pkg.module.MyClass' or 'path/to/file.py:MyClass'")
+    spec = builtins.get(class_name)
     if spec is not None:
-        logger.warning("tool %s: verl's %s runs as Relay's %s", where, class_name,
+        logger.warning("%s %s: verl's %s runs as Relay's %s", what, where, class_name,
                        spec.replace(":", "."))
     elif is_spec(class_name):
         spec = class_name
@@ -125,9 +137,7 @@ def _tool_class(class_name: Any, where: str) -> type[BaseTool]:
             raise ToolConfigError(f"{where}: {class_name!r} is not a class path; expected "
                                   "'module.Class' or 'path/to/file.py:Class'")
         spec = f"{module}:{name}"
-    cls = load_function(spec, f"{where}: tool class", ToolConfigError)
-    if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
-        raise ToolConfigError(f"{where}: {class_name} is not a subclass of "
-                              "relay.generators.tools.BaseTool (verl's BaseTool interface: "
-                              "create, execute, calc_reward, release)")
+    cls = load_function(spec, f"{where}: {what} class", ToolConfigError)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ToolConfigError(f"{where}: {class_name} is not a subclass of {interface}")
     return cls
