@@ -94,7 +94,9 @@ def test_training_survives_a_dead_generator(random_model_dir: Path, run_root: Pa
     # 30 steps: training goes on well past the killed generator's lease expiry (4 s)
     args = [a for a in small_run_overrides(random_model_dir, run_root, steps=30)
             if not a.startswith("topology.")]
-    args += ["rollout.response_length=32", "trainer.val_before_train=false",
+    # 64 new tokens a sample (the random model rarely stops early): a lease takes long
+    # enough that the kill below lands before its groups are all sent
+    args += ["rollout.response_length=64", "trainer.val_before_train=false",
              "trainer.test_freq=-1", "buffer.lease_timeout_s=4",
              "buffer.heartbeat_timeout_s=600", "buffer.max_staleness=2",
              "buffer.min_generators=2",  # leasing begins once both are there
@@ -102,11 +104,17 @@ def test_training_survives_a_dead_generator(random_model_dir: Path, run_root: Pa
     launcher = start_launcher([str(topology), str(run_config), *args])
     try:
         run_dir = first_run_dir(run_root)
-        # the first to get a lease dies holding it (the other may get every lease after)
-        log, lease = wait_for_any([run_dir / "logs" / f"{name}.log" for name in ("gen0", "gen1")],
+        # the generators' pids, looked up as they start (long before leasing begins, once
+        # both attached), so that the first to get a lease dies holding it within a poll of
+        # the line (the other may get every lease after)
+        pids = {}
+        for name in ("gen0", "gen1"):
+            wait_for(run_dir / "logs" / f"{name}.log", "", 120)  # the launcher started it
+            pids[name] = pid_of(run_dir, "relay.generators.main", f"--name {name}")
+        log, lease = wait_for_any([run_dir / "logs" / f"{name}.log" for name in pids],
                                   r"lease (L\d+): (\d+) prompts", 120)
         name = log.stem
-        os.killpg(pid_of(run_dir, "relay.generators.main", f"--name {name}"), signal.SIGKILL)
+        os.killpg(pids[name], signal.SIGKILL)
         output, _ = launcher.communicate(timeout=300)
     finally:
         if launcher.poll() is None:
