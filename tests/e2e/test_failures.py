@@ -71,6 +71,18 @@ def pid_of(run_dir: Path, *fragments: str) -> int:
     raise AssertionError(f"no process of {run_dir} matching {fragments}")
 
 
+def wait_for_pid(run_dir: Path, timeout_s: float, *fragments: str) -> int:
+    """``pid_of`` once such a process runs (the launcher starts it a little later)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return pid_of(run_dir, *fragments)
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def start_launcher(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(LAUNCHER), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT)
@@ -107,10 +119,8 @@ def test_training_survives_a_dead_generator(random_model_dir: Path, run_root: Pa
         # the generators' pids, looked up as they start (long before leasing begins, once
         # both attached), so that the first to get a lease dies holding it within a poll of
         # the line (the other may get every lease after)
-        pids = {}
-        for name in ("gen0", "gen1"):
-            wait_for(run_dir / "logs" / f"{name}.log", "", 120)  # the launcher started it
-            pids[name] = pid_of(run_dir, "relay.generators.main", f"--name {name}")
+        pids = {name: wait_for_pid(run_dir, 120, "relay.generators.main", f"--name {name}")
+                for name in ("gen0", "gen1")}
         log, lease = wait_for_any([run_dir / "logs" / f"{name}.log" for name in pids],
                                   r"lease (L\d+): (\d+) prompts", 120)
         name = log.stem
