@@ -14,20 +14,39 @@ import msgspec
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: pick a free port at launch
 Threads = Annotated[int, msgspec.Meta(ge=0)]  # 0: torch's default
 GpuIndex = Annotated[int, msgspec.Meta(ge=0)]  # a GPU of its host: CUDA_VISIBLE_DEVICES's index
+Cpus = Annotated[float, msgspec.Meta(ge=0)]
+MemoryGiB = Annotated[float, msgspec.Meta(ge=0)]  # 0: not accounted
+BackendName = Literal["local", "ssh", "ray", "slurm"]
+"""How the launcher starts the plan's processes (``relay.launcher.backends``): on this machine,
+on hosts reached over ssh, as Ray actors, or as the steps of one Slurm job."""
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of every topology section."""
 
 
-class BufferPlacement(_Section):
+class _Resources(_Section):
+    """What one process asks of its node, checked before anything starts
+    (``relay.launcher.resources``) and given to Ray or Slurm as the process's reservation:
+    ``cpus`` cores, ``memory_gib`` GiB of memory (0: not accounted) and ``resources``, Ray's
+    custom resources (``{"node_a" = 1}`` pins a process to the node that offers it). Its
+    GPUs follow from its device: none on the CPU, else its ``gpus`` list's length or, with
+    no list, one (vLLM and SGLang: their tensor-parallel size; the learner: one per rank)."""
+
+    cpus: Cpus = 1.0
+    memory_gib: MemoryGiB = 0.0
+    resources: dict[str, Annotated[float, msgspec.Meta(ge=0)]] = msgspec.field(
+        default_factory=dict)
+
+
+class BufferPlacement(_Resources):
     """The hub process. Generators and the learner connect to ``tcp://host:port``."""
 
     host: str = "127.0.0.1"
     port: Port = 7450
 
 
-class LearnerPlacement(_Section):
+class LearnerPlacement(_Resources):
     """The learner, started with torchrun: ``len(hosts) * nproc_per_node`` ranks.
 
     Rank 0 runs on ``hosts[0]``: it streams weight versions on ``weights_stream_port`` and
@@ -40,12 +59,17 @@ class LearnerPlacement(_Section):
     ``CUDA_VISIBLE_DEVICES`` set to them, so local rank i runs on ``gpus[i]`` (which it
     sees as ``cuda:i``). Unset (None): ``CUDA_VISIBLE_DEVICES`` is left as it is and local
     rank i takes ``cuda:i``.
+
+    Under Ray and Slurm the backend picks the hosts: ``nnodes`` nodes of
+    ``nproc_per_node`` ranks each (0: ``len(hosts)``), and ``cpus``, ``memory_gib`` and
+    ``resources`` are each rank's.
     """
 
     hosts: Annotated[list[str], msgspec.Meta(min_length=1)] = msgspec.field(
         default_factory=lambda: ["127.0.0.1"]
     )
     nproc_per_node: Annotated[int, msgspec.Meta(ge=1)] = 1
+    nnodes: Annotated[int, msgspec.Meta(ge=0)] = 0
     master_port: Port = 29517
     weights_port: Port = 7451
     weights_stream_port: Port = 7453
@@ -114,7 +138,7 @@ class LeanOptions(_Section):
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
 
 
-class EnginePlacement(_Section):
+class EnginePlacement(_Resources):
     """A process that runs an inference engine on a device (a generator, the evaluator);
     ``lean``, ``vllm`` and ``sglang`` hold those engines' options.
 
@@ -137,9 +161,12 @@ class EnginePlacement(_Section):
 
 
 class GeneratorPlacement(EnginePlacement, kw_only=True):
-    """One generator process, named (its ``[[generators]]`` entry)."""
+    """One generator process, named (its ``[[generators]]`` entry). A generator that dies
+    before the run ends is started again under its name, at most ``max_restarts`` times,
+    after a wait that doubles from one second (``relay.launcher.supervisor``)."""
 
     name: str
+    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
 
 
 class EvaluatorPlacement(EnginePlacement):
@@ -169,15 +196,55 @@ class Security(_Section):
     sockets_dir: str = ""
 
 
-class LauncherSettings(_Section):
-    """The launcher: where processes send their metrics (``host:metrics_port``, the
-    launcher's own address) and how it reaches remote hosts."""
+class RaySettings(_Section):
+    """The Ray backend (``launcher.backend = "ray"``, ``relay.launcher.ray_backend``):
+    ``address`` of a running cluster (``"auto"``, ``"ray://head:10001"``, ``"head:6379"``;
+    empty: start a Ray instance on this machine, of ``num_cpus`` CPUs and ``num_gpus`` GPUs
+    when set: verl's ``ray_init.num_cpus``), the actors' ``namespace``, and how long the
+    processes' reservations may wait for resources (``placement_timeout_s``) before the
+    launch is refused naming what could not be placed. The run directory must be at the
+    same path on every node (a shared filesystem)."""
 
+    address: str = ""
+    namespace: str = "relay"
+    num_cpus: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    num_gpus: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    placement_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+
+
+class SlurmSettings(_Section):
+    """The Slurm backend (``launcher.backend = "slurm"``, ``relay.launcher.slurm``): the job's
+    ``partition``, ``account``, ``qos`` and ``time`` limit (empty: the cluster's default),
+    ``gpus_per_node`` and ``cpus_per_node`` it asks for (0: as the plan needs), further
+    ``#SBATCH`` options as they are (``sbatch = ["--exclusive"]``), and ``setup``: shell
+    lines run first in the job (``module load``, activating an environment)."""
+
+    job_name: str = "relay"
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time: str = ""
+    gpus_per_node: Annotated[int, msgspec.Meta(ge=0)] = 0
+    cpus_per_node: Annotated[int, msgspec.Meta(ge=0)] = 0
+    sbatch: list[str] = msgspec.field(default_factory=list)
+    setup: list[str] = msgspec.field(default_factory=list)
+
+
+class LauncherSettings(_Section):
+    """The launcher: which ``backend`` starts the processes (``local``: every one on this
+    machine; ``ssh``: hosts named in the topology, reached with ``ssh``; ``ray``: actors of a
+    Ray cluster, ``[launcher.ray]``; ``slurm``: steps of one Slurm job,
+    ``[launcher.slurm]``), where processes send their metrics (``host:metrics_port``, the
+    launcher's own address) and how ssh reaches remote hosts."""
+
+    backend: BackendName = "local"
     host: str = "127.0.0.1"
     metrics_port: Port = 7452
     ssh: str = "ssh"
     remote_python: str = "python3"
     remote_workdir: str = ""
+    ray: RaySettings = msgspec.field(default_factory=RaySettings)
+    slurm: SlurmSettings = msgspec.field(default_factory=SlurmSettings)
 
 
 class Topology(_Section):

@@ -25,13 +25,8 @@ Order of events:
 
 from __future__ import annotations
 
-import os
-import random
 import re
-import shlex
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -42,9 +37,10 @@ import msgspec
 
 from relay.configs.checks import MODEL_PATH_KEYS, model_path_at, replace_model_path
 from relay.configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
-from relay.configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY, RunContext
+from relay.configs.rundir import RunContext
 from relay.configs.topology_schema import Topology
-from relay.launcher.plan import ProcessSpec, build_plan, remove_sockets, write_resolved
+from relay.launcher.backends import Backend, PlacementError, ProcessHandle, backend_for
+from relay.launcher.plan import ProcessSpec, remove_sockets, write_resolved
 from relay.launcher.resolve import ResolvedLaunch
 from relay.launcher.status import StatusBoard
 from relay.launcher.summary import summary
@@ -56,6 +52,9 @@ STOP_GRACE_S = 15.0  # SIGTERM, then this long (per wave), then SIGKILL
 KILLED_GONE_S = 10.0  # after the SIGKILL sweep: at most this long for the killed to vanish
 FINISH_GRACE_S = 30.0  # after the learner is done, how long the others get to exit
 NO_GENERATOR_GRACE_S = 120.0  # the run fails when no generator is alive this long
+RESTART_BACKOFF_S = 1.0  # a dead generator starts again after this, doubled per restart
+RESTART_BACKOFF_MAX_S = 30.0
+REPLACES_PID = "--replaces-pid"
 LOG_TAIL_LINES = 15
 
 
@@ -110,94 +109,14 @@ def built_model(name: str) -> Path:
     return path
 
 
-EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-LOWEST_PICKED_PORT = 20000
-
-
-def free_port(rng: random.Random | None = None) -> int:
-    """A loopback port nothing listens on now, below the kernel's ephemeral range.
-
-    A port the kernel handed out for ``bind(0)`` is free only until it hands it out again,
-    to any process's next outgoing connection or ``bind(0)``, before our process binds it
-    (the trackers' background services open sockets while a run starts). A port below the
-    ephemeral range is never handed out that way; it is taken only by an explicit bind."""
-    rng = rng or random.Random()
-    try:
-        ephemeral_low = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_low = 32768  # Linux's default range starts here
-    for _ in range(100):
-        port = rng.randrange(LOWEST_PICKED_PORT, max(ephemeral_low, LOWEST_PICKED_PORT + 1))
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as sock:  # every try was taken: let the kernel pick
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def assign_ports(topology: Topology) -> Topology:
-    """Replace every port 0 with a free port of this machine."""
-    replace = msgspec.structs.replace
-    buffer = topology.buffer if topology.buffer.port else replace(topology.buffer,
-                                                                  port=free_port())
-    learner = topology.learner
-    if not learner.weights_port:
-        learner = replace(learner, weights_port=free_port())
-    if not learner.weights_stream_port:
-        learner = replace(learner, weights_stream_port=free_port())
-    if not learner.master_port:
-        learner = replace(learner, master_port=free_port())
-    launcher = topology.launcher if topology.launcher.metrics_port else replace(
-        topology.launcher, metrics_port=free_port())
-    return replace(topology, buffer=buffer, learner=learner, launcher=launcher)
-
-
 class Running(msgspec.Struct):
+    """A started process of the plan: its spec, its handle from the backend, its log, and
+    how many times it was started again (a generator: ``max_restarts``)."""
+
     spec: ProcessSpec
-    popen: subprocess.Popen
+    process: ProcessHandle
     log: Path
-
-
-def push_run_dir(host: str, run_dir: Path, topology: Topology) -> None:
-    """Copy the resolved configs to the same run directory on a remote host, over ssh.
-
-    Each file is written under a temporary name and renamed into place, so a run directory
-    on a filesystem the hosts share is never truncated while it is being read.
-    """
-    ssh = [*shlex.split(topology.launcher.ssh), host]
-    subprocess.run([*ssh, f"mkdir -p {shlex.quote(str(run_dir))}"], check=True, timeout=60)
-    for name in (RESOLVED_TOPOLOGY, RESOLVED_RUN):
-        target = shlex.quote(str(run_dir / name))
-        partial = shlex.quote(str(run_dir / f".{name}.{os.getpid()}.partial"))
-        with open(run_dir / name, "rb") as source:
-            subprocess.run([*ssh, f"cat > {partial} && mv {partial} {target}"], stdin=source,
-                           check=True, timeout=60)
-
-
-def start(spec: ProcessSpec, topology: Topology, log_dir: Path) -> Running:
-    log = log_dir / f"{spec.name}.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # Idle OpenMP threads must sleep, not spin: the processes of a run share the cores, and
-    # spinning made steps 6-15x slower on a busy 2-core machine.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # glibc's malloc returns blocks above 128 KiB to the kernel when they are freed, so each
-    # pass's activations were fresh pages that the kernel zeroes on first touch; keeping
-    # blocks up to 32 MiB in the heap for reuse made a 24M-parameter learner step 6-15%
-    # faster (tools/bench-e2e.py --throughput's model, one rank, 2 threads).
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
-    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 40))
-    if spec.local:  # a remote process gets its env on its ssh command line
-        env.update(spec.env)
-    with open(log, "ab") as out:
-        popen = subprocess.Popen(spec.command_line(topology.launcher.ssh,
-                                                   topology.launcher.remote_workdir),
-                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True, env=env)
-    return Running(spec=spec, popen=popen, log=log)
+    restarts: int = 0
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -257,18 +176,18 @@ def stop_all(processes: list[Running]) -> None:
                  [p for p in processes if p.spec.role == "buffer"])
         for wave in waves:
             for proc in wave:
-                if proc.popen.poll() is None:
-                    _signal_group(proc, signal.SIGTERM)
+                if proc.process.poll() is None:
+                    proc.process.signal(signal.SIGTERM)
             deadline = time.monotonic() + STOP_GRACE_S
             while not hurry.is_set() and time.monotonic() < deadline and \
-                    any(p.popen.poll() is None for p in wave):
+                    any(p.process.poll() is None for p in wave):
                 time.sleep(0.1)
         for proc in processes:
-            _signal_group(proc, signal.SIGKILL)  # the group may hold children of an exited leader
-            if proc.popen.poll() is None:
-                proc.popen.wait()
+            proc.process.signal(signal.SIGKILL)  # the group may hold children of an exited leader
+            if proc.process.poll() is None:
+                proc.process.wait()
         deadline = time.monotonic() + KILLED_GONE_S
-        while time.monotonic() < deadline and _live_groups({p.popen.pid for p in processes}):
+        while time.monotonic() < deadline and any(p.process.group_alive() for p in processes):
             time.sleep(0.02)  # a killed child of a leader can take a moment to die
     finally:
         for sig, handler in previous.items():
@@ -284,48 +203,28 @@ def _catch_signals(caught: threading.Event) -> dict[int, object]:
             for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
-def _live_groups(groups: set[int]) -> set[int]:
-    """Which of the process ``groups`` still have a member that is not a zombie (Linux's
-    /proc; elsewhere none is known)."""
-    live = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, _ppid, group = stat.read_text().rpartition(")")[2].split()[:3]
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        if int(group) in groups and state not in "ZX":
-            live.add(int(group))
-    return live
-
-
-def _signal_group(proc: Running, sig: signal.Signals) -> None:
-    try:
-        os.killpg(proc.popen.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 class Supervisor:
     """Starts the plan and decides when and how the run ends."""
 
-    def __init__(self, resolved: ResolvedLaunch, topology: Topology, run: RunConfig) -> None:
+    def __init__(self, resolved: ResolvedLaunch, topology: Topology, run: RunConfig,
+                 backend: Backend) -> None:
         self.resolved, self.topology, self.run = resolved, topology, run
+        self.backend = backend
         self.run_dir = resolved.run_dir
+        self.log_dir = self.run_dir / "logs"
         self.processes: list[Running] = []
+        self.restart_due: dict[str, float] = {}  # generator name -> when to start it again
         self.board = StatusBoard(total_steps=run.trainer.total_training_steps,
                                  interactive=sys.stdout.isatty())
 
     def execute(self) -> Outcome:
-        log_dir = self.run_dir / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         context = RunContext(run_dir=self.run_dir, topology=self.topology, run=self.run)
         metrics = Puller(context.metrics_endpoint, bind=True, keys=context.server_keys())
         try:
-            plan = build_plan(self.topology, self.run, self.run_dir)
-            for host in sorted({spec.host for spec in plan if not spec.local}):
-                push_run_dir(host, self.run_dir, self.topology)
+            plan = self.backend.plan(self.topology, self.run, self.run_dir)
             for spec in plan:
-                self.processes.append(start(spec, self.topology, log_dir))
+                self.processes.append(self._start(spec))
             self.board.generators = sum(spec.role == "generator" for spec in plan)
             print(f"relay launch: run directory {self.run_dir}", flush=True)
             return self._watch(metrics)
@@ -335,6 +234,43 @@ class Supervisor:
             stop_all(self.processes)
             self.board.finish()
             metrics.close()
+
+    def _start(self, spec: ProcessSpec, restarts: int = 0) -> Running:
+        log = self.log_dir / f"{spec.name}.log"
+        return Running(spec=spec, process=self.backend.start(spec, self.topology, log), log=log,
+                       restarts=restarts)
+
+    def _generator_died(self, proc: Running, code: int, now: float) -> None:
+        """Say that a generator died and, while it has restarts left (``max_restarts``),
+        when it starts again: after ``RESTART_BACKOFF_S``, doubled at each restart."""
+        cause = last_exception(proc.log)  # e.g. a rollout workflow that raised
+        allowed = max_restarts(self.topology, proc.spec.name)
+        what = f"generator {proc.spec.name} died ({describe_exit(code)}" + \
+            (f", raising {cause}" if cause else "") + ")"
+        if proc.restarts < allowed:
+            delay = min(RESTART_BACKOFF_S * 2 ** proc.restarts, RESTART_BACKOFF_MAX_S)
+            self.restart_due[proc.spec.name] = now + delay
+            self.board.note(f"{what}; starting it again in {delay:.0f} s (restart "
+                            f"{proc.restarts + 1} of {allowed}); training goes on. "
+                            f"Log: {proc.log}")
+        else:
+            self.board.note(f"{what}{'; no restarts left' if allowed else ''}; training goes "
+                            f"on without it. Log: {proc.log}")
+
+    def _restart_due(self, now: float, reported_dead: set[str]) -> None:
+        """Start again each generator whose restart is due, under its name, telling the
+        buffer which dead process held that name (``--replaces-pid``)."""
+        for name, due in list(self.restart_due.items()):
+            if now < due:
+                continue
+            del self.restart_due[name]
+            index = next(i for i, p in enumerate(self.processes) if p.spec.name == name)
+            dead = self.processes[index]
+            spec = msgspec.structs.replace(dead.spec, argv=replacing(dead.spec.argv,
+                                                                     dead.process.pid))
+            self.processes[index] = self._start(spec, restarts=dead.restarts + 1)
+            reported_dead.discard(name)
+            self.board.note(f"generator {name} started again (restart {dead.restarts + 1})")
 
     def _watch(self, metrics: Puller) -> Outcome:
         learner_done_at: float | None = None
@@ -352,7 +288,7 @@ class Supervisor:
             self.board.render()
             now = time.monotonic()
             for proc in self.processes:
-                code = proc.popen.poll()
+                code = proc.process.poll()
                 if code is None or proc.spec.name in reported_dead:
                     continue
                 reported_dead.add(proc.spec.name)
@@ -362,16 +298,13 @@ class Supervisor:
                         code != 0 or self.board.step < self.run.trainer.total_training_steps):
                     return self._died(proc, code)  # exit code 0 too, unless the run is over
                 elif proc.spec.role == "generator" and code != 0 and learner_done_at is None:
-                    cause = last_exception(proc.log)  # e.g. a rollout workflow that raised
-                    self.board.note(f"generator {proc.spec.name} died ({describe_exit(code)}"
-                                    f"{', raising ' + cause if cause else ''}); "
-                                    f"training goes on. Log: {proc.log}")
+                    self._generator_died(proc, code, now)
                 elif proc.spec.role == "evaluator" and code != 0 and learner_done_at is None:
                     self.board.note(f"the evaluator died ({describe_exit(code)}); training "
                                     f"goes on WITHOUT held-out evaluation. Log: {proc.log}\n"
                                     f"{log_tail(proc.log)}")
             if learner_done_at is not None:
-                if all(p.popen.poll() is not None for p in self.processes) or \
+                if all(p.process.poll() is not None for p in self.processes) or \
                         now - learner_done_at > FINISH_GRACE_S:
                     return Outcome(code=0, reason=f"trained {self.run.trainer.total_training_steps}"
                                                   f" steps; results in {self.run_dir}")
@@ -383,10 +316,11 @@ class Supervisor:
                                               f"{log_tail(learner.log)}",
                                failed=f"stalled ({learner.spec.name} made no step within "
                                       "trainer.progress_timeout_s)")
+            self._restart_due(now, reported_dead)
             alive = [p for p in self.processes if p.spec.role == "generator"
-                     and p.popen.poll() is None]
+                     and p.process.poll() is None]
             attached = self.board.generators_attached()
-            if alive or attached:
+            if alive or attached or self.restart_due:
                 no_generator_since = None
             else:
                 no_generator_since = no_generator_since or now
@@ -412,9 +346,15 @@ class Supervisor:
 def launch(resolved: ResolvedLaunch) -> int:
     """Run the launch to its end; returns the launcher's exit code."""
     run = builtin_model(resolved.run)
-    topology = assign_ports(resolved.topology)
+    backend = backend_for(resolved.topology)
+    try:
+        topology = backend.place(resolved.topology, run)
+    except PlacementError as exc:
+        backend.close()
+        print(f"relay launch: {exc}", file=sys.stderr, flush=True)
+        return 2
     topology = write_resolved(topology, run, resolved.run_dir)
-    supervisor = Supervisor(resolved, topology, run)
+    supervisor = Supervisor(resolved, topology, run, backend)
     # SIGINT too: a launcher started in the background by a script inherits SIGINT ignored,
     # and an operator's `kill -INT` must still stop the run
     previous = {sig: signal.signal(sig, _raise_interrupt)
@@ -424,6 +364,7 @@ def launch(resolved: ResolvedLaunch) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        backend.close()
         if topology.security.sockets_dir != resolved.topology.security.sockets_dir:
             remove_sockets(Path(topology.security.sockets_dir))  # private_sockets made it
     stream = sys.stdout if outcome.code == 0 else sys.stderr
@@ -432,6 +373,20 @@ def launch(resolved: ResolvedLaunch) -> int:
                   run_dir=resolved.run_dir, tracking_uri=run.tracking.uri,
                   evaluates=run.evaluates), file=stream, flush=True)
     return outcome.code
+
+
+def max_restarts(topology: Topology, name: str) -> int:
+    """How many times the topology's generator ``name`` may be started again."""
+    return next((g.max_restarts for g in topology.generators if g.name == name), 0)
+
+
+def replacing(argv: list[str], pid: int) -> list[str]:
+    """A generator's command line that tells the buffer it replaces the dead process
+    ``pid`` under the same name (``relay.generators.main --replaces-pid``)."""
+    if REPLACES_PID in argv:
+        at = argv.index(REPLACES_PID)
+        argv = argv[:at] + argv[at + 2:]
+    return [*argv, REPLACES_PID, str(pid)]
 
 
 def _raise_interrupt(_signum: int, _frame: object) -> None:

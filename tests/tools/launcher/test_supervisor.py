@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from relay.configs.topology_schema import Topology
-from relay.launcher import supervisor
+from relay.launcher import ports, supervisor
+from relay.launcher.backends import PopenHandle, SubprocessBackend
 from relay.launcher.plan import ProcessSpec
 from relay.launcher.supervisor import Running, last_exception, stop_all
 
@@ -78,7 +79,7 @@ def start(tmp_path: Path, name: str, role: str, *, delay: float = 0.0,
     popen = subprocess.Popen(spec.argv, stdout=subprocess.PIPE, text=True,
                              start_new_session=True)
     assert popen.stdout is not None and popen.stdout.readline() == "ready\n"
-    return Running(spec=spec, popen=popen, log=tmp_path / f"{name}.log")
+    return Running(spec=spec, process=PopenHandle(popen), log=tmp_path / f"{name}.log")
 
 
 def stopped_at(tmp_path: Path, name: str) -> float:
@@ -90,7 +91,7 @@ def test_the_buffer_is_stopped_after_the_processes_that_talk_to_it(tmp_path: Pat
     buffer = start(tmp_path, "buffer", "buffer")
     learner = start(tmp_path, "learner", "learner")
     stop_all([buffer, learner, generator])
-    assert all(p.popen.poll() is not None for p in (generator, buffer, learner))
+    assert all(p.process.poll() is not None for p in (generator, buffer, learner))
     assert stopped_at(tmp_path, "buffer") > stopped_at(tmp_path, "gen0")
     assert stopped_at(tmp_path, "buffer") > stopped_at(tmp_path, "learner")
 
@@ -101,7 +102,7 @@ def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(
     stubborn = start(tmp_path, "gen0", "generator", stops=False)
     began = time.monotonic()
     stop_all([stubborn])
-    assert stubborn.popen.returncode == -signal.SIGKILL
+    assert stubborn.process.poll() == -signal.SIGKILL
     assert 1.0 <= time.monotonic() - began < 10.0
 
 
@@ -113,7 +114,7 @@ def test_a_second_ctrl_c_while_stopping_skips_the_grace(tmp_path: Path) -> None:
     began = time.monotonic()
     stop_all([stubborn, buffer])  # no KeyboardInterrupt out of it
     assert time.monotonic() - began < supervisor.STOP_GRACE_S / 2
-    assert stubborn.popen.returncode == -signal.SIGKILL and buffer.popen.poll() is not None
+    assert stubborn.process.poll() == -signal.SIGKILL and buffer.process.poll() is not None
     assert signal.getsignal(signal.SIGINT) is own_handler  # given back
 
 
@@ -148,7 +149,7 @@ def test_no_member_of_a_group_outlives_the_stop(tmp_path: Path,
                              start_new_session=True)
     assert popen.stdout is not None
     child = int(popen.stdout.readline())
-    stop_all([Running(spec=spec, popen=popen, log=tmp_path / "learner.log")])
+    stop_all([Running(spec=spec, process=PopenHandle(popen), log=tmp_path / "learner.log")])
     assert not alive(child)
 
 
@@ -158,12 +159,12 @@ def test_free_ports_come_from_below_the_kernels_ephemeral_range() -> None:
     import random
     import socket
 
-    low = int(supervisor.EPHEMERAL_RANGE_FILE.read_text().split()[0])
-    first = random.Random(7).randrange(supervisor.LOWEST_PICKED_PORT, low)
+    low = int(ports.EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    first = random.Random(7).randrange(ports.LOWEST_PICKED_PORT, low)
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", first))  # the first pick of that seed is taken
-        port = supervisor.free_port(random.Random(7))
-    assert port != first and supervisor.LOWEST_PICKED_PORT <= port < low
+        port = ports.free_port(random.Random(7))
+    assert port != first and ports.LOWEST_PICKED_PORT <= port < low
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))  # and it is free
 
@@ -178,9 +179,9 @@ def test_processes_start_with_sleeping_openmp_threads_and_a_malloc_that_keeps_bl
     spec = ProcessSpec(name="gen0", role="generator", host="127.0.0.1",
                        argv=[sys.executable, "-c", "import os; print([os.environ.get(n) for n "
                                                    f"in {names!r}])"])
-    running = supervisor.start(spec, Topology(), tmp_path)
-    assert running.popen.wait(timeout=60) == 0
-    assert running.log.read_text().strip() == str(["PASSIVE", str(32 << 20), "12345"])
+    log = tmp_path / "gen0.log"
+    assert SubprocessBackend("local").start(spec, Topology(), log).popen.wait(timeout=60) == 0
+    assert log.read_text().strip() == str(["PASSIVE", str(32 << 20), "12345"])
 
 
 def test_a_local_process_starts_with_the_environment_its_plan_gives_it(
@@ -194,6 +195,6 @@ def test_a_local_process_starts_with_the_environment_its_plan_gives_it(
                        env={"CUDA_VISIBLE_DEVICES": "2"},
                        argv=[sys.executable, "-c", "import os; print([os.environ.get(n) for n "
                                                    f"in {names!r}])"])
-    running = supervisor.start(spec, Topology(), tmp_path)
-    assert running.popen.wait(timeout=60) == 0
-    assert running.log.read_text().strip() == str(["2", "INFO"])
+    log = tmp_path / "gen0.log"
+    assert SubprocessBackend("local").start(spec, Topology(), log).popen.wait(timeout=60) == 0
+    assert log.read_text().strip() == str(["2", "INFO"])
