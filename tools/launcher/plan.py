@@ -32,7 +32,7 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -135,9 +135,11 @@ def new_run_dir(run: RunConfig, now: float | None = None) -> Path:
 
 def build_plan(topology: Topology, run: RunConfig, run_dir: Path,
                python: str = sys.executable,
-               environ: Mapping[str, str] = os.environ) -> list[ProcessSpec]:
-    """The buffer, the learner (one torchrun per learner host), every generator, and the
-    evaluator when the run evaluates held-out data; ``environ`` is the launcher's."""
+               environ: Mapping[str, str] = os.environ,
+               learner_ranks: bool = False) -> list[ProcessSpec]:
+    """The buffer, the learner (one torchrun per learner host, or with ``learner_ranks``
+    one process per rank: ``learner_rank_specs``), every generator, and the evaluator when
+    the run evaluates held-out data; ``environ`` is the launcher's."""
     local_py = python
     remote_py = topology.launcher.remote_python
 
@@ -150,7 +152,9 @@ def build_plan(topology: Topology, run: RunConfig, run_dir: Path,
                         argv=module_argv(py(topology.buffer.host), "relay.buffer.main", *common),
                         env=process_env(topology.buffer.host, "cpu", None, environ=environ))]
     learner = topology.learner
-    for node_rank, host in enumerate(learner.hosts):
+    if learner_ranks:
+        plan += learner_rank_specs(learner, py, common, environ)
+    for node_rank, host in enumerate([] if learner_ranks else learner.hosts):
         env = process_env(host, learner.device, learner.gpus, environ=environ)
         if len(learner.hosts) == 1:
             env |= {name: LOOPBACK_INTERFACE for name in ONE_HOST_SOCKETS if name not in environ}
@@ -174,6 +178,30 @@ def build_plan(topology: Topology, run: RunConfig, run_dir: Path,
                                                 evaluator.gpus, engine=evaluator.engine,
                                                 environ=environ)))
     return plan
+
+
+def learner_rank_specs(learner: LearnerPlacement, python: Callable[[str], str],
+                       args: list[str], environ: Mapping[str, str]) -> list[ProcessSpec]:
+    """The learner as one process per rank, started by a backend that places each rank
+    itself (Ray): ``relay.learner.main`` with torch.distributed's environment as torchrun
+    sets it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``),
+    meeting at ``hosts[0]:master_port`` (``MASTER_ADDR``, ``MASTER_PORT``). ``hosts`` are the
+    nodes the backend placed the learner's ranks on, one entry per node."""
+    world = len(learner.hosts) * learner.nproc_per_node
+    one_host = all(is_loopback(host) for host in learner.hosts)
+    specs = []
+    for rank in range(world):
+        node, local_rank = divmod(rank, learner.nproc_per_node)
+        host = learner.hosts[node]
+        env = process_env(host, learner.device, None, environ=environ) | {
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(learner.nproc_per_node), "GROUP_RANK": str(node),
+            "MASTER_ADDR": learner.hosts[0], "MASTER_PORT": str(learner.master_port)}
+        if one_host:
+            env |= {name: LOOPBACK_INTERFACE for name in ONE_HOST_SOCKETS if name not in environ}
+        specs.append(ProcessSpec(name=f"learner-{rank}", role="learner", host=host, env=env,
+                                 argv=module_argv(python(host), "relay.learner.main", *args)))
+    return specs
 
 
 def learner_argv(python: str, learner: LearnerPlacement, node_rank: int, run_id: str,

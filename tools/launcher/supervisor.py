@@ -230,6 +230,8 @@ class Supervisor:
             return self._watch(metrics)
         except KeyboardInterrupt:
             return Outcome(code=130, reason="interrupted (Ctrl-C); stopped every process")
+        except PlacementError as exc:
+            return Outcome(code=2, reason=str(exc), failed="placement")
         finally:
             stop_all(self.processes)
             self.board.finish()
@@ -292,8 +294,10 @@ class Supervisor:
                 if code is None or proc.spec.name in reported_dead:
                     continue
                 reported_dead.add(proc.spec.name)
-                if proc.spec.role == "learner" and code == 0:
-                    learner_done_at = learner_done_at or now
+                if proc.spec.role == "learner" and code == 0:  # done when every rank is
+                    if all(p.process.poll() == 0 for p in self.processes
+                           if p.spec.role == "learner"):
+                        learner_done_at = learner_done_at or now
                 elif proc.spec.essential and learner_done_at is None and (
                         code != 0 or self.board.step < self.run.trainer.total_training_steps):
                     return self._died(proc, code)  # exit code 0 too, unless the run is over
