@@ -31,7 +31,13 @@ Authorization: ``SENDERS`` names the role (``relay.transport.roles``) that may s
 a request from a connection in another role, or whose CURVE key may not take that role,
 is refused (``ErrorReply(code="forbidden")``) and counted (``rejected/forbidden``). A
 generator's name belongs to one live process: another process attaching under it is
-refused, with the time after which the name may be free (``rejected/name_in_use``). Values
+refused, with the time after which the name may be free (``rejected/name_in_use``), unless
+it names the holder as the dead process it replaces (``Attach.replaces_pid``, the holder's
+pid on the sender's host: the launcher restarting a generator that died vouches for that).
+It takes the name at once, the dead process's leased prompts go back to the pool, and it
+is counted (``generators/replaced``) and logged; a ``replaces_pid`` that is not the
+holder's changes nothing. A generator may lie about its pid as about anything else: a
+name is a claim among processes holding the generator role, not a credential. Values
 no honest learner sends (``relay.buffer.validation``) are refused as ``bad_request``, and a
 rollout group is judged whole before its prompt leaves the lease.
 
@@ -119,7 +125,7 @@ COUNTERS = ("groups/accepted", "groups/served", "groups/trained", "groups/failed
             "prompts/leased", "prompts/completed", "prompts/expired", "prompts/returned",
             "samples/reward_errors", "samples/filtered", "rejected/unexpected_message",
             "rejected/forbidden", "rejected/bad_request", "rejected/name_in_use",
-            "requests/bad_priorities", "rollout_log/write_errors",
+            "generators/replaced", "requests/bad_priorities", "rollout_log/write_errors",
             "rollout_dump/write_errors")
 SENDERS: dict[type[Message], Role] = {
     Attach: "generator", Heartbeat: "generator", Detach: "generator",
@@ -213,10 +219,19 @@ class Hub:
             silent_in = holder.last_seen + self.config.heartbeat_timeout_s - now
             reason = (f"the name {msg.generator_id!r} belongs to a live generator (pid "
                       f"{holder.pid} on {holder.host or '?'}, heard from "
-                      f"{now - holder.last_seen:.0f} s ago); pick another name")
+                      f"{now - holder.last_seen:.0f} s ago)"
+                      + (f", not to pid {msg.replaces_pid}, which this process replaces"
+                         if msg.replaces_pid else "") + "; pick another name")
             logger.warning("refused pid %d on %s: %s", msg.pid, msg.host or "?", reason)
             return AttachAck(accepted=False, reason=reason, retry_after_s=silent_in + 1.0)
-        self._give_back(self.leases.release(msg.generator_id))  # a restarted generator
+        replaced = self.registry.replaced(msg)
+        returned = self.leases.release(msg.generator_id)
+        self._give_back(returned)  # a restarted generator's leases: its old process's
+        if replaced is not None:
+            self.counts["generators/replaced"] += 1
+            logger.warning("generator %s restarted, replacing dead pid %d on %s (%d leased "
+                           "prompts back in the pool)", msg.generator_id, replaced.pid,
+                           replaced.host or "?", len(returned))
         self.registry.attach(msg, now)
         logger.info("generator %s attached (%s on %s of %s, pid %d, weights version %d)",
                     msg.generator_id, msg.engine, msg.device, msg.host, msg.pid, msg.version)

@@ -4,7 +4,9 @@ A generator is alive while its heartbeats (or any request) arrive within the tim
 that falls silent is declared dead and forgotten (the hub then returns its leases). A name
 belongs to one process (host and pid) while it is alive: another process attaching under it
 is refused (``Registry.holder``), never let take it over; the same process attaching again
-(after the buffer forgot it) is welcome. This module knows membership and clocks only.
+(after the buffer forgot it) is welcome, and so is the process the launcher started again in
+place of the holder after it died (``Attach.replaces_pid`` names the holder's pid on the same
+host: ``Registry.replaced``). This module knows membership and clocks only.
 """
 
 from __future__ import annotations
@@ -43,11 +45,23 @@ class Registry:
 
     def holder(self, msg: Attach, now: float) -> GeneratorInfo | None:
         """The live generator of another process that holds the name ``msg`` asks for, or
-        None when the name is free to take."""
+        None when the name is free to take: nobody holds it, its holder fell silent, is the
+        sender itself, or is the dead process the sender replaces (``replaced``)."""
         info = self.generators.get(msg.generator_id)
         if info is None or now - info.last_seen > self.heartbeat_timeout_s:
             return None
-        return None if (info.host, info.pid) == (msg.host, msg.pid) else info
+        if (info.host, info.pid) == (msg.host, msg.pid) or self.replaced(msg) is info:
+            return None
+        return info
+
+    def replaced(self, msg: Attach) -> GeneratorInfo | None:
+        """The generator that ``msg`` was started in place of: the holder of its name whose
+        host and pid are the sender's host and ``replaces_pid`` (the launcher vouches that
+        this process is dead), or None."""
+        info = self.generators.get(msg.generator_id)
+        if info is None or not msg.replaces_pid or msg.replaces_pid == msg.pid:
+            return None
+        return info if (info.host, info.pid) == (msg.host, msg.replaces_pid) else None
 
     def touch(self, generator_id: str, now: float) -> bool:
         """Record that a generator spoke; False if it is not attached."""

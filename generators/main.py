@@ -8,6 +8,10 @@ threads come from the command line, else from the topology's first generator.
 
 Seeds: the topology's i-th generator draws from ``trainer.seed * 1000 + i``; an attached one
 from a hash of its name, never one of those.
+
+``--replaces-pid PID``: the launcher started this generator again after its process ``PID``
+(on this host) died; the buffer gives it the name that process may still hold at once,
+instead of after ``buffer.heartbeat_timeout_s`` (``relay.buffer.registry``).
 """
 
 from __future__ import annotations
@@ -47,7 +51,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine", help="with --attached: the inference engine")
     parser.add_argument("--device", help="with --attached: the device")
     parser.add_argument("--threads", type=int, help="with --attached: torch threads (0: all)")
+    parser.add_argument("--replaces-pid", type=positive_pid, default=0, metavar="PID",
+                        help="the pid, on this host, of the dead process this one was started "
+                             "in place of (the launcher's restart): the name it held is "
+                             "taken at once")
     return parser.parse_args(argv)
+
+
+def positive_pid(text: str) -> int:
+    """A process id from the command line; argparse names the option when it is not one."""
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"a process id is a positive integer, not {text!r}")
+    return int(text)
 
 
 def placement_and_seed(ctx: RunContext, args: argparse.Namespace) -> tuple[GeneratorPlacement, int]:
@@ -111,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                          tokenizer=tokenizer, scorer=scorer, rollout=run.rollout,
                          data=run.data, buffer=run.buffer,
                          overlong=run.reward_model.overlong_buffer, seed=seed,
-                         keys=ctx.client_keys(), workflow=configured_workflow(run.rollout))
+                         keys=ctx.client_keys(), workflow=configured_workflow(run.rollout),
+                         replaces_pid=args.replaces_pid)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

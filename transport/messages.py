@@ -67,7 +67,9 @@ class Message(
 
 
 class Attach(Message):
-    """A generator announces itself to the buffer."""
+    """A generator announces itself to the buffer. ``replaces_pid`` (not 0): this process
+    was started again by the launcher in place of the dead process ``replaces_pid`` of the
+    same ``host``, which may still hold the name (``relay.buffer.registry.Registry.holder``)."""
 
     generator_id: str
     engine: str
@@ -75,6 +77,7 @@ class Attach(Message):
     host: str = ""
     pid: int = 0
     version: int = 0  # weight version the generator holds right now
+    replaces_pid: int = 0
 
 
 class AttachAck(Message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import get_args
 
@@ -494,6 +495,32 @@ def test_a_second_process_under_a_live_name_is_refused_not_let_take_over(make_hu
     clock.now += 31.0  # the first process died: its name is free once it falls silent
     taken = hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="b", pid=2))
     assert taken.accepted and hub.registry.generators["gen"].pid == 2
+
+
+def test_a_generator_restarted_in_place_of_its_dead_process_takes_its_name_at_once(
+        make_hub, clock, caplog: pytest.LogCaptureFixture) -> None:
+    hub = make_hub(batch_size=8, per_lease=2)
+    hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="a", pid=1))
+    held = lease(hub, "gen")  # then pid 1 dies, its last heartbeat a moment ago
+    clock.now += 1.0
+    wrong = hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="a",
+                              pid=2, replaces_pid=7))
+    assert not wrong.accepted and "not to pid 7, which this process replaces" in wrong.reason
+    assert hub.counts["rejected/name_in_use"] == 1 and hub.leases.running == len(held.prompts)
+    with caplog.at_level(logging.WARNING, logger="relay.buffer.hub"):
+        reply = hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="a",
+                                  pid=2, replaces_pid=1))
+    assert isinstance(reply, AttachAck) and reply.accepted
+    assert hub.registry.generators["gen"].pid == 2
+    assert hub.counts["generators/replaced"] == 1
+    assert hub.leases.running == 0  # the dead process's prompts are back in the pool
+    assert hub.counts["prompts/returned"] == len(held.prompts)
+    assert f"generator gen restarted, replacing dead pid 1 on a ({len(held.prompts)} leased " \
+           "prompts back in the pool)" in caplog.text
+    assert hub.accounting_problems() == []
+    again = hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="a",
+                              pid=2, replaces_pid=1))  # the same process, attaching again
+    assert again.accepted and hub.counts["generators/replaced"] == 1
 
 
 def test_a_lease_its_generator_never_heard_of_expires_while_the_generator_progresses(

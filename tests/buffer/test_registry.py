@@ -37,3 +37,22 @@ def test_a_live_name_belongs_to_its_process() -> None:
     assert registry.holder(restarted, now=20.0) is registry.generators["a"]  # not yet silent
     assert registry.holder(first, now=20.0) is None  # the same process again
     assert registry.holder(other, now=31.0) is None  # the holder fell silent
+
+
+def test_a_name_is_free_to_the_process_restarted_in_place_of_its_dead_holder() -> None:
+    registry = Registry(heartbeat_timeout_s=30.0)
+    registry.attach(Attach(generator_id="a", engine="torch", device="cpu", host="h1", pid=10),
+                    now=0.0)
+    holder = registry.generators["a"]
+
+    def restarted(host: str, replaces_pid: int) -> Attach:
+        return Attach(generator_id="a", engine="torch", device="cpu", host=host, pid=11,
+                      replaces_pid=replaces_pid)
+
+    assert registry.replaced(restarted("h1", 10)) is holder
+    assert registry.holder(restarted("h1", 10), now=1.0) is None  # not silent, yet free
+    for other in (restarted("h1", 9), restarted("h2", 10), restarted("h1", 0)):
+        assert registry.replaced(other) is None
+        assert registry.holder(other, now=1.0) is holder
+    assert registry.replaced(Attach(generator_id="b", engine="torch", device="cpu", host="h1",
+                                    pid=11, replaces_pid=10)) is None  # another name's

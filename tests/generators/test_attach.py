@@ -2,15 +2,17 @@
 (``GeneratorLoop._attach``) and leaving (``GeneratorLoop.run`` stopped).
 
 A generator restarted under its name before the buffer noticed its old process die waits
-until the buffer declares that process silent, then attaches; a name whose holder keeps
-talking stops the generator with ``NameInUse``. A generator that is stopped returns its
-leases and detaches.
+until the buffer declares that process silent, then attaches, unless it names that process
+as the one it replaces (the launcher's ``--replaces-pid``): then it attaches at once; a name
+whose holder keeps talking stops the generator with ``NameInUse``. A generator that is
+stopped returns its leases and detaches.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -94,7 +96,7 @@ NOBODY_STREAMS = "tcp://127.0.0.1:9"  # the discard port: no weight stream liste
 
 
 def loop(buffer_endpoint: str, weights_endpoint: str, data: DataConfig | None = None,
-         buffer: BufferConfig | None = None) -> GeneratorLoop:
+         buffer: BufferConfig | None = None, replaces_pid: int = 0) -> GeneratorLoop:
     return GeneratorLoop(generator_id="gen0", buffer_endpoint=buffer_endpoint,
                          weights_endpoint=weights_endpoint,
                          weights_stream_endpoint=NOBODY_STREAMS, engine=EndlessEngine(),
@@ -103,12 +105,42 @@ def loop(buffer_endpoint: str, weights_endpoint: str, data: DataConfig | None = 
                          data=data or DataConfig(train_files=[], max_prompt_length=16),
                          buffer=buffer or BufferConfig(client_patience_s=5.0,
                                                        weights_timeout_s=60.0),
-                         overlong=OverlongBufferConfig())
+                         overlong=OverlongBufferConfig(), replaces_pid=replaces_pid)
 
 
-def old_process(hub: Hub) -> None:
+def old_process(hub: Hub, host: str = "elsewhere", pid: int = 1) -> None:
     """``gen0`` attached from another process, which may then die or keep talking."""
-    hub.handle(Attach(generator_id="gen0", engine="lean", device="cpu", host="elsewhere", pid=1))
+    hub.handle(Attach(generator_id="gen0", engine="lean", device="cpu", host=host, pid=pid))
+
+
+def talking(hub: Hub):
+    """A handler for ``hub`` before which ``gen0``'s old process heartbeats: never silent."""
+
+    def holder_alive(msg: Message, peer: Peer) -> Message:
+        hub.handle(Heartbeat(generator_id="gen0", version=0))  # the old process's heartbeat
+        return hub.handle(msg, peer)
+
+    return holder_alive
+
+
+def test_a_generator_restarted_in_place_of_its_dead_process_attaches_at_once(
+        hub: Hub, weights: str) -> None:
+    old_process(hub, host=socket.gethostname(), pid=4242)  # its last heartbeat just now
+    with serve(talking(hub)) as endpoint:
+        began = time.monotonic()
+        assert loop(endpoint, weights, replaces_pid=4242)._attach()
+    assert time.monotonic() - began < HEARTBEAT_TIMEOUT_S  # no wait for it to fall silent
+    assert hub.registry.generators["gen0"].pid == os.getpid()
+    assert hub.counts["generators/replaced"] == 1 and hub.counts["rejected/name_in_use"] == 0
+
+
+def test_replacing_another_pid_than_the_holders_takes_nothing(hub: Hub, weights: str) -> None:
+    old_process(hub, host=socket.gethostname(), pid=4242)
+    with serve(talking(hub)) as endpoint:
+        with pytest.raises(NameInUse, match=r"not to pid 4243, which this process replaces"):
+            loop(endpoint, weights, replaces_pid=4243)._attach()
+    assert hub.registry.generators["gen0"].pid == 4242
+    assert hub.counts["generators/replaced"] == 0
 
 
 def test_a_restarted_generator_attaches_once_its_old_process_falls_silent(
@@ -128,12 +160,7 @@ def test_a_restarted_generator_attaches_once_its_old_process_falls_silent(
 def test_a_name_whose_holder_keeps_talking_is_given_up_with_name_in_use(
         hub: Hub, weights: str) -> None:
     old_process(hub)
-
-    def holder_alive(msg: Message, peer: Peer) -> Message:
-        hub.handle(Heartbeat(generator_id="gen0", version=0))  # the old process's heartbeat
-        return hub.handle(msg, peer)
-
-    with serve(holder_alive) as endpoint:
+    with serve(talking(hub)) as endpoint:
         began = time.monotonic()
         with pytest.raises(NameInUse, match="the name 'gen0' belongs to a live generator "
                                             r"\(pid 1 on elsewhere"):

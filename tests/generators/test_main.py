@@ -68,3 +68,14 @@ def test_an_attached_generator_option_the_schema_refuses_is_named(tmp_path: Path
                                          r"at `\$.threads`"):
         placement_and_seed(context(tmp_path), args("--name", "extra", "--attached",
                                                    "--threads", "-1"))
+
+
+def test_a_restarted_generator_names_the_dead_pid_it_replaces(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert args("--name", "gen0").replaces_pid == 0
+    assert args("--name", "gen0", "--replaces-pid", "4242").replaces_pid == 4242
+    for bad in ("0", "-3", "abc"):
+        with pytest.raises(SystemExit):
+            args("--name", "gen0", "--replaces-pid", bad)
+        assert f"--replaces-pid: a process id is a positive integer, not '{bad}'" in \
+            capsys.readouterr().err
