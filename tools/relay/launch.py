@@ -17,6 +17,10 @@ GPU is warned about (``relay.launcher.memory``). ``--dry-run`` prints the resolv
 the processes that would start, and exits. verl's ``--config-path DIR --config-name NAME``
 (a recipe's Hydra config file, ``DIR/NAME.yaml``, over verl's ``ppo_trainer`` defaults) reads
 that file's keys as overrides placed before the command line's, so the command line wins.
+With ``launcher.backend = "slurm"`` the launch becomes one Slurm job: the run directory and
+its job script ``RUN_DIR/relay.sbatch`` are written, the script is submitted with ``sbatch``
+and the job followed from here until it ends (``relay.launcher.slurm_job``; ``--dry-run``
+prints the script and its job steps).
 ``--resume RUN_DIR`` continues the run in RUN_DIR from its newest complete checkpoint, with
 the configs stored there (and any overrides, e.g. more ``trainer.total_training_steps``).
 """
@@ -54,6 +58,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="print the resolved configs and the processes, start nothing")
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its newest complete checkpoint")
+    parser.add_argument("--slurm-job", metavar="RUN_DIR", help=argparse.SUPPRESS)
+    # inside the Slurm job its script submitted: launch RUN_DIR's resolved configs
     parser.add_argument("--config-path", metavar="DIR",
                         help="verl's Hydra config folder (with --config-name)")
     parser.add_argument("--config-name", metavar="NAME",
@@ -116,12 +122,25 @@ def hydra_file_overrides(config_dir: Path, name: str) -> list[str]:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="relay launch: %(message)s")
+    if args.slurm_job:
+        from relay.launcher.slurm_job import run_job
+
+        try:
+            return run_job(Path(args.slurm_job))
+        except ConfigError as exc:
+            print(f"relay launch: config error: {exc}", file=sys.stderr)
+            return 2
     try:
         if args.resume:
             resolved = resolve_resume(args.resume, args.topology_overrides, args.run_overrides)
         else:
             resolved = resolve_launch(args.topology, args.run, args.topology_overrides,
                                       args.run_overrides)
+        slurm = resolved.topology.launcher.backend == "slurm"
+        if slurm:  # a plan the job cannot hold is refused before anything is written
+            from relay.launcher.slurm import layout
+
+            layout(resolved.topology, resolved.run, resolved.topology_file)
     except ConfigError as exc:
         print(f"relay launch: config error: {exc}", file=sys.stderr)
         return 2
@@ -129,11 +148,24 @@ def main(argv: list[str]) -> int:
         logging.warning(warning)
     if args.dry_run:
         print(dry_run_report(resolved))
+        if slurm:
+            from relay.launcher.slurm_job import dry_run_text
+
+            print(dry_run_text(resolved))
         return 0
     if resolved.run.trainer.resume_mode == "resume_path":
         print(f"relay launch: resuming from {resolved.run.trainer.resume_from_path}",
               flush=True)
     report_verl_keys(resolved, resumed=bool(args.resume))
+    if slurm:
+        from relay.launcher.slurm_job import SlurmError, follow, submit
+
+        try:
+            job_id = submit(resolved)
+        except SlurmError as exc:
+            print(f"relay launch: {exc}", file=sys.stderr)
+            return 2
+        return follow(job_id, resolved.run_dir)
     from relay.launcher.supervisor import launch
 
     return launch(resolved)

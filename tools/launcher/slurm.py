@@ -1,0 +1,374 @@
+"""The Slurm backend inside its job: the plan's processes as ``srun`` job steps.
+
+``relay.launcher.slurm_job`` submits one ``sbatch`` script per run; the script runs Relay's
+own supervisor (``relay.launcher.supervisor``) on the job's first node, and the supervisor
+starts each process of the plan through ``SlurmStepBackend`` as a job step of its own.
+
+Layout (``layout``; the same on the login node, where it sizes the job, and in the job,
+where it names the nodes): the learner takes the job's first ``learner.nnodes`` nodes
+(0: ``len(learner.hosts)``), ``nproc_per_node`` ranks and GPUs on each; then the buffer,
+each generator and the evaluator, in that order, go to the first node with their GPUs (and,
+with ``launcher.slurm.cpus_per_node`` set, their CPUs) still free. A node holds
+``launcher.slurm.gpus_per_node`` GPUs (0: as many as the largest process takes). A
+process's GPUs follow from its device: none on the CPU; on ``cuda`` its tensor-parallel size
+under vLLM and SGLang, else one; Slurm picks which (``--gpus-per-task``, and it sets
+``CUDA_VISIBLE_DEVICES``), so a topology that lists ``gpus`` or names ``cuda:N`` or
+``auto`` is refused. Its CPUs are its ``cpus`` (rounded up; the learner: per rank), its
+memory ``memory_gib`` (0: the step asks for none; on a cluster that accounts memory, set
+it, or each step gets the job's whole memory of its node and the next one waits).
+
+Steps (``step_argv``): every step is ``srun --exact`` with its nodes, tasks, GPUs, CPUs and
+memory; a step of one task writes its pid on its node to ``RUN_DIR/slurm/<name>.pid``
+first (a restarted generator tells the buffer the pid it replaces, ``--replaces-pid``),
+generators and the evaluator with ``--kill-on-bad-exit=0``. The learner is one step of
+``nnodes`` tasks, one per node, each running torchrun for that node's ranks: on one node
+with its c10d rendezvous on the loopback interface (``relay.launcher.plan.learner_argv``),
+on several with torch's static rendezvous at ``hosts[0]:master_port`` and the node's rank
+from Slurm (``PET_NODE_RANK=$SLURM_NODEID``). c10d's rendezvous across nodes would order
+the nodes by host name, and Relay needs rank 0 on ``hosts[0]``, where the topology says it
+binds the weights ports.
+
+Addresses: a job of one node without CURVE keeps every host at 127.0.0.1 (its sockets are
+files in the run directory); a job of several nodes needs CURVE (``[security] curve =
+true`` and ``keys_dir``), and every host becomes its node's name, the launcher's the first
+node's (where the supervisor runs). Ports left at 0 are picked free on the first node.
+
+Signals: the supervisor signals ``srun``, which forwards SIGTERM to the step's tasks; a
+step whose ``srun`` was killed outright ends with the job, which ends when the supervisor
+does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import msgspec
+
+from relay.configs.loader import ConfigError
+from relay.configs.run_schema import RunConfig
+from relay.configs.topology_schema import EnginePlacement, Topology
+from relay.launcher.backends import (
+    PlacementError,
+    PopenHandle,
+    child_env,
+    start_popen,
+)
+from relay.launcher.child import module_argv
+from relay.launcher.plan import ProcessSpec, build_plan
+from relay.launcher.ports import assign_ports
+
+SRUN = "srun"
+SCONTROL = "scontrol"
+NODELIST_VARIABLE = "SLURM_JOB_NODELIST"
+PID_FOLDER = "slurm"  # RUN_DIR/slurm/<name>.pid: each one-task step's pid on its node
+RECORD_PID = 'echo $$ > "$0" && exec "$@"'
+"""``sh -c`` script: write this shell's pid to the file ``$0``, then become the command
+(so the pid is the command's)."""
+NODE_RANK = 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"'
+"""``sh -c`` script: the command with torchrun's ``--node-rank`` (its variable
+``PET_NODE_RANK``) set to this task's node within the step."""
+LOOPBACK = "127.0.0.1"
+JOB_REQUESTS = ("SLURM_MEM_PER_NODE", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_GPU", "SLURM_GPUS",
+                "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK", "SLURM_TRES_PER_TASK")
+"""What the job asked for, which ``srun`` would take as a step's own request from the
+environment (the job's whole memory of a node for every step: the next one on that node
+would wait): a step asks for what its options say, no more."""
+
+
+class Demand(msgspec.Struct, frozen=True):
+    """What one process (the learner: one node of it) takes of its node."""
+
+    gpus: int
+    cpus: int
+    memory_gib: float
+
+
+class Layout(msgspec.Struct, frozen=True):
+    """Where each process goes, as indices of the job's nodes: the learner on nodes
+    ``0 .. learner_nodes - 1``, every other process (``node_of``: its plan name) on one."""
+
+    nodes: int  # how many the job needs
+    learner_nodes: int
+    node_of: dict[str, int]
+    demand: dict[str, Demand]  # by plan name; the learner's is per node
+    gpus_per_node: int  # what the job asks for on each node (0: none)
+    cpus_per_node: int
+    memory_gib_per_node: float
+
+
+def engine_gpus(placement: EnginePlacement) -> int:
+    """The GPUs a generator or the evaluator takes: its engine's tensor-parallel size
+    (vLLM, SGLang) or one, on ``cuda``; none on the CPU."""
+    if placement.device == "cpu":
+        return 0
+    if placement.engine in ("vllm", "sglang"):
+        return getattr(placement, placement.engine).tensor_model_parallel_size
+    return 1
+
+
+def check_slurm_topology(topology: Topology, source: str) -> None:
+    """``ConfigError`` for what Slurm decides itself: GPU lists and GPU indices, and a device
+    it cannot size (``auto``)."""
+    devices = {"learner": topology.learner.device, "evaluator": topology.evaluator.device}
+    gpu_lists = {"learner": topology.learner.gpus, "evaluator": topology.evaluator.gpus}
+    for i, gen in enumerate(topology.generators):
+        devices[f"generators[{i}]"] = gen.device
+        gpu_lists[f"generators[{i}]"] = gen.gpus
+    for key, gpus in gpu_lists.items():
+        if gpus is not None:
+            raise ConfigError(source, f"{key}.gpus", (
+                f"{gpus} with launcher.backend = \"slurm\": Slurm picks each step's GPUs "
+                "(--gpus-per-task) and sets CUDA_VISIBLE_DEVICES; remove the list"))
+    for key, device in devices.items():
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(source, f"{key}.device", (
+                f"{device!r} with launcher.backend = \"slurm\": say \"cpu\" or \"cuda\", so "
+                "that the job asks for the GPUs it needs and Slurm picks which"))
+
+
+def demands(topology: Topology, run: RunConfig) -> dict[str, Demand]:
+    """Each process's demand by its plan name (the learner: per node), in layout order."""
+    learner = topology.learner
+    ranks = learner.nproc_per_node
+    found = {"learner": Demand(gpus=ranks if learner.device == "cuda" else 0,
+                               cpus=math.ceil(learner.cpus * ranks),
+                               memory_gib=learner.memory_gib * ranks),
+             "buffer": Demand(gpus=0, cpus=math.ceil(topology.buffer.cpus),
+                              memory_gib=topology.buffer.memory_gib)}
+    engines: list[tuple[str, EnginePlacement]] = [(g.name, g) for g in topology.generators]
+    if run.evaluates:
+        engines.append(("evaluator", topology.evaluator))
+    for name, placement in engines:
+        found[name] = Demand(gpus=engine_gpus(placement), cpus=math.ceil(placement.cpus),
+                             memory_gib=placement.memory_gib)
+    return found
+
+
+def layout(topology: Topology, run: RunConfig, source: str = "the topology") -> Layout:
+    """Where each process goes (module docstring); ``ConfigError`` for a process that no node
+    can hold, or several nodes without CURVE."""
+    check_slurm_topology(topology, source)
+    settings = topology.launcher.slurm
+    need = demands(topology, run)
+    gpu_cap = settings.gpus_per_node or max(d.gpus for d in need.values())
+    cpu_cap = settings.cpus_per_node or math.inf
+    for name, demand in need.items():
+        what = f"the learner's {topology.learner.nproc_per_node} ranks of a node" \
+            if name == "learner" else name
+        if demand.gpus > gpu_cap or demand.cpus > cpu_cap:
+            raise ConfigError(source, "launcher.slurm", (
+                f"{what} take {demand.gpus} GPU(s) and {demand.cpus} CPU(s), more than a node "
+                f"of the job holds (gpus_per_node = {gpu_cap}, cpus_per_node = "
+                f"{settings.cpus_per_node or 'any'})"))
+    learner_nodes = topology.learner.nnodes or len(topology.learner.hosts)
+    used = [[need["learner"].gpus, need["learner"].cpus, need["learner"].memory_gib]
+            for _ in range(learner_nodes)]
+    node_of: dict[str, int] = {}
+    for name, demand in need.items():
+        if name == "learner":
+            continue
+        node = next((i for i, (gpus, cpus, _) in enumerate(used)
+                     if gpus + demand.gpus <= gpu_cap and cpus + demand.cpus <= cpu_cap), None)
+        if node is None:
+            node = len(used)
+            used.append([0, 0, 0.0])
+        used[node][0] += demand.gpus
+        used[node][1] += demand.cpus
+        used[node][2] += demand.memory_gib
+        node_of[name] = node
+    if len(used) > 1 and not topology.security.curve:
+        raise ConfigError(source, "security.curve", (
+            f"the plan needs {len(used)} nodes of the Slurm job, and Relay talks between nodes "
+            "only over CURVE: set [security] curve = true and keys_dir (see "
+            "tools/make-curve-keys.py)"))
+    return Layout(nodes=len(used), learner_nodes=learner_nodes, node_of=node_of, demand=need,
+                  gpus_per_node=settings.gpus_per_node or max(u[0] for u in used),
+                  cpus_per_node=settings.cpus_per_node or max(u[1] for u in used),
+                  memory_gib_per_node=max(u[2] for u in used))
+
+
+def placed(topology: Topology, plan_layout: Layout, hosts: list[str]) -> Topology:
+    """The topology with its hosts set to the job's nodes ``hosts`` (all 127.0.0.1 for a
+    job of one node without CURVE) and port 0 picked free here."""
+    if len(hosts) < plan_layout.nodes:
+        raise PlacementError(f"the plan needs {plan_layout.nodes} nodes and the job has "
+                             f"{len(hosts)} ({', '.join(hosts)})")
+    curve = topology.security.curve
+
+    def host(node: int) -> str:
+        return hosts[node] if curve else LOOPBACK
+
+    replace = msgspec.structs.replace
+    node_of = plan_layout.node_of
+    learner = replace(topology.learner,
+                      hosts=[host(i) for i in range(plan_layout.learner_nodes)])
+    generators = [replace(g, host=host(node_of[g.name])) for g in topology.generators]
+    evaluator = topology.evaluator
+    if "evaluator" in node_of:
+        evaluator = replace(evaluator, host=host(node_of["evaluator"]))
+    topology = replace(topology, buffer=replace(topology.buffer, host=host(node_of["buffer"])),
+                       learner=learner, generators=generators, evaluator=evaluator,
+                       launcher=replace(topology.launcher, host=host(0)))
+    return assign_ports(topology)
+
+
+def job_hosts(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The job's nodes, in Slurm's order (``scontrol show hostnames $SLURM_JOB_NODELIST``)."""
+    nodelist = environ.get(NODELIST_VARIABLE, "")
+    if not nodelist:
+        raise PlacementError(f"{NODELIST_VARIABLE} is not set: the Slurm backend places a "
+                             "run inside its job (tools/launch-cluster.py submits one)")
+    if shutil.which(SCONTROL) is None:
+        raise PlacementError(f"{SCONTROL} is not on PATH inside the job: it names the "
+                             f"job's nodes ({NODELIST_VARIABLE}={nodelist})")
+    done = subprocess.run([SCONTROL, "show", "hostnames", nodelist], capture_output=True,
+                          text=True, timeout=60)
+    hosts = done.stdout.split()
+    if done.returncode != 0 or not hosts:
+        raise PlacementError(f"{SCONTROL} show hostnames {nodelist} failed "
+                             f"(exit code {done.returncode}): {done.stderr.strip()}")
+    return hosts
+
+
+def srun_options(demand: Demand, nodes: list[str], *, per_node: bool) -> list[str]:
+    """``srun``'s options for a step on ``nodes``: one task per node when ``per_node`` (the
+    learner), else one task in all, each with the ``demand`` given."""
+    options = [SRUN, "--exact", f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}",
+               "--ntasks-per-node=1" if per_node else "--ntasks=1"]
+    if demand.gpus:
+        options.append(f"--gpus-per-task={demand.gpus}")
+    options.append(f"--cpus-per-task={max(demand.cpus, 1)}")
+    if demand.memory_gib:
+        options.append(f"--mem={math.ceil(demand.memory_gib * 1024)}M")
+    return options
+
+
+def step_argv(spec: ProcessSpec, demand: Demand, nodes: list[str], run_dir: Path) -> list[str]:
+    """The ``srun`` command line that runs the plan's process ``spec`` on ``nodes``."""
+    if spec.role == "learner":
+        return [*srun_options(demand, nodes, per_node=True), "--kill-on-bad-exit=1",
+                *(["sh", "-c", NODE_RANK, "sh"] if len(nodes) > 1 else []), *spec.argv]
+    optional = [] if spec.essential else ["--kill-on-bad-exit=0"]
+    pid_file = run_dir / PID_FOLDER / f"{spec.name}.pid"
+    return [*srun_options(demand, nodes, per_node=False), *optional,
+            "sh", "-c", RECORD_PID, str(pid_file), *spec.argv]
+
+
+def learner_nodes_argv(topology: Topology, run_dir: Path, python: str) -> list[str]:
+    """The learner of several nodes: torchrun on each, static rendezvous at
+    ``hosts[0]:master_port``, the node's rank from ``PET_NODE_RANK`` (``NODE_RANK``)."""
+    learner = topology.learner
+    learner_main = module_argv(python, "relay.learner.main", "--run-dir", str(run_dir))
+    return module_argv(python, "torch.distributed.run", f"--nnodes={len(learner.hosts)}",
+                       f"--master-addr={learner.hosts[0]}",
+                       f"--master-port={learner.master_port}",
+                       f"--nproc-per-node={learner.nproc_per_node}", "--no-python",
+                       *learner_main)
+
+
+def slurm_plan(topology: Topology, run: RunConfig, run_dir: Path, plan_layout: Layout,
+               hosts: list[str], python: str = sys.executable) -> list[ProcessSpec]:
+    """The plan of a topology ``placed`` on ``hosts``, each process an ``srun`` step: the
+    learner one step over its nodes (named ``learner``), each other process one of its own
+    on its node (``ProcessSpec.host``: that node)."""
+    # every node runs the supervisor's python (the script's), not launcher.remote_python
+    same_python = msgspec.structs.replace(topology.launcher, remote_python=python)
+    plan = build_plan(msgspec.structs.replace(topology, launcher=same_python), run, run_dir,
+                      python=python)
+    learner_hosts = hosts[:plan_layout.learner_nodes]
+    steps = []
+    for spec in plan:
+        if spec.role == "learner":
+            if steps and steps[-1].role == "learner":
+                continue  # build_plan's learner@host of a further node: one step holds all
+            if len(learner_hosts) > 1:
+                spec = msgspec.structs.replace(
+                    spec, name="learner", argv=learner_nodes_argv(topology, run_dir, python))
+            nodes, demand = learner_hosts, plan_layout.demand["learner"]
+        else:
+            nodes = [hosts[plan_layout.node_of[spec.name]]]
+            demand = plan_layout.demand[spec.name]
+        steps.append(msgspec.structs.replace(spec, host=nodes[0],
+                                             argv=step_argv(spec, demand, nodes, run_dir)))
+    return steps
+
+
+class StepHandle:
+    """A step's ``srun`` on this node (a ``PopenHandle``: polled, signalled and waited for
+    as any process the supervisor started; ``srun`` forwards the signals to the step's
+    tasks); ``pid`` is the step's process on its own node, as it wrote it (``RECORD_PID``),
+    or ``srun``'s where it has not."""
+
+    def __init__(self, srun: PopenHandle, pid_file: Path | None) -> None:
+        self.srun = srun
+        self._pid_file = pid_file
+        self._step_pid = 0
+
+    @property
+    def pid(self) -> int:
+        if not self._step_pid and self._pid_file is not None:
+            try:
+                self._step_pid = int(self._pid_file.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pass  # not written yet
+        return self._step_pid or self.srun.pid
+
+    def poll(self) -> int | None:
+        return self.srun.poll()
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.srun.signal(sig)
+
+    def wait(self) -> int:
+        return self.srun.wait()
+
+    def group_alive(self) -> bool:
+        return self.srun.group_alive()
+
+
+class SlurmStepBackend:
+    """``slurm``, inside the job: places the plan on the job's nodes and starts each process
+    as a job step (module docstring)."""
+
+    name = "slurm"
+
+    def __init__(self, python: str = sys.executable) -> None:
+        self.python = python
+        self._layout: Layout | None = None
+        self._hosts: list[str] = []
+
+    def place(self, topology: Topology, run: RunConfig) -> Topology:
+        try:
+            self._layout = layout(topology, run)
+        except ConfigError as exc:
+            raise PlacementError(str(exc)) from None
+        self._hosts = job_hosts()
+        if shutil.which(SRUN) is None:
+            raise PlacementError(f"{SRUN} is not on PATH on the job's first node: it starts "
+                                 "each process of the run as a job step")
+        return placed(topology, self._layout, self._hosts)
+
+    def plan(self, topology: Topology, run: RunConfig, run_dir: Path) -> list[ProcessSpec]:
+        if self._layout is None:
+            raise PlacementError("the Slurm backend plans only after place()")
+        (run_dir / PID_FOLDER).mkdir(parents=True, exist_ok=True)
+        return slurm_plan(topology, run, run_dir, self._layout, self._hosts, self.python)
+
+    def start(self, spec: ProcessSpec, topology: Topology, log: Path) -> StepHandle:
+        pid_file = None
+        if RECORD_PID in spec.argv:
+            pid_file = Path(spec.argv[spec.argv.index(RECORD_PID) + 1])
+            pid_file.unlink(missing_ok=True)  # a restarted generator's pid, not the dead one's
+        env = {name: value for name, value in child_env(spec.env, local=True).items()
+               if name not in JOB_REQUESTS}
+        return StepHandle(start_popen(spec.argv, env, log), pid_file)
+
+    def close(self) -> None:
+        pass
