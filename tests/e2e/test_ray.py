@@ -8,7 +8,8 @@ custom resource that stands for GPUs here.
   learner's two ranks on the two GPU nodes and a generator beside each, as Ray's state API
   shows; a generator's actor process killed mid-run is replaced and its generator
   re-attached within 30 s, training goes on and the buffer's accounting holds.
-- Killing the buffer's actor process ends the run, naming it.
+- ``tools/attach-generator.py --ray`` adds a generator to such a run as an actor of the
+  same cluster; killing the buffer's actor process ends the run, naming it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 RAY_TOPOLOGY = ROOT / "configs" / "topology-ray.toml"
+ATTACH = ROOT / "tools" / "attach-generator.py"
 GPU_NODES = ("node_a", "node_b")
 
 
@@ -49,25 +51,25 @@ def cluster() -> Iterator[object]:
     from ray.cluster_utils import Cluster
 
     local = Cluster(initialize_head=True,
-                    head_node_args={"num_cpus": 2, "resources": {"head": 1}})
-    for node in GPU_NODES:
-        local.add_node(num_cpus=2, resources={"fake_gpu": 2, node: 1})
+                    head_node_args={"num_cpus": 3, "resources": {"head": 1}})
+    for node in GPU_NODES:  # a CPU each to spare: a generator attached, one started again
+        local.add_node(num_cpus=3, resources={"fake_gpu": 2, node: 1})
     local.wait_for_nodes()
     yield local
     local.shutdown()
 
 
-def ray_topology(path: Path, address: str) -> Path:
+def ray_topology(path: Path, address: str, generator_gpus: int = 1) -> Path:
     """configs/topology-ray.toml joined to ``address``: the buffer and the evaluator on
-    the head, the learner on two nodes of one rank each, each rank and each generator
-    holding one ``fake_gpu``."""
+    the head, the learner on two nodes of one rank each, each rank holding one
+    ``fake_gpu`` and each generator ``generator_gpus``."""
     topology = tomllib.loads(RAY_TOPOLOGY.read_text())
     topology["launcher"]["ray"]["address"] = address
     topology["buffer"]["resources"] = {"head": 0.5}
     topology["evaluator"]["resources"] = {"head": 0.5}
     topology["learner"] |= {"nnodes": 2, "nproc_per_node": 1, "resources": {"fake_gpu": 1}}
     for generator in topology["generators"]:
-        generator["resources"] = {"fake_gpu": 1}
+        generator["resources"] = {"fake_gpu": generator_gpus} if generator_gpus else {}
     path.write_text(tomli_w.dumps(topology))
     return path
 
@@ -153,22 +155,46 @@ def test_the_embedded_default_trains_on_ray_and_a_killed_generator_comes_back(
     assert processes_mentioning(str(run_dir)) == []
 
 
-def test_a_killed_buffer_actor_ends_the_run_naming_it(
+def test_a_generator_attaches_as_an_actor_and_a_killed_buffer_ends_the_run(
         cluster, random_model_dir: Path, run_root: Path, tmp_path: Path) -> None:
-    topology = ray_topology(tmp_path / "topology-ray.toml", cluster.address)
-    args = [a for a in small_run_overrides(random_model_dir, run_root, steps=1000)
+    """``tools/attach-generator.py --ray`` joins a Ray-launched run as an actor of the same
+    cluster and detaches on SIGTERM; then the buffer's actor process is killed and the run
+    ends, naming the buffer."""
+    # CPU-only generators: the attached one, reserving what they do, finds room
+    topology = ray_topology(tmp_path / "topology-ray.toml", cluster.address, generator_gpus=0)
+    args = [a for a in small_run_overrides(random_model_dir, run_root, steps=100000)
             if not a.startswith("topology.")]
     launcher = start_launcher([str(topology), str(ROOT / "configs" / "arithmetic-grpo.toml"),
                                *args, "trainer.val_before_train=false", "trainer.test_freq=-1",
                                f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"])
+    attached = None
     try:
         run_dir = first_run_dir(run_root, timeout_s=300)
         wait_for(run_dir / "logs" / "gen0.log", r"lease L\d+", 300)
+        attached = subprocess.Popen([sys.executable, str(ATTACH), str(run_dir), "--ray",
+                                     "--name", "extra", "--threads", "1"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    cwd=ROOT)
+        try:
+            wait_for(run_dir / "logs" / "extra.log", r"lease L\d+", 180)
+        except AssertionError:
+            attached.kill()
+            raise AssertionError(attached.communicate()[0]) from None
+        generator = pid_of(run_dir, "relay.generators.main", "--name extra")
+        worker = Path(f"/proc/{parent_of(generator)}/cmdline").read_bytes()
+        assert b"ray" in worker.lower(), worker  # a Ray worker runs it
+        attached.send_signal(signal.SIGTERM)
+        said, _ = attached.communicate(timeout=120)
+        assert attached.returncode == 0, said
+        assert "its unfinished leases went back to the pool" in said
         os.kill(parent_of(pid_of(run_dir, "relay.buffer.main")), signal.SIGKILL)
         output, _ = launcher.communicate(timeout=300)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
+        for process in (attached, launcher):
+            if process is not None and process.poll() is None:
+                process.kill()
     assert launcher.returncode == 1, output
     assert "essential process buffer (buffer) died: killed by SIGKILL" in output
+    buffer_log = (run_dir / "logs" / "buffer.log").read_text()
+    assert "generator extra detached (stopping)" in buffer_log
     assert processes_mentioning(str(run_dir)) == []

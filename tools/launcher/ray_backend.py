@@ -390,3 +390,48 @@ def cluster_nodes(nodes: list[dict[str, Any]]) -> list[NodeCapacity]:
                                        memory_gib=total.get("memory", 0.0) / GIB,
                                        resources=custom))
     return capacities
+
+
+def run_attached(settings: RaySettings, spec: ProcessSpec, demand: Demand, run_dir: Path,
+                 log: Path) -> int:
+    """``tools/attach-generator.py --ray``: run ``spec`` (a generator joining a running
+    job) in a new actor of the job's Ray cluster (``settings.address``, which the launcher
+    records in the run directory's topology) reserving ``demand``; its log is copied to
+    this terminal until it ends, SIGINT and SIGTERM go on to it as SIGTERM (the generator
+    then detaches), and its exit code is returned."""
+    try:
+        import ray
+    except ImportError:
+        raise missing_ray() from None
+    ray.init(address=settings.address or "auto", namespace=settings.namespace,
+             log_to_driver=False)
+    stop = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: stop.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        actor = ray.remote(ProcessRunner).options(**actor_resources(demand)).remote()
+        try:
+            ray.get(actor.where.remote(), timeout=settings.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise PlacementError(f"Ray could not place {spec.name} ({actor_resources(demand)}) "
+                                 f"within {settings.placement_timeout_s:g} s") from None
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.touch()
+        with open(log, errors="replace") as out:
+            out.seek(0, os.SEEK_END)
+            handle = RayHandle(actor, ray.get(actor.start.remote(
+                spec.argv, spec.env, str(run_dir), str(log)), timeout=ACTOR_CALL_TIMEOUT_S))
+            signalled = False
+            while (code := handle.poll()) is None:
+                if stop and not signalled:
+                    handle.signal(signal.SIGTERM)
+                    signalled = True
+                sys.stdout.write(out.read())
+                sys.stdout.flush()
+                time.sleep(0.2)
+            sys.stdout.write(out.read())
+        return code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        ray.shutdown()

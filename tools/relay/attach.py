@@ -1,6 +1,6 @@
 """Attach an extra generator to a running job.
 
-    python tools/attach-generator.py RUN_DIR [--host H] [--engine E] [--device D]
+    python tools/attach-generator.py RUN_DIR [--host H | --ray] [--engine E] [--device D]
                                      [--gpus G,...] [--threads N] [--name NAME]
 
 Starts ``relay.generators.main --attached`` under a fresh name (``attached-<host>-<pid>-<hex>``
@@ -13,7 +13,9 @@ on the same host is refused, naming that process. ``--host H`` starts it on H ov
 topology's ssh command (the run directory must be at the same path there). It runs in the
 foreground, its output also in ``RUN_DIR/logs/<name>.log``; Ctrl-C or SIGTERM detaches it,
 returning its unfinished leases to the pool. A name held by a live generator is refused,
-never taken over.
+never taken over. ``--ray`` starts it as an actor of the job's Ray cluster instead (a run
+launched with ``launcher.backend = "ray"``), reserving the topology's first generator's
+resources (``relay.launcher.ray_backend.run_attached``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from relay.configs.rundir import RunContext, load_run_dir
 from relay.configs.topology_schema import EngineName, GeneratorPlacement
 from relay.launcher.child import module_argv
 from relay.launcher.plan import ProcessSpec, process_env
+from relay.launcher.resources import Demand, engine_gpus
 from relay.transport.endpoints import is_loopback
 from relay.transport.messages import Heartbeat, HeartbeatAck, Shutdown
 from relay.transport.sockets import Client, PeerTimeout
@@ -65,7 +68,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch threads, 0 for torch's default "
                                                     "(default: the topology's first generator's)")
     parser.add_argument("--name", help="the generator's name (default: a fresh one)")
+    parser.add_argument("--ray", action="store_true",
+                        help="run it as an actor of the job's Ray cluster (a run launched "
+                             "with launcher.backend = \"ray\"), reserving what the "
+                             "topology's first generator reserves")
     args = parser.parse_args(argv)
+    if args.ray and (args.host != "127.0.0.1" or args.gpus is not None):
+        parser.error("--ray lets Ray choose the node and its GPUs: drop --host and --gpus")
     if args.threads is not None and args.threads < 0:
         parser.error(f"--threads must be 0 or more, not {args.threads}")
     return args
@@ -168,6 +177,24 @@ def run_in_foreground(command: list[str], log: Path, env: dict[str, str]) -> int
     return child.wait()
 
 
+def run_on_ray(ctx: RunContext, spec: ProcessSpec, placement: GeneratorPlacement,
+               log: Path) -> int | None:
+    """The generator as an actor of the run's Ray cluster (``relay.launcher.ray_backend``),
+    reserving ``placement``'s resources; its exit code, or None (said why) when Ray cannot
+    place it."""
+    from relay.launcher.backends import PlacementError
+    from relay.launcher.ray_backend import run_attached
+
+    demand = Demand(name=spec.name, role="generator", section="--ray", cpus=placement.cpus,
+                    gpus=engine_gpus(placement), memory_gib=placement.memory_gib,
+                    resources=dict(placement.resources))
+    try:
+        return run_attached(ctx.topology.launcher.ray, spec, demand, ctx.run_dir, log)
+    except PlacementError as exc:
+        print(f"relay attach: {exc}", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Check the run, start the generator, wait for it; the exit code: 0 when it detached,
     2 for a folder that is not a run or a placement refused (``attached_placement``), 1 for
@@ -191,11 +218,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     spec = generator_spec(ctx, args, name, placement)
     log = ctx.run_dir / "logs" / f"{name}.log"
-    print(f"relay attach: starting {name} on {args.host}, joining {ctx.run_dir} (output "
+    where = "an actor of the job's Ray cluster" if args.ray else args.host
+    print(f"relay attach: starting {name} on {where}, joining {ctx.run_dir} (output "
           f"also in {log}); Ctrl-C detaches it", flush=True)
-    code = run_in_foreground(spec.command_line(ctx.topology.launcher.ssh,
-                                               ctx.topology.launcher.remote_workdir), log,
-                             spec.env if spec.local else {})
+    if args.ray:
+        code = run_on_ray(ctx, spec, placement, log)
+        if code is None:
+            return 2
+    else:
+        code = run_in_foreground(spec.command_line(ctx.topology.launcher.ssh,
+                                                   ctx.topology.launcher.remote_workdir), log,
+                                 spec.env if spec.local else {})
     if code == 0:
         print(f"relay attach: {name} left; its unfinished leases went back to the pool")
         return 0
