@@ -2,8 +2,8 @@
 
 The schema checks types and ranges key by key; this module checks what spans keys or
 touches the disk: data files exist, the model path holds a checkpoint, generator names are
-unique, a non-loopback address has CURVE keys. Each failure is a ``ConfigError`` naming the
-file and the key.
+unique, a non-loopback address has CURVE keys, the topology asks of its launcher backend
+what that backend does. Each failure is a ``ConfigError`` naming the file and the key.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from relay.configs.gpu_placement import check_process_gpus
 from relay.configs.hub import looks_like_hub_id, resolve_hub_id
 from relay.configs.loader import ConfigError, KeyPath, blame_command_line, load, read_toml
 from relay.configs.run_schema import BUILTIN_MODEL_PREFIX, VERL_ALIASES, RunConfig
-from relay.configs.topology_schema import Topology
+from relay.configs.topology_schema import LearnerPlacement, Topology
 from relay.configs.verl_keys import Placement, VerlKeys, apply_placement
 from relay.transport.endpoints import is_loopback
 
@@ -36,6 +36,7 @@ MODEL_PATH_KEYS = (("model", "path"), ("critic", "model", "path"),
 DEVICES = "'cpu', 'cuda' or 'cuda:N' (N: a GPU index)"
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 DEFAULT_TRAINING_STEPS = 100  # neither trainer.total_training_steps nor total_epochs set
+CLUSTER_BACKENDS = ("ray", "slurm")  # they pick the nodes and GPUs themselves
 EpochRows = Callable[[RunConfig], int]
 """The training rows an epoch passes over once ``data.filter_overlong_prompts`` dropped the
 long ones: their count needs the model's tokenizer, which this package does not load (the
@@ -103,8 +104,10 @@ def check_verl_ranks(topology: Topology, placement: Sequence[Placement]) -> None
 
 
 def check_topology(topology: Topology, source: str) -> None:
-    """Devices, GPU lists, generator names, and CURVE for any non-loopback address."""
+    """Devices, GPU lists, generator names, the backend's hosts (``check_backend_hosts``),
+    and CURVE for any non-loopback address."""
     check_devices(topology, source)
+    check_backend_hosts(topology, source)
     check_process_gpus(topology, source)
     names = [g.name for g in topology.generators]
     for i, name in enumerate(names):
@@ -113,10 +116,8 @@ def check_topology(topology: Topology, source: str) -> None:
         if names.index(name) != i:
             raise ConfigError(source, f"generators[{i}].name",
                               f"{name!r} is already the name of generators[{names.index(name)}]")
-    hosts = {"buffer.host": topology.buffer.host, "launcher.host": topology.launcher.host}
-    hosts.update({f"learner.hosts[{i}]": h for i, h in enumerate(topology.learner.hosts)})
-    hosts.update({f"generators[{i}].host": g.host for i, g in enumerate(topology.generators)})
-    hosts["evaluator.host"] = topology.evaluator.host
+    hosts = {"buffer.host": topology.buffer.host, "launcher.host": topology.launcher.host,
+             **process_hosts(topology)}
     security = topology.security
     if security.curve:
         keys = Path(security.keys_dir) if security.keys_dir else None
@@ -131,6 +132,75 @@ def check_topology(topology: Topology, source: str) -> None:
                               f"{host!r} is not a loopback address, and Relay never binds or "
                               "talks over a network without CURVE: set [security] curve = true "
                               "and keys_dir (see tools/make-curve-keys.py)")
+
+
+def process_hosts(topology: Topology) -> dict[str, str]:
+    """Where each process runs, by the key that says it."""
+    hosts = {"buffer.host": topology.buffer.host}
+    hosts.update({f"learner.hosts[{i}]": h for i, h in enumerate(topology.learner.hosts)})
+    hosts.update({f"generators[{i}].host": g.host for i, g in enumerate(topology.generators)})
+    hosts["evaluator.host"] = topology.evaluator.host
+    return hosts
+
+
+def check_backend_hosts(topology: Topology, source: str) -> None:
+    """The hosts fit ``launcher.backend``: ``local`` starts every process on this machine,
+    so each host is a loopback address; ``local`` and ``ssh`` run the learner on
+    ``learner.hosts``, so ``learner.nnodes`` (the node count Ray and Slurm pick) is 0 or
+    their count; Ray's custom ``resources`` are for the Ray backend only."""
+    backend = topology.launcher.backend
+    if backend == "local":
+        for key, host in process_hosts(topology).items():
+            if not is_loopback(host):
+                raise ConfigError(source, key, (
+                    f"{host!r} is not this machine, and launcher.backend = 'local' starts "
+                    "every process here: set launcher.backend = 'ssh' to start it there "
+                    "over ssh (or 'ray' or 'slurm' under a cluster manager)"))
+    learner = topology.learner
+    if backend not in CLUSTER_BACKENDS and learner.nnodes not in (0, len(learner.hosts)):
+        raise ConfigError(source, "learner.nnodes", (
+            f"{learner.nnodes} nodes, but launcher.backend = {backend!r} runs the learner on "
+            f"the {len(learner.hosts)} host(s) of learner.hosts: list the hosts there and "
+            "leave learner.nnodes at 0 (Ray and Slurm pick nodes by it)"))
+    for section, placed in (("buffer", topology.buffer), ("learner", topology.learner),
+                            *((f"generators[{i}]", g) for i, g in enumerate(topology.generators)),
+                            ("evaluator", topology.evaluator)):
+        if placed.resources and backend != "ray":
+            raise ConfigError(source, f"{section}.resources", (
+                f"{placed.resources} are Ray custom resources, which only launcher.backend "
+                f"= 'ray' reserves, not {backend!r}: drop them, or launch on Ray"))
+
+
+def check_cluster_request(topology: Topology, source: str) -> None:
+    """Under Ray and Slurm (``CLUSTER_BACKENDS``) the backend picks each process's node and
+    GPUs, so a topology to launch there names none: no ``gpus`` lists (the backend sets
+    ``CUDA_VISIBLE_DEVICES``), a learner device that is ``cpu`` or ``cuda`` (its GPUs are
+    reserved before it starts, so ``auto`` cannot decide), and the learner's nodes counted
+    by ``learner.nnodes``, not listed in ``learner.hosts``. Checked on the topology a
+    launch is asked for, before a backend placed it (``relay.launcher.resolve``)."""
+    backend = topology.launcher.backend
+    if backend not in CLUSTER_BACKENDS:
+        return
+    learner = topology.learner
+    default_hosts = LearnerPlacement().hosts
+    if learner.hosts != default_hosts:
+        raise ConfigError(source, "learner.hosts", (
+            f"{learner.hosts}: launcher.backend = {backend!r} picks the learner's nodes "
+            f"itself; drop learner.hosts and set learner.nnodes = {len(learner.hosts)} "
+            "(the number of nodes, each of learner.nproc_per_node ranks)"))
+    if learner.device == "auto":
+        raise ConfigError(source, "learner.device", (
+            f"'auto' under launcher.backend = {backend!r}, which reserves the learner's GPUs "
+            "before it starts: say 'cuda' (one GPU per rank) or 'cpu'"))
+    listed = [("learner", learner.gpus),
+              *((f"generators[{i}]", g.gpus) for i, g in enumerate(topology.generators)),
+              ("evaluator", topology.evaluator.gpus)]
+    for section, gpus in listed:
+        if gpus is not None:
+            raise ConfigError(source, f"{section}.gpus", (
+                f"{gpus}: launcher.backend = {backend!r} assigns each process its GPUs "
+                "(CUDA_VISIBLE_DEVICES); drop the list and set the device to 'cuda' (vLLM "
+                "and SGLang take tensor_model_parallel_size GPUs, the rest one)"))
 
 
 def check_devices(topology: Topology, source: str) -> None:

@@ -313,9 +313,10 @@ TABLE: tuple[VerlKey, ...] = tuple([
             note="each evaluation's responses as DIR/STEP.jsonl (input, output, gts, "
                  "score, step and the reward's extra values), written on the evaluator's "
                  "host; null: none"),
-    VerlKey(key="trainer.nnodes", group="mapped", to=("topology.learner.hosts",),
-            note="must equal the number of learner hosts listed in the topology (Relay starts "
-                 "one torchrun per host in learner.hosts)"),
+    VerlKey(key="trainer.nnodes", group="mapped", to=("topology.learner.nnodes",),
+            note="the learner's nodes under launcher.backend = ray or slurm, which pick them; "
+                 "under local and ssh it must equal the number of learner hosts listed in "
+                 "the topology (Relay starts one torchrun per host in learner.hosts)"),
     VerlKey(key="trainer.n_gpus_per_node", group="mapped", to=("topology.learner.nproc_per_node",),
             note="the learner's ranks per host; generators and the evaluator take devices of "
                  "their own, listed in topology.generators (verl shares each GPU between them)"),
@@ -575,6 +576,12 @@ def apply_placement(topology: Topology, placement: Sequence[Placement]) -> Topol
                                                          f"{item.value!r}")
             topology = msgspec.structs.replace(topology, learner=msgspec.structs.replace(
                 learner, nproc_per_node=item.value))
+        elif item.key == "trainer.nnodes" and topology.launcher.backend in ("ray", "slurm"):
+            if not isinstance(item.value, int) or isinstance(item.value, bool) or item.value < 1:
+                raise ConfigError(item.source, item.key, f"expected an integer >= 1, got "
+                                                         f"{item.value!r}")
+            topology = msgspec.structs.replace(topology, learner=msgspec.structs.replace(
+                learner, nnodes=item.value))
         elif item.key == "trainer.nnodes":
             if item.value != len(learner.hosts):
                 raise ConfigError(item.source, item.key,

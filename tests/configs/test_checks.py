@@ -7,7 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from relay.configs.checks import dump_dir_problem
+from relay.configs.checks import (
+    check_backend_hosts,
+    check_cluster_request,
+    check_topology,
+    dump_dir_problem,
+)
+from relay.configs.loader import ConfigError
+from relay.configs.topology_schema import (
+    GeneratorPlacement,
+    LauncherSettings,
+    LearnerPlacement,
+    Topology,
+)
 
 
 def test_a_dump_folder_that_cannot_be_written_is_named(tmp_path: Path) -> None:
@@ -26,3 +38,72 @@ def test_a_dump_folder_without_write_permission_is_named(tmp_path: Path) -> None
     locked.mkdir(mode=0o500)
     assert dump_dir_problem(locked / "dump") == (
         f"{locked / 'dump'} cannot be created: {locked} is not writable by this user")
+
+
+SSH = LauncherSettings(backend="ssh")
+RAY = LauncherSettings(backend="ray")
+
+
+def refusal(check, topology: Topology) -> ConfigError:
+    with pytest.raises(ConfigError) as refused:
+        check(topology, "t.toml")
+    assert refused.value.source == "t.toml"
+    return refused.value
+
+
+def test_the_local_backend_refuses_a_host_that_is_not_this_machine() -> None:
+    remote = [GeneratorPlacement(name="g", host="gen-host.example")]
+    err = refusal(check_topology, Topology(generators=remote))
+    assert err.key == "generators[0].host"
+    assert err.problem == ("'gen-host.example' is not this machine, and launcher.backend = "
+                           "'local' starts every process here: set launcher.backend = 'ssh' "
+                           "to start it there over ssh (or 'ray' or 'slurm' under a cluster "
+                           "manager)")
+    err = refusal(check_topology, Topology(generators=remote, launcher=SSH))
+    assert err.key == "generators[0].host" and "CURVE" in err.problem  # ssh: the next check
+    err = refusal(check_topology, Topology(learner=LearnerPlacement(hosts=["127.0.0.1", "n2"])))
+    assert err.key == "learner.hosts[1]" and "launcher.backend = 'ssh'" in err.problem
+
+
+def test_learner_nnodes_is_the_learner_hosts_count_under_local_and_ssh() -> None:
+    two = LearnerPlacement(hosts=["127.0.0.1", "localhost"], nnodes=2)
+    check_backend_hosts(Topology(learner=two), "t.toml")
+    err = refusal(check_backend_hosts, Topology(learner=LearnerPlacement(nnodes=2), launcher=SSH))
+    assert err.key == "learner.nnodes" and err.problem == (
+        "2 nodes, but launcher.backend = 'ssh' runs the learner on the 1 host(s) of "
+        "learner.hosts: list the hosts there and leave learner.nnodes at 0 (Ray and Slurm "
+        "pick nodes by it)")
+    check_backend_hosts(Topology(learner=LearnerPlacement(nnodes=2), launcher=RAY), "t.toml")
+
+
+def test_ray_custom_resources_are_refused_by_every_other_backend() -> None:
+    pinned = [GeneratorPlacement(name="g", resources={"node_a": 1})]
+    check_backend_hosts(Topology(generators=pinned, launcher=RAY), "t.toml")
+    for backend in ("local", "ssh", "slurm"):
+        err = refusal(check_backend_hosts,
+                      Topology(generators=pinned, launcher=LauncherSettings(backend=backend)))
+        assert err.key == "generators[0].resources" and f"not {backend!r}" in err.problem
+
+
+@pytest.mark.parametrize("backend", ["ray", "slurm"])
+def test_a_cluster_backend_picks_nodes_and_gpus_itself(backend: str) -> None:
+    launcher = LauncherSettings(backend=backend)
+    check_cluster_request(Topology(learner=LearnerPlacement(device="cuda", nnodes=2),
+                                   launcher=launcher), "t.toml")
+    err = refusal(check_cluster_request, Topology(
+        generators=[GeneratorPlacement(name="g", device="cuda", gpus=[1])], launcher=launcher))
+    assert err.key == "generators[0].gpus" and err.problem.startswith(
+        f"[1]: launcher.backend = {backend!r} assigns each process its GPUs "
+        "(CUDA_VISIBLE_DEVICES); drop the list")
+    err = refusal(check_cluster_request, Topology(learner=LearnerPlacement(device="auto"),
+                                                  launcher=launcher))
+    assert err.key == "learner.device" and "say 'cuda' (one GPU per rank) or 'cpu'" in err.problem
+    err = refusal(check_cluster_request, Topology(
+        learner=LearnerPlacement(hosts=["n1", "n2"]), launcher=launcher))
+    assert err.key == "learner.hosts" and "set learner.nnodes = 2" in err.problem
+
+
+def test_local_and_ssh_topologies_are_not_cluster_requests() -> None:
+    for launcher in (LauncherSettings(), SSH):
+        check_cluster_request(Topology(learner=LearnerPlacement(
+            hosts=["n1", "n2"], device="auto", gpus=[0]), launcher=launcher), "t.toml")

@@ -368,15 +368,15 @@ def test_topology_port_range(tmp_path: Path) -> None:
 
 def test_non_loopback_address_requires_curve(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    err = error_of(load_topology, write(tmp_path, TOPOLOGY, "t.toml"), ["buffer.host=10.1.2.3"])
+    remote = ["launcher.backend=ssh", "buffer.host=10.1.2.3"]
+    err = error_of(load_topology, write(tmp_path, TOPOLOGY, "t.toml"), remote)
     assert err.key == "buffer.host" and "CURVE" in str(err)
     err = error_of(load_topology, write(tmp_path, TOPOLOGY, "t.toml"),
-                   ["buffer.host=10.1.2.3", "security.curve=true", "security.keys_dir=nokeys"])
+                   [*remote, "security.curve=true", "security.keys_dir=nokeys"])
     assert err.key == "security.keys_dir" and "does not exist" in str(err)
     (tmp_path / "keys").mkdir()
     topology = load_topology(write(tmp_path, TOPOLOGY, "t.toml"),
-                             ["buffer.host=10.1.2.3", "security.curve=true",
-                              "security.keys_dir=keys"], )
+                             [*remote, "security.curve=true", "security.keys_dir=keys"])
     assert topology.security.curve
 
 

@@ -165,6 +165,19 @@ def test_placement_keys_go_to_the_topology(run_dir: Path) -> None:
     assert "topology" in err.problem  # no topology to apply it to
 
 
+@pytest.mark.parametrize("backend", ["ray", "slurm"])
+def test_trainer_nnodes_sets_the_learners_node_count_where_the_backend_picks_nodes(
+        backend: str) -> None:
+    two_nodes = [Placement(key="trainer.nnodes", value=2, source="command line")]
+    topology = load_topology(CONFIG_DIR / "topology.toml", [f"launcher.backend={backend}"],
+                             placement=two_nodes)
+    assert topology.learner.nnodes == 2 and topology.learner.hosts == ["127.0.0.1"]
+    zero = [Placement(key="trainer.nnodes", value=0, source="command line")]
+    err = error_of(load_topology, CONFIG_DIR / "topology.toml", [f"launcher.backend={backend}"],
+                   placement=zero)
+    assert err.key == "trainer.nnodes" and "integer >= 1" in err.problem
+
+
 def test_rollout_name_vllm_or_sglang_sets_every_engine(run_dir: Path) -> None:
     for engine in ("vllm", "sglang"):
         placement: list[Placement] = []

@@ -34,7 +34,7 @@ def test_a_remote_generator_is_started_over_ssh_and_trains(
 
     args = small_run_overrides(random_model_dir, run_root, steps=3) + [
         "topology.security.curve=true", f"topology.security.keys_dir={keys}",
-        f"topology.generators[0].host={REMOTE_HOST}",
+        f"topology.generators[0].host={REMOTE_HOST}", "topology.launcher.backend=ssh",
         f"topology.launcher.ssh={sys.executable} {FAKE_SSH}",
         f"topology.launcher.remote_python={sys.executable}",
         f"topology.launcher.remote_workdir={ROOT}"]

@@ -37,7 +37,7 @@ def two_hosts(keys: Path, ssh_log: Path) -> list[str]:
     """The learner on this host and on ``REMOTE_HOST`` (one rank each), under CURVE."""
     return ["topology.security.curve=true", f"topology.security.keys_dir={keys}",
             f'topology.learner.hosts=["127.0.0.1", "{REMOTE_HOST}"]',
-            "topology.learner.master_port=0",
+            "topology.learner.master_port=0", "topology.launcher.backend=ssh",
             f"topology.launcher.ssh={sys.executable} {FAKE_SSH}",
             f"topology.launcher.remote_python={sys.executable}",
             f"topology.launcher.remote_workdir={ROOT}"]

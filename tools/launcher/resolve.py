@@ -29,7 +29,7 @@ from relay.algorithms.rewards.registry import UnknownDataSourceError, check_data
 from relay.buffer.fingerprint import buffer_fingerprint, changes
 from relay.buffer.main import training_prompts
 from relay.buffer.prompt_source import BufferCheckpointError, read_buffer_checkpoint
-from relay.configs.checks import load_run_config, load_topology
+from relay.configs.checks import check_cluster_request, load_run_config, load_topology
 from relay.configs.gpu_placement import check_gpu_placement, topology_claims
 from relay.configs.loader import COMMAND_LINE, ConfigError, KeyPath, blame_command_line, to_toml
 from relay.configs.prompt_data import DatasetError, PromptDataset, load_prompt_rows, rows_remembered
@@ -49,6 +49,7 @@ from relay.generators.tools import ToolConfigError
 from relay.generators.vllm_engine import filters_refused
 from relay.generators.workflow import WorkflowError
 from relay.launcher.plan import ProcessSpec, build_plan, new_run_dir
+from relay.launcher.resources import check_local, demands, learner_nodes
 from relay.learner.checkpoint import CheckpointError, check_resumable, resumable_checkpoint
 from relay.learner.checkpoint_lineage import continued_lineage, overwritten_checkpoints, saves_at
 from relay.learner.checkpoint_meta import read_meta
@@ -104,7 +105,7 @@ def _resume_checked(run_dir: Path, topology_file: str, run_file: str,
                     run_overrides: Sequence[str]) -> ResolvedLaunch:
     """``resolve_resume`` once the run directory is known to be one."""
     topology, run, notes = load_checked(topology_file, run_file, topology_overrides,
-                                        run_overrides)
+                                        run_overrides, placed=True)
     if not overridden(run_overrides, "trainer.resume_mode", "trainer.resume_from_path"):
         auto = msgspec.structs.replace(run.trainer, resume_mode="auto", resume_from_path="")
         run = msgspec.structs.replace(run, trainer=auto)
@@ -131,9 +132,15 @@ def overridden(run_overrides: Sequence[str], *keys: str) -> bool:
 
 
 def load_checked(topology_file: str, run_file: str, topology_overrides: Sequence[str],
-                 run_overrides: Sequence[str]) -> tuple[Topology, RunConfig, list[str]]:
+                 run_overrides: Sequence[str],
+                 placed: bool = False) -> tuple[Topology, RunConfig, list[str]]:
     """Both configs loaded and checked, with the run config's verl placement keys applied to
-    the topology; and a line per verl key translated (``ResolvedLaunch.verl_notes``)."""
+    the topology; and a line per verl key translated (``ResolvedLaunch.verl_notes``).
+
+    A launch on this machine (``launcher.backend = "local"``) must fit it
+    (``relay.launcher.resources.check_local``). A topology for Ray or Slurm names no nodes
+    or GPUs (``relay.configs.checks.check_cluster_request``), unless it is ``placed``: a
+    run directory's, whose backend placed it at its launch (``--resume``)."""
     placement: list[Placement] = []
     notes: list[str] = []
     run_keys: set[KeyPath] = set()
@@ -145,6 +152,10 @@ def load_checked(topology_file: str, run_file: str, topology_overrides: Sequence
         if run.evaluates:  # the evaluator, not essential, would fail after the launch
             check_prompt_files(run, run_file, "data.val_files", run.data.val_files)
         check_gpu_placement(topology_claims(topology, run.evaluates), topology_file)
+        if not placed:
+            check_cluster_request(topology, topology_file)
+        if topology.launcher.backend == "local":
+            check_local(demands(topology, run), topology_file)
         check_sequence_parallel(topology, run, run_file)
         check_fsdp_sizes(topology, run, run_file)
         check_local_engines(topology, run, topology_file, placement)
@@ -283,10 +294,11 @@ def check_sequence_parallel(topology: Topology, run: RunConfig, source: str) -> 
     size = run.actor.ulysses_sequence_parallel_size
     if size == 1:
         return
-    ranks = len(topology.learner.hosts) * topology.learner.nproc_per_node
+    ranks = learner_nodes(topology.learner) * topology.learner.nproc_per_node
     if ranks % size:
         raise ConfigError(source, KEY, f"{size} does not divide the learner's {ranks} ranks "
-                                       "(topology learner: len(hosts) x nproc_per_node)")
+                                       "(topology learner: nnodes, or len(hosts), x "
+                                       "nproc_per_node)")
     for path in sorted(p for p in run.learner_model_paths if (Path(p) / "config.json").is_file()):
         try:
             check_heads(AutoConfig.from_pretrained(
@@ -300,7 +312,7 @@ def check_fsdp_sizes(topology: Topology, run: RunConfig, source: str) -> None:
     and the critic (with ``gae``) is -1 or divides the learner's ranks
     (``relay.learner.model.sharding_mesh``, which the learner applies): refused here, before
     anything starts, rather than by every rank after the launch."""
-    ranks = len(topology.learner.hosts) * topology.learner.nproc_per_node
+    ranks = learner_nodes(topology.learner) * topology.learner.nproc_per_node
     sizes = {"actor.fsdp_config.fsdp_size": run.actor.fsdp_config.fsdp_size,
              "ref.fsdp_config.fsdp_size": run.ref.fsdp_config.fsdp_size}
     if run.algorithm.estimator.critic:
@@ -309,7 +321,7 @@ def check_fsdp_sizes(topology: Topology, run: RunConfig, source: str) -> None:
         if size is not None and size not in (-1, ranks) and ranks % size:
             raise ConfigError(source, key, f"{size} must be -1 (shard over every rank) or "
                                            f"divide the learner's {ranks} ranks (topology "
-                                           "learner: len(hosts) x nproc_per_node)")
+                                           "learner: nnodes, or len(hosts), x nproc_per_node)")
 
 
 def check_local_engines(topology: Topology, run: RunConfig, source: str,

@@ -18,6 +18,7 @@ from relay.configs.run_schema import DataConfig, ModelConfig, RunConfig, Trainer
 from relay.configs.topology_schema import (
     EvaluatorPlacement,
     GeneratorPlacement,
+    LauncherSettings,
     LearnerPlacement,
     Security,
     Topology,
@@ -29,6 +30,7 @@ from relay.transport.messages import Ack, Heartbeat, Message
 from relay.transport.sockets import Client, Peer, Server, ServerThread
 
 NO_VALIDATION = RunConfig(data=DataConfig(train_files="train.jsonl"), model=ModelConfig(path="m"))
+SSH = LauncherSettings(backend="ssh")  # processes on other hosts
 
 
 def test_local_plan_is_buffer_learner_and_generators() -> None:
@@ -63,7 +65,8 @@ def test_remote_hosts_go_through_ssh_with_multi_node_torchrun() -> None:
     topology = Topology(
         learner=LearnerPlacement(hosts=["10.0.0.1", "10.0.0.2"], nproc_per_node=4,
                                  master_port=29600),
-        generators=[GeneratorPlacement(name="g", host="10.0.0.3", engine="torch")])
+        generators=[GeneratorPlacement(name="g", host="10.0.0.3", engine="torch")],
+        launcher=SSH)
     plan = build_plan(topology, NO_VALIDATION, Path("/runs/x"), python="py")
     learners = [p for p in plan if p.role == "learner"]
     assert [p.name for p in learners] == ["learner@10.0.0.1", "learner@10.0.0.2"]
@@ -76,7 +79,7 @@ def test_remote_hosts_go_through_ssh_with_multi_node_torchrun() -> None:
 
 
 def test_the_evaluator_runs_only_when_the_run_has_something_to_evaluate() -> None:
-    topology = Topology(evaluator=EvaluatorPlacement(host="10.0.0.9"))
+    topology = Topology(evaluator=EvaluatorPlacement(host="10.0.0.9"), launcher=SSH)
     validated = RunConfig(data=DataConfig(train_files="train.jsonl", val_files="test.jsonl"),
                           model=ModelConfig(path="m"))
     plan = build_plan(topology, validated, Path("/runs/x"), python="py")
@@ -153,7 +156,7 @@ def test_the_cpu_default_topology_starts_as_before() -> None:
 def test_ssh_forwards_nccl_cuda_and_allocator_variables_but_not_the_cuda_install() -> None:
     topology = Topology(
         learner=LearnerPlacement(hosts=["10.0.0.1", "10.0.0.2"], device="cuda", gpus=[6]),
-        generators=[GeneratorPlacement(name="g", host="10.0.0.3")])
+        generators=[GeneratorPlacement(name="g", host="10.0.0.3")], launcher=SSH)
     launcher_env = {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "INFO", "CUDA_HOME": "/opt/c",
                     "NCCL_VERSION": "2.27.3",
                     "CUDA_VISIBLE_DEVICES": "0,1", "PYTORCH_CUDA_ALLOC_CONF": "x:1",
@@ -176,7 +179,7 @@ def test_a_remote_process_gets_its_environment_through_the_fake_ssh(tmp_path: Pa
     the caller's environment: what the process sees came on its command line."""
     names = ("CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "PYTORCH_ALLOC_CONF", "CUDA_HOME")
     topology = Topology(generators=[GeneratorPlacement(name="g", host="gen-host.example",
-                                                       device="cuda", gpus=[3])])
+                                                       device="cuda", gpus=[3])], launcher=SSH)
     plan = build_plan(topology, NO_VALIDATION, tmp_path, python="py",
                       environ={"NCCL_DEBUG": "WARN", "CUDA_HOME": "/opt/cuda"})
     generator = next(p for p in plan if p.name == "g")

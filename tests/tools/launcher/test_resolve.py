@@ -24,6 +24,7 @@ from relay.configs.topology_schema import GeneratorPlacement, Topology
 from relay.learner.checkpoint_files import listed_files, manifest
 from relay.learner.checkpoint_meta import FORMAT, META_FILE, CheckpointMeta, Lineage, LoopState
 from relay.learner.tiny_model.build import default_model_dir
+from relay.launcher import resources
 from relay.launcher.resolve import (
     check_engine_sampling,
     check_rollout_workflow,
@@ -31,6 +32,7 @@ from relay.launcher.resolve import (
     check_local_engines,
     dry_run_report,
     launch_prompts,
+    load_checked,
     resolve_launch,
     resolve_resume_mode,
 )
@@ -162,7 +164,9 @@ def test_a_gpu_two_processes_list_is_refused_at_launch_naming_both(tmp_path: Pat
            "generator gen0 (generators[0].gpus = [1])" in error.value.problem
 
 
-def test_the_dry_run_shows_each_local_processs_gpus(tmp_path: Path) -> None:
+def test_the_dry_run_shows_each_local_processs_gpus(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resources, "cuda_device_count", lambda: 4)  # GPUs 0-3 exist
     resolved = resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
                               topology_overrides=[*GPU_OVERRIDES, "generators[0].gpus=[2]",
                                                   "evaluator.device=cuda", "evaluator.gpus=[3]"],
@@ -173,6 +177,40 @@ def test_the_dry_run_shows_each_local_processs_gpus(tmp_path: Path) -> None:
     assert " CUDA_VISIBLE_DEVICES=0,1 " in learner and "torch.distributed.run" in learner
     assert " CUDA_VISIBLE_DEVICES=2 " in generator and "relay.generators.main" in generator
     assert resolved.topology.learner.gpus == [0, 1]
+
+
+def test_a_local_launch_this_machine_cannot_hold_is_refused_naming_process_and_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resources, "cuda_device_count", lambda: 3)
+    run = [f"trainer.run_dir={tmp_path}"]
+    with pytest.raises(ConfigError) as error:  # GPUs 0-2 exist; the evaluator lists 3
+        resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN), run_overrides=run,
+                       topology_overrides=[*GPU_OVERRIDES, "generators[0].gpus=[2]",
+                                           "evaluator.device=cuda", "evaluator.gpus=[3]"])
+    assert (error.value.source, error.value.key) == ("command line", "evaluator.gpus")
+    assert error.value.problem.startswith("evaluator runs on GPU 3 of this machine, which has "
+                                          "3 GPU(s)")
+    monkeypatch.setattr(resources, "meminfo_total_gib", lambda: 8.0)
+    with pytest.raises(ConfigError) as error:
+        resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN), run_overrides=run,
+                       topology_overrides=["buffer.memory_gib=2", "generators[0].memory_gib=7"])
+    assert (error.value.source, error.value.key) == ("command line", "generators[0].memory_gib")
+    assert "ask for 9 GiB of memory together (buffer 2, generator gen0 7)" in error.value.problem
+
+
+def test_a_ray_launch_that_lists_learner_hosts_is_refused_with_the_node_count_to_set(
+        tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as error:
+        resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
+                       topology_overrides=["launcher.backend=ray",
+                                           'learner.hosts=["127.0.0.1", "localhost"]'],
+                       run_overrides=[f"trainer.run_dir={tmp_path}"])
+    assert (error.value.source, error.value.key) == ("command line", "learner.hosts")
+    assert "set learner.nnodes = 2" in error.value.problem
+    placed = ["launcher.backend=ray", 'learner.hosts=["127.0.0.1", "localhost"]']
+    topology, _, _ = load_checked(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN), placed,
+                                  [f"trainer.run_dir={tmp_path}"], placed=True)
+    assert len(topology.learner.hosts) == 2  # a run directory's, as its backend placed it
 
 
 def fingerprinted_checkpoint(folder: Path, run: RunConfig, step: int) -> Path:
