@@ -14,8 +14,7 @@ process's GPUs follow from its device: none on the CPU; on ``cuda`` its tensor-p
 under vLLM and SGLang, else one; Slurm picks which (``--gpus-per-task``, and it sets
 ``CUDA_VISIBLE_DEVICES``), so a topology that lists ``gpus`` or names ``cuda:N`` or
 ``auto`` is refused. Its CPUs are its ``cpus`` (rounded up; the learner: per rank), its
-memory ``memory_gib`` (0: the step asks for none; on a cluster that accounts memory, set
-it, or each step gets the job's whole memory of its node and the next one waits).
+memory ``memory_gib`` (0: ``--mem=0``, the job's memory without reserving any of it).
 
 Steps (``step_argv``): every step is ``srun --exact`` with its nodes, tasks, GPUs, CPUs and
 memory; a step of one task writes its pid on its node to ``RUN_DIR/slurm/<name>.pid``
@@ -77,9 +76,9 @@ NODE_RANK = 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"'
 LOOPBACK = "127.0.0.1"
 JOB_REQUESTS = ("SLURM_MEM_PER_NODE", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_GPU", "SLURM_GPUS",
                 "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK", "SLURM_TRES_PER_TASK")
-"""What the job asked for, which ``srun`` would take as a step's own request from the
-environment (the job's whole memory of a node for every step: the next one on that node
-would wait): a step asks for what its options say, no more."""
+"""What the job asked for, which ``srun`` would take from the environment as a step's own
+request (``SLURM_GPUS_PER_NODE`` on top of ``--gpus-per-task``): a step asks for what its
+options say, no more."""
 
 
 class Demand(msgspec.Struct, frozen=True):
@@ -245,8 +244,10 @@ def srun_options(demand: Demand, nodes: list[str], *, per_node: bool) -> list[st
     if demand.gpus:
         options.append(f"--gpus-per-task={demand.gpus}")
     options.append(f"--cpus-per-task={max(demand.cpus, 1)}")
-    if demand.memory_gib:
-        options.append(f"--mem={math.ceil(demand.memory_gib * 1024)}M")
+    # --mem=0: within the job's memory, reserving none of it (a step that names no memory
+    # would reserve all the job has on its node, and the next step there would wait)
+    options.append(f"--mem={math.ceil(demand.memory_gib * 1024)}M" if demand.memory_gib
+                   else "--mem=0")
     return options
 
 

@@ -110,7 +110,11 @@ def dry_run_steps(topology: Topology, run: RunConfig, run_dir: Path,
     hosts = [f"NODE{i}" for i in range(plan_layout.nodes)]
     plan = slurm_plan(placed(topology, plan_layout, hosts), run, run_dir, plan_layout, hosts,
                       python)
-    return [f"{spec.name}: {shlex.join(spec.argv)}" for spec in plan]
+    lines = []
+    for spec in plan:  # srun passes on the environment it was started with
+        env = "".join(f"{name}={shlex.quote(value)} " for name, value in sorted(spec.env.items()))
+        lines.append(f"{spec.name}: {env}{shlex.join(spec.argv)}")
+    return lines
 
 
 def dry_run_text(resolved: ResolvedLaunch) -> str:

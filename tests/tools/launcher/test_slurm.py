@@ -98,15 +98,15 @@ def test_each_process_is_a_step_on_its_node_with_its_gpus(tmp_path: Path,
                      *module_argv(PYTHON, "relay.learner.main", *common))]
     assert steps["gen0"].argv == [
         "srun", "--exact", "--nodes=1", "--nodelist=gpu08", "--ntasks=1", "--gpus-per-task=4",
-        "--cpus-per-task=8", "--kill-on-bad-exit=0", "sh", "-c", RECORD_PID,
+        "--cpus-per-task=8", "--mem=0", "--kill-on-bad-exit=0", "sh", "-c", RECORD_PID,
         str(run_dir / "slurm" / "gen0.pid"),
         *module_argv(PYTHON, "relay.generators.main", *common, "--name", "gen0")]
     assert steps["gen0"].host == "gpu08" and not steps["gen0"].essential
-    assert steps["evaluator"].argv[:8] == [
+    assert steps["evaluator"].argv[:9] == [
         "srun", "--exact", "--nodes=1", "--nodelist=gpu08", "--ntasks=1", "--gpus-per-task=2",
-        "--cpus-per-task=4", "--kill-on-bad-exit=0"]
-    assert steps["buffer"].argv[:6] == ["srun", "--exact", "--nodes=1", "--nodelist=gpu07",
-                                        "--ntasks=1", "--cpus-per-task=1"]
+        "--cpus-per-task=4", "--mem=0", "--kill-on-bad-exit=0"]
+    assert steps["buffer"].argv[:8] == ["srun", "--exact", "--nodes=1", "--nodelist=gpu07",
+                                        "--ntasks=1", "--cpus-per-task=1", "--mem=0", "sh"]
 
 
 def test_a_learner_of_two_nodes_is_one_step_ranking_its_nodes_as_slurm_does(
@@ -130,22 +130,25 @@ def test_a_learner_of_two_nodes_is_one_step_ranking_its_nodes_as_slurm_does(
                                       "--master-addr=gpu07", "--master-port=29600")
 
 
-def test_a_step_runs_its_process_through_srun_and_knows_its_pid(tmp_path: Path,
-                                                                 fake_slurm: Path) -> None:
+def test_a_step_runs_its_process_through_srun_and_knows_its_pid(
+        tmp_path: Path, fake_slurm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_GPUS_PER_NODE", "8")  # the job's, not the step's request
     run_dir = tmp_path / "run"
     (run_dir / "slurm").mkdir(parents=True)
     spec = ProcessSpec(name="gen0", role="generator", host="gpu08", essential=False,
                        env={"RELAY_TEST_VALUE": "from-the-plan"},
                        argv=[sys.executable, "-c", "import os; print(os.getpid(), "
-                                                   "os.environ['RELAY_TEST_VALUE'])"])
+                                                   "os.environ['RELAY_TEST_VALUE'], "
+                                                   "os.environ.get('SLURM_GPUS_PER_NODE'))"])
     step = msgspec.structs.replace(spec, argv=step_argv(spec, Demand(gpus=0, cpus=1,
                                                                      memory_gib=0),
                                                         ["gpu08"], run_dir))
     log = tmp_path / "gen0.log"
     handle = SlurmStepBackend().start(step, Topology(), log)
     assert handle.wait() == 0 and handle.poll() == 0
-    pid, value = log.read_text().split()
-    assert value == "from-the-plan" and handle.pid == int(pid)  # its own pid, not srun's
+    pid, value, job_gpus = log.read_text().split()
+    assert value == "from-the-plan" and job_gpus == "None"
+    assert handle.pid == int(pid)  # its own pid, not srun's
     assert not handle.group_alive()
 
 
