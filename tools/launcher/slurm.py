@@ -5,16 +5,17 @@ own supervisor (``relay.launcher.supervisor``) on the job's first node, and the 
 starts each process of the plan through ``SlurmStepBackend`` as a job step of its own.
 
 Layout (``layout``; the same on the login node, where it sizes the job, and in the job,
-where it names the nodes): the learner takes the job's first ``learner.nnodes`` nodes
-(0: ``len(learner.hosts)``), ``nproc_per_node`` ranks and GPUs on each; then the buffer,
-each generator and the evaluator, in that order, go to the first node with their GPUs (and,
-with ``launcher.slurm.cpus_per_node`` set, their CPUs) still free. A node holds
-``launcher.slurm.gpus_per_node`` GPUs (0: as many as the largest process takes). A
-process's GPUs follow from its device: none on the CPU; on ``cuda`` its tensor-parallel size
-under vLLM and SGLang, else one; Slurm picks which (``--gpus-per-task``, and it sets
-``CUDA_VISIBLE_DEVICES``), so a topology that lists ``gpus`` or names ``cuda:N`` or
-``auto`` is refused. Its CPUs are its ``cpus`` (rounded up; the learner: per rank), its
-memory ``memory_gib`` (0: ``--mem=0``, the job's memory without reserving any of it).
+where it names the nodes): each process's demand (``relay.launcher.resources.demands``: its
+``cpus``, ``memory_gib`` and GPUs; the learner's per rank) placed first fit, biggest first,
+a learner node's ranks together and learner nodes apart (``relay.launcher.resources.place``),
+on as few nodes as hold them, each of ``launcher.slurm.gpus_per_node`` GPUs (0: as many as
+the largest process takes) and ``cpus_per_node`` CPUs (0: not counted). A process's GPUs
+follow from its device: none on the CPU; on ``cuda`` its tensor-parallel size under vLLM
+and SGLang, else one; Slurm picks which (``--gpus-per-task``, and it sets
+``CUDA_VISIBLE_DEVICES``), so a topology that lists ``gpus`` or names ``cuda:N`` is refused
+(``relay.configs.checks.check_cluster_request``, ``check_engine_devices``). A step asks for
+its CPUs rounded up (the learner's: per node) and its memory as ``--mem`` (0:
+``--mem=0``, the job's memory without reserving any of it).
 
 Steps (``step_argv``): every step is ``srun --exact`` with its nodes, tasks, GPUs, CPUs and
 memory; a step of one task writes its pid on its node to ``RUN_DIR/slurm/<name>.pid``
@@ -29,8 +30,9 @@ binds the weights ports.
 
 Addresses: a job of one node without CURVE keeps every host at 127.0.0.1 (its sockets are
 files in the run directory); a job of several nodes needs CURVE (``[security] curve =
-true`` and ``keys_dir``), and every host becomes its node's name, the launcher's the first
-node's (where the supervisor runs). Ports left at 0 are picked free on the first node.
+true`` and ``keys_dir``), and every host becomes its node's name, the launcher's the job's
+first node's (where the batch script, and so the supervisor, runs). Ports left at 0 are
+picked free on the first node.
 
 Signals: the supervisor signals ``srun``, which forwards SIGTERM to the step's tasks; a
 step whose ``srun`` was killed outright ends with the job, which ends when the supervisor
@@ -52,7 +54,7 @@ import msgspec
 
 from relay.configs.loader import ConfigError
 from relay.configs.run_schema import RunConfig
-from relay.configs.topology_schema import EnginePlacement, Topology
+from relay.configs.topology_schema import Topology
 from relay.launcher.backends import (
     PlacementError,
     PopenHandle,
@@ -62,6 +64,7 @@ from relay.launcher.backends import (
 from relay.launcher.child import module_argv
 from relay.launcher.plan import ProcessSpec, build_plan
 from relay.launcher.ports import assign_ports
+from relay.launcher.resources import Demand, NodeCapacity, demands, learner_nodes, place
 
 SRUN = "srun"
 SCONTROL = "scontrol"
@@ -81,8 +84,8 @@ request (``SLURM_GPUS_PER_NODE`` on top of ``--gpus-per-task``): a step asks for
 options say, no more."""
 
 
-class Demand(msgspec.Struct, frozen=True):
-    """What one process (the learner: one node of it) takes of its node."""
+class StepDemand(msgspec.Struct, frozen=True):
+    """What one job step asks of each of its nodes (the learner's: one node's ranks)."""
 
     gpus: int
     cpus: int
@@ -90,104 +93,85 @@ class Demand(msgspec.Struct, frozen=True):
 
 
 class Layout(msgspec.Struct, frozen=True):
-    """Where each process goes, as indices of the job's nodes: the learner on nodes
-    ``0 .. learner_nodes - 1``, every other process (``node_of``: its plan name) on one."""
+    """Where each process goes, as indices of the job's nodes: the learner's nodes in the
+    job's order (``learner_nodes``), every other process on one (``node_of``: by its plan
+    name), and what each step asks for (``demand``, by plan name)."""
 
     nodes: int  # how many the job needs
-    learner_nodes: int
+    learner_nodes: list[int]
     node_of: dict[str, int]
-    demand: dict[str, Demand]  # by plan name; the learner's is per node
+    demand: dict[str, StepDemand]
     gpus_per_node: int  # what the job asks for on each node (0: none)
     cpus_per_node: int
     memory_gib_per_node: float
 
 
-def engine_gpus(placement: EnginePlacement) -> int:
-    """The GPUs a generator or the evaluator takes: its engine's tensor-parallel size
-    (vLLM, SGLang) or one, on ``cuda``; none on the CPU."""
-    if placement.device == "cpu":
-        return 0
-    if placement.engine in ("vllm", "sglang"):
-        return getattr(placement, placement.engine).tensor_model_parallel_size
-    return 1
-
-
-def check_slurm_topology(topology: Topology, source: str) -> None:
-    """``ConfigError`` for what Slurm decides itself: GPU lists and GPU indices, and a device
-    it cannot size (``auto``)."""
-    devices = {"learner": topology.learner.device, "evaluator": topology.evaluator.device}
-    gpu_lists = {"learner": topology.learner.gpus, "evaluator": topology.evaluator.gpus}
-    for i, gen in enumerate(topology.generators):
-        devices[f"generators[{i}]"] = gen.device
-        gpu_lists[f"generators[{i}]"] = gen.gpus
-    for key, gpus in gpu_lists.items():
-        if gpus is not None:
-            raise ConfigError(source, f"{key}.gpus", (
-                f"{gpus} with launcher.backend = \"slurm\": Slurm picks each step's GPUs "
-                "(--gpus-per-task) and sets CUDA_VISIBLE_DEVICES; remove the list"))
-    for key, device in devices.items():
-        if device not in ("cpu", "cuda"):
-            raise ConfigError(source, f"{key}.device", (
-                f"{device!r} with launcher.backend = \"slurm\": say \"cpu\" or \"cuda\", so "
-                "that the job asks for the GPUs it needs and Slurm picks which"))
-
-
-def demands(topology: Topology, run: RunConfig) -> dict[str, Demand]:
-    """Each process's demand by its plan name (the learner: per node), in layout order."""
-    learner = topology.learner
-    ranks = learner.nproc_per_node
-    found = {"learner": Demand(gpus=ranks if learner.device == "cuda" else 0,
-                               cpus=math.ceil(learner.cpus * ranks),
-                               memory_gib=learner.memory_gib * ranks),
-             "buffer": Demand(gpus=0, cpus=math.ceil(topology.buffer.cpus),
-                              memory_gib=topology.buffer.memory_gib)}
-    engines: list[tuple[str, EnginePlacement]] = [(g.name, g) for g in topology.generators]
-    if run.evaluates:
-        engines.append(("evaluator", topology.evaluator))
-    for name, placement in engines:
-        found[name] = Demand(gpus=engine_gpus(placement), cpus=math.ceil(placement.cpus),
-                             memory_gib=placement.memory_gib)
-    return found
+def check_engine_devices(topology: Topology, source: str) -> None:
+    """``ConfigError`` for an engine placed on one GPU by its index (``cuda:N``): Slurm
+    picks each step's GPUs and the step sees them from ``cuda:0``. (GPU lists and the
+    learner's ``auto`` are refused for every cluster backend:
+    ``relay.configs.checks.check_cluster_request``.)"""
+    placed = [(f"generators[{i}].device", g.device) for i, g in enumerate(topology.generators)]
+    placed.append(("evaluator.device", topology.evaluator.device))
+    for key, device in placed:
+        if device.partition(":")[2]:
+            raise ConfigError(source, key, (
+                f"{device!r} with launcher.backend = \"slurm\", which picks each step's GPUs: "
+                "say \"cuda\" (vLLM and SGLang take tensor_model_parallel_size GPUs, the rest "
+                "one)"))
 
 
 def layout(topology: Topology, run: RunConfig, source: str = "the topology") -> Layout:
-    """Where each process goes (module docstring); ``ConfigError`` for a process that no node
-    can hold, or several nodes without CURVE."""
-    check_slurm_topology(topology, source)
+    """Where each process goes (module docstring): the demands of
+    ``relay.launcher.resources.demands`` placed by ``relay.launcher.resources.place`` on as
+    few nodes of ``launcher.slurm``'s size as hold them. ``ConfigError`` for a process that
+    no node can hold, or several nodes without CURVE."""
+    check_engine_devices(topology, source)
     settings = topology.launcher.slurm
-    need = demands(topology, run)
-    gpu_cap = settings.gpus_per_node or max(d.gpus for d in need.values())
-    cpu_cap = settings.cpus_per_node or math.inf
-    for name, demand in need.items():
-        what = f"the learner's {topology.learner.nproc_per_node} ranks of a node" \
-            if name == "learner" else name
-        if demand.gpus > gpu_cap or demand.cpus > cpu_cap:
-            raise ConfigError(source, "launcher.slurm", (
-                f"{what} take {demand.gpus} GPU(s) and {demand.cpus} CPU(s), more than a node "
-                f"of the job holds (gpus_per_node = {gpu_cap}, cpus_per_node = "
-                f"{settings.cpus_per_node or 'any'})"))
-    learner_nodes = topology.learner.nnodes or len(topology.learner.hosts)
-    used = [[need["learner"].gpus, need["learner"].cpus, need["learner"].memory_gib]
-            for _ in range(learner_nodes)]
-    node_of: dict[str, int] = {}
-    for name, demand in need.items():
-        if name == "learner":
-            continue
-        node = next((i for i, (gpus, cpus, _) in enumerate(used)
-                     if gpus + demand.gpus <= gpu_cap and cpus + demand.cpus <= cpu_cap), None)
-        if node is None:
-            node = len(used)
-            used.append([0, 0, 0.0])
-        used[node][0] += demand.gpus
-        used[node][1] += demand.cpus
-        used[node][2] += demand.memory_gib
-        node_of[name] = node
-    if len(used) > 1 and not topology.security.curve:
+    found = demands(topology, run)
+    learner = topology.learner
+    learner_gpus = learner.nproc_per_node * (learner.device == "cuda")
+    gpu_cap = settings.gpus_per_node or max(
+        [learner_gpus, *(d.gpus for d in found if d.role != "learner")])
+    node_size = NodeCapacity(name="", cpus=settings.cpus_per_node or math.inf, gpus=gpu_cap)
+    where: dict[str, str] = {}
+    for count in range(learner_nodes(learner), len(found) + 1):
+        nodes = [msgspec.structs.replace(node_size, name=str(i)) for i in range(count)]
+        try:
+            where = place(found, nodes)
+            break
+        except PlacementError as exc:
+            refusal = str(exc)
+    if not where:
+        raise ConfigError(source, "launcher.slurm", (
+            f"{refusal}, on nodes of gpus_per_node = {gpu_cap} and cpus_per_node = "
+            f"{settings.cpus_per_node or 'any'}"))
+    steps: dict[str, list[Demand]] = {}
+    for demand in found:
+        steps.setdefault("learner" if demand.role == "learner" else demand.name,
+                         []).append(demand)
+    learner_on = sorted({int(where[d.name]) for d in steps["learner"]})
+    node_of = {name: int(where[group[0].name]) for name, group in steps.items()
+               if name != "learner"}
+    per_node = len(learner_on)  # the learner's step asks each node for one node's ranks
+    step_demand = {name: StepDemand(
+        gpus=sum(d.gpus for d in group) // (per_node if name == "learner" else 1),
+        cpus=math.ceil(sum(d.cpus for d in group) / (per_node if name == "learner" else 1)),
+        memory_gib=sum(d.memory_gib for d in group) / (per_node if name == "learner" else 1))
+        for name, group in steps.items()}
+    count = max([*learner_on, *node_of.values()]) + 1
+    used = [[0, 0, 0.0] for _ in range(count)]
+    for name, demand in step_demand.items():
+        for node in learner_on if name == "learner" else [node_of[name]]:
+            used[node][0] += demand.gpus
+            used[node][1] += demand.cpus
+            used[node][2] += demand.memory_gib
+    if count > 1 and not topology.security.curve:
         raise ConfigError(source, "security.curve", (
-            f"the plan needs {len(used)} nodes of the Slurm job, and Relay talks between nodes "
+            f"the plan needs {count} nodes of the Slurm job, and Relay talks between nodes "
             "only over CURVE: set [security] curve = true and keys_dir (see "
             "tools/make-curve-keys.py)"))
-    return Layout(nodes=len(used), learner_nodes=learner_nodes, node_of=node_of, demand=need,
+    return Layout(nodes=count, learner_nodes=learner_on, node_of=node_of, demand=step_demand,
                   gpus_per_node=settings.gpus_per_node or max(u[0] for u in used),
                   cpus_per_node=settings.cpus_per_node or max(u[1] for u in used),
                   memory_gib_per_node=max(u[2] for u in used))
@@ -206,8 +190,7 @@ def placed(topology: Topology, plan_layout: Layout, hosts: list[str]) -> Topolog
 
     replace = msgspec.structs.replace
     node_of = plan_layout.node_of
-    learner = replace(topology.learner,
-                      hosts=[host(i) for i in range(plan_layout.learner_nodes)])
+    learner = replace(topology.learner, hosts=[host(i) for i in plan_layout.learner_nodes])
     generators = [replace(g, host=host(node_of[g.name])) for g in topology.generators]
     evaluator = topology.evaluator
     if "evaluator" in node_of:
@@ -236,7 +219,7 @@ def job_hosts(environ: Mapping[str, str] = os.environ) -> list[str]:
     return hosts
 
 
-def srun_options(demand: Demand, nodes: list[str], *, per_node: bool) -> list[str]:
+def srun_options(demand: StepDemand, nodes: list[str], *, per_node: bool) -> list[str]:
     """``srun``'s options for a step on ``nodes``: one task per node when ``per_node`` (the
     learner), else one task in all, each with the ``demand`` given."""
     options = [SRUN, "--exact", f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}",
@@ -251,7 +234,7 @@ def srun_options(demand: Demand, nodes: list[str], *, per_node: bool) -> list[st
     return options
 
 
-def step_argv(spec: ProcessSpec, demand: Demand, nodes: list[str], run_dir: Path) -> list[str]:
+def step_argv(spec: ProcessSpec, demand: StepDemand, nodes: list[str], run_dir: Path) -> list[str]:
     """The ``srun`` command line that runs the plan's process ``spec`` on ``nodes``."""
     if spec.role == "learner":
         return [*srun_options(demand, nodes, per_node=True), "--kill-on-bad-exit=1",
@@ -283,7 +266,7 @@ def slurm_plan(topology: Topology, run: RunConfig, run_dir: Path, plan_layout: L
     same_python = msgspec.structs.replace(topology.launcher, remote_python=python)
     plan = build_plan(msgspec.structs.replace(topology, launcher=same_python), run, run_dir,
                       python=python)
-    learner_hosts = hosts[:plan_layout.learner_nodes]
+    learner_hosts = [hosts[i] for i in plan_layout.learner_nodes]
     steps = []
     for spec in plan:
         if spec.role == "learner":

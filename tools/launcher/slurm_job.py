@@ -70,9 +70,9 @@ def layout_lines(plan_layout: Layout) -> list[str]:
     """The layout as comment lines: which process runs where with what."""
     lines = []
     for name, demand in plan_layout.demand.items():
-        where = (f"nodes 0-{plan_layout.learner_nodes - 1}" if plan_layout.learner_nodes > 1
-                 else "node 0") if name == "learner" else f"node {plan_layout.node_of[name]}"
-        each = " each" if name == "learner" and plan_layout.learner_nodes > 1 else ""
+        nodes = plan_layout.learner_nodes if name == "learner" else [plan_layout.node_of[name]]
+        where = f"node{'s' if len(nodes) > 1 else ''} {','.join(map(str, nodes))}"
+        each = " each" if len(nodes) > 1 else ""
         memory = f", {demand.memory_gib:g} GiB" if demand.memory_gib else ""
         lines.append(f"#   {name:<12} {where:<10} {demand.gpus} GPU(s), "
                      f"{demand.cpus} CPU(s){memory}{each}")

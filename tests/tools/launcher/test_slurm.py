@@ -23,7 +23,7 @@ from relay.launcher.plan import ProcessSpec
 from relay.launcher.slurm import (
     NODE_RANK,
     RECORD_PID,
-    Demand,
+    StepDemand,
     SlurmStepBackend,
     layout,
     step_argv,
@@ -140,7 +140,7 @@ def test_a_step_runs_its_process_through_srun_and_knows_its_pid(
                        argv=[sys.executable, "-c", "import os; print(os.getpid(), "
                                                    "os.environ['RELAY_TEST_VALUE'], "
                                                    "os.environ.get('SLURM_GPUS_PER_NODE'))"])
-    step = msgspec.structs.replace(spec, argv=step_argv(spec, Demand(gpus=0, cpus=1,
+    step = msgspec.structs.replace(spec, argv=step_argv(spec, StepDemand(gpus=0, cpus=1,
                                                                      memory_gib=0),
                                                         ["gpu08"], run_dir))
     log = tmp_path / "gen0.log"
@@ -156,18 +156,28 @@ def test_what_slurm_decides_itself_is_refused_by_name(tmp_path: Path) -> None:
     topology = golden_topology(tmp_path)
     run = load_run_config(DEFAULT_RUN)
     replace = msgspec.structs.replace
-    listed = replace(topology, generators=[replace(topology.generators[0], gpus=[0, 1, 2, 3])])
-    with pytest.raises(ConfigError, match=r"generators\[0\]\.gpus.*Slurm picks"):
-        layout(listed, run)
-    auto = replace(topology, learner=replace(topology.learner, device="auto"))
-    with pytest.raises(ConfigError, match=r"learner\.device.*'auto'"):
-        layout(auto, run)
+    indexed = replace(topology, evaluator=replace(topology.evaluator, device="cuda:1"))
+    with pytest.raises(ConfigError, match=r"evaluator\.device.*'cuda:1'.*picks each step's GPUs"):
+        layout(indexed, run)
     too_big = replace(topology, learner=replace(topology.learner, nproc_per_node=16))
-    with pytest.raises(ConfigError, match=r"learner's 16 ranks.*gpus_per_node = 8"):
+    with pytest.raises(ConfigError, match=r"learner node 0.*GPU.*gpus_per_node = 8"):
         layout(too_big, run)
     plain = replace(topology, security=replace(topology.security, curve=False))
     with pytest.raises(ConfigError, match=r"security\.curve.*2 nodes"):
         layout(plain, run)
+
+
+def test_a_gpu_list_under_slurm_is_refused_before_anything_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    topology = tmp_path / "topology.toml"
+    topology.write_text('[launcher]\nbackend = "slurm"\n\n[[generators]]\nname = "gen0"\n'
+                        'device = "cuda"\ngpus = [0]\n')
+    monkeypatch.chdir(REPO)
+    assert launch_main([str(topology), str(DEFAULT_RUN), f"trainer.run_dir={tmp_path / 'runs'}",
+                        "--dry-run"]) == 2
+    assert "generators[0].gpus" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_the_embedded_default_fits_one_node_without_curve() -> None:
