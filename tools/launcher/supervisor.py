@@ -213,6 +213,7 @@ class Supervisor:
         self.run_dir = resolved.run_dir
         self.log_dir = self.run_dir / "logs"
         self.processes: list[Running] = []
+        self.replaced: list[Running] = []  # dead processes started again: swept at the stop
         self.restart_due: dict[str, float] = {}  # generator name -> when to start it again
         self.board = StatusBoard(total_steps=run.trainer.total_training_steps,
                                  interactive=sys.stdout.isatty())
@@ -233,7 +234,7 @@ class Supervisor:
         except PlacementError as exc:
             return Outcome(code=2, reason=str(exc), failed="placement")
         finally:
-            stop_all(self.processes)
+            stop_all(self.processes + self.replaced)  # a dead leader's children too
             self.board.finish()
             metrics.close()
 
@@ -252,7 +253,7 @@ class Supervisor:
         if proc.restarts < allowed:
             delay = min(RESTART_BACKOFF_S * 2 ** proc.restarts, RESTART_BACKOFF_MAX_S)
             self.restart_due[proc.spec.name] = now + delay
-            self.board.note(f"{what}; starting it again in {delay:.0f} s (restart "
+            self.board.note(f"{what}; starting it again in {delay:g} s (restart "
                             f"{proc.restarts + 1} of {allowed}); training goes on. "
                             f"Log: {proc.log}")
         else:
@@ -270,6 +271,7 @@ class Supervisor:
             dead = self.processes[index]
             spec = msgspec.structs.replace(dead.spec, argv=replacing(dead.spec.argv,
                                                                      dead.process.pid))
+            self.replaced.append(dead)
             self.processes[index] = self._start(spec, restarts=dead.restarts + 1)
             reported_dead.discard(name)
             self.board.note(f"generator {name} started again (restart {dead.restarts + 1})")
