@@ -156,16 +156,17 @@ def main(argv: list[str]) -> int:
     if resolved.run.trainer.resume_mode == "resume_path":
         print(f"relay launch: resuming from {resolved.run.trainer.resume_from_path}",
               flush=True)
-    report_verl_keys(resolved, resumed=bool(args.resume))
     if slurm:
         from relay.launcher.slurm_job import SlurmError, follow, submit
 
         try:
-            job_id = submit(resolved)
+            job_id = submit(resolved)  # nothing written when sbatch is missing
         except SlurmError as exc:
             print(f"relay launch: {exc}", file=sys.stderr)
             return 2
+        report_verl_keys(resolved, resumed=bool(args.resume))
         return follow(job_id, resolved.run_dir)
+    report_verl_keys(resolved, resumed=bool(args.resume))
     from relay.launcher.supervisor import launch
 
     return launch(resolved)

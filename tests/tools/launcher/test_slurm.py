@@ -227,3 +227,4 @@ def test_without_sbatch_a_launch_says_where_to_run_it(
     code = launch_main(["topology.launcher.backend=slurm", f"trainer.run_dir={tmp_path}"])
     assert code == 2
     assert "sbatch is not on PATH" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no run directory
