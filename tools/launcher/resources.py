@@ -30,6 +30,7 @@ from relay.configs.topology_schema import EnginePlacement, LearnerPlacement, Top
 from relay.launcher.backends import PlacementError
 
 MEMINFO = Path("/proc/meminfo")
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 GIB = 1 << 30
 EPSILON = 1e-9  # fractional CPUs and resources: a sum of floats that fits, fits
 Role = Literal["buffer", "learner", "generator", "evaluator"]
@@ -56,6 +57,11 @@ class Demand(msgspec.Struct, kw_only=True, frozen=True):
     learner_node: int | None = None
     devices: list[int] = msgspec.field(default_factory=list)
     devices_key: str = ""
+
+    @property
+    def listed(self) -> bool:
+        """Whether its GPUs are a ``gpus`` list of the topology."""
+        return self.devices_key.endswith(".gpus")
 
     @property
     def what(self) -> str:
@@ -337,7 +343,10 @@ def check_local(found: Sequence[Demand], source: str) -> None:
 
     - GPUs: every GPU a process takes (``Demand.devices``) exists, as torch counts them
       (asked only when a process is on a GPU). Processes without ``gpus`` lists may share
-      a GPU (``relay.configs.gpu_placement``), so the GPUs are not summed.
+      a GPU (``relay.configs.gpu_placement``), so the GPUs are not summed. A ``gpus`` list
+      replaces the launcher's own ``CUDA_VISIBLE_DEVICES`` (``relay.launcher.plan``), so
+      where the launcher runs under one, torch's count here is not the machine's and listed
+      GPUs are left to the process (a missing one fails its start).
     - Memory: the processes' ``memory_gib`` together fit /proc/meminfo's ``MemTotal``.
 
     CPUs are not refused: the processes of one machine time-share its cores (the default
@@ -349,7 +358,10 @@ def check_local(found: Sequence[Demand], source: str) -> None:
         return
     here = local_capacity()
     count = int(here.gpus)
+    restricted = VISIBLE_DEVICES in os.environ
     for demand in on_gpu:
+        if restricted and demand.listed:
+            continue
         missing = [index for index in demand.devices if index >= count]
         if missing:
             raise ConfigError(source, demand.devices_key, (

@@ -182,6 +182,7 @@ def test_the_dry_run_shows_each_local_processs_gpus(tmp_path: Path,
 def test_a_local_launch_this_machine_cannot_hold_is_refused_naming_process_and_key(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(resources, "cuda_device_count", lambda: 3)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the lists are checked
     run = [f"trainer.run_dir={tmp_path}"]
     with pytest.raises(ConfigError) as error:  # GPUs 0-2 exist; the evaluator lists 3
         resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN), run_overrides=run,

@@ -152,7 +152,9 @@ def local_gpu_topology(device: str, gpus: list[int] | None = None) -> Topology:
                     generators=[GeneratorPlacement(name="gen0", device=device, gpus=gpus)])
 
 
-def test_check_local_refuses_a_gpu_this_machine_lacks_naming_process_and_key(machine) -> None:
+def test_check_local_refuses_a_gpu_this_machine_lacks_naming_process_and_key(
+        machine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     machine(gpus=2)
     check_local(demands(local_gpu_topology(device="cuda:1"), NO_EVALUATION), "t.toml")
     with pytest.raises(ConfigError) as refused:
@@ -162,6 +164,9 @@ def test_check_local_refuses_a_gpu_this_machine_lacks_naming_process_and_key(mac
     assert refused.value.problem == (
         "generator gen0 runs on GPU 2 of this machine, which has 2 GPU(s) "
         "(torch.cuda.device_count()): list GPUs it has, or run it on 'cpu'")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # the list replaces it: not counted
+    check_local(demands(local_gpu_topology(device="cuda", gpus=[2]), NO_EVALUATION), "t.toml")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     machine(gpus=0)
     with pytest.raises(ConfigError) as refused:
         check_local(demands(Topology(learner=LearnerPlacement(device="cuda")), NO_EVALUATION),
