@@ -14,10 +14,10 @@ ENGINE_FIELDS = EnginePlacement.__struct_fields__
 
 
 def test_engine_fields_are_declared_once_for_both_placements() -> None:
-    assert ENGINE_FIELDS == ("host", "engine", "device", "gpus", "threads", "lean", "vllm",
-                             "sglang")
+    assert ENGINE_FIELDS == ("cpus", "memory_gib", "resources", "host", "engine", "device",
+                             "gpus", "threads", "lean", "vllm", "sglang")
     assert EvaluatorPlacement.__struct_fields__ == ENGINE_FIELDS
-    assert GeneratorPlacement.__struct_fields__ == (*ENGINE_FIELDS, "name")
+    assert GeneratorPlacement.__struct_fields__ == (*ENGINE_FIELDS, "name", "max_restarts")
     for placement in (GeneratorPlacement, EvaluatorPlacement):
         assert "host" not in vars(placement).get("__annotations__", {})
 
