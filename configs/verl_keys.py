@@ -138,7 +138,8 @@ _LOGPROB = ("generators return the behavior log-prob of every token they sample;
 _MULTI_TURN = ("the multi-turn loop renders each episode with the model's own chat template "
                "and never re-tokenizes the policy's tokens (relay.configs.chat_turns); no "
                "effect")
-_NO_RAY = "Relay does not run on Ray (the launcher starts its processes); no effect"
+_NO_RAY = ("verl's own Ray workers' setting; Relay's Ray backend (launcher.backend = ray, "
+           "[launcher.ray]) has no such knob; no effect")
 _DEPRECATED = ("verl's deprecated global micro-batch size; give the per-GPU size "
                "{}_per_gpu instead (a micro-batch size per rank is what the learner cuts)")
 _LORA = ("LoRA is not supported yet: Relay trains every parameter (a later issue adds "
@@ -337,6 +338,10 @@ TABLE: tuple[VerlKey, ...] = tuple([
             note="one Relay checkpoint holds every model; null keeps Relay's default"),
     VerlKey(key="trainer.max_critic_ckpt_to_keep", group="mapped", to=("checkpoint.keep_last",),
             note="one Relay checkpoint holds every model; null keeps Relay's default"),
+    VerlKey(key="ray_init.num_cpus", group="mapped", to=("topology.launcher.ray.num_cpus",),
+            note="the CPUs of the Ray instance the launcher starts on its own machine "
+                 "(launcher.backend = ray with no launcher.ray.address); a running cluster "
+                 "keeps its own"),
     *_inert(_NO_RAY, "trainer.ray_wait_register_center_timeout", "ray_init.*"),
     *_inert("Relay has one worker implementation; no effect", "trainer.use_legacy_worker_impl"),
     # ---- data --------------------------------------------------------------------------
@@ -588,6 +593,13 @@ def apply_placement(topology: Topology, placement: Sequence[Placement]) -> Topol
                                   f"{item.value!r} nodes, but the topology lists "
                                   f"{len(learner.hosts)} learner host(s) (learner.hosts): Relay "
                                   "starts one torchrun per host listed there; list them there")
+        elif item.key == "ray_init.num_cpus":
+            if not isinstance(item.value, int) or isinstance(item.value, bool) or item.value < 1:
+                raise ConfigError(item.source, item.key, f"expected an integer >= 1, got "
+                                                         f"{item.value!r}")
+            launcher = topology.launcher
+            topology = msgspec.structs.replace(topology, launcher=msgspec.structs.replace(
+                launcher, ray=msgspec.structs.replace(launcher.ray, num_cpus=item.value)))
         elif item.key == "trainer.device":
             if item.value not in ("cuda", "cpu"):
                 raise ConfigError(item.source, item.key, f"expected 'cuda' or 'cpu' (the "

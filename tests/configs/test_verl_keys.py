@@ -178,6 +178,17 @@ def test_trainer_nnodes_sets_the_learners_node_count_where_the_backend_picks_nod
     assert err.key == "trainer.nnodes" and "integer >= 1" in err.problem
 
 
+def test_ray_init_num_cpus_sizes_the_ray_instance_the_launcher_starts(run_dir: Path) -> None:
+    placement: list[Placement] = []
+    load_run_config(write(run_dir, GOOD_RUN), ["ray_init.num_cpus=16",
+                                               "ray_init.timeline_json_file=null"], placement)
+    topology = load_topology(CONFIG_DIR / "topology-ray.toml", placement=placement)
+    assert topology.launcher.ray.num_cpus == 16
+    half = [Placement(key="ray_init.num_cpus", value=0.5, source="command line")]
+    err = error_of(load_topology, CONFIG_DIR / "topology-ray.toml", placement=half)
+    assert err.key == "ray_init.num_cpus" and "integer >= 1" in err.problem
+
+
 def test_rollout_name_vllm_or_sglang_sets_every_engine(run_dir: Path) -> None:
     for engine in ("vllm", "sglang"):
         placement: list[Placement] = []
