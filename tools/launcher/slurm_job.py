@@ -8,7 +8,8 @@ layout (``relay.launcher.slurm.layout``: the nodes, GPUs and CPUs per node it ne
 submits it (``sbatch --parsable``) and follows the job (``follow``): its state from
 ``squeue``, the supervisor's status lines from the job's output
 (``RUN_DIR/logs/slurm-<job id>.out``) as they come, and, once it has ended, its exit code
-(from ``RUN_DIR/logs/slurm-exit-code``, which the script writes, else ``sacct``). Ctrl-C
+(from ``RUN_DIR/logs/slurm-exit-code``, which the script writes, else the job's state in
+``scontrol`` or ``sacct``). Ctrl-C
 stops following, not the job (``scancel <job id>`` does).
 
 In the job, the script runs ``relay launch --slurm-job RUN_DIR`` (``run_job``) on the first
@@ -19,6 +20,7 @@ steps' command lines, ``NODEi`` standing for the job's i-th node.
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 import subprocess
@@ -39,6 +41,7 @@ SCRIPT = "relay.sbatch"  # in the run directory
 OUTPUT = "logs/slurm-%j.out"  # the job's output, in the run directory (%j: its id)
 EXIT_CODE = "logs/slurm-exit-code"  # the supervisor's exit code, written by the script
 SBATCH = "sbatch"
+SCONTROL = "scontrol"
 SQUEUE = "squeue"
 SACCT = "sacct"
 POLL_S = 5.0
@@ -95,6 +98,9 @@ def sbatch_script(topology: Topology, run: RunConfig, run_dir: Path,
                                                                 run_dir)),
              "",
              *topology.launcher.slurm.setup,
+             "# SIGTERM (scancel, the time limit) reaches the launcher, which stops the run;",
+             "# this shell outlives it to write its exit code.",
+             "trap true TERM",
              job,
              "code=$?",
              f"echo $code > {shlex.quote(str(run_dir / EXIT_CODE))}",
@@ -157,27 +163,47 @@ def job_state(job_id: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
-def final_code(job_id: str, run_dir: Path) -> tuple[int, str]:
-    """The ended job's exit code, and how it ended: the supervisor's, as the script wrote it,
-    else ``sacct``'s (a job cancelled or out of time before the supervisor ended)."""
-    accounted = ""
+def ended_state(job_id: str) -> tuple[str, str] | None:
+    """The ended job's state and exit code (``CANCELLED``, ``0:15``): ``scontrol``'s, which
+    keeps a job MinJobAge (300 s by default) after it ended, else ``sacct``'s; None when
+    neither knows it."""
+    if shutil.which(SCONTROL):
+        done = subprocess.run([SCONTROL, "show", "job", "--oneliner", job_id],
+                              capture_output=True, text=True, timeout=60)
+        state = re.search(r"\bJobState=(\S+)", done.stdout)
+        code = re.search(r"\bExitCode=(\S+)", done.stdout)
+        if done.returncode == 0 and state and code:
+            return state[1], code[1]
     if shutil.which(SACCT):
         done = subprocess.run([SACCT, "--noheader", "--parsable2", "--allocations",
                                "--jobs", job_id, "--format", "State,ExitCode"],
                               capture_output=True, text=True, timeout=60)
-        accounted = done.stdout.strip().splitlines()[0] if done.stdout.strip() else ""
+        rows = done.stdout.split()
+        if done.returncode == 0 and rows and "|" in rows[0]:
+            state, code = rows[0].split("|", 1)
+            return state, code
+    return None
+
+
+def final_code(job_id: str, run_dir: Path) -> tuple[int, str]:
+    """The ended job's exit code, and how it ended: the supervisor's, as the script wrote it,
+    else from the job's state (a job that ended before its supervisor could say: a node
+    failed, the job was killed)."""
+    ended = ended_state(job_id)
     try:
-        return int((run_dir / EXIT_CODE).read_text().strip()), accounted or "ended"
+        return int((run_dir / EXIT_CODE).read_text().strip()), \
+            f"ended ({ended[0]})" if ended else "ended"
     except (OSError, ValueError):
         pass
-    if "|" in accounted:
-        state, code = accounted.split("|", 1)
-        exit_code, _, sig = code.partition(":")
-        number = int(exit_code) if exit_code.isdigit() else 0
-        if not number and state != "COMPLETED":  # cancelled, out of time, a node failed
-            number = 128 + int(sig) if sig.isdigit() and int(sig) else 1
-        return number, state
-    return 1, "ended without writing its exit code, and sacct does not know the job"
+    if ended is None:
+        return 1, ("ended without writing its exit code, and neither scontrol nor sacct "
+                   "knows the job")
+    state, code = ended
+    exit_code, _, sig = code.partition(":")
+    number = int(exit_code) if exit_code.isdigit() else 0
+    if not number and state != "COMPLETED":
+        number = 128 + int(sig) if sig.isdigit() and int(sig) else 1
+    return number, f"ended ({state}) before its launcher wrote an exit code"
 
 
 def follow(job_id: str, run_dir: Path, poll_s: float = POLL_S) -> int:

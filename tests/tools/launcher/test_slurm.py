@@ -28,7 +28,7 @@ from relay.launcher.slurm import (
     layout,
     step_argv,
 )
-from relay.launcher.slurm_job import EXIT_CODE, follow, sbatch_script
+from relay.launcher.slurm_job import EXIT_CODE, final_code, follow, sbatch_script
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN_DIR = Path("/scratch/relay/runs/relay-arithmetic-20261128-000000")
@@ -217,6 +217,18 @@ def test_following_prints_the_output_as_it_grows_until_the_job_leaves_the_queue(
     out = capsys.readouterr().out
     assert "job 7 RUNNING None" in out and "job 7 left the queue" in out
     assert out.index("step 0") < out.index("step 1") < out.index("step 2")
+
+
+def test_a_job_killed_before_its_launcher_wrote_a_code_ends_as_slurm_says(
+        tmp_path: Path, fake_slurm: Path) -> None:
+    executable(fake_slurm, "scontrol", '#!/bin/sh\n[ "$*" = "show job --oneliner 9" ] && '
+                                       'echo "JobId=9 JobState=CANCELLED Reason=None '
+                                       'ExitCode=0:15"\n')
+    assert final_code("9", tmp_path) == (143, "ended (CANCELLED) before its launcher wrote "
+                                              "an exit code")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / EXIT_CODE).write_text("130\n")  # the launcher's, stopped by scancel
+    assert final_code("9", tmp_path) == (130, "ended (CANCELLED)")
 
 
 def test_without_sbatch_a_launch_says_where_to_run_it(
