@@ -81,7 +81,7 @@ def resolve_launch(topology_file: str, run_file: str, topology_overrides: Sequen
         run = resolve_resume_mode(run, run_dir, run_file)
     return ResolvedLaunch(topology_file=topology_file, run_file=run_file, topology=topology,
                           run=run, run_dir=run_dir,
-                          processes=build_plan(topology, run, run_dir), verl_notes=notes)
+                          processes=planned(topology, run, run_dir), verl_notes=notes)
 
 
 def resolve_resume(run_dir: str | Path, topology_overrides: Sequence[str] = (),
@@ -122,7 +122,7 @@ def _resume_checked(run_dir: Path, topology_file: str, run_file: str,
                                             f"{checkpoint_dir(run, run_dir)} to resume from "
                                             "(they are written every trainer.save_freq steps)")
     return ResolvedLaunch(topology_file=topology_file, run_file=run_file, topology=topology,
-                          run=run, run_dir=run_dir, processes=build_plan(topology, run, run_dir),
+                          run=run, run_dir=run_dir, processes=planned(topology, run, run_dir),
                           verl_notes=notes)
 
 
@@ -381,6 +381,26 @@ def check_rollout_workflow(run: RunConfig, source: str) -> None:
         raise ConfigError(source, key, str(exc)) from exc
 
 
+def planned(topology: Topology, run: RunConfig, run_dir: Path) -> list[ProcessSpec]:
+    """The plan as ``--dry-run`` shows it: under Ray one process per learner rank, as the
+    Ray backend starts them (``relay.launcher.ray_backend``), its hosts Ray's choice."""
+    return build_plan(topology, run, run_dir, learner_ranks=topology.launcher.backend == "ray")
+
+
+def reservations(topology: Topology, run: RunConfig) -> list[str]:
+    """What each process reserves of a node under Ray or Slurm, which choose the hosts."""
+    if topology.launcher.backend not in ("ray", "slurm"):
+        return []
+    lines = [f"# Hosts and ports: chosen at launch by {topology.launcher.backend.title()}; "
+             "each process reserves (relay.launcher.resources):"]
+    for demand in demands(topology, run):
+        extra = "".join(f", {amount:g} {name}" for name, amount in demand.resources.items())
+        memory = f", {demand.memory_gib:g} GiB" if demand.memory_gib else ""
+        lines.append(f"#   {demand.name}: {demand.cpus:g} CPU(s), {demand.gpus} GPU(s)"
+                     f"{memory}{extra}")
+    return lines
+
+
 def dry_run_report(resolved: ResolvedLaunch) -> str:
     """The resolved configs as TOML and the processes that would start, for a person."""
     topology_toml = to_toml(resolved.topology).decode()
@@ -397,6 +417,7 @@ def dry_run_report(resolved: ResolvedLaunch) -> str:
         *(f"#   {note}" for note in resolved.verl_notes),
         f"# Run directory: {resolved.run_dir}",
         f"# Resuming from: {resolved.run.trainer.resume_from_path or 'nothing (a fresh start)'}",
+        *reservations(resolved.topology, resolved.run),
         f"# Processes ({len(resolved.processes)}):",
     ]
     width = max(len(p.name) for p in resolved.processes)

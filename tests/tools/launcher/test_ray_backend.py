@@ -132,3 +132,20 @@ def parent_of(pid: int) -> int:
 
 def zombie(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in "ZX"
+
+
+def test_the_dry_run_shows_each_learner_rank_and_what_each_process_reserves(
+        tmp_path: Path) -> None:
+    from relay.launcher.resolve import dry_run_report, resolve_launch
+
+    topology = tmp_path / "topology-ray.toml"
+    topology.write_text((ROOT / "configs" / "topology-ray.toml").read_text().replace(
+        'name = "gen0"', 'name = "gen0"\nresources = { fake_gpu = 1 }'))
+    resolved = resolve_launch(str(topology), str(ROOT / "configs" / "arithmetic-grpo.toml"),
+                              ["learner.nproc_per_node=2"], [f"trainer.run_dir={tmp_path}"])
+    assert [p.name for p in resolved.processes if p.role == "learner"] == ["learner-0",
+                                                                           "learner-1"]
+    report = dry_run_report(resolved)
+    assert "# Hosts and ports: chosen at launch by Ray" in report
+    assert "#   learner-1: 1 CPU(s), 0 GPU(s)" in report
+    assert "#   gen0: 1 CPU(s), 0 GPU(s), 1 fake_gpu" in report
