@@ -190,7 +190,8 @@ class RayBackend:
         self.settings = settings
         self.actor_options: dict[str, dict[str, Any]] = {}
         self.actors: dict[str, Any] = {}
-        self.where: dict[str, dict[str, str]] = {}
+        self.where: dict[str, dict[str, str]] = {}  # what each actor says of its node
+        self.planned: dict[str, str] = {}  # process -> the Ray node id the plan gives it
         self.group: Any = None
         self.run_dir = Path()
         self._started_ray = False
@@ -204,8 +205,9 @@ class RayBackend:
             raise missing_ray() from None
         self._connect(ray)
         wanted = demands(topology, run)
-        place(wanted, cluster_nodes(ray.nodes()))  # refuses what no node can hold
-        self._reserve(ray, topology, wanted)
+        nodes = cluster_nodes(ray.nodes())
+        place(wanted, nodes)  # refuses at once what no node can hold
+        self._reserve(ray, topology, wanted, nodes)
         return self._addressed(ray, topology)
 
     def _connect(self, ray: Any) -> None:
@@ -220,31 +222,50 @@ class RayBackend:
                      num_gpus=settings.num_gpus, log_to_driver=False)
             self._started_ray = True
 
-    def _reserve(self, ray: Any, topology: Topology, wanted: list[Demand]) -> None:
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    def _reserve(self, ray: Any, topology: Topology, wanted: list[Demand],
+                 nodes: list[NodeCapacity]) -> None:
+        """The learner's placement group first, then every other process pinned to the node
+        ``relay.launcher.resources.place`` gives it among what the group left: the plan
+        Ray follows, recorded in ``self.planned`` (process -> Ray node id)."""
+        from ray.util.placement_group import placement_group, placement_group_table
+        from ray.util.scheduling_strategies import (
+            NodeAffinitySchedulingStrategy,
+            PlacementGroupSchedulingStrategy,
+        )
 
-        runner = ray.remote(ProcessRunner)
         learner = [d for d in wanted if d.role == "learner"]
-        nodes = sorted({d.learner_node for d in learner})
-        bundles = [learner_bundle([d for d in learner if d.learner_node == n]) for n in nodes]
-        self.group = placement_group(bundles, strategy="STRICT_SPREAD" if len(nodes) > 1
-                                     else "STRICT_PACK", name="relay-learner")
+        learner_nodes = sorted({d.learner_node for d in learner})
+        bundles = [learner_bundle([d for d in learner if d.learner_node == n])
+                   for n in learner_nodes]
+        self.group = placement_group(bundles, strategy="STRICT_SPREAD"
+                                     if len(learner_nodes) > 1 else "STRICT_PACK",
+                                     name="relay-learner")
         try:
             ray.get(self.group.ready(), timeout=self.settings.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise PlacementError(
-                f"Ray could not reserve the learner's {len(nodes)} node(s) of "
+                f"Ray could not reserve the learner's {len(learner_nodes)} node(s) of "
                 f"{topology.learner.nproc_per_node} rank(s) ({bundles}) within "
                 f"launcher.ray.placement_timeout_s = {self.settings.placement_timeout_s:g} s"
-                + (": STRICT_SPREAD needs that many distinct nodes" if len(nodes) > 1 else "")
-            ) from None
+                + (": STRICT_SPREAD needs that many distinct nodes"
+                   if len(learner_nodes) > 1 else "")) from None
+        bundle_nodes = placement_group_table(self.group)["bundles_to_node_id"]
+        left = {node.name: node for node in nodes}
+        for index, bundle in enumerate(bundles):
+            left[bundle_nodes[index]] = without(left[bundle_nodes[index]], bundle)
+        rest = [d for d in wanted if d.role != "learner"]
+        self.planned = place(rest, list(left.values())) | {
+            d.name: bundle_nodes[learner_nodes.index(d.learner_node)] for d in learner}
+        runner = ray.remote(ProcessRunner)
         for demand in wanted:
             options = actor_resources(demand)
             if demand.role == "learner":
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=self.group,
-                    placement_group_bundle_index=nodes.index(demand.learner_node))
+                    placement_group_bundle_index=learner_nodes.index(demand.learner_node))
+            else:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                    node_id=self.planned[demand.name], soft=False)
             self.actor_options[demand.name] = options
             self.actors[demand.name] = runner.options(**options).remote()
         pending = {name: actor.where.remote() for name, actor in self.actors.items()}
@@ -306,15 +327,22 @@ class RayBackend:
 
     def plan(self, topology: Topology, run: RunConfig, run_dir: Path) -> list[ProcessSpec]:
         self.run_dir = run_dir
-        (run_dir / PLACEMENT_FILE).write_text(json.dumps(self.where, indent=1))
+        record = {name: {"planned_node_id": self.planned[name], **where}
+                  for name, where in self.where.items()}
+        (run_dir / PLACEMENT_FILE).write_text(json.dumps(record, indent=1))
         return build_plan(topology, run, run_dir, learner_ranks=True)
 
     def start(self, spec: ProcessSpec, topology: Topology, log: Path) -> RayHandle:
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         actor = self.actors.get(spec.name)
-        if actor is None or self._dead(actor):  # a restart: a new actor, same reservation
-            actor = ray.remote(ProcessRunner).options(**self.actor_options[spec.name]).remote()
+        if actor is None or self._dead(actor):  # a restart: a new actor, same reservation,
+            options = dict(self.actor_options[spec.name])  # on its node if it still has room
+            if isinstance(options.get("scheduling_strategy"), NodeAffinitySchedulingStrategy):
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                    node_id=self.planned[spec.name], soft=True)
+            actor = ray.remote(ProcessRunner).options(**options).remote()
             self.actors[spec.name] = actor
         try:
             pid = ray.get(actor.start.remote(spec.argv, spec.env, str(self.run_dir), str(log)),
@@ -373,6 +401,15 @@ def learner_bundle(ranks: list[Demand]) -> dict[str, float]:
         for name, amount in demand.resources.items():
             bundle[name] = bundle.get(name, 0.0) + amount
     return bundle
+
+
+def without(node: NodeCapacity, bundle: dict[str, float]) -> NodeCapacity:
+    """``node`` less what a placement-group ``bundle`` reserved on it."""
+    resources = {name: amount - bundle.get(name, 0.0)
+                 for name, amount in node.resources.items()}
+    return msgspec.structs.replace(
+        node, cpus=node.cpus - bundle.get("CPU", 0.0), gpus=node.gpus - bundle.get("GPU", 0.0),
+        memory_gib=node.memory_gib - bundle.get("memory", 0.0) / GIB, resources=resources)
 
 
 def cluster_nodes(nodes: list[dict[str, Any]]) -> list[NodeCapacity]:

@@ -271,8 +271,14 @@ class Supervisor:
             dead = self.processes[index]
             spec = msgspec.structs.replace(dead.spec, argv=replacing(dead.spec.argv,
                                                                      dead.process.pid))
+            try:
+                restarted = self._start(spec, restarts=dead.restarts + 1)
+            except PlacementError as exc:
+                self.board.note(f"generator {name} could not be started again ({exc}); "
+                                "training goes on without it")
+                continue
             self.replaced.append(dead)
-            self.processes[index] = self._start(spec, restarts=dead.restarts + 1)
+            self.processes[index] = restarted
             reported_dead.discard(name)
             self.board.note(f"generator {name} started again (restart {dead.restarts + 1})")
 
