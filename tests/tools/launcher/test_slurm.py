@@ -189,9 +189,9 @@ def test_the_embedded_default_fits_one_node_without_curve() -> None:
 def test_a_launch_submits_the_script_and_follows_the_job_to_its_exit_code(
         tmp_path: Path, fake_slurm: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    executable(fake_slurm, "sbatch", '#!/bin/sh\nrun_dir=$(dirname "$2")\n'
-                                     'echo "step 2/2 | reward 0.50" > "$run_dir/logs/slurm-42.out"\n'
-                                     'echo 3 > "$run_dir/logs/slurm-exit-code"\necho "42;c1"\n')
+    executable(fake_slurm, "sbatch", '#!/bin/sh\nlogs=$(dirname "$2")/logs\n'
+                                     'echo "step 2/2 | reward 0.50" > "$logs/slurm-42.out"\n'
+                                     'echo 3 > "$logs/slurm-exit-code"\necho "42;c1"\n')
     executable(fake_slurm, "squeue", "#!/bin/sh\n")  # the job has ended
     monkeypatch.chdir(REPO)  # the embedded default's data files
     code = launch_main(["topology.launcher.backend=slurm", "trainer.total_training_steps=2",
