@@ -95,7 +95,8 @@ def node_names(cluster_address: str) -> dict[str, str]:
 
 
 def check_placement(run_dir: Path, address: str) -> None:
-    """Every actor sits on the node the plan put it on, as Ray's state API reports."""
+    """Every actor sits on the node the plan put it on (``ray-placement.json``), as Ray's
+    state API reports, and the plan is the one the topology asks for."""
     from ray.util.state import list_actors
 
     placed = json.loads((run_dir / "ray-placement.json").read_text())
@@ -104,8 +105,8 @@ def check_placement(run_dir: Path, address: str) -> None:
         names = node_names(address)
         actors = {a.actor_id: a for a in list_actors(filters=[("class_name", "=",
                                                                "ProcessRunner")], limit=1000)}
-        for process, where in placed.items():
-            assert actors[where["actor_id"]].node_id == where["node_id"], process
+        for process, where in placed.items():  # Ray's state API: each where the plan said
+            assert actors[where["actor_id"]].node_id == where["planned_node_id"], process
         node = {process: names[where["node_id"]] for process, where in placed.items()}
     finally:
         ray.shutdown()

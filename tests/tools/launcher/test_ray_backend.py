@@ -102,7 +102,9 @@ def test_processes_run_in_actors_placed_as_asked_and_die_with_them(
             {"127.0.0.1"}
         assert placed.buffer.port and placed.learner.master_port
         fake_gpu_node = next(n["NodeID"] for n in ray.nodes() if "fake_gpu" in n["Resources"])
-        assert backend.where["gen0"]["node_id"] == fake_gpu_node
+        assert backend.where["gen0"]["node_id"] == backend.planned["gen0"] == fake_gpu_node
+        assert all(backend.where[name]["node_id"] == node
+                   for name, node in backend.planned.items())
         (tmp_path / RESOLVED_TOPOLOGY).write_text("")
         plan = backend.plan(placed, RUN, tmp_path)
         assert [s.name for s in plan if s.role == "learner"] == ["learner-0"]
