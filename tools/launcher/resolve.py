@@ -421,11 +421,14 @@ def dry_run_report(resolved: ResolvedLaunch) -> str:
         f"# Processes ({len(resolved.processes)}):",
     ]
     width = max(len(p.name) for p in resolved.processes)
+    backend = resolved.topology.launcher.backend
+    placed_by = f"({backend}'s)" if backend in ("ray", "slurm") else ""  # hosts chosen later
     for proc in resolved.processes:
         kind = "essential" if proc.essential else "optional"
         command = shlex.join(proc.command_line(ssh, workdir))
         if proc.local and proc.env:  # a remote one's is on its ssh command line
             command = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(proc.env.items())) \
                 + f" {command}"
-        lines.append(f"  {proc.name:<{width}}  {proc.role:<9} {proc.host:<15} {kind:<9} {command}")
+        host = placed_by or proc.host
+        lines.append(f"  {proc.name:<{width}}  {proc.role:<9} {host:<15} {kind:<9} {command}")
     return "\n".join(lines)
