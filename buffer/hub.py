@@ -32,12 +32,13 @@ a request from a connection in another role, or whose CURVE key may not take tha
 is refused (``ErrorReply(code="forbidden")``) and counted (``rejected/forbidden``). A
 generator's name belongs to one live process: another process attaching under it is
 refused, with the time after which the name may be free (``rejected/name_in_use``), unless
-it names the holder as the dead process it replaces (``Attach.replaces_pid``, the holder's
-pid on the sender's host: the launcher restarting a generator that died vouches for that).
-It takes the name at once, the dead process's leased prompts go back to the pool, and it
-is counted (``generators/replaced``) and logged; a ``replaces_pid`` that is not the
-holder's changes nothing. A generator may lie about its pid as about anything else: a
-name is a claim among processes holding the generator role, not a credential. Values
+it is of the holder's lineage (``Attach.lineage``, not empty: the launcher's token for one
+topology generator, the same across its restarts; it starts a process of a lineage only
+after the last one died, on whichever host or pid). It takes the name at once, the dead
+process's leased prompts go back to the pool, and it is counted (``generators/replaced``)
+and logged; another lineage, or none, changes nothing. A generator may lie about its
+lineage or pid as about anything else: a lineage is a claim among processes already
+authorized as generators, not a credential. Values
 no honest learner sends (``relay.buffer.validation``) are refused as ``bad_request``, and a
 rollout group is judged whole before its prompt leaves the lease.
 
@@ -220,8 +221,8 @@ class Hub:
             reason = (f"the name {msg.generator_id!r} belongs to a live generator (pid "
                       f"{holder.pid} on {holder.host or '?'}, heard from "
                       f"{now - holder.last_seen:.0f} s ago)"
-                      + (f", not to pid {msg.replaces_pid}, which this process replaces"
-                         if msg.replaces_pid else "") + "; pick another name")
+                      + (", of another lineage than this process's" if msg.lineage else "")
+                      + "; pick another name")
             logger.warning("refused pid %d on %s: %s", msg.pid, msg.host or "?", reason)
             return AttachAck(accepted=False, reason=reason, retry_after_s=silent_in + 1.0)
         replaced = self.registry.replaced(msg)
@@ -229,7 +230,7 @@ class Hub:
         self._give_back(returned)  # a restarted generator's leases: its old process's
         if replaced is not None:
             self.counts["generators/replaced"] += 1
-            logger.warning("generator %s restarted, replacing dead pid %d on %s (%d leased "
+            logger.warning("generator %s restarted, replacing pid %d on %s (%d leased "
                            "prompts back in the pool)", msg.generator_id, replaced.pid,
                            replaced.host or "?", len(returned))
         self.registry.attach(msg, now)

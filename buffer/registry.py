@@ -4,9 +4,13 @@ A generator is alive while its heartbeats (or any request) arrive within the tim
 that falls silent is declared dead and forgotten (the hub then returns its leases). A name
 belongs to one process (host and pid) while it is alive: another process attaching under it
 is refused (``Registry.holder``), never let take it over; the same process attaching again
-(after the buffer forgot it) is welcome, and so is the process the launcher started again in
-place of the holder after it died (``Attach.replaces_pid`` names the holder's pid on the same
-host: ``Registry.replaced``). This module knows membership and clocks only.
+(after the buffer forgot it) is welcome, and so is a process of the holder's lineage
+(``Attach.lineage``, not empty: the token the launcher gives every start of one topology
+generator, the same across its restarts, random per launch). The launcher starts a process
+of a lineage only after the last one died, so that one takes the name at once, whichever
+host or pid it has (``Registry.replaced``). A lineage is a claim among processes already
+authorized as generators, not a credential, as a pid is: a generator may lie about either.
+This module knows membership and clocks only.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class GeneratorInfo(msgspec.Struct, kw_only=True):
     host: str
     pid: int
     attached_at: float
+    lineage: str = ""  # ``Attach.lineage``: "" for a generator attached by hand
     last_seen: float
     version: int = 0
     generated_tokens: int = 0
@@ -41,12 +46,13 @@ class Registry:
         self.forget(msg.generator_id)
         self.generators[msg.generator_id] = GeneratorInfo(
             generator_id=msg.generator_id, engine=msg.engine, device=msg.device, host=msg.host,
-            pid=msg.pid, attached_at=now, last_seen=now, version=msg.version)
+            pid=msg.pid, attached_at=now, last_seen=now, version=msg.version,
+            lineage=msg.lineage)
 
     def holder(self, msg: Attach, now: float) -> GeneratorInfo | None:
         """The live generator of another process that holds the name ``msg`` asks for, or
         None when the name is free to take: nobody holds it, its holder fell silent, is the
-        sender itself, or is the dead process the sender replaces (``replaced``)."""
+        sender itself, or is an earlier process of the sender's lineage (``replaced``)."""
         info = self.generators.get(msg.generator_id)
         if info is None or now - info.last_seen > self.heartbeat_timeout_s:
             return None
@@ -55,13 +61,13 @@ class Registry:
         return info
 
     def replaced(self, msg: Attach) -> GeneratorInfo | None:
-        """The generator that ``msg`` was started in place of: the holder of its name whose
-        host and pid are the sender's host and ``replaces_pid`` (the launcher vouches that
-        this process is dead), or None."""
+        """The generator that ``msg`` was started in place of: the holder of its name that is
+        another process of the sender's non-empty lineage (the launcher started the sender
+        after that process died), or None."""
         info = self.generators.get(msg.generator_id)
-        if info is None or not msg.replaces_pid or msg.replaces_pid == msg.pid:
+        if info is None or not msg.lineage or info.lineage != msg.lineage:
             return None
-        return info if (info.host, info.pid) == (msg.host, msg.replaces_pid) else None
+        return None if (info.host, info.pid) == (msg.host, msg.pid) else info
 
     def touch(self, generator_id: str, now: float) -> bool:
         """Record that a generator spoke; False if it is not attached."""

@@ -9,15 +9,17 @@ threads come from the command line, else from the topology's first generator.
 Seeds: the topology's i-th generator draws from ``trainer.seed * 1000 + i``; an attached one
 from a hash of its name, never one of those.
 
-``--replaces-pid PID``: the launcher started this generator again after its process ``PID``
-(on this host) died; the buffer gives it the name that process may still hold at once,
-instead of after ``buffer.heartbeat_timeout_s`` (``relay.buffer.registry``).
+``--lineage TOKEN``: the launcher's token for this topology generator, the same for every
+process it starts under this name in one launch (``Attach.lineage``). Started again after
+its last process died, the generator takes the name that process may still hold at once,
+instead of after ``buffer.heartbeat_timeout_s``, on whichever host (``relay.buffer.registry``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import socket
 import sys
@@ -38,6 +40,7 @@ from relay.generators.tool_loop import configured_workflow
 logger = logging.getLogger("relay.generator")
 
 EXIT_NAME_IN_USE = 3
+LINEAGE = re.compile(r"[0-9a-f]{8,64}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,18 +54,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine", help="with --attached: the inference engine")
     parser.add_argument("--device", help="with --attached: the device")
     parser.add_argument("--threads", type=int, help="with --attached: torch threads (0: all)")
-    parser.add_argument("--replaces-pid", type=positive_pid, default=0, metavar="PID",
-                        help="the pid, on this host, of the dead process this one was started "
-                             "in place of (the launcher's restart): the name it held is "
-                             "taken at once")
+    parser.add_argument("--lineage", type=lineage_token, metavar="TOKEN",
+                        help="the launcher's token for this topology generator, the same for "
+                             "its restarts: a restart takes the name of its dead process at "
+                             "once")
     return parser.parse_args(argv)
 
 
-def positive_pid(text: str) -> int:
-    """A process id from the command line; argparse names the option when it is not one."""
-    if not text.isdigit() or int(text) == 0:
-        raise argparse.ArgumentTypeError(f"a process id is a positive integer, not {text!r}")
-    return int(text)
+def lineage_token(text: str) -> str:
+    """A lineage token from the command line (8 to 64 lowercase hex digits); argparse names
+    the option when it is not one."""
+    if not LINEAGE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"a lineage is 8 to 64 lowercase hex digits, not "
+                                         f"{text!r}")
+    return text
 
 
 def placement_and_seed(ctx: RunContext, args: argparse.Namespace) -> tuple[GeneratorPlacement, int]:
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                          data=run.data, buffer=run.buffer,
                          overlong=run.reward_model.overlong_buffer, seed=seed,
                          keys=ctx.client_keys(), workflow=configured_workflow(run.rollout),
-                         replaces_pid=args.replaces_pid)
+                         lineage=args.lineage or "")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

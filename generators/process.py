@@ -168,9 +168,9 @@ class GeneratorLoop:
                  rollout: RolloutConfig, data: DataConfig, buffer: BufferConfig,
                  overlong: OverlongBufferConfig, seed: int = 0,
                  keys: ClientKeys | None = None,
-                 workflow: ConfiguredWorkflow | None = None, replaces_pid: int = 0) -> None:
+                 workflow: ConfiguredWorkflow | None = None, lineage: str = "") -> None:
         self.generator_id, self.buffer_endpoint = generator_id, buffer_endpoint
-        self.replaces_pid = replaces_pid  # 0, or the dead process of this host it restarts
+        self.lineage = lineage  # the launcher's token for its restarts; "" attached by hand
         self.engine, self.tokenizer = engine, tokenizer
         self.workflow = workflow
         self.episodes = None if workflow is None else WorkflowRunner(
@@ -261,13 +261,13 @@ class GeneratorLoop:
         generator restarted under its topology name): the attach is tried once more after
         ``retry_after_s``, when the buffer will have declared a dead holder silent (at most
         ``buffer.heartbeat_timeout_s`` and a second). Refused again, the holder is alive:
-        ``NameInUse``. A generator the launcher started again names the dead process it
-        replaces (``replaces_pid``, its pid on this host): the buffer gives it the name at
-        once when that process holds it."""
+        ``NameInUse``. A generator the launcher started again carries the lineage of the
+        process it replaces (``lineage``): the buffer gives it the name at once when a
+        process of that lineage holds it."""
         attach = Attach(generator_id=self.generator_id, engine=self.engine.name,
                         device=str(getattr(self.engine, "device", "")),
                         host=socket.gethostname(), pid=os.getpid(), version=self.engine.version,
-                        replaces_pid=self.replaces_pid)
+                        lineage=self.lineage)
         reply = patient_request(self._buffer, attach, REQUEST_TIMEOUT_S, self.patience_s)
         if isinstance(reply, AttachAck) and reply.retry_after_s > 0:
             logger.warning("not attached yet: %s; trying again in %.0f s, when the buffer will "

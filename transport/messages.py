@@ -67,9 +67,11 @@ class Message(
 
 
 class Attach(Message):
-    """A generator announces itself to the buffer. ``replaces_pid`` (not 0): this process
-    was started again by the launcher in place of the dead process ``replaces_pid`` of the
-    same ``host``, which may still hold the name (``relay.buffer.registry.Registry.holder``)."""
+    """A generator announces itself to the buffer. ``lineage`` (not empty): the token the
+    launcher gives every start of one topology generator, the same across its restarts and
+    drawn anew per launch; a process of the lineage that holds the name may be taken over
+    (the launcher starts one only after the last died: ``relay.buffer.registry``). Empty
+    for a generator attached by hand."""
 
     generator_id: str
     engine: str
@@ -77,7 +79,7 @@ class Attach(Message):
     host: str = ""
     pid: int = 0
     version: int = 0  # weight version the generator holds right now
-    replaces_pid: int = 0
+    lineage: str = ""
 
 
 class AttachAck(Message):

@@ -500,26 +500,27 @@ def test_a_second_process_under_a_live_name_is_refused_not_let_take_over(make_hu
 def test_a_generator_restarted_in_place_of_its_dead_process_takes_its_name_at_once(
         make_hub, clock, caplog: pytest.LogCaptureFixture) -> None:
     hub = make_hub(batch_size=8, per_lease=2)
-    hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="a", pid=1))
+    hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="a", pid=1,
+                      lineage="feed0001"))
     held = lease(hub, "gen")  # then pid 1 dies, its last heartbeat a moment ago
     clock.now += 1.0
-    wrong = hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="a",
-                              pid=2, replaces_pid=7))
-    assert not wrong.accepted and "not to pid 7, which this process replaces" in wrong.reason
+    wrong = hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="b",
+                              pid=2, lineage="feed0002"))
+    assert not wrong.accepted and "of another lineage than this process's" in wrong.reason
     assert hub.counts["rejected/name_in_use"] == 1 and hub.leases.running == len(held.prompts)
     with caplog.at_level(logging.WARNING, logger="relay.buffer.hub"):
-        reply = hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="a",
-                                  pid=2, replaces_pid=1))
+        reply = hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="b",
+                                  pid=2, lineage="feed0001"))  # restarted on another host
     assert isinstance(reply, AttachAck) and reply.accepted
     assert hub.registry.generators["gen"].pid == 2
     assert hub.counts["generators/replaced"] == 1
     assert hub.leases.running == 0  # the dead process's prompts are back in the pool
     assert hub.counts["prompts/returned"] == len(held.prompts)
-    assert f"generator gen restarted, replacing dead pid 1 on a ({len(held.prompts)} leased " \
+    assert f"generator gen restarted, replacing pid 1 on a ({len(held.prompts)} leased " \
            "prompts back in the pool)" in caplog.text
     assert hub.accounting_problems() == []
-    again = hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="a",
-                              pid=2, replaces_pid=1))  # the same process, attaching again
+    again = hub.handle(Attach(generator_id="gen", engine="torch", device="cpu", host="b",
+                              pid=2, lineage="feed0001"))  # the same process, attaching again
     assert again.accepted and hub.counts["generators/replaced"] == 1
 
 

@@ -39,20 +39,34 @@ def test_a_live_name_belongs_to_its_process() -> None:
     assert registry.holder(other, now=31.0) is None  # the holder fell silent
 
 
-def test_a_name_is_free_to_the_process_restarted_in_place_of_its_dead_holder() -> None:
+def test_a_name_is_free_to_a_process_of_its_live_holders_lineage() -> None:
     registry = Registry(heartbeat_timeout_s=30.0)
-    registry.attach(Attach(generator_id="a", engine="torch", device="cpu", host="h1", pid=10),
-                    now=0.0)
+    registry.attach(Attach(generator_id="a", engine="torch", device="cpu", host="h1", pid=10,
+                           lineage="feed0001"), now=0.0)
     holder = registry.generators["a"]
+    assert holder.lineage == "feed0001"
 
-    def restarted(host: str, replaces_pid: int) -> Attach:
-        return Attach(generator_id="a", engine="torch", device="cpu", host=host, pid=11,
-                      replaces_pid=replaces_pid)
+    def started(host: str, pid: int, lineage: str, name: str = "a") -> Attach:
+        return Attach(generator_id=name, engine="torch", device="cpu", host=host, pid=pid,
+                      lineage=lineage)
 
-    assert registry.replaced(restarted("h1", 10)) is holder
-    assert registry.holder(restarted("h1", 10), now=1.0) is None  # not silent, yet free
-    for other in (restarted("h1", 9), restarted("h2", 10), restarted("h1", 0)):
+    # a restart anywhere (another pid, another host: ssh, a Ray actor on another node)
+    for restarted in (started("h1", 11, "feed0001"), started("h2", 10, "feed0001")):
+        assert registry.replaced(restarted) is holder
+        assert registry.holder(restarted, now=1.0) is None  # not silent, yet free
+    for other in (started("h1", 11, "feed0002"), started("h1", 11, "")):
         assert registry.replaced(other) is None
         assert registry.holder(other, now=1.0) is holder
-    assert registry.replaced(Attach(generator_id="b", engine="torch", device="cpu", host="h1",
-                                    pid=11, replaces_pid=10)) is None  # another name's
+    assert registry.replaced(started("h1", 10, "feed0001")) is None  # itself, again
+    assert registry.replaced(started("h1", 11, "feed0001", name="b")) is None  # another name
+
+
+def test_a_holder_without_lineage_is_never_replaced() -> None:
+    registry = Registry(heartbeat_timeout_s=30.0)
+    registry.attach(Attach(generator_id="a", engine="torch", device="cpu", host="h1", pid=10),
+                    now=0.0)  # attached by hand: no lineage
+    for lineage in ("", "feed0001"):
+        sender = Attach(generator_id="a", engine="torch", device="cpu", host="h1", pid=11,
+                        lineage=lineage)
+        assert registry.replaced(sender) is None
+        assert registry.holder(sender, now=1.0) is registry.generators["a"]

@@ -2,8 +2,8 @@
 (``GeneratorLoop._attach``) and leaving (``GeneratorLoop.run`` stopped).
 
 A generator restarted under its name before the buffer noticed its old process die waits
-until the buffer declares that process silent, then attaches, unless it names that process
-as the one it replaces (the launcher's ``--replaces-pid``): then it attaches at once; a name
+until the buffer declares that process silent, then attaches, unless both are of one
+lineage (the launcher's ``--lineage``): then it attaches at once; a name
 whose holder keeps talking stops the generator with ``NameInUse``. A generator that is
 stopped returns its leases and detaches.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -96,7 +95,7 @@ NOBODY_STREAMS = "tcp://127.0.0.1:9"  # the discard port: no weight stream liste
 
 
 def loop(buffer_endpoint: str, weights_endpoint: str, data: DataConfig | None = None,
-         buffer: BufferConfig | None = None, replaces_pid: int = 0) -> GeneratorLoop:
+         buffer: BufferConfig | None = None, lineage: str = "") -> GeneratorLoop:
     return GeneratorLoop(generator_id="gen0", buffer_endpoint=buffer_endpoint,
                          weights_endpoint=weights_endpoint,
                          weights_stream_endpoint=NOBODY_STREAMS, engine=EndlessEngine(),
@@ -105,12 +104,13 @@ def loop(buffer_endpoint: str, weights_endpoint: str, data: DataConfig | None = 
                          data=data or DataConfig(train_files=[], max_prompt_length=16),
                          buffer=buffer or BufferConfig(client_patience_s=5.0,
                                                        weights_timeout_s=60.0),
-                         overlong=OverlongBufferConfig(), replaces_pid=replaces_pid)
+                         overlong=OverlongBufferConfig(), lineage=lineage)
 
 
-def old_process(hub: Hub, host: str = "elsewhere", pid: int = 1) -> None:
+def old_process(hub: Hub, host: str = "elsewhere", pid: int = 1, lineage: str = "") -> None:
     """``gen0`` attached from another process, which may then die or keep talking."""
-    hub.handle(Attach(generator_id="gen0", engine="lean", device="cpu", host=host, pid=pid))
+    hub.handle(Attach(generator_id="gen0", engine="lean", device="cpu", host=host, pid=pid,
+                      lineage=lineage))
 
 
 def talking(hub: Hub):
@@ -125,20 +125,20 @@ def talking(hub: Hub):
 
 def test_a_generator_restarted_in_place_of_its_dead_process_attaches_at_once(
         hub: Hub, weights: str) -> None:
-    old_process(hub, host=socket.gethostname(), pid=4242)  # its last heartbeat just now
+    old_process(hub, pid=4242, lineage="feed0001")  # its last heartbeat just now, elsewhere
     with serve(talking(hub)) as endpoint:
         began = time.monotonic()
-        assert loop(endpoint, weights, replaces_pid=4242)._attach()
+        assert loop(endpoint, weights, lineage="feed0001")._attach()
     assert time.monotonic() - began < HEARTBEAT_TIMEOUT_S  # no wait for it to fall silent
     assert hub.registry.generators["gen0"].pid == os.getpid()
     assert hub.counts["generators/replaced"] == 1 and hub.counts["rejected/name_in_use"] == 0
 
 
-def test_replacing_another_pid_than_the_holders_takes_nothing(hub: Hub, weights: str) -> None:
-    old_process(hub, host=socket.gethostname(), pid=4242)
+def test_another_lineage_than_the_holders_takes_nothing(hub: Hub, weights: str) -> None:
+    old_process(hub, pid=4242, lineage="feed0001")
     with serve(talking(hub)) as endpoint:
-        with pytest.raises(NameInUse, match=r"not to pid 4243, which this process replaces"):
-            loop(endpoint, weights, replaces_pid=4243)._attach()
+        with pytest.raises(NameInUse, match=r"of another lineage than this process's"):
+            loop(endpoint, weights, lineage="feed0002")._attach()
     assert hub.registry.generators["gen0"].pid == 4242
     assert hub.counts["generators/replaced"] == 0
 

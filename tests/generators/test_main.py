@@ -70,12 +70,13 @@ def test_an_attached_generator_option_the_schema_refuses_is_named(tmp_path: Path
                                                    "--threads", "-1"))
 
 
-def test_a_restarted_generator_names_the_dead_pid_it_replaces(
+def test_a_launched_generator_carries_its_lineage_token(
         capsys: pytest.CaptureFixture[str]) -> None:
-    assert args("--name", "gen0").replaces_pid == 0
-    assert args("--name", "gen0", "--replaces-pid", "4242").replaces_pid == 4242
-    for bad in ("0", "-3", "abc"):
+    assert args("--name", "gen0").lineage is None  # attached by hand: no lineage
+    token = "0123456789abcdef" * 2
+    assert args("--name", "gen0", "--lineage", token).lineage == token
+    for bad in ("", "abc", "0123456g", "0123456789ABCDEF", "f" * 65, " feed0001"):
         with pytest.raises(SystemExit):
-            args("--name", "gen0", "--replaces-pid", bad)
-        assert f"--replaces-pid: a process id is a positive integer, not '{bad}'" in \
+            args("--name", "gen0", "--lineage", bad)
+        assert f"--lineage: a lineage is 8 to 64 lowercase hex digits, not '{bad}'" in \
             capsys.readouterr().err

@@ -247,18 +247,18 @@ def test_weight_manifest_without_step_reads_as_step_zero(craft: Any) -> None:
     assert Decoder().decode(frames) == WeightManifest(version=5, step=0)
 
 
-def test_replaces_pid_is_appended_to_attach_and_old_peers_read_around_it(craft: Any) -> None:
-    # an older generator's attach ends before the field: it reads as 0
+def test_lineage_is_appended_to_attach_and_old_peers_read_around_it(craft: Any) -> None:
+    # an older generator's attach ends before the field: it reads as empty
     old_body = ["gen-0", "torch", "cpu", "node-1", 42, 3]
     assert Decoder().decode([craft.preamble, craft.body("attach", *old_body)]) == Attach(
         generator_id="gen-0", engine="torch", device="cpu", host="node-1", pid=42, version=3)
-    # a restarted generator's attach is the old fields and one more, which an older buffer
+    # a launched generator's attach is the old fields and one more, which an older buffer
     # (a struct of the old shape) skips
     restarted = Attach(generator_id="gen-0", engine="torch", device="cpu", host="node-1",
-                       pid=42, version=3, replaces_pid=41)
+                       pid=42, version=3, lineage="feed0001")
     body = over_the_wire(encode(restarted))[1]
-    assert body == craft.body("attach", *old_body, 41)
-    assert Decoder(Attach).decode([craft.preamble, body]).replaces_pid == 41
+    assert body == craft.body("attach", *old_body, "feed0001")
+    assert Decoder(Attach).decode([craft.preamble, body]).lineage == "feed0001"
 
     class OldAttach(msgspec.Struct, tag="attach", array_like=True, kw_only=True):
         generator_id: str

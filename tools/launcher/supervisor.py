@@ -26,6 +26,7 @@ Order of events:
 from __future__ import annotations
 
 import re
+import secrets
 import signal
 import sys
 import threading
@@ -54,7 +55,7 @@ FINISH_GRACE_S = 30.0  # after the learner is done, how long the others get to e
 NO_GENERATOR_GRACE_S = 120.0  # the run fails when no generator is alive this long
 RESTART_BACKOFF_S = 1.0  # a dead generator starts again after this, doubled per restart
 RESTART_BACKOFF_MAX_S = 30.0
-REPLACES_PID = "--replaces-pid"
+LINEAGE = "--lineage"  # relay.generators.main's option
 LOG_TAIL_LINES = 15
 
 
@@ -215,6 +216,8 @@ class Supervisor:
         self.processes: list[Running] = []
         self.replaced: list[Running] = []  # dead processes started again: swept at the stop
         self.restart_due: dict[str, float] = {}  # generator name -> when to start it again
+        # generator name -> its lineage: the same token for all its processes in this launch
+        self.lineages = {gen.name: secrets.token_hex(16) for gen in topology.generators}
         self.board = StatusBoard(total_steps=run.trainer.total_training_steps,
                                  interactive=sys.stdout.isatty())
 
@@ -240,6 +243,11 @@ class Supervisor:
 
     def _start(self, spec: ProcessSpec, restarts: int = 0) -> Running:
         log = self.log_dir / f"{spec.name}.log"
+        """Start ``spec``; a topology generator with ``--lineage`` and its token, so that
+        the buffer lets each of its restarts take its name at once."""
+        if spec.role == "generator" and spec.name in self.lineages:
+            spec = msgspec.structs.replace(spec, argv=with_lineage(spec.argv,
+                                                                   self.lineages[spec.name]))
         return Running(spec=spec, process=self.backend.start(spec, self.topology, log), log=log,
                        restarts=restarts)
 
@@ -261,18 +269,16 @@ class Supervisor:
                             f"on without it. Log: {proc.log}")
 
     def _restart_due(self, now: float, reported_dead: set[str]) -> None:
-        """Start again each generator whose restart is due, under its name, telling the
-        buffer which dead process held that name (``--replaces-pid``)."""
+        """Start again each generator whose restart is due: its spec as started, under its
+        name and lineage (``--lineage``), so that it takes its dead process's name at once."""
         for name, due in list(self.restart_due.items()):
             if now < due:
                 continue
             del self.restart_due[name]
             index = next(i for i, p in enumerate(self.processes) if p.spec.name == name)
             dead = self.processes[index]
-            spec = msgspec.structs.replace(dead.spec, argv=replacing(dead.spec.argv,
-                                                                     dead.process.pid))
             try:
-                restarted = self._start(spec, restarts=dead.restarts + 1)
+                restarted = self._start(dead.spec, restarts=dead.restarts + 1)
             except PlacementError as exc:
                 self.board.note(f"generator {name} could not be started again ({exc}); "
                                 "training goes on without it")
@@ -392,13 +398,13 @@ def max_restarts(topology: Topology, name: str) -> int:
     return next((g.max_restarts for g in topology.generators if g.name == name), 0)
 
 
-def replacing(argv: list[str], pid: int) -> list[str]:
-    """A generator's command line that tells the buffer it replaces the dead process
-    ``pid`` under the same name (``relay.generators.main --replaces-pid``)."""
-    if REPLACES_PID in argv:
-        at = argv.index(REPLACES_PID)
+def with_lineage(argv: list[str], token: str) -> list[str]:
+    """A generator's command line with ``--lineage token`` last, once
+    (``relay.generators.main``)."""
+    if LINEAGE in argv:
+        at = argv.index(LINEAGE)
         argv = argv[:at] + argv[at + 2:]
-    return [*argv, REPLACES_PID, str(pid)]
+    return [*argv, LINEAGE, token]
 
 
 def _raise_interrupt(_signum: int, _frame: object) -> None:

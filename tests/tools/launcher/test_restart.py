@@ -1,7 +1,7 @@
 """Generators that heal: the supervisor starts a dead generator again, on the local backend.
 
 A fake generator (``python -c``) that exits 1 a moment after it starts is started again
-under its name with ``--replaces-pid`` naming the pid that died, after a wait that doubles
+under its name with the same ``--lineage`` token as its first start, after a wait that doubles
 from ``RESTART_BACKOFF_S`` up to ``RESTART_BACKOFF_MAX_S``, at most ``max_restarts`` times,
 with a note on the status line each time; then it stays dead and training goes on.
 """
@@ -22,7 +22,7 @@ from relay.launcher.backends import SubprocessBackend
 from relay.launcher.plan import ProcessSpec, private_sockets, remove_sockets
 from relay.launcher.ports import assign_ports
 from relay.launcher.resolve import ResolvedLaunch
-from relay.launcher.supervisor import Running, Supervisor, replacing
+from relay.launcher.supervisor import Running, Supervisor, with_lineage
 
 GENERATOR_LIVES_S = 0.2
 GENERATOR = f"""\
@@ -68,7 +68,7 @@ def supervised(run_dir: Path, specs: list[ProcessSpec], max_restarts: int) -> Su
     return Supervisor(resolved, topology, run, FakePlan(specs))
 
 
-def test_a_dead_generator_is_started_again_replacing_its_pid_up_to_max_restarts(
+def test_a_dead_generator_is_started_again_in_its_lineage_up_to_max_restarts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(supervisor, "RESTART_BACKOFF_S", 0.2)
@@ -85,21 +85,26 @@ def test_a_dead_generator_is_started_again_replacing_its_pid_up_to_max_restarts(
         if sup.topology.security.sockets_dir:  # private_sockets made one outside tmp_path
             remove_sockets(Path(sup.topology.security.sockets_dir))
     assert outcome.code == 0, outcome.reason
+    assert "--lineage" not in sup.processes[0].spec.argv  # the learner's: no generator
 
     starts = [line.split() for line in gen_log.read_text().splitlines()
               if line.startswith("started")]
     assert len(starts) == restarts + 1  # and no more: the learner waited past the next wait
     times = [float(s[1]) for s in starts]
-    pids = [s[2] for s in starts]
-    assert starts[0][3:] == ["--name", "gen0"]
+    token = sup.lineages["gen0"]
+    assert re.fullmatch(r"[0-9a-f]{32}", token)
+    assert starts[0][3:] == ["--name", "gen0", "--lineage", token]
     for before, after in zip(range(restarts), range(1, restarts + 1)):
-        assert starts[after][3:] == ["--name", "gen0", "--replaces-pid", pids[before]]
+        # every process of gen0 has one lineage: a restart that dies before it attaches
+        # leaves the buffer's holder of the name in the lineage of the next
+        assert starts[after][3:] == starts[0][3:]
+        assert starts[after][2] != starts[before][2]  # in a new process
         waited = times[after] - times[before] - GENERATOR_LIVES_S
         assert waited >= 0.2 * 2 ** before  # 0.2 s, 0.4 s, 0.8 s: doubling
 
     notes = capsys.readouterr().out
     for restart in range(1, restarts + 1):
-        assert re.search(rf"generator gen0 died \(exit code 1\); starting it again in \d+ s "
+        assert re.search(rf"generator gen0 died \(exit code 1\); starting it again in [\d.]+ s "
                          rf"\(restart {restart} of {restarts}\); training goes on", notes)
         assert f"generator gen0 started again (restart {restart})" in notes
     assert "generator gen0 died (exit code 1); no restarts left; training goes on without " \
@@ -136,8 +141,16 @@ def test_the_wait_doubles_up_to_its_cap_and_stops_at_max_restarts(
     assert due == [100.0 + wait for wait in (1.0, 2.0, 4.0, 5.0)][:max_restarts] + [None]
 
 
-def test_the_replaced_pid_is_the_last_dead_one_named_once() -> None:
+def test_the_lineage_is_named_once_last() -> None:
     argv = ["python", "-c", "boot", "relay.generators.main", "--name", "gen0"]
-    once = replacing(argv, 41)
-    assert once == [*argv, "--replaces-pid", "41"]
-    assert replacing(once, 42) == [*argv, "--replaces-pid", "42"]
+    once = with_lineage(argv, "feed0001")
+    assert once == [*argv, "--lineage", "feed0001"]
+    assert with_lineage(once, "feed0001") == once
+    assert with_lineage(once, "feed0002") == [*argv, "--lineage", "feed0002"]
+
+
+def test_a_generators_token_is_drawn_anew_per_launch(
+        tmp_path: Path) -> None:
+    first, second = supervised(tmp_path, [], 1), supervised(tmp_path, [], 1)
+    assert first.lineages.keys() == {"gen0"}
+    assert first.lineages["gen0"] != second.lineages["gen0"]
