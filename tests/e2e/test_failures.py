@@ -6,7 +6,9 @@
   timeout is set longer, so the lease timeout is what returns them).
 - One generator, SIGKILLed holding its first lease, is restarted (the default): it must
   attach again under its name within 30 s, its leased prompts back in the pool, and train
-  the run to its end. Either way the buffer's accounting must hold at every step.
+  the run to its end; so must one started over ssh (``fake_ssh.py``: its pid is not the
+  ssh client's), as the restart is of its lineage, whatever its pid. Either way the
+  buffer's accounting must hold at every step.
 - The buffer is killed, or stops cleanly on SIGTERM: the launcher stops everything and
   exits non-zero naming it.
 - Ctrl-C on the launcher: everything stops, exit code 130.
@@ -50,6 +52,7 @@ threads = 1
 NO_RESTARTS = TOPOLOGY.replace("threads = 1\n", "threads = 1\nmax_restarts = 0\n")
 ONE_GENERATOR = TOPOLOGY[:TOPOLOGY.index("[[generators]]\nname = \"gen1\"")]
 REATTACH_S = 30.0  # issue 34: a killed generator is back within this, killed to attached
+FAKE_SSH = Path(__file__).with_name("fake_ssh.py")  # runs the "remote" command here
 
 
 def wait_for(path: Path, pattern: str, timeout_s: float) -> re.Match:
@@ -105,10 +108,12 @@ def first_run_dir(run_root: Path, timeout_s: float = 60) -> Path:
 
 
 def start_killing_run(topology_text: str, random_model_dir: Path, run_root: Path,
-                      tmp_path: Path, *, generators: tuple[str, ...], lease_timeout_s: float
+                      tmp_path: Path, *, generators: tuple[str, ...], lease_timeout_s: float,
+                      extra_args: tuple[str, ...] = ()
                       ) -> tuple[subprocess.Popen, Path, str, int, re.Match]:
-    """A 30-step run whose first generator to get a lease is SIGKILLed holding it: the
-    launcher, the run directory, the killed generator's name and pid, and its lease."""
+    """A 30-step run (and ``extra_args``) whose first generator to get a lease is SIGKILLed
+    holding it (its process group): the launcher, the run directory, the killed generator's
+    name and the pid of a process of its group, and its lease."""
     topology = tmp_path / "topology.toml"
     topology.write_text(topology_text)
     run_config = ROOT / "configs" / "arithmetic-grpo.toml"
@@ -121,7 +126,7 @@ def start_killing_run(topology_text: str, random_model_dir: Path, run_root: Path
              "trainer.test_freq=-1", f"buffer.lease_timeout_s={lease_timeout_s}",
              "buffer.heartbeat_timeout_s=600", "buffer.max_staleness=2",
              f"buffer.min_generators={len(generators)}",  # leasing begins once all are there
-             f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+             f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", *extra_args]
     launcher = start_launcher([str(topology), str(run_config), *args])
     try:
         run_dir = first_run_dir(run_root)
@@ -182,9 +187,37 @@ def test_a_killed_generator_is_restarted_and_attaches_again_within_30_s(
         random_model_dir: Path, run_root: Path, tmp_path: Path) -> None:
     # the only generator: the run cannot end before it is back. Its leases outlive the test
     # (and its name, its silence): only the restart returns them
-    launcher, run_dir, name, pid, lease = start_killing_run(
+    launcher, run_dir, name, _pid, lease = start_killing_run(
         ONE_GENERATOR, random_model_dir, run_root, tmp_path, generators=("gen0",),
         lease_timeout_s=600)
+    assert_restarted_and_reattached(launcher, run_dir, name, lease, tmp_path)
+
+
+@pytest.mark.slow  # 30-60 s: the slow tier
+def test_a_killed_ssh_generator_is_restarted_and_attaches_again_within_30_s(
+        random_model_dir: Path, run_root: Path, tmp_path: Path, curve_keys: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
+    ssh = ("topology.security.curve=true", f"topology.security.keys_dir={curve_keys}",
+           "topology.generators[0].host=gen-host.example", "topology.launcher.backend=ssh",
+           f"topology.launcher.ssh={sys.executable} {FAKE_SSH}",
+           f"topology.launcher.remote_python={sys.executable}",
+           f"topology.launcher.remote_workdir={ROOT}")
+    launcher, run_dir, name, _pid, lease = start_killing_run(
+        ONE_GENERATOR, random_model_dir, run_root, tmp_path, generators=("gen0",),
+        lease_timeout_s=600, extra_args=ssh)
+    assert_restarted_and_reattached(launcher, run_dir, name, lease, tmp_path)
+    started = [line for line in (tmp_path / "ssh.log").read_text().splitlines()
+               if "relay.generators.main" in line]
+    lineages = {re.search(r"--lineage ([0-9a-f]+)", line).group(1) for line in started}
+    assert len(started) == 2 and len(lineages) == 1, started  # the restart: one lineage
+
+
+def assert_restarted_and_reattached(launcher: subprocess.Popen, run_dir: Path, name: str,
+                                    lease: re.Match, tmp_path: Path) -> None:
+    """The killed generator ``name`` (``start_killing_run``) attached again within
+    ``REATTACH_S`` in place of its first process, its lease back in the pool, and the run
+    trained to its end."""
     try:
         killed_at = time.monotonic()
         buffer_log = run_dir / "logs" / "buffer.log"
@@ -199,7 +232,8 @@ def test_a_killed_generator_is_restarted_and_attaches_again_within_30_s(
            "1 of 3); training goes on" in output
     assert f"generator {name} started again (restart 1)" in output
     log = buffer_log.read_text()
-    replaced = re.search(rf"generator {name} restarted, replacing dead pid {pid} on \S+ "
+    pid = re.search(rf"generator {name} attached \(.*, pid (\d+),", log).group(1)  # first
+    replaced = re.search(rf"generator {name} restarted, replacing pid {pid} on \S+ "
                          r"\((\d+) leased prompts back in the pool\)", log)
     assert replaced and int(replaced.group(1)) > 0, f"lease {lease.group(1)} not returned " \
                                                     f"({reattached_s:.1f} s):\n{log}"
