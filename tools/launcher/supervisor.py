@@ -242,12 +242,12 @@ class Supervisor:
             metrics.close()
 
     def _start(self, spec: ProcessSpec, restarts: int = 0) -> Running:
-        log = self.log_dir / f"{spec.name}.log"
         """Start ``spec``; a topology generator with ``--lineage`` and its token, so that
         the buffer lets each of its restarts take its name at once."""
         if spec.role == "generator" and spec.name in self.lineages:
             spec = msgspec.structs.replace(spec, argv=with_lineage(spec.argv,
                                                                    self.lineages[spec.name]))
+        log = self.log_dir / f"{spec.name}.log"
         return Running(spec=spec, process=self.backend.start(spec, self.topology, log), log=log,
                        restarts=restarts)
 
