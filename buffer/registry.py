@@ -27,11 +27,11 @@ class GeneratorInfo(msgspec.Struct, kw_only=True):
     host: str
     pid: int
     attached_at: float
-    lineage: str = ""  # ``Attach.lineage``: "" for a generator attached by hand
     last_seen: float
     version: int = 0
     generated_tokens: int = 0
     generation_seconds: float = 0.0
+    lineage: str = ""  # ``Attach.lineage``: "" for a generator attached by hand
 
 
 class Registry:
