@@ -233,7 +233,8 @@ class Supervisor:
             print(f"relay launch: run directory {self.run_dir}", flush=True)
             return self._watch(metrics)
         except KeyboardInterrupt:
-            return Outcome(code=130, reason="interrupted (Ctrl-C); stopped every process")
+            return Outcome(code=130, reason="interrupted (Ctrl-C or SIGTERM); stopped every "
+                                            "process")
         except PlacementError as exc:
             return Outcome(code=2, reason=str(exc), failed="placement")
         finally:
