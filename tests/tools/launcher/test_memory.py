@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import relay.launcher.memory as memory
+import relay.launcher.resources as resources
 from relay.configs import DEFAULT_RUN
 from relay.configs.checks import load_run_config
 from relay.configs.run_schema import RunConfig
@@ -46,6 +47,7 @@ def test_a_learner_whose_plan_does_not_fit_its_gpus_is_warned_about_at_launch(
         qwen7b: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(memory, "local_gpu_memory", lambda: [80 * GIB] * 8)
+    monkeypatch.setattr(resources, "cuda_device_count", lambda: 8)  # the launch's GPU check
     common = [f"model.path={qwen7b}", "model.dtype=bfloat16", f"trainer.run_dir={tmp_path}",
               "data.max_prompt_length=1024", "rollout.response_length=4096",
               "topology.learner.device=cuda", "topology.learner.nproc_per_node=8"]
