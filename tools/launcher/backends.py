@@ -42,8 +42,6 @@ class PlacementError(Exception):
 class ProcessHandle(Protocol):
     """A started process as the supervisor sees it, wherever it runs."""
 
-    pid: int  # its pid on its own host (for a restarted generator's ``--replaces-pid``)
-
     def poll(self) -> int | None:
         """Its exit code once it has ended (negative: the signal that killed it), else None."""
 
@@ -91,7 +89,6 @@ class PopenHandle:
 
     def __init__(self, popen: subprocess.Popen) -> None:
         self.popen = popen
-        self.pid = popen.pid
 
     def poll(self) -> int | None:
         return self.popen.poll()

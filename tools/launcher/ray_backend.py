@@ -136,8 +136,9 @@ class ProcessRunner:
 
 
 class RayHandle:
-    """A process run by a ``ProcessRunner`` actor, for the supervisor. An actor that died
-    (its node lost, its process killed) took its process with it: it reads as killed."""
+    """A process run by a ``ProcessRunner`` actor, for the supervisor: ``pid`` on the
+    actor's node. An actor that died (its node lost, its process killed) took its process
+    with it: it reads as killed."""
 
     def __init__(self, actor: Any, pid: int) -> None:
         self.actor, self.pid = actor, pid

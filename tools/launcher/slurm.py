@@ -18,9 +18,8 @@ its CPUs rounded up (the learner's: per node) and its memory as ``--mem`` (0:
 ``--mem=0``, the job's memory without reserving any of it).
 
 Steps (``step_argv``): every step is ``srun --exact`` with its nodes, tasks, GPUs, CPUs and
-memory; a step of one task writes its pid on its node to ``RUN_DIR/slurm/<name>.pid``
-first (a restarted generator tells the buffer the pid it replaces, ``--replaces-pid``),
-generators and the evaluator with ``--kill-on-bad-exit=0``. The learner is one step of
+memory, generators and the evaluator with ``--kill-on-bad-exit=0`` (a restarted generator
+is a new step, re-attaching under its lineage: ``relay.launcher.supervisor``). The learner is one step of
 ``nnodes`` tasks, one per node, each running torchrun for that node's ranks: on one node
 with its c10d rendezvous on the loopback interface (``relay.launcher.plan.learner_argv``),
 on several with torch's static rendezvous at ``hosts[0]:master_port`` and the node's rank
@@ -44,7 +43,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -69,10 +67,6 @@ from relay.launcher.resources import Demand, NodeCapacity, demands, learner_node
 SRUN = "srun"
 SCONTROL = "scontrol"
 NODELIST_VARIABLE = "SLURM_JOB_NODELIST"
-PID_FOLDER = "slurm"  # RUN_DIR/slurm/<name>.pid: each one-task step's pid on its node
-RECORD_PID = 'echo $$ > "$0" && exec "$@"'
-"""``sh -c`` script: write this shell's pid to the file ``$0``, then become the command
-(so the pid is the command's)."""
 NODE_RANK = 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"'
 """``sh -c`` script: the command with torchrun's ``--node-rank`` (its variable
 ``PET_NODE_RANK``) set to this task's node within the step."""
@@ -234,15 +228,13 @@ def srun_options(demand: StepDemand, nodes: list[str], *, per_node: bool) -> lis
     return options
 
 
-def step_argv(spec: ProcessSpec, demand: StepDemand, nodes: list[str], run_dir: Path) -> list[str]:
+def step_argv(spec: ProcessSpec, demand: StepDemand, nodes: list[str]) -> list[str]:
     """The ``srun`` command line that runs the plan's process ``spec`` on ``nodes``."""
     if spec.role == "learner":
         return [*srun_options(demand, nodes, per_node=True), "--kill-on-bad-exit=1",
                 *(["sh", "-c", NODE_RANK, "sh"] if len(nodes) > 1 else []), *spec.argv]
     optional = [] if spec.essential else ["--kill-on-bad-exit=0"]
-    pid_file = run_dir / PID_FOLDER / f"{spec.name}.pid"
-    return [*srun_options(demand, nodes, per_node=False), *optional,
-            "sh", "-c", RECORD_PID, str(pid_file), *spec.argv]
+    return [*srun_options(demand, nodes, per_node=False), *optional, *spec.argv]
 
 
 def learner_nodes_argv(topology: Topology, run_dir: Path, python: str) -> list[str]:
@@ -280,41 +272,8 @@ def slurm_plan(topology: Topology, run: RunConfig, run_dir: Path, plan_layout: L
             nodes = [hosts[plan_layout.node_of[spec.name]]]
             demand = plan_layout.demand[spec.name]
         steps.append(msgspec.structs.replace(spec, host=nodes[0],
-                                             argv=step_argv(spec, demand, nodes, run_dir)))
+                                             argv=step_argv(spec, demand, nodes)))
     return steps
-
-
-class StepHandle:
-    """A step's ``srun`` on this node (a ``PopenHandle``: polled, signalled and waited for
-    as any process the supervisor started; ``srun`` forwards the signals to the step's
-    tasks); ``pid`` is the step's process on its own node, as it wrote it (``RECORD_PID``),
-    or ``srun``'s where it has not."""
-
-    def __init__(self, srun: PopenHandle, pid_file: Path | None) -> None:
-        self.srun = srun
-        self._pid_file = pid_file
-        self._step_pid = 0
-
-    @property
-    def pid(self) -> int:
-        if not self._step_pid and self._pid_file is not None:
-            try:
-                self._step_pid = int(self._pid_file.read_text().strip() or 0)
-            except (OSError, ValueError):
-                pass  # not written yet
-        return self._step_pid or self.srun.pid
-
-    def poll(self) -> int | None:
-        return self.srun.poll()
-
-    def signal(self, sig: signal.Signals) -> None:
-        self.srun.signal(sig)
-
-    def wait(self) -> int:
-        return self.srun.wait()
-
-    def group_alive(self) -> bool:
-        return self.srun.group_alive()
 
 
 class SlurmStepBackend:
@@ -342,17 +301,14 @@ class SlurmStepBackend:
     def plan(self, topology: Topology, run: RunConfig, run_dir: Path) -> list[ProcessSpec]:
         if self._layout is None:
             raise PlacementError("the Slurm backend plans only after place()")
-        (run_dir / PID_FOLDER).mkdir(parents=True, exist_ok=True)
         return slurm_plan(topology, run, run_dir, self._layout, self._hosts, self.python)
 
-    def start(self, spec: ProcessSpec, topology: Topology, log: Path) -> StepHandle:
-        pid_file = None
-        if RECORD_PID in spec.argv:
-            pid_file = Path(spec.argv[spec.argv.index(RECORD_PID) + 1])
-            pid_file.unlink(missing_ok=True)  # a restarted generator's pid, not the dead one's
+    def start(self, spec: ProcessSpec, topology: Topology, log: Path) -> PopenHandle:
+        """The step's ``srun`` on this node, polled, signalled and waited for as any process
+        the supervisor starts (``srun`` forwards the signals to the step's tasks)."""
         env = {name: value for name, value in child_env(spec.env, local=True).items()
                if name not in JOB_REQUESTS}
-        return StepHandle(start_popen(spec.argv, env, log), pid_file)
+        return start_popen(spec.argv, env, log)
 
     def close(self) -> None:
         pass

@@ -22,7 +22,6 @@ from relay.launcher.child import module_argv
 from relay.launcher.plan import ProcessSpec
 from relay.launcher.slurm import (
     NODE_RANK,
-    RECORD_PID,
     StepDemand,
     SlurmStepBackend,
     layout,
@@ -98,15 +97,14 @@ def test_each_process_is_a_step_on_its_node_with_its_gpus(tmp_path: Path,
                      *module_argv(PYTHON, "relay.learner.main", *common))]
     assert steps["gen0"].argv == [
         "srun", "--exact", "--nodes=1", "--nodelist=gpu08", "--ntasks=1", "--gpus-per-task=4",
-        "--cpus-per-task=8", "--mem=0", "--kill-on-bad-exit=0", "sh", "-c", RECORD_PID,
-        str(run_dir / "slurm" / "gen0.pid"),
+        "--cpus-per-task=8", "--mem=0", "--kill-on-bad-exit=0",
         *module_argv(PYTHON, "relay.generators.main", *common, "--name", "gen0")]
     assert steps["gen0"].host == "gpu08" and not steps["gen0"].essential
     assert steps["evaluator"].argv[:9] == [
         "srun", "--exact", "--nodes=1", "--nodelist=gpu08", "--ntasks=1", "--gpus-per-task=2",
         "--cpus-per-task=4", "--mem=0", "--kill-on-bad-exit=0"]
     assert steps["buffer"].argv[:8] == ["srun", "--exact", "--nodes=1", "--nodelist=gpu07",
-                                        "--ntasks=1", "--cpus-per-task=1", "--mem=0", "sh"]
+                                        "--ntasks=1", "--cpus-per-task=1", "--mem=0", PYTHON]
 
 
 def test_a_learner_of_two_nodes_is_one_step_ranking_its_nodes_as_slurm_does(
@@ -130,11 +128,9 @@ def test_a_learner_of_two_nodes_is_one_step_ranking_its_nodes_as_slurm_does(
                                       "--master-addr=gpu07", "--master-port=29600")
 
 
-def test_a_step_runs_its_process_through_srun_and_knows_its_pid(
+def test_a_step_runs_its_process_through_srun_without_the_jobs_requests(
         tmp_path: Path, fake_slurm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURM_GPUS_PER_NODE", "8")  # the job's, not the step's request
-    run_dir = tmp_path / "run"
-    (run_dir / "slurm").mkdir(parents=True)
     spec = ProcessSpec(name="gen0", role="generator", host="gpu08", essential=False,
                        env={"RELAY_TEST_VALUE": "from-the-plan"},
                        argv=[sys.executable, "-c", "import os; print(os.getpid(), "
@@ -142,13 +138,12 @@ def test_a_step_runs_its_process_through_srun_and_knows_its_pid(
                                                    "os.environ.get('SLURM_GPUS_PER_NODE'))"])
     step = msgspec.structs.replace(spec, argv=step_argv(spec, StepDemand(gpus=0, cpus=1,
                                                                      memory_gib=0),
-                                                        ["gpu08"], run_dir))
+                                                        ["gpu08"]))
     log = tmp_path / "gen0.log"
     handle = SlurmStepBackend().start(step, Topology(), log)
     assert handle.wait() == 0 and handle.poll() == 0
-    pid, value, job_gpus = log.read_text().split()
+    _pid, value, job_gpus = log.read_text().split()
     assert value == "from-the-plan" and job_gpus == "None"
-    assert handle.pid == int(pid)  # its own pid, not srun's
     assert not handle.group_alive()
 
 
