@@ -16,7 +16,8 @@ ranks start under torchrun with its c10d rendezvous named at ``127.0.0.1`` (torc
 TCPStore still listens on every interface: it has no option to bind one, see the README's
 Security section). Either way its ranks' gloo and NCCL sockets are bound to the loopback
 interface (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` = ``lo``, unless set). Learners
-of several hosts meet at ``hosts[0]:master_port``.
+of several hosts meet at ``hosts[0]:master_port``. Under Ray the learner is one process per
+rank instead (``learner_rank_specs``), each placed by Ray, with torchrun's environment.
 
 Every process runs its module with the working directory off ``sys.path``
 (``relay.launcher.child``), so a user's own ``relay/`` or ``learner/`` folder is never imported
