@@ -14,7 +14,7 @@ import pytest
 from relay import launch
 from relay.configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, load_run_config
 from relay.configs.rundir import VERL_KEYS
-from relay.launcher import supervisor
+from relay.launcher import resources, supervisor
 
 GOOD_ROW = {"prompt": [{"role": "user", "content": "1 + 1?"}], "data_source": "arithmetic",
             "reward_model": {"style": "rule", "ground_truth": "2"}}
@@ -93,7 +93,9 @@ def test_a_device_that_is_not_one_is_refused(
     assert f"command line: {key}" in err and "'cpu'" in err and "'cuda'" in err
 
 
-def test_cuda_with_a_gpu_index_is_a_device(tmp_path: Path) -> None:
+def test_cuda_with_a_gpu_index_is_a_device(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resources, "cuda_device_count", lambda: 2)  # a machine with 2 GPUs
     assert dry_run(tmp_path, "topology.generators[0].device=cuda:1",
                    "topology.evaluator.device=cuda") == 0
 

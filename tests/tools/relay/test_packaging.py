@@ -34,7 +34,7 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SHIPPED = sorted(ROOT / folder
                  for folder in PROJECT["tool"]["setuptools"]["package-dir"].values())
 OPTIONAL = {"vllm", "sglang", "flash_attn", "deepspeed", "wandb", "swanlab", "tensorboard",
-            "trl", "datasets"}
+            "trl", "datasets", "ray"}
 """Import names of the optional packages (extras, or installed by the user for a feature)."""
 MIN_PYTHON = re.fullmatch(r">=\s*3\.(\d+)", PROJECT["project"]["requires-python"])
 PYTHONS = [f"3.{minor}" for minor in range(10, 14)]
