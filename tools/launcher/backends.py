@@ -24,6 +24,7 @@ import os
 import shlex
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -125,11 +126,14 @@ def child_env(spec_env: dict[str, str], *, local: bool) -> dict[str, str]:
     return env
 
 
-def start_popen(argv: list[str], env: dict[str, str], log: Path) -> PopenHandle:
-    """``argv`` in a session of its own, its output appended to ``log``."""
+def start_popen(argv: list[str], env: dict[str, str], log: Path,
+                preexec: Callable[[], None] | None = None) -> PopenHandle:
+    """``argv`` in a session of its own, its output appended to ``log``; ``preexec`` runs in
+    the child before it does."""
     with open(log, "ab") as out:
         popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+                                 stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                                 preexec_fn=preexec)
     return PopenHandle(popen)
 
 

@@ -38,7 +38,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,7 +48,7 @@ import msgspec
 from relay.configs.run_schema import RunConfig
 from relay.configs.rundir import RESOLVED_TOPOLOGY
 from relay.configs.topology_schema import RaySettings, Topology
-from relay.launcher.backends import PlacementError, child_env, live_groups
+from relay.launcher.backends import PlacementError, PopenHandle, child_env, start_popen
 from relay.launcher.plan import VISIBLE_DEVICES, ProcessSpec, build_plan
 from relay.launcher.ports import free_port
 from relay.launcher.resources import Demand, NodeCapacity, demands, place
@@ -84,7 +83,7 @@ class ProcessRunner:
     by ``RayBackend``."""
 
     def __init__(self) -> None:
-        self.child: subprocess.Popen | None = None
+        self.child: PopenHandle | None = None
 
     def where(self) -> dict[str, str]:
         """The node this actor runs on: Ray's node id, its address, its boot id."""
@@ -113,12 +112,9 @@ class ProcessRunner:
                 "trainer.run_dir on a filesystem every node of the Ray cluster shares")
         full_env = child_env({k: v for k, v in env.items() if k != VISIBLE_DEVICES},
                              local=True)
-        with open(log, "ab") as out:
-            self.child = subprocess.Popen([sys.executable, *argv[1:]], stdout=out,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True, env=full_env,
-                                          preexec_fn=_die_with_parent)
-        return self.child.pid
+        self.child = start_popen([sys.executable, *argv[1:]], full_env, Path(log),
+                                 preexec=_die_with_parent)
+        return self.child.popen.pid
 
     def poll(self) -> int | None:
         assert self.child is not None
@@ -126,13 +122,10 @@ class ProcessRunner:
 
     def signal(self, sig: int) -> None:
         if self.child is not None:
-            try:
-                os.killpg(self.child.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+            self.child.signal(signal.Signals(sig))
 
     def group_alive(self) -> bool:
-        return self.child is not None and bool(live_groups({self.child.pid}))
+        return self.child is not None and self.child.group_alive()
 
 
 class RayHandle:
