@@ -326,11 +326,14 @@ class TrainLoop:
             self._serve(step)
 
     def _serve(self, step: int) -> None:
-        """Stream the policy as ``self.version``, taken after ``step`` (every rank); tell
-        the buffer."""
+        """Tell the buffer, then stream the policy as ``self.version``, taken after ``step``
+        (every rank). The buffer learns the version first: a generator that loads it quickly
+        sends tokens of it at once, which a buffer still at the previous version would
+        refuse as malformed (tokens from the future)."""
         self.published_step = step
         if self.rank0 is not None:
             self.rank0.weights.take_resend()
+            self.rank0.link.published(self.version, step)
         stats = publish_weights(self.learner.model, self.plan, self.publish_dtype,
                                 version=self.version, step=step,
                                 stream=self.rank0.stream if self.rank0 else None,
@@ -339,7 +342,6 @@ class TrainLoop:
             logger.debug("streamed weights version %d (%.1f MB) in %.2f s", stats.version,
                          stats.total_bytes / 1e6, stats.seconds)
             self.rank0.weights.published(self.version, step)
-            self.rank0.link.published(self.version, step)
 
     def _save(self, step: int) -> None:
         """A checkpoint after ``step``, with the buffer's state at this moment."""

@@ -210,3 +210,23 @@ def test_the_metrics_line_names_the_newest_held_out_accuracy() -> None:
     assert metrics_line(10, 400, metrics, (5, 0.625)) == (
         "step 10/400 | reward 0.750 | held-out acc 0.625 (step 5) | loss 0.5 | staleness 0.25")
     assert metrics_line(10, 400, {}, None) == "step 10/400"
+
+
+def test_the_buffer_hears_of_a_version_before_its_weights_stream(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generator that loads version v + 1 quickly sends tokens of it at once; a buffer
+    that heard of v + 1 only after the stream refused them as tokens from the future."""
+    events: list[tuple[str, int]] = []
+
+    def stream(model, plan, dtype, *, version, step, stream, group) -> StreamStats:
+        events.append(("stream", version))
+        return StreamStats(version=version, total_bytes=80, seconds=0.01, lagging=False)
+
+    monkeypatch.setattr(loop_module, "publish_weights", stream)
+    loop = train_loop([])
+    assert loop.rank0 is not None
+    monkeypatch.setattr(loop.rank0.link, "published",
+                        lambda version, step: events.append(("buffer", version)))
+    for step in (1, 2):
+        loop._step(step)
+    assert events == [("buffer", 1), ("stream", 1), ("buffer", 2), ("stream", 2)]
