@@ -16,6 +16,15 @@ such a folder (a checkpoint's ``hf/``, kept in float32) in another dtype, one sa
 file at a time (``relay export``). Both write atomically: into ``<folder>.tmp``, renamed
 into place once complete (``commit_folder``), so that a crash never leaves a partial
 folder under the final name.
+
+``write_state`` writes a whole state dict (a critic or a PRM read from a checkpoint's DCP
+state by ``read_part``, a verl checkpoint's merged shards) as the folder of a model class
+of ``transformers.AutoModel*`` (``save_pretrained``: ``model.safetensors``, sharded with an
+index past ``shard_bytes``), with the config, generation config and tokenizer files of a
+source folder. Relay's critic (``relay.learner.critic.ValueModel``: ``body.*`` and
+``value_head.*``) is written as ``AutoModelForTokenClassification`` with one label, the
+layout verl's critic has: ``body.X`` -> ``<base_model_prefix>.X``, ``value_head`` -> ``score``
+(``value_model_as_token_classification``).
 """
 
 from __future__ import annotations
@@ -28,9 +37,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import PreTrainedTokenizerBase
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from relay.buffer.durable import fsync_tree
+from relay.learner import safe_dcp
 from relay.learner.checkpoint_files import replace_folder
 from relay.learner.weight_buckets import BucketPlan, gather_buckets, plan_buckets
 
@@ -38,6 +49,8 @@ DEFAULT_SHARD_BYTES = 1 << 30
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # not copied by ``copy_side_files``
 PARTIAL_SUFFIX = ".tmp"
 
 
@@ -170,5 +183,96 @@ def convert_folder(source: Path, folder: Path, dtype: torch.dtype) -> None:
         index = json.loads((source / INDEX_FILE).read_text(encoding="utf-8"))
         index["metadata"] = {**index.get("metadata", {}), "total_size": total_bytes}
         (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    set_config_dtype(partial, dtype)
+    commit_folder(partial, folder)
+
+
+class StateMismatch(ValueError):
+    """A state dict that does not fit the model it is written as: the message names the
+    missing, unexpected or misshapen keys."""
+
+
+def read_part(dcp_folder: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The full tensors under ``prefix`` (``"critic.model."``, ``"prm.model."``) of the DCP
+    state in ``dcp_folder``, keyed without the prefix, read in this one process without
+    running any pickle the folder holds (``relay.learner.safe_dcp``); {} when none are
+    there."""
+    metadata = safe_dcp.RestrictedReader(str(dcp_folder)).read_metadata()
+    state = {fqn: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+             for fqn, entry in metadata.state_dict_metadata.items()
+             if fqn.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+    if state:
+        safe_dcp.load(state, str(dcp_folder))
+    return {fqn.removeprefix(prefix): tensor for fqn, tensor in state.items()}
+
+
+def value_model_as_token_classification(state: dict[str, torch.Tensor],
+                                        base_model_prefix: str) -> dict[str, torch.Tensor]:
+    """A ``ValueModel``'s state (``body.*``, ``value_head.weight`` (1, H), ``value_head.bias``
+    (1,)) under the names of ``AutoModelForTokenClassification`` with ``num_labels = 1``:
+    ``<base_model_prefix>.*``, ``score.weight``, ``score.bias``; the same function,
+    V(s_t) = score(h_t)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.startswith("body."):
+            out[f"{base_model_prefix}.{name.removeprefix('body.')}"] = tensor
+        elif name.startswith("value_head."):
+            out[f"score.{name.removeprefix('value_head.')}"] = tensor
+        else:
+            raise StateMismatch(f"{name!r} is neither the critic's body nor its value head")
+    return out
+
+
+def fit_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Check that ``state`` holds every parameter and persistent buffer of ``model`` (a
+    tied weight once is enough) in its shape, and nothing else; ``StateMismatch`` names
+    what differs."""
+    expected = model.state_dict()
+    every_parameter = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    required = ({name for name, _ in model.named_parameters()}  # a tied weight once
+                | (set(expected) - every_parameter))  # persistent buffers
+    missing = sorted(required - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshapen = sorted(f"{name} {tuple(state[name].shape)} (the model's: "
+                       f"{tuple(expected[name].shape)})" for name in set(state) & set(expected)
+                       if state[name].shape != expected[name].shape)
+    problems = [f"{what}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+                for what, names in (("missing", missing), ("unexpected", unexpected),
+                                    ("of another shape", misshapen)) if names]
+    if problems:
+        raise StateMismatch(f"the weights do not fit {type(model).__name__} of this config: "
+                            + "; ".join(problems))
+
+
+def copy_side_files(source: Path, folder: Path, *, generation: bool) -> None:
+    """Copy ``source``'s files other than weights, index and ``config.json`` (the tokenizer,
+    a chat template, code an ``auto_map`` names) into ``folder``;
+    ``generation_config.json`` only when ``generation``."""
+    for path in sorted(source.iterdir()):
+        if (path.is_file() and path.suffix not in WEIGHT_SUFFIXES
+                and path.name not in (CONFIG_FILE, INDEX_FILE)
+                and (generation or path.name != GENERATION_CONFIG_FILE)):
+            shutil.copy2(path, folder / path.name)
+
+
+def write_state(state: dict[str, torch.Tensor], config: PretrainedConfig,
+                auto_class: type, folder: Path, dtype: torch.dtype, *,
+                files_from: Path | None = None,
+                shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Write the whole ``state`` of an ``auto_class`` model (``AutoModelForCausalLM``,
+    ``AutoModelForTokenClassification``) of ``config`` into ``folder`` (atomically) with
+    ``save_pretrained``, floating-point tensors in ``dtype``, the config saying ``dtype``;
+    the tokenizer and generation config come from ``files_from`` (``copy_side_files``).
+    ``StateMismatch`` (nothing written) when ``state`` does not fit the model."""
+    with torch.device("meta"):
+        model: PreTrainedModel = auto_class.from_config(config, dtype=dtype)
+    fit_state(model, state)
+    model.load_state_dict({name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+                           for name, tensor in state.items()}, strict=False, assign=True)
+    model.tie_weights()
+    partial = partial_folder(folder)
+    model.save_pretrained(str(partial), max_shard_size=shard_bytes)
+    if files_from is not None:
+        copy_side_files(files_from, partial, generation=model.can_generate())
     set_config_dtype(partial, dtype)
     commit_folder(partial, folder)

@@ -1,24 +1,38 @@
 """``relay export``: a run's checkpoint becomes a Hugging Face folder (the newest by default,
-``--step N`` for another) in the run's dtype with its tokenizer; a folder that is no run
-directory, a step with no checkpoint, a damaged checkpoint and an OUT_DIR in use each exit 2
-with a message naming it, writing nothing."""
+``--step N`` for another, or a checkpoint folder named directly) in the run's dtype with its
+tokenizer; ``--critic`` writes PPO's critic as ``AutoModelForTokenClassification`` computing
+the learner's values, ``--prm`` PRIME's implicit PRM; a bf16 export decodes greedily as the
+checkpoint's policy does, in transformers and in vLLM's CPU build (slow). A folder that is no
+run directory, a step with no checkpoint, a damaged checkpoint, a part the checkpoint does
+not hold, a checkpoint without adapters for ``--merge-lora`` and an OUT_DIR in use each exit
+2 with a message naming it, writing nothing."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from relay.configs import CONFIG_DIR
 from relay.configs.loader import to_toml
 from relay.configs.rundir import RESOLVED_RUN, RESOLVED_TOPOLOGY
-from relay.configs.run_schema import DataConfig, ModelConfig, RunConfig
+from relay.configs.run_schema import AlgorithmConfig, DataConfig, ModelConfig, RunConfig
 from relay.configs.topology_schema import Topology
 from relay.export import main
 from relay.learner.checkpoint import LoopState, save_checkpoint
 from relay.learner.checkpoint_meta import Lineage
+from relay.learner.tiny_model.tokenizer import build_tokenizer
 from relay.learner.update import Learner
 
 from ...conftest import gather_full_weights
@@ -143,3 +157,152 @@ def test_an_out_dir_in_use_is_not_overwritten(trained_run: tuple[Path, dict, dic
     err = refused([str(run_dir), str(out)], capsys)
     assert f"{out}: already exists" in err
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+# -- a checkpoint folder named directly; the critic and the PRM ------------------------------
+
+
+def checkpoint_of(learner: Learner, random_model_dir: Path, tmp_path: Path) -> Path:
+    """``RUN_DIR/checkpoints/step-1`` of ``learner``, its weights moved off the model's by
+    +0.01 so that what is exported is the checkpoint's, not ``model.path``'s."""
+    run_dir = make_run_dir(tmp_path / "run", random_model_dir)
+    with torch.no_grad():
+        for part in (learner.model, learner.critic and learner.critic.model,
+                     learner.prm and learner.prm.model):
+            for param in part.parameters() if part is not None else ():
+                param.add_(0.01)
+    return save(learner, run_dir, 1, AutoTokenizer.from_pretrained(random_model_dir))
+
+
+def test_a_checkpoint_folder_is_exported_as_is_in_the_dtype_asked(
+        random_model_dir: Path, tmp_path: Path) -> None:
+    learner = make_learner(random_model_dir)
+    checkpoint = checkpoint_of(learner, random_model_dir, tmp_path)
+    assert main([str(checkpoint), "--dtype", "bfloat16", str(tmp_path / "out")]) == 0
+    back = loaded(tmp_path / "out")
+    for name, weight in gather_full_weights(learner.model, torch.float32).items():
+        assert torch.equal(back[name], weight.to(torch.bfloat16)), name
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    assert (tmp_path / "out" / "generation_config.json").is_file()
+
+
+def test_the_critic_is_a_token_classifier_computing_the_learners_values(
+        random_model_dir: Path, tmp_path: Path) -> None:
+    learner = make_learner(random_model_dir, algorithm=AlgorithmConfig(adv_estimator="gae"))
+    checkpoint = checkpoint_of(learner, random_model_dir, tmp_path)
+    assert main([str(checkpoint), "--critic", "--dtype", "float32", str(tmp_path / "critic")]) == 0
+    critic = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")
+    assert critic.config.num_labels == 1 and critic.dtype == torch.float32
+    ids = torch.tensor([[1, 271, 201, 273, 272, 223, 19, 20, 2]])
+    learner.critic.model.eval()
+    with torch.no_grad():
+        expected = learner.critic.model(ids)
+        got = critic(ids).logits[..., 0]
+    assert expected.abs().max() > 0  # the value head moved off its zero start
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "critic")) > 0
+    assert not (tmp_path / "critic" / "generation_config.json").exists()
+
+
+def test_the_prm_is_a_causal_lm_with_the_checkpoints_weights(
+        random_model_dir: Path, tmp_path: Path) -> None:
+    learner = make_learner(random_model_dir, algorithm=AlgorithmConfig(adv_estimator="prime"))
+    checkpoint = checkpoint_of(learner, random_model_dir, tmp_path)
+    assert main([str(checkpoint), "--prm", "--dtype", "float32", str(tmp_path / "prm")]) == 0
+    back = loaded(tmp_path / "prm")
+    for name, weight in gather_full_weights(learner.prm.model, torch.float32).items():
+        assert torch.equal(back[name], weight), name
+
+
+def test_a_part_the_checkpoint_does_not_hold_is_named(
+        random_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    checkpoint = checkpoint_of(make_learner(random_model_dir), random_model_dir, tmp_path)
+    for flag, part in (("--critic", "critic"), ("--prm", "prm")):
+        err = refused([str(checkpoint), flag, str(tmp_path / "out")], capsys)
+        assert f"holds no {part} (its trained parts: policy)" in err and flag in err
+    err = refused([str(checkpoint), "--merge-lora", str(tmp_path / "out")], capsys)
+    assert "holds no LoRA adapters" in err and "adapter_config.json" in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_critic_and_prm_exclude_each_other(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path), "--critic", "--prm", str(tmp_path / "out")])
+    assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_step_n_of_a_checkpoint_folder_is_refused(random_model_dir: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    checkpoint = checkpoint_of(make_learner(random_model_dir), random_model_dir, tmp_path)
+    err = refused([str(checkpoint), "--step", "1", str(tmp_path / "out")], capsys)
+    assert f"{checkpoint} is a checkpoint already" in err
+
+
+# -- greedy decoding of a bf16 export: transformers and vLLM's CPU build ----------------------
+
+PROMPTS = [[1, 271, 201, 273, 272, 223, 19, 20, 2, 201, 1, 278, 201], [1, 271, 201, 24, 2, 201],
+           [1, 40, 41, 42, 43]]
+NEW_TOKENS = 12
+
+
+def save_decoding_model(folder: Path) -> Path:
+    """A random Llama that decodes something other than its last token: an untied head with
+    logits of a spread (std ~ 11) far above bf16's rounding, so that greedy choices are
+    clear-cut; 4 heads of 32, the smallest vLLM's CPU attention runs."""
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, tie_word_embeddings=False,
+                         eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 1.0)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def greedy(model: torch.nn.Module) -> list[list[int]]:
+    """``NEW_TOKENS`` greedy tokens after each prompt, EOS not stopping them."""
+    outs = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM is not installed (the `vllm` extra)")
+def test_a_bf16_export_decodes_as_the_checkpoint_in_transformers_and_vllm(
+        tmp_path: Path) -> None:
+    """The checkpoint's policy (the learner's weights, cast to bf16 as a user loads them)
+    and its bf16 export give the same greedy tokens in transformers, and vLLM's CPU build
+    (bf16) the same again: the folder is complete and named as both expect."""
+    from relay.generators.sampling import SamplingParams
+    from relay.generators.vllm_engine import VLLMEngine
+
+    model_dir = save_decoding_model(tmp_path / "model")
+    learner = make_learner(model_dir)
+    checkpoint = checkpoint_of(learner, model_dir, tmp_path)
+    policy = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir)).eval()
+    policy.load_state_dict(gather_full_weights(learner.model, torch.float32), strict=False)
+    policy.tie_weights()
+    expected = greedy(policy.to(torch.bfloat16))
+    assert main([str(checkpoint), "--dtype", "bfloat16", str(tmp_path / "out")]) == 0
+    assert expected != greedy(AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                   dtype=torch.bfloat16))
+    assert greedy(AutoModelForCausalLM.from_pretrained(tmp_path / "out")) == expected
+    engine = VLLMEngine.from_pretrained(str(tmp_path / "out"), dtype=torch.bfloat16, eos_ids=[],
+                                        pad_id=0, max_num_seqs=4, max_len=64)
+    completions = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS,
+                                                          temperature=0.0))
+    assert [completion.token_ids.tolist() for completion in completions] == expected
