@@ -284,6 +284,8 @@ def check_run_config(run: RunConfig, source: str,
     model_path = run.model.path
     for key, path in (("critic.model.path", run.critic.model.path),
                       ("reward_model.model.path", run.reward_model.model.path)):
+        if key.startswith("reward_model") and run.reward_model.model.input_tokenizer:
+            continue  # the chat is re-rendered in the reward model's own tokens
         builtin = any(p.startswith(BUILTIN_MODEL_PREFIX) for p in (path, model_path))
         if path and not builtin:  # a builtin: model is built at launch, not read here
             check_same_vocabulary(source, key, path, model_path)
@@ -539,6 +541,7 @@ def check_algorithm_combinations(run: RunConfig, source: str) -> None:
                           f"{run.rollout.response_length}] when the overlong buffer is "
                           f"enabled, got {overlong.len}")
     prm = run.algorithm.adv_estimator if run.algorithm.estimator.prm else None
+    check_reward_model(run, source, prm)
     if prm and overlong.enable:
         raise ConfigError(source, "reward_model.overlong_buffer.enable",
                           f"{prm} trains its PRM on the rewards as labels in [0, 1], and the "
@@ -547,6 +550,28 @@ def check_algorithm_combinations(run: RunConfig, source: str) -> None:
         raise ConfigError(source, "algorithm.use_kl_in_reward",
                           f"{prm} builds its token rewards from the implicit PRM and does not "
                           "take a KL penalty in the reward; use actor.use_kl_loss instead")
+
+
+def check_reward_model(run: RunConfig, source: str, prm: str | None) -> None:
+    """A batch reward manager needs a custom function; a discriminative reward model
+    (``reward_model.enable`` without PRIME) needs its path and a device the generators can
+    name."""
+    rewards = run.custom_reward_function
+    if rewards.reward_manager == "batch" and not rewards.path:
+        raise ConfigError(source, "custom_reward_function.reward_manager",
+                          "batch (verl's reward_model.reward_manager) calls a batch reward "
+                          "function once per group: set custom_reward_function.path to it")
+    rm = run.reward_model
+    if not rm.enable or prm:
+        return
+    if not rm.model.path:
+        raise ConfigError(source, "reward_model.model.path",
+                          "reward_model.enable = true needs the reward model's folder "
+                          "(a *ForSequenceClassification or *ForTokenClassification model)")
+    if rm.device and not DEVICE.fullmatch(rm.device):
+        raise ConfigError(source, "reward_model.device",
+                          f"{rm.device!r} is not a device: {DEVICES}, or empty for the "
+                          "generator's own")
 
 
 def check_replay(run: RunConfig, source: str) -> None:

@@ -372,9 +372,17 @@ class CriticConfig(_Section):
 
 
 class PrmModelConfig(_Section):
-    """PRIME's implicit PRM: empty ``path`` initialises it from the policy checkpoint."""
+    """The reward model's weights (``reward_model.model``). With ``algorithm.adv_estimator =
+    "prime"``: PRIME's implicit PRM (empty ``path`` initialises it from the policy
+    checkpoint; ``beta_train``, ``update``, ``optim`` train it). With ``reward_model.enable``:
+    the discriminative reward model at ``path`` (``relay.generators.reward_model``);
+    ``input_tokenizer`` non-empty (verl sets it to the policy's path) re-renders the chat
+    with the reward model's own tokenizer and chat template, empty scores the policy's own
+    token ids; ``trust_remote_code`` as for ``model``."""
 
     path: str = ""
+    input_tokenizer: str = ""
+    trust_remote_code: bool = False
     beta_train: PositiveFloat = 0.05
     update: Literal["before", "after"] = "before"
     optim: OptimConfig = msgspec.field(default_factory=lambda: OptimConfig(lr=1e-6))
@@ -392,16 +400,40 @@ class OverlongBufferConfig(_Section):
     penalty_factor: NonNegativeFloat = 1.0
 
 
+RewardCombine = Literal["replace", "add"]  # reward_model.combine
+
+
 class RewardModelConfig(_Section):
-    """``model``: PRIME's implicit process reward model (verl's PRIME recipe
-    ``reward_model``), used when ``algorithm.adv_estimator = "prime"``: a causal LM trained
-    each step on the batch's outcome rewards (labels in [0, 1]) with the cross-entropy of
-    ``beta_train * sum_t log(pi_phi / pi_ref)``, before (``update = "before"``) or after it
-    scores the batch; ``relay.learner.implicit_prm``. ``overlong_buffer``: DAPO's length penalty
-    on every reward.
+    """A learned reward model, one of two kinds by the advantage estimator.
+
+    - ``algorithm.adv_estimator = "prime"``: ``model`` is PRIME's implicit process reward
+      model (verl's PRIME recipe ``reward_model``): a causal LM trained each step on the
+      batch's outcome rewards (labels in [0, 1]) with the cross-entropy of
+      ``beta_train * sum_t log(pi_phi / pi_ref)``, before (``update = "before"``) or after it
+      scores the batch; ``relay.learner.implicit_prm``. ``enable`` may be on or off (verl's
+      recipe sets it); the discriminative keys below have no effect.
+    - any other estimator with ``enable = true`` (verl's ``reward_model.enable``): a
+      discriminative reward model at ``model.path`` scores every sample in the generators
+      (``relay.generators.reward_model``), ``micro_batch_size_per_gpu`` sequences per
+      forward, sequences over ``max_length`` tokens cut on the right (0: no cut), in
+      ``dtype`` on ``device`` (*Relay*; empty: the generator's own device). ``combine``
+      (*Relay*) says how its score ``s_rm`` meets the rule reward ``r_rule`` (the custom
+      function's, or the built-in rule's): ``replace`` (verl's reward managers return the
+      RM's scores when there are any) gives ``s_rm``, ``add`` gives ``r_rule + s_rm``; each
+      sample's ``reward_info`` holds ``rm_score`` and ``rule_score`` either way, and DAPO's
+      overlong penalty is added after. Held-out evaluation scores the rule reward only (as
+      verl validates).
+
+    ``overlong_buffer``: DAPO's length penalty on every reward.
     """
 
+    enable: bool = False
     model: PrmModelConfig = msgspec.field(default_factory=PrmModelConfig)
+    micro_batch_size_per_gpu: Positive = 8
+    max_length: NonNegative = 0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = ""
+    combine: RewardCombine = "replace"
     grad_clip: PositiveFloat = 10.0
     overlong_buffer: OverlongBufferConfig = msgspec.field(default_factory=OverlongBufferConfig)
 

@@ -144,8 +144,12 @@ _DEPRECATED = ("verl's deprecated global micro-batch size; give the per-GPU size
                "{}_per_gpu instead (a micro-batch size per rank is what the learner cuts)")
 _LORA = ("LoRA is not supported yet: Relay trains every parameter (a later issue adds "
          "adapters); drop the key")
-_RM_ONLY = ("a learned reward model is not supported yet (reward_model.enable is refused), "
-            "so this has no effect")
+_RM_ONLY = ("the reward model runs with transformers inside each generator, one forward per "
+            "micro-batch of reward_model.micro_batch_size_per_gpu sequences; no effect")
+_REWARD_SECTION = ("verl's newer reward section, the same setting as its older key")
+_RM_PLACED = ("the reward functions run in each generator's reward worker and the reward "
+              "model in each generator, on its device (reward_model.device); verl's worker "
+              "counts, pools and inference engine for it have no effect")
 _CRITIC_CUT = ("the critic's passes are cut like the actor's (actor.ppo_micro_batch_size_per_gpu"
                ", actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu) and its mini-batches "
                "follow the actor's; no effect")
@@ -421,33 +425,53 @@ TABLE: tuple[VerlKey, ...] = tuple([
             "(actor.ulysses_sequence_parallel_size); no effect",
             "critic.ulysses_sequence_parallel_size"),
     # ---- reward_model ------------------------------------------------------------------
-    *_inert("a learned reward model scoring responses is not supported yet: rewards come from "
-            "rule functions (custom_reward_function, or by data_source); Relay's "
-            "reward_model.model is PRIME's implicit PRM; only false", "reward_model.enable",
-            accept=(False,)),
+    VerlKey(key="reward_model.enable", group="differs",
+            note="a discriminative reward model scores every sample in the generators "
+                 "(relay.generators.reward_model); with algorithm.adv_estimator = prime the "
+                 "reward_model section is PRIME's implicit PRM and enable has no effect"),
     *_inert(_FSDP, "reward_model.strategy", accept=("fsdp", "fsdp2")),
     VerlKey(key="reward_model.model.path", group="differs",
-            note="Relay's reward_model.model is PRIME's implicit process reward model, used "
-                 "with algorithm.adv_estimator = prime (empty: the policy's checkpoint)"),
-    *_inert(_RM_ONLY, "reward_model.model.input_tokenizer", "reward_model.model.trust_remote_code",
-            "reward_model.model.use_shm", "reward_model.model.use_remove_padding",
+            note="with reward_model.enable, the discriminative reward model (a "
+                 "*ForSequenceClassification or *ForTokenClassification folder, num_labels "
+                 "= 1); with algorithm.adv_estimator = prime, PRIME's implicit PRM (empty: "
+                 "the policy's checkpoint)"),
+    *_same("reward_model.model.input_tokenizer", "reward_model.model.trust_remote_code",
+           "reward_model.micro_batch_size_per_gpu", "reward_model.max_length"),
+    *_refused(_DEPRECATED.format("reward_model.micro_batch_size"),
+              "reward_model.micro_batch_size"),
+    *_inert(_RM_ONLY, "reward_model.model.use_shm", "reward_model.model.use_remove_padding",
             "reward_model.model.use_fused_kernels", "reward_model.model.fsdp_config.*",
-            "reward_model.micro_batch_size", "reward_model.micro_batch_size_per_gpu",
-            "reward_model.max_length", "reward_model.use_dynamic_bsz",
-            "reward_model.forward_max_token_len_per_gpu", "reward_model.profiler.*",
-            "reward_model.ulysses_sequence_parallel_size"),
+            "reward_model.use_dynamic_bsz", "reward_model.forward_max_token_len_per_gpu",
+            "reward_model.profiler.*", "reward_model.ulysses_sequence_parallel_size"),
     *_inert("importing extra model code is not supported yet; only null",
             "reward_model.model.external_lib", accept=(None,)),
-    *_inert("generators score every sample with the reward function as it finishes (DAPO's "
-            "overlong penalty is reward_model.overlong_buffer); naive, prime, dapo and batch "
-            "accepted", "reward_model.reward_manager",
-            accept=("naive", "prime", "dapo", "batch")),
+    VerlKey(key="reward_model.reward_manager", group="mapped",
+            to=("custom_reward_function.reward_manager",),
+            note="batch calls the custom function once per group with verl's batch "
+                 "signature; naive, prime and dapo score sample by sample (DAPO's overlong "
+                 "penalty is reward_model.overlong_buffer)"),
     *_inert("generators score rewards off the learner's path, always; no effect",
             "reward_model.launch_reward_fn_async"),
     *[VerlKey(key=f"reward_model.sandbox_fusion.{name}", group="mapped",
               to=(f"sandbox.sandbox_fusion.{name}",),
               note="the code sandbox's SandboxFusion server (relay.algorithms.sandbox)")
       for name in ("url", "max_concurrent", "memory_limit_mb")],
+    # ---- verl's newer reward section (verl/trainer/config/reward/reward.yaml) ----------
+    *[VerlKey(key=f"reward.custom_reward_function.{name}", group="mapped",
+              to=(f"custom_reward_function.{name}",), note=_REWARD_SECTION)
+      for name in ("path", "name")],
+    VerlKey(key="reward.reward_manager.name", group="mapped",
+            to=("custom_reward_function.reward_manager",), note=_REWARD_SECTION),
+    VerlKey(key="reward.reward_model.enable", group="mapped", to=("reward_model.enable",),
+            note=_REWARD_SECTION),
+    VerlKey(key="reward.reward_model.model_path", group="mapped",
+            to=("reward_model.model.path",), note=_REWARD_SECTION),
+    *[VerlKey(key=f"reward.sandbox_fusion.{name}", group="mapped",
+              to=(f"sandbox.sandbox_fusion.{name}",), note=_REWARD_SECTION)
+      for name in ("url", "max_concurrent", "memory_limit_mb")],
+    *_inert(_RM_PLACED, "reward.num_workers", "reward.reward_model.enable_resource_pool",
+            "reward.reward_model.n_gpus_per_node", "reward.reward_model.nnodes",
+            "reward.reward_model.rollout.*"),
     # ---- custom_reward_function, algorithm ---------------------------------------------
     *_same("custom_reward_function.path", "custom_reward_function.name", "algorithm.gamma",
            "algorithm.lam", "algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo",

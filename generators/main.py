@@ -31,10 +31,12 @@ import torch
 
 from relay.algorithms.rewards.scorer import RewardScorer
 from relay.configs.prompt_data import load_prompt_rows
+from relay.configs.run_schema import RunConfig
 from relay.configs.rundir import RunContext, configure_logging, load_run_dir
 from relay.configs.topology_schema import GeneratorPlacement
 from relay.generators.build import build_engine
 from relay.generators.process import GeneratorLoop, NameInUse
+from relay.generators.reward_model import RewardModelScorer
 from relay.generators.tool_loop import configured_workflow
 
 logger = logging.getLogger("relay.generator")
@@ -110,6 +112,14 @@ def attached_seed(name: str, base: int, topology_size: int) -> int:
     return seed + topology_size if seed < base + topology_size else seed
 
 
+def discriminative_rm(run: RunConfig, device: str) -> RewardModelScorer | None:
+    """The run's discriminative reward model on ``device`` (the generator's, unless
+    ``reward_model.device`` says), or None: off, or ``reward_model`` is PRIME's PRM."""
+    if not run.reward_model.enable or run.algorithm.estimator.prm:
+        return None
+    return RewardModelScorer(run.reward_model, device)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging()
@@ -132,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                          data=run.data, buffer=run.buffer,
                          overlong=run.reward_model.overlong_buffer, seed=seed,
                          keys=ctx.client_keys(), workflow=configured_workflow(run.rollout),
-                         lineage=args.lineage or "")
+                         lineage=args.lineage or "",
+                         reward_model=discriminative_rm(run, placement.device))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -43,6 +43,7 @@ from relay.configs.prompt_data import CutSide, cut_side, truncate_prompt
 from relay.configs.run_schema import BufferConfig, DataConfig, OverlongBufferConfig, RolloutConfig
 from relay.generators.engine import Engine, FinishedGroup
 from relay.generators.leases import HeldLease, HeldLeases
+from relay.generators.reward_model import RewardModelScorer
 from relay.generators.sampling import SamplingParams
 from relay.generators.sender import Counters, FinishedPrompt, GroupSender, decode_all
 from relay.generators.tool_loop import ConfiguredWorkflow
@@ -153,8 +154,10 @@ class GeneratorLoop:
     prompt length limit and how to cut a longer prompt), ``buffer`` (how long to retry a
     silent buffer, ``client_patience_s``, and how long a lease may wait for its weights,
     ``weights_timeout_s``, 0 meaning ``lease_timeout_s``) and ``overlong`` (DAPO's overlong
-    penalty, ``reward_model.overlong_buffer``). An unexpected death of the heartbeat or
-    weight-receiving thread stops the loop with ``ThreadDied`` naming it.
+    penalty, ``reward_model.overlong_buffer``); ``reward_model`` (``reward_model.enable``)
+    scores each group beside the reward function (``relay.generators.reward_model``). An
+    unexpected death of the heartbeat or weight-receiving thread stops the loop with
+    ``ThreadDied`` naming it.
 
     With a ``workflow`` (``rollout.workflow``, or the multi-turn tool loop) each sample is an
     episode that a ``WorkflowRunner`` plays: the loop hands the episodes' turns to the engine
@@ -168,7 +171,8 @@ class GeneratorLoop:
                  rollout: RolloutConfig, data: DataConfig, buffer: BufferConfig,
                  overlong: OverlongBufferConfig, seed: int = 0,
                  keys: ClientKeys | None = None,
-                 workflow: ConfiguredWorkflow | None = None, lineage: str = "") -> None:
+                 workflow: ConfiguredWorkflow | None = None, lineage: str = "",
+                 reward_model: RewardModelScorer | None = None) -> None:
         self.generator_id, self.buffer_endpoint = generator_id, buffer_endpoint
         self.lineage = lineage  # the launcher's token for its restarts; "" attached by hand
         self.engine, self.tokenizer = engine, tokenizer
@@ -200,7 +204,8 @@ class GeneratorLoop:
         self.sender = GroupSender(generator_id=generator_id, buffer_endpoint=buffer_endpoint,
                                   scorer=scorer, counters=self.counters,
                                   max_new_tokens=rollout.response_length, overlong=overlong,
-                                  patience_s=self.patience_s, keys=keys)
+                                  patience_s=self.patience_s, keys=keys,
+                                  reward_model=reward_model)
         self._next_lease_at = 0.0
         # engine sequences per prompt and per lease; each lease corrects them (n, baseline)
         self._sequences_per_prompt = rollout.n

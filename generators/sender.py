@@ -22,6 +22,7 @@ from relay.algorithms.rewards.result import RewardItem, RewardResult
 from relay.algorithms.rewards.scorer import RewardScorer
 from relay.configs.run_schema import OverlongBufferConfig
 from relay.generators.engine import Completion
+from relay.generators.reward_model import RewardModelScorer, combined
 from relay.generators.workflow import EpisodeCompletion
 from relay.transport.messages import Prompt, RolloutAck, RolloutGroup, Sample
 from relay.transport.retry import patient_request
@@ -61,8 +62,10 @@ class GroupSender:
 
     def __init__(self, *, generator_id: str, buffer_endpoint: str, scorer: RewardScorer,
                  counters: Counters, max_new_tokens: int, overlong: OverlongBufferConfig,
-                 patience_s: float, keys: ClientKeys | None = None) -> None:
+                 patience_s: float, keys: ClientKeys | None = None,
+                 reward_model: RewardModelScorer | None = None) -> None:
         self.generator_id, self.scorer, self.counters = generator_id, scorer, counters
+        self.reward_model = reward_model  # reward_model.enable: scores beside the rule's
         self.patience_s = patience_s  # retrying a buffer that does not answer
         self.max_new_tokens, self.overlong = max_new_tokens, overlong
         self._endpoint, self._keys = buffer_endpoint, keys
@@ -112,7 +115,9 @@ class GroupSender:
         """Score every sample (and the greedy response) and assemble the group. An episode
         whose workflow gave its own reward keeps it; the reward function scores the rest."""
         prompt = finished.prompt
-        rewards = self._scores(prompt, finished.completions, finished.texts)
+        rewards = self._with_rm(prompt, finished.prompt_ids, finished.completions,
+                                finished.texts,
+                                self._scores(prompt, finished.completions, finished.texts))
         prompt_tensor = torch.tensor(finished.prompt_ids, dtype=torch.int32)
         samples = []
         for c, r, text in zip(finished.completions, rewards, finished.texts, strict=True):
@@ -145,6 +150,19 @@ class GroupSender:
         return [next(scored) if reward is None else RewardResult(score=reward)
                 for reward in own]
 
+    def _with_rm(self, prompt: Prompt, prompt_ids: Sequence[int],
+                 completions: Sequence[Completion], texts: Sequence[str],
+                 rules: list[RewardResult]) -> list[RewardResult]:
+        """The rule results combined with the reward model's scores (one batched call for
+        the prompt's completions), or as they are without a reward model."""
+        rm = self.reward_model
+        if rm is None:
+            return rules
+        scores = rm.score(prompt.messages, prompt_ids,
+                          [c.token_ids.tolist() for c in completions], texts)
+        return [combined(rule, score, rm.config.combine)
+                for rule, score in zip(rules, scores, strict=True)]
+
     def _shaped(self, score: float, info: dict[str, float],
                 completion: Completion) -> tuple[float, dict[str, float]]:
         """The reward with DAPO's overlong penalty added when it is on, and the penalty
@@ -160,8 +178,10 @@ class GroupSender:
     def _with_baseline(self, group: RolloutGroup, prompt: Prompt, greedy: Completion,
                        text: str) -> RolloutGroup:
         """The group with the greedy response's reward as ``baseline_reward`` (ReMax)."""
-        (result,) = self.scorer.score([RewardItem(prompt.data_source, text,
-                                                  prompt.ground_truth, prompt.extra_info)])
+        rule = self.scorer.score([RewardItem(prompt.data_source, text, prompt.ground_truth,
+                                             prompt.extra_info)])
+        (result,) = self._with_rm(prompt, group.samples[0].prompt_ids.tolist(), [greedy],
+                                  [text], rule)
         metadata = {**group.metadata, "greedy_text": text}
         if result.error:
             logger.warning("greedy baseline of %s scored 0: %s", group.rollout_id, result.error)

@@ -1,4 +1,5 @@
-"""Calling a reward function in the worker: plain ones one by one, ``async def`` ones at once.
+"""Calling a reward function in the worker: plain ones one by one, ``async def`` ones at once,
+batch ones (``RewardConfig.reward_manager = "batch"``) once per group.
 
 A plain function is called outside any event loop (it may run ``asyncio.run`` itself), one
 sample at a time; the caller's clock bounds each call by killing the worker (``worker``).
@@ -71,6 +72,33 @@ class RewardCalls:
             return to_result(raw)
         except (Exception, SystemExit) as exc:  # isolation is the point
             return failure(self.explain(exc))
+
+    def batch(self, items: Sequence[RewardItem | RewardResult]) -> list[RewardResult]:
+        """A batch function's (``reward_manager = "batch"``) rewards: ONE call with verl's
+        batch signature for the items still to score (a ``RewardResult`` among them is
+        already final). A raise, an awaitable, or a return that is not a list of one value
+        per item scores each of them 0.0 with the reason."""
+        todo = [i for i, item in enumerate(items) if isinstance(item, RewardItem)]
+        results = [item if isinstance(item, RewardResult) else failure("") for item in items]
+        if not todo:
+            return results
+        chosen = [item for item in items if isinstance(item, RewardItem)]
+        try:
+            raw = self.fn(data_sources=[it.data_source for it in chosen],
+                          solution_strs=[it.solution_str for it in chosen],
+                          ground_truths=[it.ground_truth for it in chosen],
+                          extra_infos=[it.extra_info for it in chosen])
+            if not isinstance(raw, (list, tuple)) or len(raw) != len(chosen):
+                got = (f"{len(raw)} values" if isinstance(raw, (list, tuple))
+                       else type(raw).__name__)
+                raise TypeError(f"a batch reward function must return a list of {len(chosen)} "
+                                f"scores (one per sample), got {got}")
+            scored = [to_result(value) for value in raw]
+        except (Exception, SystemExit) as exc:  # isolation is the point
+            scored = [failure(self.explain(exc))] * len(chosen)
+        for i, result in zip(todo, scored, strict=True):
+            results[i] = result
+        return results
 
     def many(self, items: Sequence[RewardItem | RewardResult],
              deliver: Callable[[int, RewardResult], None]) -> None:

@@ -9,7 +9,7 @@ build from it: the caller (routing, time limits) and the worker (which function 
 from __future__ import annotations
 
 import functools
-from typing import Annotated, get_args
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
@@ -20,6 +20,7 @@ from relay.algorithms.rewards.registry import default_compute_score
 from relay.algorithms.rewards.result import ScoreFn
 from relay.algorithms.sandbox import SandboxSettings
 
+RewardManager = Literal["naive", "prime", "dapo", "batch"]  # verl's names
 CODE_BUDGET_SHARE = 0.8  # of timeout_s, for a code sample's tests; the rest is the margin
 
 
@@ -46,6 +47,14 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
       throughput of the worker round-trip, and no worker process at all for a run that only
       uses them (``tools/bench-rewards.py``). Math-Verify rules and custom functions always
       run in the worker.
+    - ``reward_manager`` (verl's ``reward_model.reward_manager`` / ``reward.reward_manager.name``):
+      ``batch`` calls the custom function ONCE per group, with verl's batch signature
+      ``compute_score(data_sources, solution_strs, ground_truths, extra_infos) -> list``
+      (one float or dict per sample, in order), within ``timeout_s`` times the group's size;
+      a raise, a timeout or a list of the wrong length scores every sample of the group 0.0
+      with the error. It needs ``path`` (``RewardScorer`` and the run config's checks refuse
+      it without). ``naive``, ``prime`` and ``dapo`` call it sample by
+      sample (DAPO's overlong penalty is ``reward_model.overlong_buffer``).
     - ``gsm8k_method`` / ``gsm8k_format_score`` (*Relay* keys for verl's GSM8K options,
       ``gsm8k``).
     - ``code`` (*Relay*): how the code sources' tests run (``code.CodeRewardConfig``: partial
@@ -61,6 +70,7 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     worker_memory_gb: Annotated[float, msgspec.Meta(ge=0)] = 8.0
     max_concurrent: Annotated[int, msgspec.Meta(gt=0)] = 64
     in_process_builtins: bool = True
+    reward_manager: RewardManager = "naive"
     gsm8k_method: gsm8k.Method = "strict"
     gsm8k_format_score: float = 0.0
     code: CodeRewardConfig = msgspec.field(default_factory=CodeRewardConfig)

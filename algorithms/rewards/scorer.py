@@ -90,6 +90,9 @@ class RewardScorer:
                  sandbox: SandboxSettings | None = None) -> None:
         self.config = config if config is not None else RewardConfig()
         self._custom = bool(self.config.custom_function)
+        if self.config.reward_manager == "batch" and not self._custom:
+            raise ValueError("reward_manager = 'batch' calls a batch reward function: set "
+                             "custom_reward_function.path (and name) to one")
         # The built-in dispatcher, for the in-process route (None: everything goes remote).
         # Code rules never run in process, so its sandbox is never started.
         self._local = None if self._custom else build_score_fn(self.config)

@@ -18,6 +18,10 @@ to a fresh worker. Every reply is checked against the (job_id, index) it must an
 a result can never be attached to another sample. A worker that dies (killed from outside,
 segfault, ``os._exit``) costs only the item it was computing.
 
+A batch function (``RewardConfig.reward_manager = "batch"``) is called once per job; its
+replies come after that call, so the caller waits ``timeout_s`` times the job's size for the
+first, and a batch that hangs or kills the worker fails every sample of the job.
+
 An ``async def`` reward function scores a job's items concurrently and enforces each
 item's limit itself (``calls``); the caller's clock then runs ``REPORT_GRACE_S`` longer, a
 backstop for a coroutine that blocks the event loop. The worker runs under a memory cap
@@ -85,6 +89,7 @@ class _Start(msgspec.Struct, array_like=True):
 class _Ready(msgspec.Struct, array_like=True):
     error: str = ""  # non-empty: loading the reward function failed, the worker exits
     concurrent: bool = False  # an async function: items run at once, timed by the worker
+    batched: bool = False  # a batch function: one call per job, replies after it ends
 
 
 class _Job(msgspec.Struct, array_like=True):
@@ -169,17 +174,20 @@ def serve(fd: int, parent_pid: int) -> None:
         preload_builtins()  # so no sample's time limit pays for importing SymPy
     calls = RewardCalls(score_fn, timeout_s=config.timeout_s,
                         max_concurrent=config.max_concurrent, explain=watch.explain)
-    conn.send_bytes(_encoder.encode(_Ready(concurrent=calls.concurrent)))
+    batched = config.reward_manager == "batch"
+    conn.send_bytes(_encoder.encode(_Ready(concurrent=calls.concurrent and not batched,
+                                           batched=batched)))
     job_decoder = msgspec.msgpack.Decoder(_Job)
     while True:
         try:
             job = job_decoder.decode(conn.recv_bytes())
         except EOFError:
             return
-        _score_job(conn, job, calls, watch)
+        _score_job(conn, job, calls, watch, batched)
 
 
-def _score_job(conn: Connection, job: _Job, calls: RewardCalls, watch: _MemoryWatch) -> None:
+def _score_job(conn: Connection, job: _Job, calls: RewardCalls, watch: _MemoryWatch,
+               batched: bool = False) -> None:
     """Send one reply per item of ``job``, in order, each as soon as it is known."""
     item_decoder = msgspec.msgpack.Decoder(RewardItem)
 
@@ -193,6 +201,10 @@ def _score_job(conn: Connection, job: _Job, calls: RewardCalls, watch: _MemoryWa
             decoded.append(item_decoder.decode(raw))
         except msgspec.DecodeError as exc:
             decoded.append(failure(f"bad item: {describe(exc)}"))
+    if batched:
+        for index, result in enumerate(calls.batch(decoded)):
+            reply(index, result)
+        return
     if calls.concurrent:
         calls.many(decoded, reply)
         return
@@ -231,6 +243,7 @@ class RewardWorker:
         self._reaper: _Reaper | None = None
         self._job_ids = itertools.count()
         self._concurrent = False  # the worker times its own items (an async function)
+        self._batched = False  # one call per job (reward_manager = "batch")
 
     @property
     def pid(self) -> int | None:
@@ -280,6 +293,7 @@ class RewardWorker:
             self.stop()
             raise RewardLoadError(ready.error)
         self._concurrent = ready.concurrent
+        self._batched = ready.batched
 
     def stop(self) -> int | None:
         """Kill the worker (and its process group) if one runs; its exit code."""
@@ -313,14 +327,17 @@ class RewardWorker:
         try:
             self._send(_encoder.encode(_Job(job_id=job_id, items=raws)))
             for index in range(len(raws)):
-                reply = self._receive(job_id, index)
+                # a batch call answers only when it is done: the job's whole budget first
+                batch_items = len(raws) if self._batched and index == 0 else 1
+                reply = self._receive(job_id, index, batch_items)
                 done.append(reply.result)
                 if reply.retire:  # it ran out of memory: a fresh worker takes the rest
                     self.stop()
                     break
         except _WorkerLost as lost:
             self.stop()
-            done.append(failure(lost.reason))
+            # a batch call is not resent sample by sample: the job's rest fails with it
+            done.extend([failure(lost.reason)] * (len(raws) - len(done) if self._batched else 1))
         except BaseException:
             self.stop()  # e.g. KeyboardInterrupt: never reuse a worker with work in flight
             raise
@@ -339,9 +356,10 @@ class RewardWorker:
         except OSError as exc:
             raise _WorkerLost(f"worker died before scoring: {describe(exc)}") from exc
 
-    def _receive(self, job_id: int, index: int) -> _Reply:
+    def _receive(self, job_id: int, index: int, items: int = 1) -> _Reply:
+        """Item ``index``'s reply, within ``timeout_s`` times ``items`` (those it waits for)."""
         assert self._conn is not None
-        limit = self._config.timeout_s
+        limit = self._config.timeout_s * items
         if not self._conn.poll(limit + (REPORT_GRACE_S if self._concurrent else 0.0)):
             raise _WorkerLost(f"timeout: no result within {limit:g} s (worker killed)")
         try:

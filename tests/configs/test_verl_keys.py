@@ -138,7 +138,7 @@ def test_a_value_that_would_make_a_difference_is_refused_with_the_note(run_dir: 
                    ["actor_rollout_ref.rollout.ignore_eos=true"])
     assert err.key == "rollout.ignore_eos" and "generators stop at EOS" in err.problem
     err = error_of(load_run_config, write(run_dir, GOOD_RUN + "[reward_model]\nenable = true\n"))
-    assert err.source.endswith("run.toml") and "custom_reward_function" in err.problem
+    assert err.source.endswith("run.toml") and err.key == "reward_model.model.path"
 
 
 def test_a_refused_key_says_what_to_use_instead(run_dir: Path) -> None:
@@ -399,3 +399,25 @@ def test_fsdp_size_is_a_relay_key_of_the_actor_the_ref_and_the_critic(run_dir: P
             run.critic.model.fsdp_config.fsdp_size) == (-1, 8, 4)
     err = error_of(load_run_config, path, ["critic.model.fsdp_config.fsdp_size=-2"])
     assert err.key == "critic.model.fsdp_config.fsdp_size" and ">= -1" in err.problem
+
+
+def test_reward_models_keys_and_verls_newer_reward_section(run_dir: Path) -> None:
+    (run_dir / "fns.py").write_text("def batch(data_sources, solution_strs, ground_truths, "
+                                    "extra_infos, **kw):\n    return [0.0] * len(data_sources)\n")
+    (run_dir / "rm").mkdir()  # only looked up here: a folder with a config
+    (run_dir / "rm" / "config.json").write_text(
+        '{"architectures": ["LlamaForSequenceClassification"]}')
+    run = load_run_config(write(run_dir, GOOD_RUN), [
+        f"+reward.custom_reward_function.path={run_dir / 'fns.py'}",
+        "+reward.custom_reward_function.name=batch", "+reward.reward_manager.name=batch",
+        "+reward.reward_model.enable=True", f"+reward.reward_model.model_path={run_dir / 'rm'}",
+        "reward_model.model.input_tokenizer=policy", "reward_model.micro_batch_size_per_gpu=4",
+        "reward_model.max_length=256", "+reward.num_workers=8"])
+    assert run.custom_reward_function.reward_manager == "batch"
+    assert run.custom_reward_function.name == "batch"
+    assert run.reward_model.enable and run.reward_model.model.path == str(run_dir / "rm")
+    assert run.reward_model.micro_batch_size_per_gpu == 4 and run.reward_model.max_length == 256
+    run = load_run_config(write(run_dir, GOOD_RUN), ["reward_model.reward_manager=prime"])
+    assert run.custom_reward_function.reward_manager == "prime"
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["reward_model.reward_manager=batch"])
+    assert "custom_reward_function.path" in str(err)

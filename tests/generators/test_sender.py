@@ -1,5 +1,6 @@
 """relay.generators.sender: the buffer's verdict on each group is counted and logged by its name;
-a failure in the sender's thread reaches the compute loop."""
+a failure in the sender's thread reaches the compute loop; a reward model scores each group
+once, combined with the rule reward."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from relay.configs.run_schema import OverlongBufferConfig
+from relay.algorithms.rewards.result import RewardResult
+from relay.configs.run_schema import OverlongBufferConfig, RewardModelConfig
 from relay.generators.engine import Completion
 from relay.generators.sender import Counters, FinishedPrompt, GroupSender
 from relay.transport.messages import ErrorReply, Message, Prompt, RolloutAck, RolloutGroup, Sample
@@ -80,3 +82,42 @@ def test_a_failure_in_the_thread_is_raised_in_the_compute_loop(endpoint: str) ->
     with pytest.raises(RuntimeError, match="scoring or sending a group failed") as caught:
         one.raise_if_failed()
     assert "the reward worker is gone" in str(caught.value.__cause__)
+
+
+class FixedRules:
+    def score(self, items):
+        return [RewardResult(score=1.0 if item.solution_str == "7" else 0.0) for item in items]
+
+
+class StubRewardModel:
+    """Scores a response by its length; records each call's prompt ids and responses."""
+
+    def __init__(self, combine: str) -> None:
+        self.config = RewardModelConfig(combine=combine)
+        self.calls: list[tuple[list[int], list[list[int]]]] = []
+
+    def score(self, messages, prompt_ids, responses, texts):
+        self.calls.append((list(prompt_ids), [list(r) for r in responses]))
+        return [0.5 * len(r) for r in responses]
+
+
+@pytest.mark.parametrize("combine, rewards", [("replace", [0.5, 1.0]), ("add", [1.5, 1.0])])
+def test_a_reward_model_scores_each_group_once_beside_the_rule(
+        endpoint: str, combine: str, rewards: list[float]) -> None:
+    rm = StubRewardModel(combine)
+    one = GroupSender(generator_id="g0", buffer_endpoint=endpoint, scorer=FixedRules(),
+                      counters=Counters(), max_new_tokens=4, overlong=OverlongBufferConfig(),
+                      patience_s=5.0, reward_model=rm)
+    completions = [Completion(token_ids=torch.tensor(ids, dtype=torch.int32),
+                              logprobs=torch.zeros(len(ids)),
+                              versions=torch.zeros(len(ids), dtype=torch.int32),
+                              finish_reason="stop") for ids in ([5], [6, 7])]
+    prompt = Prompt(prompt_id="p", messages=[{"role": "user", "content": "3+4"}],
+                    data_source="arithmetic")
+    built = one.build(FinishedPrompt(rollout_id="r", lease_id="l", prompt=prompt,
+                                     prompt_ids=[1, 2], completions=completions,
+                                     texts=["7", "8"]))
+    assert rm.calls == [([1, 2], [[5], [6, 7]])]
+    assert [s.reward for s in built.samples] == rewards
+    assert [s.reward_info for s in built.samples] == [{"rule_score": 1.0, "rm_score": 0.5},
+                                                      {"rule_score": 0.0, "rm_score": 1.0}]
