@@ -2,7 +2,10 @@
 same model, in one file or in several with an index, a parameter split across buckets
 included; a run's final policy (``save_final``: in the run's dtype, with its tokenizer, from
 one rank or gathered from two) and a checkpoint's folder converted to another dtype
-(``convert_folder``) load back too, and neither leaves a partial folder under its name."""
+(``convert_folder``) load back too, and neither leaves a partial folder under its name. A
+whole state dict (``write_state``) is written with the source's tokenizer and config, sharded
+with an index past ``shard_bytes``, and one that does not fit its model is refused naming
+the keys, writing nothing; a critic's names map onto a token classifier's."""
 
 from __future__ import annotations
 
@@ -14,15 +17,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from relay.learner import hf_export
 from relay.learner.hf_export import (
     INDEX_FILE,
     SINGLE_FILE,
+    StateMismatch,
     convert_folder,
     save_final,
     save_hf,
+    value_model_as_token_classification,
+    write_state,
 )
 from relay.learner.model import load_sharded
 
@@ -147,3 +153,41 @@ def test_the_final_policy_of_two_ranks_is_gathered_whole(random_model_dir: Path,
     for name, weight in expected.items():
         assert torch.equal(back[name], weight), name
     assert AutoTokenizer.from_pretrained(tmp_path / "final") is not None
+
+
+def test_a_state_dict_is_written_sharded_with_the_sources_side_files(
+        random_model_dir: Path, tmp_path: Path) -> None:
+    state = AutoModelForCausalLM.from_pretrained(random_model_dir).state_dict()
+    write_state(state, AutoConfig.from_pretrained(random_model_dir), AutoModelForCausalLM,
+                tmp_path / "out", torch.bfloat16, files_from=random_model_dir,
+                shard_bytes=20_000)
+    index = json.loads((tmp_path / "out" / INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    back = loaded(tmp_path / "out")
+    for name, weight in back.items():
+        assert torch.equal(weight, state[name].to(torch.bfloat16).float()), name
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "out")) > 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_state_dict_that_does_not_fit_is_refused_naming_the_keys(
+        random_model_dir: Path, tmp_path: Path) -> None:
+    state = AutoModelForCausalLM.from_pretrained(random_model_dir).state_dict()
+    state.pop("model.norm.weight")
+    state["model.extra"] = torch.zeros(1)
+    state["model.embed_tokens.weight"] = torch.zeros(3, 3)
+    with pytest.raises(StateMismatch, match=r"missing: model\.norm\.weight; unexpected: "
+                                            r"model\.extra; of another shape: "
+                                            r"model\.embed_tokens\.weight \(3, 3\)"):
+        write_state(state, AutoConfig.from_pretrained(random_model_dir), AutoModelForCausalLM,
+                    tmp_path / "out", torch.float32)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_a_critics_names_become_a_token_classifiers() -> None:
+    state = {"body.norm.weight": torch.ones(2), "value_head.weight": torch.ones(1, 2),
+             "value_head.bias": torch.zeros(1)}
+    assert list(value_model_as_token_classification(state, "model")) == [
+        "model.norm.weight", "score.weight", "score.bias"]
+    with pytest.raises(StateMismatch, match="'head.weight' is neither"):
+        value_model_as_token_classification({"head.weight": torch.ones(1)}, "model")
