@@ -127,6 +127,9 @@ def batch_metrics(batch: SampleBatch, train: TrainBatch, version: int,
     }
     for k in range(max_staleness + 1):
         metrics[f"staleness/frac_{k}"] = float((staleness == k).float().mean())
+    for key in ("rm_score", "rule_score"):  # reward_model.enable: the reward's two parts
+        if all(key in s.reward_info for s in samples):
+            metrics[f"rollout/{key}_mean"] = sum(s.reward_info[key] for s in samples) / len(samples)
     if any(s.episode is not None for s in samples):
         metrics.update(episode_metrics(samples, train))
     metrics.update(batch.buffer_stats)

@@ -1,0 +1,75 @@
+"""The embedded default trains with a discriminative reward model beside its rule reward
+(``reward_model.enable``, ``reward_model.combine = "add"``): a few steps through the real
+launcher, the reward model's scores in the metrics, and every sample's reward the rule's
+plus the reward model's, which is a plain transformers forward of prompt + response (slow:
+about a minute)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from transformers import AutoModelForSequenceClassification, LlamaConfig, \
+    LlamaForSequenceClassification
+
+from relay.buffer.rollout_log import read_rollout_log
+from relay.configs import CONFIG_DIR, DEFAULT_TOPOLOGY
+from relay.learner.tiny_model.tokenizer import build_tokenizer
+
+from .conftest import launch, only_run_dir
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+STEPS = 3
+FREE_PORTS = ["topology.buffer.port=0", "topology.learner.weights_port=0",
+              "topology.learner.weights_stream_port=0", "topology.launcher.metrics_port=0"]
+
+
+def save_reward_model(folder: Path) -> Path:
+    """A small random sequence-classification model on the tiny model's tokenizer."""
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)
+    LlamaForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_default_trains_with_a_reward_model_beside_the_rule(run_root: Path,
+                                                                tmp_path: Path) -> None:
+    rm_path = save_reward_model(tmp_path / "rm")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = launch([str(DEFAULT_TOPOLOGY), str(CONFIG_DIR / "arithmetic-grpo.toml"),
+                     f"trainer.run_dir={run_root}", *FREE_PORTS, f"tracking.uri={uri}",
+                     f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1",
+                     "reward_model.enable=true", f"reward_model.model.path={rm_path}",
+                     "reward_model.combine=add", "reward_model.micro_batch_size_per_gpu=4"],
+                    timeout_s=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"trained {STEPS} steps" in result.stdout
+
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("relay-arithmetic")
+                                 .experiment_id])
+    for name in ("rollout/rm_score_mean", "rollout/rule_score_mean", "actor/loss"):
+        history = client.get_metric_history(run.info.run_id, name)
+        assert len(history) == STEPS and all(math.isfinite(m.value) for m in history), name
+
+    samples = [s for g in read_rollout_log(only_run_dir(run_root) / "rollouts")
+               for s in g.samples]
+    assert samples
+    for sample in samples:
+        info = sample.reward_info
+        assert sample.reward == pytest.approx(info["rule_score"] + info["rm_score"], abs=1e-6)
+    model = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
+    with torch.no_grad():
+        for sample in samples[:8]:
+            ids = torch.cat([sample.prompt_ids, sample.response_ids]).long()[None]
+            assert float(model(input_ids=ids).logits[0, 0]) == pytest.approx(
+                sample.reward_info["rm_score"], abs=1e-5)
