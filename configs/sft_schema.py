@@ -61,7 +61,9 @@ class SftDataConfig(_Section):
     """The SFT data (verl's ``data``): parquet or JSONL files of rows.
 
     Single-turn rows hold a prompt under ``prompt_key`` and its response under
-    ``response_key`` (the prompt goes through the tokenizer's chat template as one user
+    ``response_key``, or, with ``prompt_dict_keys`` / ``response_dict_keys``, under those
+    keys of the object there (verl's gsm8k example: ``prompt_key=extra_info``,
+    ``prompt_dict_keys=['question']``) (the prompt goes through the tokenizer's chat template as one user
     turn; the loss is on the response and the eos after it). ``train_batch_size`` counts
     rows per optimizer step over all ranks; ``micro_batch_size_per_gpu`` rows a forward
     pass, or, with ``use_dynamic_bsz``, passes of at most ``max_token_len_per_gpu`` tokens
@@ -73,6 +75,8 @@ class SftDataConfig(_Section):
     val_files: FileList = msgspec.field(default_factory=list)
     prompt_key: str = "prompt"
     response_key: str = "response"
+    prompt_dict_keys: list[str] = msgspec.field(default_factory=list)
+    response_dict_keys: list[str] = msgspec.field(default_factory=list)
     multiturn: MultiturnConfig = msgspec.field(default_factory=MultiturnConfig)
     train_batch_size: PositiveInt = 256
     micro_batch_size_per_gpu: PositiveInt = 4

@@ -94,8 +94,9 @@ def load_examples(files: Sequence[str], tokenizer: PreTrainedTokenizerBase,
                                                                path, number), path, number,
                                              data.multiturn.messages_key)
             else:
-                prompt = _text(row, data.prompt_key, path, number)
-                response = _text(row, data.response_key, path, number)
+                prompt = _text(row, [data.prompt_key, *data.prompt_dict_keys], path, number)
+                response = _text(row, [data.response_key, *data.response_dict_keys], path,
+                                 number)
                 example = single_turn_example(tokenizer, prompt, response)
             examples.append(truncated(example, data, path, number))
     if not examples:
@@ -103,16 +104,25 @@ def load_examples(files: Sequence[str], tokenizer: PreTrainedTokenizerBase,
     return examples
 
 
-def _field(row: dict[str, Any], key: str, path: str, number: int) -> Any:
+def _field(row: dict[str, Any], key: str, path: str, number: int,
+           name: str | None = None) -> Any:
+    """``row[key]``; missing, an error naming the field ``name`` (default ``key``)."""
     if key not in row:
-        raise SftDataError(path, number, key, f"missing (the row has {sorted(row)})")
+        raise SftDataError(path, number, name or key, f"missing (there are {sorted(row)})")
     return row[key]
 
 
-def _text(row: dict[str, Any], key: str, path: str, number: int) -> str:
-    value = _field(row, key, path, number)
+def _text(row: dict[str, Any], keys: list[str], path: str, number: int) -> str:
+    """The string at ``row[keys[0]][keys[1]]...``; errors name the dotted field."""
+    value: Any = row
+    for depth, key in enumerate(keys):
+        if not isinstance(value, dict):
+            raise SftDataError(path, number, ".".join(keys[:depth]),
+                               f"must be an object holding {key!r}, not {type(value).__name__}")
+        value = _field(value, key, path, number, ".".join(keys[:depth + 1]))
     if not isinstance(value, str):
-        raise SftDataError(path, number, key, f"must be a string, not {type(value).__name__}")
+        raise SftDataError(path, number, ".".join(keys),
+                           f"must be a string, not {type(value).__name__}")
     return value
 
 

@@ -18,6 +18,8 @@ data:
   val_files: data/test.parquet
   prompt_key: question
   response_key: answer
+  prompt_dict_keys: ['question']
+  response_dict_keys: ['answer']
   multiturn:
     enable: false
     messages_key: messages
@@ -58,6 +60,7 @@ def test_a_verl_yaml_loads_with_overrides(tmp_path: Path) -> None:
     assert config.trainer.total_training_steps == 7
     assert config.trainer.output_dir() == tmp_path / "out"
     assert config.use_remove_padding and config.model.enable_gradient_checkpointing
+    assert config.data.prompt_dict_keys == ["question"]
     optim = config.optim.as_optim()
     assert (optim.lr_warmup_steps_ratio, optim.warmup_style, optim.betas) == \
         (0.1, "cosine", [0.9, 0.95])

@@ -84,6 +84,19 @@ def test_a_bad_single_turn_row_names_file_row_and_field(tokenizer, tmp_path: Pat
         load_examples([path], tokenizer, SftDataConfig(train_files=[]))
 
 
+def test_dict_keys_reach_into_an_object_as_verls_gsm8k_example(tokenizer,
+                                                               tmp_path: Path) -> None:
+    rows = [{"extra_info": {"question": "What is 1 + 1?", "answer": "2"}},
+            {"extra_info": {"question": "What is 2 + 2?"}}]
+    config = SftDataConfig(train_files=[], prompt_key="extra_info", response_key="extra_info",
+                           prompt_dict_keys=["question"], response_dict_keys=["answer"])
+    path = jsonl(tmp_path / "nested.jsonl", rows)
+    with pytest.raises(SftDataError, match="nested.jsonl: row 1: extra_info.answer: missing"):
+        load_examples([path], tokenizer, config)
+    (example,) = load_examples([jsonl(tmp_path / "one.jsonl", rows[:1])], tokenizer, config)
+    assert masked_text(tokenizer, example) == "2" + tokenizer.eos_token
+
+
 @pytest.mark.parametrize("messages, problem", [
     ([{"role": "user"}], r"row 0: messages\[0\].content: missing"),
     ([{"role": "user", "content": "hi"}], "row 0: messages: no assistant turn"),
