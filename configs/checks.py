@@ -241,6 +241,7 @@ def load_run_config(path: str | Path, overrides: Iterable[str] = (),
         path,
         overrides,
         path_keys=[("data", "train_files"), ("data", "val_files"), *MODEL_PATH_KEYS,
+                   ("model", "lora_adapter_path"),
                    ("checkpoint", "dir"), ("trainer", "resume_from_path"),
                    ("trainer", "validation_data_dir"), ("trainer", "rollout_data_dir"),
                    ("rollout", "multi_turn", "tool_config_path"),
@@ -309,6 +310,7 @@ def check_run_config(run: RunConfig, source: str,
     check_algorithm_sections(run, source)
     check_resume(run, source)
     check_timeouts(run, source)
+    check_lora(run, source)
     if run.trainer.rollout_data_dir and (
             problem := dump_dir_problem(Path(run.trainer.rollout_data_dir))):
         raise ConfigError(source, "trainer.rollout_data_dir", problem)
@@ -442,6 +444,20 @@ def dump_dir_problem(folder: Path) -> str:
         what = "is" if existing == folder else f"cannot be created: {existing} is"
         return f"{folder} {what} not writable by this user"
     return ""
+
+
+def check_lora(run: RunConfig, source: str) -> None:
+    """The LoRA keys (``ModelConfig``): an adapter folder only with LoRA on, and something
+    to adapt; the module names themselves are checked against the model when the learner
+    loads it (``relay.learner.lora.check_target_modules``)."""
+    model = run.model
+    if model.lora_adapter_path is not None and model.lora_rank == 0:
+        raise ConfigError(source, "model.lora_adapter_path", "needs model.lora_rank > 0 (the "
+                          "adapter's rank): LoRA is off at lora_rank = 0")
+    if model.lora_rank > 0 and isinstance(model.target_modules, list) \
+            and not model.target_modules:
+        raise ConfigError(source, "model.target_modules", "is empty: name the modules to "
+                          "adapt, or 'all-linear'")
 
 
 def check_timeouts(run: RunConfig, source: str) -> None:

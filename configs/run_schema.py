@@ -94,12 +94,36 @@ class ModelConfig(_Section):
     optimizer stay fp32) and of the generators' engines. ``enable_gradient_checkpointing``
     (verl's key) recomputes each transformer block's activations in the backward instead of
     keeping them (transformers' gradient checkpointing), for every model the learner trains.
+
+    LoRA (verl's keys; ``relay.learner.lora``): ``lora_rank`` > 0 trains peft LoRA adapters
+    of rank r on the policy's ``target_modules`` (peft's spelling: ``"all-linear"``, a
+    regular expression, or a list of module names such as ``["q_proj", "v_proj"]``, Hydra's
+    ``[q_proj,v_proj]`` too) less ``exclude_modules``, scaled by ``lora_alpha`` / r; the
+    base weights stay frozen (no gradients, no optimizer state), the reference is the
+    policy with its adapters disabled, and generators get the merged weights
+    W + (alpha / r) B A.
+    ``lora_adapter_path`` (Relay's key, as verl's newer one): a peft adapter folder
+    (``adapter_config.json``, ``adapter_model.safetensors``) to start from instead of fresh
+    adapters; its rank must be ``lora_rank``. 0 (the default): every parameter trains.
     """
 
     path: str
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     trust_remote_code: bool = False
     enable_gradient_checkpointing: bool = False
+    lora_rank: NonNegative = 0
+    lora_alpha: PositiveFloat = 16.0
+    target_modules: str | list[str] = "all-linear"
+    exclude_modules: str | list[str] | None = None
+    lora_adapter_path: str | None = None
+
+    def __post_init__(self) -> None:
+        """Hydra's bare list, ``[q_proj,v_proj]``, as the list it means (verl's commands)."""
+        for key in ("target_modules", "exclude_modules"):
+            value = getattr(self, key)
+            if isinstance(value, str) and value.startswith("[") and value.endswith("]"):
+                setattr(self, key, [n.strip().strip("'\"") for n in value[1:-1].split(",")
+                                    if n.strip()])
 
 
 class ValKwargs(_Section):

@@ -142,8 +142,8 @@ _NO_RAY = ("verl's own Ray workers' setting; Relay's Ray backend (launcher.backe
            "[launcher.ray]) has no such knob; no effect")
 _DEPRECATED = ("verl's deprecated global micro-batch size; give the per-GPU size "
                "{}_per_gpu instead (a micro-batch size per rank is what the learner cuts)")
-_LORA = ("LoRA is not supported yet: Relay trains every parameter (a later issue adds "
-         "adapters); drop the key")
+_LORA = ("a LoRA critic is not supported yet: the critic trains every parameter (the policy "
+         "takes LoRA: actor_rollout_ref.model.lora_rank); drop the key")
 _RM_ONLY = ("the reward model runs with transformers inside each generator, one forward per "
             "micro-batch of reward_model.micro_batch_size_per_gpu sequences; no effect")
 _REWARD_SECTION = ("verl's newer reward section, the same setting as its older key")
@@ -266,7 +266,7 @@ TABLE: tuple[VerlKey, ...] = tuple([
     *_inert("a custom chat template is not supported yet: save it as the tokenizer's "
             "chat_template in the model folder; only null", f"{M}.custom_chat_template",
             accept=(None,)),
-    *_inert("models load from a local folder; no effect", f"{M}.use_shm"),
+    *_inert("models (and LoRA adapters) load from a local folder; no effect", f"{M}.use_shm"),
     *_inert("importing extra model code is not supported yet (use trust_remote_code with a "
             "model folder that carries its code); only null", f"{M}.external_lib",
             accept=(None,)),
@@ -278,8 +278,7 @@ TABLE: tuple[VerlKey, ...] = tuple([
     *_inert("Relay's passes never compute padding tokens' attention: rows are sorted by length "
             "into passes, packed without padding under Ulysses; no effect",
             f"{M}.use_remove_padding"),
-    *_refused(_LORA, f"{M}.lora_rank", f"{M}.lora_alpha", f"{M}.target_modules",
-              f"{M}.exclude_modules"),
+    *_same(f"{M}.lora_rank", f"{M}.lora_alpha", f"{M}.target_modules", f"{M}.exclude_modules"),
     *_inert("Liger kernels are not supported yet; only false", f"{M}.use_liger", accept=(False,)),
     *_inert("the learner's log-probs are computed in fp32 from the model's logits; no effect",
             f"{M}.use_fused_kernels", f"{M}.fused_kernel_options.impl_backend"),

@@ -10,6 +10,11 @@ needs to go on after step N:
 - ``hf/``: the policy (in float32) and its tokenizer in Hugging Face format, written by
   rank 0 one shard at a time (``relay.learner.hf_export``), so the trained model loads with
   ``AutoModelForCausalLM.from_pretrained`` like any other;
+- ``adapter/``, a LoRA policy's only (``model.lora_rank`` > 0): its adapters in peft's format
+  (``adapter_model.safetensors``, ``adapter_config.json``; ``relay.learner.lora.save_adapter``),
+  which ``PeftModel.from_pretrained`` loads onto the base model; ``dcp/`` then holds the
+  adapters and their optimizer state alone (the frozen base is ``model.path``'s, read
+  again on a resume) and ``hf/`` the merged weights W + (alpha / r) B A;
 - ``rng/rank-<r>.json``: each rank's random states (torch's CPU generator, the CUDA one on a
   GPU, Python's ``random``);
 - ``buffer.rec``: the buffer's prompt stream after step N, asked of the buffer while the
@@ -68,7 +73,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
 
 from relay.buffer.durable import fsync_tree
 from relay.buffer.prompt_source import (
@@ -112,6 +118,7 @@ logger = logging.getLogger(__name__)
 OPTIM_KEYS = {"policy": "actor.optim", "critic": "critic.optim",
               "prm": "reward_model.model.optim"}  # each trained part's optimizer config
 BUFFER_REQUEST_TIMEOUT_S = 60.0
+ADAPTER_FOLDER = "adapter"  # a LoRA policy's adapters, in peft's format
 
 
 # -- what a learner trains ------------------------------------------------------------------
@@ -129,14 +136,24 @@ def expected_parts(run: RunConfig) -> list[str]:
 
 
 def checkpoint_state(learner: Learner) -> dict[str, dict]:
-    """The sharded state dicts a checkpoint holds, by name (see the module docstring)."""
-    model_state, optim_state = get_state_dict(learner.model, learner.optimizer)
+    """The sharded state dicts a checkpoint holds, by name (see the module docstring); of
+    a LoRA policy, its adapters only (``_policy_options``)."""
+    model_state, optim_state = get_state_dict(learner.model, learner.optimizer,
+                                              options=_policy_options(learner))
     state: dict[str, dict] = {"model": model_state, "optim": optim_state}
     for name, part in (("critic", learner.critic), ("prm", learner.prm)):
         if part is not None:
             part_model, part_optim = get_state_dict(part.model, part.optimizer)
             state[name] = {"model": part_model, "optim": part_optim}
     return state
+
+
+def _policy_options(learner: Learner) -> StateDictOptions:
+    """How the policy's state is read and put back: without its frozen parameters, which
+    only a LoRA policy has (its base weights, read again from ``model.path`` on a resume),
+    so that a LoRA checkpoint holds the adapters and their optimizer state alone."""
+    return StateDictOptions(ignore_frozen_params=True,
+                            strict=all(p.requires_grad for p in learner.model.parameters()))
 
 
 def _schedulers(learner: Learner) -> dict[str, torch.optim.lr_scheduler.LRScheduler]:
@@ -177,6 +194,9 @@ def save_checkpoint(learner: Learner, folder: Path, loop: LoopState, *, lineage:
     dcp.save(checkpoint_state(learner), checkpoint_id=str(partial / "dcp"))
     _write_rng(partial / "rng", rank)
     save_hf(learner.model, partial / "hf", torch.float32, group=group)
+    if getattr(learner.model, "peft_config", None) is not None:
+        from relay.learner.lora import save_adapter  # peft: the lora extra
+        save_adapter(learner.model, partial / ADAPTER_FOLDER, group=group)
     if rank == 0:
         if tokenizer is not None:
             tokenizer.save_pretrained(str(partial / "hf"))
@@ -399,7 +419,7 @@ def load_checkpoint(learner: Learner, checkpoint: Path) -> CheckpointMeta:
                               f"(model.path and the algorithm must be those it was written "
                               f"with): {causes}") from exc
     set_state_dict(learner.model, learner.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+                   optim_state_dict=state["optim"], options=_policy_options(learner))
     for name, part in (("critic", learner.critic), ("prm", learner.prm)):
         if part is not None:
             set_state_dict(part.model, part.optimizer, model_state_dict=state[name]["model"],

@@ -79,7 +79,9 @@ def build_learner(ctx: RunContext, device: torch.device,
     under Ulysses (``actor.ulysses_sequence_parallel_size`` > 1) the heads of each model it
     loads (the policy and its reference, the critic with ``gae``, the PRM with ``prime``)
     are checked against the SP size first. Each model is read from disk on rank 0 only
-    (``relay.learner.model.load_sharded``)."""
+    (``relay.learner.model.load_sharded``). With LoRA (``model.lora_rank`` > 0) the policy
+    carries peft adapters and is its own reference, its adapters disabled
+    (``relay.learner.lora``); a PRIME PRM then has a reference of its own."""
     run = ctx.run
     dtype = getattr(torch, run.model.dtype)
     estimator = run.algorithm.estimator
@@ -95,13 +97,20 @@ def build_learner(ctx: RunContext, device: torch.device,
     ref_fsdp = run.ref.resolve(run.actor).fsdp_config
     meshes = Meshes(device)
     actor_mesh = meshes.get(run.actor.fsdp_config.fsdp_size, "actor.fsdp_config.fsdp_size")
+    lora = run.model.lora_rank > 0
     model = load_sharded(run.model.path, compute_dtype=dtype, device=device,
                          trust_remote_code=run.model.trust_remote_code,
                          gradient_checkpointing=checkpointing, offload=offload,
-                         compile_blocks=run.actor.use_torch_compile, mesh=actor_mesh)
-    prm_shares_reference = estimator.prm and prm_path == run.model.path
+                         compile_blocks=run.actor.use_torch_compile, mesh=actor_mesh,
+                         lora=run.model if lora else None)
+    if lora and (not dist.is_initialized() or dist.get_rank() == 0):
+        from relay.learner.lora import log_publish_choice  # peft: the lora extra
+        log_publish_choice(", ".join(sorted({p.engine for p in ctx.topology.generators})))
+    prm_shares_reference = estimator.prm and prm_path == run.model.path and not lora
     reference = None
-    if run.actor.use_kl_loss or run.algorithm.use_kl_in_reward or prm_shares_reference:
+    if lora and (run.actor.use_kl_loss or run.algorithm.use_kl_in_reward):
+        reference = model  # its adapters disabled: the frozen base (relay.learner.lora)
+    elif run.actor.use_kl_loss or run.algorithm.use_kl_in_reward or prm_shares_reference:
         reference = load_sharded(run.model.path, compute_dtype=dtype, device=device,
                                  trust_remote_code=run.model.trust_remote_code, trainable=False,
                                  offload=bool(ref_fsdp.param_offload),

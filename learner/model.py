@@ -31,6 +31,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
                                     fully_shard)
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from relay.configs.run_schema import ModelConfig
 from relay.learner.attention import ATTENTION, check_relay_attention
 from relay.learner.batch import TrainBatch
 from relay.learner.logprob_head import position_logprobs
@@ -91,19 +92,30 @@ def sharding_mesh(device: torch.device, fsdp_size: int = -1,
 def load_sharded(path: str, *, compute_dtype: torch.dtype, device: torch.device,
                  trust_remote_code: bool = False, trainable: bool = True,
                  gradient_checkpointing: bool = False, offload: bool = False,
-                 compile_blocks: bool = False, mesh: DeviceMesh | None = None) -> nn.Module:
+                 compile_blocks: bool = False, mesh: DeviceMesh | None = None,
+                 lora: ModelConfig | None = None) -> nn.Module:
     """An HF causal LM from ``path``, attending with ``relay.learner.attention``, FSDP2-sharded
     over ``mesh`` (default: every rank, ``sharding_mesh``) and loaded from rank 0 (module
     docstring): fp32 master weights when ``trainable``, else frozen in ``compute_dtype`` (it
     never steps, and computes in that dtype anyway). ``gradient_checkpointing`` (trainable
     models only), ``offload`` (parameters on the CPU: ``shard``) and ``compile_blocks``
     (``compile_block_parts``) as ``model.enable_gradient_checkpointing``,
-    ``actor.fsdp_config.param_offload`` and ``actor.use_torch_compile`` say."""
+    ``actor.fsdp_config.param_offload`` and ``actor.use_torch_compile`` say. ``lora``
+    (the policy's ``model`` keys, ``lora_rank`` > 0): peft LoRA adapters wrap the model
+    before it is sharded (``relay.learner.lora.wrap``), so only they train."""
     options = dict(dtype=torch.float32 if trainable else compute_dtype,
                    attn_implementation=ATTENTION, trust_remote_code=trust_remote_code)
+
+    def adapted(model: nn.Module, load_adapter: bool) -> nn.Module:
+        if lora is None:
+            return model
+        from relay.learner.lora import wrap  # peft: the lora extra
+        return wrap(model, lora, load_adapter=load_adapter)
+
     model, full_state = read_on_rank0(
-        lambda: AutoModelForCausalLM.from_pretrained(path, **options),
-        lambda: AutoModelForCausalLM.from_config(hf_config(path, trust_remote_code), **options))
+        lambda: adapted(AutoModelForCausalLM.from_pretrained(path, **options), True),
+        lambda: adapted(AutoModelForCausalLM.from_config(hf_config(path, trust_remote_code),
+                                                         **options), False))
     model.config.use_cache = False
     if not trainable:
         model.requires_grad_(False)

@@ -59,6 +59,7 @@ get no forward or backward pass, while still counting in the loss's denominators
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -282,8 +283,10 @@ class Learner:
         upfront = (updates > 1 and actor.proximal_logprobs == "recompute") \
             or algorithm.use_kl_in_reward or self.correction.rejects
         proximal = self._no_grad_logprobs(self.model, batch) if upfront else None
-        reference = self._no_grad_logprobs(self.reference, batch, self.ref_micro) \
-            if self.reference else None
+        reference = None
+        if self.reference is not None:
+            with self._reference_pass():
+                reference = self._no_grad_logprobs(self.reference, batch, self.ref_micro)
         correction = None
         if proximal is not None:
             correction = off_policy_correction(proximal, batch.behavior_logprobs,
@@ -398,6 +401,14 @@ class Learner:
                                                 algorithm.reward_gt_coef, kept_mask=kept)
         metrics["prm/process_reward_mean"] = float(process.sum() / batch.response_mask.sum())
         return advantages, metrics
+
+    def _reference_pass(self) -> contextlib.AbstractContextManager:
+        """Where the reference's passes run: a LoRA policy that is its own reference
+        (``relay.learner.lora``) with its adapters disabled, y = W x; any other reference
+        as it is."""
+        if self.reference is self.model:
+            return self.model.disable_adapter()
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model: nn.Module, batch: TrainBatch,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import msgspec
 import torch
@@ -69,9 +69,28 @@ class BucketPlan(msgspec.Struct, frozen=True):
                               step=step)
 
 
+def published_shapes(model: nn.Module) -> list[tuple[str, torch.Size]]:
+    """The names and shapes the engines get of ``model``: its parameters'; for a LoRA model,
+    its base parameters' under their Hugging Face names (``relay.learner.lora``)."""
+    if getattr(model, "peft_config", None) is not None:
+        from relay.learner.lora import base_shapes  # peft: the lora extra
+        return base_shapes(model)
+    return [(name, param.shape) for name, param in model.named_parameters()]
+
+
+def published_tensors(model: nn.Module) -> Mapping[str, torch.Tensor]:
+    """The tensors of ``published_shapes`` by name, sharded as the parameters are; for a
+    LoRA model its merged weights, W + (alpha / r) B A (``relay.learner.lora.MergedWeights``:
+    a collective, made on every rank)."""
+    if getattr(model, "peft_config", None) is not None:
+        from relay.learner.lora import MergedWeights  # peft: the lora extra
+        return MergedWeights(model)
+    return dict(model.named_parameters())
+
+
 def plan_buckets(model: nn.Module, dtype: torch.dtype, bucket_bytes: int) -> BucketPlan:
-    """Cut ``model``'s parameters, in order, into buckets of at most ``bucket_bytes`` in
-    ``dtype`` (module docstring)."""
+    """Cut ``model``'s published parameters (``published_shapes``), in order, into buckets
+    of at most ``bucket_bytes`` in ``dtype`` (module docstring)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     item = torch.empty((), dtype=dtype).element_size()
@@ -80,8 +99,8 @@ def plan_buckets(model: nn.Module, dtype: torch.dtype, bucket_bytes: int) -> Buc
     sizes = [0]
     room = bucket_bytes
     total = 0
-    for name, param in model.named_parameters():
-        shape = list(param.shape)
+    for name, param_shape in published_shapes(model):
+        shape = list(param_shape)
         entries.append(WeightEntry(name=name, dtype=str(dtype).removeprefix("torch."),
                                    shape=shape))
         rows = shape[0] if shape else 1
@@ -184,24 +203,25 @@ def gather_buckets(model: nn.Module, plan: BucketPlan, dtype: torch.dtype, versi
     ``buffers`` (rank 0's, made with ``buffer_spec``) when given: its sender must call
     ``buffers.sent`` before asking for the next bucket. Otherwise they are new; either way
     drop each bucket before asking for the next one, so that only one is alive."""
-    params = dict(model.named_parameters())
+    params = published_tensors(model)
+    shapes = {entry.name: tuple(entry.shape) for entry in plan.entries}
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     rank0 = not distributed or dist.get_rank(group) == 0
     if parameters_on_cuda(model):
         gather, ahead = _DeviceGather(params, dtype), DEVICE_AHEAD
     else:
-        _check_mesh(params.values(), group)
+        _check_mesh(model.parameters(), group)
         gather, ahead = _HostGather(params, dtype, group), 0
 
     def start(index: int):
         pieces = plan.buckets[index]
-        out = _bucket_tensors(params, pieces, dtype, buffers.take() if buffers else None) \
+        out = _bucket_tensors(shapes, pieces, dtype, buffers.take() if buffers else None) \
             if rank0 else None
         wait = gather(pieces, out)
 
         def finish() -> WeightBucket | None:
             wait()
-            return _bucket(params, pieces, out, version, index) if out is not None else None
+            return _bucket(shapes, pieces, out, version, index) if out is not None else None
         return finish
 
     return pipelined(len(plan.buckets), start, ahead)
@@ -219,27 +239,28 @@ def _check_mesh(params, group: dist.ProcessGroup | None) -> None:
                                    f"{dist.get_world_size(group)}")
 
 
-def _bucket_tensors(params: dict[str, nn.Parameter], pieces: list[Piece], dtype: torch.dtype,
-                    buffer: torch.Tensor | None) -> list[torch.Tensor]:
-    """Rank 0's tensors for ``pieces`` (rows, the trailing dimensions of their parameter; a
-    0-dimensional one as one row): views laid end to end in ``buffer``, or new tensors."""
-    shapes = [(p.stop - p.start, *params[p.name].shape[1:]) for p in pieces]
+def _bucket_tensors(shapes: dict[str, tuple[int, ...]], pieces: list[Piece],
+                    dtype: torch.dtype, buffer: torch.Tensor | None) -> list[torch.Tensor]:
+    """Rank 0's tensors for ``pieces`` (rows, the trailing dimensions of their parameter,
+    whose shape ``shapes`` gives; a 0-dimensional one as one row): views laid end to end
+    in ``buffer``, or new tensors."""
+    rows = [(p.stop - p.start, *shapes[p.name][1:]) for p in pieces]
     if buffer is None:
-        return [torch.empty(shape, dtype=dtype, device="cpu") for shape in shapes]
-    sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
+        return [torch.empty(shape, dtype=dtype, device="cpu") for shape in rows]
+    sizes = [math.prod(shape) * dtype.itemsize for shape in rows]
     if sum(sizes) > buffer.numel():
         raise ValueError(f"a bucket of {sum(sizes)} bytes does not fit a host buffer of "
                          f"{buffer.numel()}: make the buffers with buffer_spec for this plan")
     views, offset = [], 0
-    for shape, size in zip(shapes, sizes):
+    for shape, size in zip(rows, sizes):
         views.append(buffer[offset:offset + size].view(dtype).view(shape))
         offset += size
     return views
 
 
-def _bucket(params: dict[str, nn.Parameter], pieces: list[Piece], out: list[torch.Tensor],
+def _bucket(shapes: dict[str, tuple[int, ...]], pieces: list[Piece], out: list[torch.Tensor],
             version: int, index: int) -> WeightBucket:
-    tensors = [t.reshape(params[p.name].shape) if params[p.name].dim() == 0 else t
+    tensors = [t.reshape(shapes[p.name]) if not shapes[p.name] else t
                for p, t in zip(pieces, out)]
     return WeightBucket(version=version, index=index, names=[p.name for p in pieces],
                         starts=[p.start for p in pieces], tensors=tensors)
@@ -249,7 +270,7 @@ class _DeviceGather:
     """The CUDA route (module docstring): a piece's rows sliced from its parameter gathered
     whole in the publish dtype, kept while the next pieces are of the same parameter."""
 
-    def __init__(self, params: dict[str, nn.Parameter], dtype: torch.dtype) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
         self._params, self._dtype = params, dtype
         self._name: str | None = None
         self._full: torch.Tensor | None = None
@@ -271,7 +292,7 @@ class _HostGather:
     """The CPU route (module docstring): every rank sends rank 0 the rows it holds (under
     HSDP, the ranks of rank 0's replica: ``_senders``)."""
 
-    def __init__(self, params: dict[str, nn.Parameter], dtype: torch.dtype,
+    def __init__(self, params: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  group: dist.ProcessGroup | None) -> None:
         self._params, self._dtype, self._group = params, dtype, group
         distributed = dist.is_initialized() and dist.get_world_size(group) > 1

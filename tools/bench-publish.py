@@ -2,7 +2,7 @@
 
     tools/with-venv python tools/bench-publish.py [--ranks 2] [--subscribers 2] \\
         [--bucket-mb 128] [--repeats 3] [--dtype bfloat16] [--model PATH | --shape NAME] \\
-        [--receiver-copy DEVICE]
+        [--receiver-copy DEVICE] [--lora-rank R]
 
 ``--ranks`` learner ranks (``torchrun``, gloo, CPU) load the model sharded with FSDP2 as the
 learner does (``relay.learner.model.load_sharded``; default model: the cached random Qwen2.5-0.5B
@@ -46,6 +46,13 @@ waiting until ZeroMQ has written the bucket to every subscriber) and the tail af
 negative: ZeroMQ's note that a bucket was written may reach rank 0 after a subscriber's
 report). The table shows medians over ``--repeats``; GB/s is bytes of one version per
 second (each subscriber receives all of them).
+
+``--lora-rank R``: the whole benchmark runs twice, the model as it is, then with LoRA
+adapters of rank R on every linear module (``model.lora_rank``, ``relay.learner.lora``),
+whose publish sends the same bytes, merged: each adapted tensor W + (alpha / r) B A is
+computed from the rank's rows when its bucket is gathered. The last line gives the LoRA
+publish's median time over the full one's, and rank 0's gather time (where the merge
+runs) over the full one's.
 """
 
 from __future__ import annotations
@@ -92,6 +99,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "weights on DEVICE (relay.generators.weight_receiver.DeviceCopy, as a "
                              "CUDA generator does; 'meta' stands for a device whose memory "
                              "is not the host's) instead of whole in host memory")
+    parser.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                        help="also publish the model with LoRA adapters of rank R "
+                             "(model.lora_rank: merged weights, relay.learner.lora) in a "
+                             "second run, and print its publish time over the full one's")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds any one wait may take (loading, one round, ...)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # torchrun's entry: a JSON file
@@ -331,8 +342,12 @@ def worker(spec_file: str) -> None:
     try:
         dtype = getattr(torch, args.dtype)
         began = time.monotonic()
+        lora = None
+        if args.lora_rank > 0:
+            from relay.configs.run_schema import ModelConfig
+            lora = ModelConfig(path=spec["model"], lora_rank=args.lora_rank)
         model = load_sharded(spec["model"], compute_dtype=torch.bfloat16,
-                             device=torch.device("cpu"))
+                             device=torch.device("cpu"), lora=lora)
         plan = plan_buckets(model, dtype, int(args.bucket_mb * MiB))
         pieces = bucket_pieces(plan)
         sizes = [sum(bucket) for bucket in pieces]
@@ -711,12 +726,29 @@ def main(argv: list[str]) -> None:
     else:
         sys.exit(f"bench-publish: error: unknown --shape {args.shape!r} (choose from "
                  f"{', '.join(sorted(SHAPES))})")
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-publish-") as tmp:
-            ranks = run(args, model, Path(tmp))
-    except Failure as exc:
-        sys.exit(f"bench-publish: error: {exc}")
-    report(args, model, ranks)
+    runs = [args] if args.lora_rank <= 0 else [argparse.Namespace(**{**vars(args),
+                                                                      "lora_rank": 0}), args]
+    publish_s = []
+    for each in runs:
+        if len(runs) > 1:
+            what = (f"LoRA rank {each.lora_rank}, merged weights" if each.lora_rank
+                    else "full model")
+            print(f"\n== {what} ==", flush=True)
+        try:
+            with tempfile.TemporaryDirectory(prefix="bench-publish-") as tmp:
+                ranks = run(each, model, Path(tmp))
+        except Failure as exc:
+            sys.exit(f"bench-publish: error: {exc}")
+        report(each, model, ranks)
+        measured = [r for r in ranks[0]["rounds"] if r["round"] > 0]
+        publish_s.append((median([r["publish_s"] for r in measured]),
+                          median([r["returned_s"] - (r["send_s"] or 0.0) for r in measured])))
+    if len(runs) > 1:
+        (full, full_gather), (lora, lora_gather) = publish_s
+        print(f"\nLoRA rank {args.lora_rank} publish (merged, W + (alpha/r) B A per bucket) "
+              f"{lora:.3g} s vs full publish {full:.3g} s: ratio {lora / full:.2f}; rank 0's "
+              f"gather (where the merge runs) {lora_gather:.3g} s vs {full_gather:.3g} s: "
+              f"ratio {lora_gather / full_gather:.2f}")
 
 
 if __name__ == "__main__":

@@ -142,12 +142,22 @@ def test_a_value_that_would_make_a_difference_is_refused_with_the_note(run_dir: 
 
 
 def test_a_refused_key_says_what_to_use_instead(run_dir: Path) -> None:
-    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
-                   ["actor_rollout_ref.model.lora_rank=32"])
-    assert "LoRA is not supported yet" in err.problem
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["critic.model.lora_rank=32"])
+    assert "a LoRA critic is not supported yet" in err.problem
     path = write(run_dir, GOOD_RUN + "[critic]\nppo_micro_batch_size = 8\n")
     err = error_of(load_run_config, path)
     assert "critic.ppo_micro_batch_size_per_gpu" in err.problem
+
+
+def test_verls_lora_keys_set_the_policys_adapters(run_dir: Path) -> None:
+    run = load_run_config(write(run_dir, GOOD_RUN), [
+        "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=32",
+        "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"])
+    assert (run.model.lora_rank, run.model.lora_alpha) == (8, 32)
+    assert run.model.target_modules == ["q_proj", "v_proj"]
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   ["actor_rollout_ref.model.lora_adapter_path=adapter"])
+    assert err.key == "model.lora_adapter_path" and "needs model.lora_rank > 0" in err.problem
 
 
 def test_placement_keys_go_to_the_topology(run_dir: Path) -> None:
