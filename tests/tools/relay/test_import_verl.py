@@ -1,7 +1,8 @@
 """``relay import-verl``: a checkpoint in verl's 2-rank FSDP layout (``actor/`` and ``critic/``,
 each ``model_world_size_2_rank_{0,1}.pt`` of DTensor shards saved by a real 2-rank gloo run,
 ``huggingface/`` with config and tokenizer) becomes Hugging Face folders whose tensors equal
-the models saved; plain-tensor shards merge on dim 0; missing ranks, disagreeing world sizes,
+the models saved; replicated DTensors (checked equal) and an HSDP ``("ddp", "fsdp")`` mesh
+merge too, plain-tensor shards on dim 0; missing ranks, disagreeing world sizes,
 a missing ``huggingface/config.json``, shards whose keys differ, ``--optimizer`` and an
 OUT_DIR in use each exit 2 with a message naming the file, writing nothing."""
 
@@ -18,6 +19,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
@@ -25,7 +27,7 @@ from transformers import (
     LlamaConfig,
 )
 
-from relay.import_verl import main, merge_shards
+from relay.import_verl import VerlImportError, main, merge_shards
 
 from ...conftest import exit_worker, free_port, save_random_model
 
@@ -49,8 +51,16 @@ def save_like_verl(rank: int, port: int, model_dir: Path, folder: Path) -> None:
         torch.save(model.state_dict(), out / f"model_world_size_2_rank_{rank}.pt")
         optimizer = torch.optim.AdamW(model.parameters())
         torch.save(optimizer.state_dict(), out / f"optim_world_size_2_rank_{rank}.pt")
+    hsdp = init_device_mesh("cpu", (1, 2), mesh_dim_names=("ddp", "fsdp"))
+    torch.save({"replicated": distribute_tensor(MERGED["replicated"], mesh, [Replicate()]),
+                "hsdp": distribute_tensor(MERGED["hsdp"], hsdp, [Replicate(), Shard(1)])},
+               folder / "other" / f"model_world_size_2_rank_{rank}.pt")
     dist.destroy_process_group()
     exit_worker()
+
+
+MERGED = {"replicated": torch.arange(6.0).reshape(2, 3),
+          "hsdp": torch.arange(15.0).reshape(3, 5)}  # sharded on dim 1, unevenly
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +76,7 @@ def verl_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
         AutoTokenizer.from_pretrained(model_dir).save_pretrained(hf)
         (checkpoint / part / "fsdp_config.json").write_text(
             json.dumps({"FSDP_version": 2, "world_size": 2}))
+    (checkpoint / "other").mkdir()
     mp.spawn(save_like_verl, args=(free_port(), model_dir, checkpoint), nprocs=2)
     return checkpoint, model_dir
 
@@ -119,6 +130,19 @@ def test_plain_tensor_shards_are_concatenated_on_dim_0(tmp_path: Path) -> None:
     assert merged.keys() == full.keys()
     for name, tensor in full.items():
         assert torch.equal(merged[name], tensor), name
+
+
+def test_replicated_and_hsdp_dtensors_merge_and_differing_copies_are_named(
+        verl_checkpoint: tuple[Path, Path], tmp_path: Path) -> None:
+    paths = [verl_checkpoint[0] / "other" / f"model_world_size_2_rank_{r}.pt" for r in range(2)]
+    merged = merge_shards(paths)
+    for name, tensor in MERGED.items():
+        assert torch.equal(merged[name], tensor), name
+    shard = torch.load(paths[1], weights_only=True)
+    shard["replicated"].to_local().add_(1.0)
+    torch.save(shard, tmp_path / paths[1].name)
+    with pytest.raises(VerlImportError, match="replicated: replicated, but rank 1's copy differs"):
+        merge_shards([paths[0], tmp_path / paths[1].name])
 
 
 def refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
