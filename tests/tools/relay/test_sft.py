@@ -82,16 +82,21 @@ def test_relay_lists_sft() -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_train_to_one_ranks_weights(random_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("two_ranks, tolerance", [
+    ([], 1e-5),  # data parallel
+    (["ulysses_sequence_parallel_size=2", "use_remove_padding=true"], 5e-5),  # one SP group
+])
+def test_two_ranks_train_to_one_ranks_weights(random_model_dir: Path, tmp_path: Path,
+                                              two_ranks: list[str], tolerance: float) -> None:
     finals = []
-    for ranks in (1, 2):
+    for ranks, extra in ((1, []), (2, two_ranks)):
         out = tmp_path / f"ranks-{ranks}"
         result = run_script(arithmetic_args(random_model_dir, out, "trainer.total_training_steps=4",
-                                            f"trainer.n_gpus_per_node={ranks}"))
+                                            f"trainer.n_gpus_per_node={ranks}", *extra))
         assert result.returncode == 0, result.stderr
         finals.append(load_file(out / "final" / "model.safetensors"))
     worst = max(float((finals[0][k] - finals[1][k]).abs().max()) for k in finals[0])
-    assert worst <= 1e-5, worst
+    assert worst <= tolerance, worst
 
 
 @pytest.mark.slow
