@@ -569,15 +569,29 @@ def check_algorithm_combinations(run: RunConfig, source: str) -> None:
 
 
 def check_reward_model(run: RunConfig, source: str, prm: str | None) -> None:
-    """A batch reward manager needs a custom function; a discriminative reward model
-    (``reward_model.enable`` without PRIME) needs its path and a device the generators can
-    name."""
+    """A batch reward manager needs a custom function; a judge needs exactly one of a
+    model and a URL, a template with known fields, and no other learned reward beside it; a
+    discriminative reward model (``reward_model.enable`` without PRIME) needs its path and
+    a device the generators can name."""
     rewards = run.custom_reward_function
     if rewards.reward_manager == "batch" and not rewards.path:
         raise ConfigError(source, "custom_reward_function.reward_manager",
                           "batch (verl's reward_model.reward_manager) calls a batch reward "
                           "function once per group: set custom_reward_function.path to it")
     rm = run.reward_model
+    judge = rm.judge
+    if judge.enable:
+        if prm or rm.enable:
+            raise ConfigError(source, "reward_model.judge.enable",
+                              "a judge is the run's one learned reward: not beside "
+                              + ("PRIME's implicit PRM" if prm else "reward_model.enable"))
+        if bool(judge.model) == bool(judge.url):
+            raise ConfigError(source, "reward_model.judge.model",
+                              "give exactly one of reward_model.judge.model (served in the "
+                              "generators) and reward_model.judge.url (an OpenAI-compatible "
+                              "endpoint)")
+        if problem := judge.template_problem():
+            raise ConfigError(source, "reward_model.judge.prompt_template", problem)
     if not rm.enable or prm:
         return
     if not rm.model.path:

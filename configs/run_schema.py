@@ -425,6 +425,46 @@ class OverlongBufferConfig(_Section):
 
 
 RewardCombine = Literal["replace", "add"]  # reward_model.combine
+DEFAULT_JUDGE_PROMPT = (
+    "Grade the response to the problem. Reply with a single number from 0 (wrong) to 1 "
+    "(correct), last.\n\nProblem:\n{prompt}\n\nReference answer: {ground_truth}\n\n"
+    "Response:\n{response}\n\nGrade:")
+
+
+class JudgeConfig(_Section):
+    """A generative reward model, an LLM as judge (*Relay*; ``relay.generators.judge``).
+
+    ``enable``: each generator asks the judge about every response with ``prompt_template``
+    (fields ``{prompt}``, ``{response}``, ``{ground_truth}``) and takes the LAST number of
+    its answer, clipped to [0, 1], as the judge score (no number, a failure or a timeout:
+    0 with the reason as the sample's reward error), combined with the rule reward as
+    ``reward_model.combine`` says and kept as ``reward_info["judge_score"]``. The judge is
+    ``model`` (a model folder) served by ``engine`` in the generator, on its device, greedy
+    and at most ``max_new_tokens``, a judge prompt over ``max_prompt_length`` tokens scored 0
+    with that error; or ``url``, an OpenAI-compatible base URL
+    (``http://host:8000/v1``: ``POST {url}/chat/completions``, the request's model
+    ``model_name``, one request per response within ``timeout_s``). Exactly one of
+    ``model`` and ``url``.
+    """
+
+    enable: bool = False
+    model: str = ""
+    engine: Literal["lean", "torch", "hf"] = "lean"
+    url: str = ""
+    model_name: str = ""
+    prompt_template: str = DEFAULT_JUDGE_PROMPT
+    max_new_tokens: Positive = 32
+    max_prompt_length: Positive = 1024
+    timeout_s: PositiveFloat = 30.0
+
+    def template_problem(self) -> str:
+        """What is wrong with ``prompt_template`` ("" when nothing is)."""
+        try:
+            self.prompt_template.format(prompt="", response="", ground_truth="")
+        except (KeyError, IndexError, ValueError) as exc:
+            return (f"{exc!r}: its fields are {{prompt}}, {{response}} and {{ground_truth}} "
+                    "(double any other brace)")
+        return ""
 
 
 class RewardModelConfig(_Section):
@@ -447,6 +487,8 @@ class RewardModelConfig(_Section):
       sample's ``reward_info`` holds ``rm_score`` and ``rule_score`` either way, and DAPO's
       overlong penalty is added after. Held-out evaluation scores the rule reward only (as
       verl validates).
+    - ``judge``: an LLM as judge instead of (never beside) the discriminative model
+      (``JudgeConfig``), combined the same way.
 
     ``overlong_buffer``: DAPO's length penalty on every reward.
     """
@@ -458,6 +500,7 @@ class RewardModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = ""
     combine: RewardCombine = "replace"
+    judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
     grad_clip: PositiveFloat = 10.0
     overlong_buffer: OverlongBufferConfig = msgspec.field(default_factory=OverlongBufferConfig)
 

@@ -31,10 +31,11 @@ import torch
 
 from relay.algorithms.rewards.scorer import RewardScorer
 from relay.configs.prompt_data import load_prompt_rows
-from relay.configs.run_schema import RunConfig
+from relay.configs.run_schema import ModelConfig, RunConfig
 from relay.configs.rundir import RunContext, configure_logging, load_run_dir
 from relay.configs.topology_schema import GeneratorPlacement
 from relay.generators.build import build_engine
+from relay.generators.judge import EndpointJudge, EngineJudge, Judge
 from relay.generators.process import GeneratorLoop, NameInUse
 from relay.generators.reward_model import RewardModelScorer
 from relay.generators.tool_loop import configured_workflow
@@ -120,6 +121,21 @@ def discriminative_rm(run: RunConfig, device: str) -> RewardModelScorer | None:
     return RewardModelScorer(run.reward_model, device)
 
 
+def configured_judge(run: RunConfig, placement: GeneratorPlacement, seed: int) -> Judge | None:
+    """The run's LLM judge (``reward_model.judge``): its model on ``judge.engine`` beside
+    this generator's, on the same device, or its endpoint; None when off."""
+    judge, combine = run.reward_model.judge, run.reward_model.combine
+    if not judge.enable:
+        return None
+    if judge.url:
+        return EndpointJudge(judge, combine)
+    engine, tokenizer = build_engine(
+        ModelConfig(path=judge.model, dtype=run.model.dtype),
+        msgspec.structs.replace(placement, engine=judge.engine), seed,
+        max_num_seqs=run.rollout.n, max_len=judge.max_prompt_length + judge.max_new_tokens)
+    return EngineJudge(judge, engine, tokenizer, combine)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging()
@@ -143,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                          overlong=run.reward_model.overlong_buffer, seed=seed,
                          keys=ctx.client_keys(), workflow=configured_workflow(run.rollout),
                          lineage=args.lineage or "",
-                         reward_model=discriminative_rm(run, placement.device))
+                         reward_model=discriminative_rm(run, placement.device),
+                         judge=configured_judge(run, placement, seed))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

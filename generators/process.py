@@ -42,6 +42,7 @@ from relay.algorithms.rewards.scorer import RewardScorer
 from relay.configs.prompt_data import CutSide, cut_side, truncate_prompt
 from relay.configs.run_schema import BufferConfig, DataConfig, OverlongBufferConfig, RolloutConfig
 from relay.generators.engine import Engine, FinishedGroup
+from relay.generators.judge import Judge
 from relay.generators.leases import HeldLease, HeldLeases
 from relay.generators.reward_model import RewardModelScorer
 from relay.generators.sampling import SamplingParams
@@ -155,7 +156,8 @@ class GeneratorLoop:
     silent buffer, ``client_patience_s``, and how long a lease may wait for its weights,
     ``weights_timeout_s``, 0 meaning ``lease_timeout_s``) and ``overlong`` (DAPO's overlong
     penalty, ``reward_model.overlong_buffer``); ``reward_model`` (``reward_model.enable``)
-    scores each group beside the reward function (``relay.generators.reward_model``). An
+    or ``judge`` (``reward_model.judge``) scores each group beside the reward function
+    (``relay.generators.reward_model``, ``relay.generators.judge``). An
     unexpected death of the heartbeat or weight-receiving thread stops the loop with
     ``ThreadDied`` naming it.
 
@@ -172,7 +174,8 @@ class GeneratorLoop:
                  overlong: OverlongBufferConfig, seed: int = 0,
                  keys: ClientKeys | None = None,
                  workflow: ConfiguredWorkflow | None = None, lineage: str = "",
-                 reward_model: RewardModelScorer | None = None) -> None:
+                 reward_model: RewardModelScorer | None = None,
+                 judge: Judge | None = None) -> None:
         self.generator_id, self.buffer_endpoint = generator_id, buffer_endpoint
         self.lineage = lineage  # the launcher's token for its restarts; "" attached by hand
         self.engine, self.tokenizer = engine, tokenizer
@@ -205,7 +208,7 @@ class GeneratorLoop:
                                   scorer=scorer, counters=self.counters,
                                   max_new_tokens=rollout.response_length, overlong=overlong,
                                   patience_s=self.patience_s, keys=keys,
-                                  reward_model=reward_model)
+                                  reward_model=reward_model, judge=judge)
         self._next_lease_at = 0.0
         # engine sequences per prompt and per lease; each lease corrects them (n, baseline)
         self._sequences_per_prompt = rollout.n

@@ -159,10 +159,13 @@ class RewardModelScorer:
                                pad_id=self.pad_id, max_length=self.config.max_length)
 
 
-def combined(rule: RewardResult, rm_score: float, combine: RewardCombine) -> RewardResult:
-    """The sample's reward from its rule result and its reward-model score
-    (``reward_model.combine``): ``replace`` -> ``s_rm``, ``add`` -> ``r_rule + s_rm``; both
-    parts kept in ``info`` (``rule_score``, ``rm_score``), the rule's error kept."""
+def combined(rule: RewardResult, rm_score: float, combine: RewardCombine, *,
+             key: str = "rm_score", error: str = "") -> RewardResult:
+    """The sample's reward from its rule result and a learned score (``reward_model.combine``):
+    ``replace`` -> ``s_rm``, ``add`` -> ``r_rule + s_rm``; both parts kept in ``info``
+    (``rule_score``, and ``key``: ``rm_score``, or ``judge_score`` for a judge), the rule's
+    error and the learned score's ``error`` kept."""
     score = rm_score if combine == "replace" else rule.score + rm_score
     return msgspec.structs.replace(
-        rule, score=score, info={**rule.info, "rule_score": rule.score, "rm_score": rm_score})
+        rule, score=score, info={**rule.info, "rule_score": rule.score, key: rm_score},
+        error="; ".join(e for e in (rule.error, error) if e))

@@ -22,6 +22,7 @@ from relay.algorithms.rewards.result import RewardItem, RewardResult
 from relay.algorithms.rewards.scorer import RewardScorer
 from relay.configs.run_schema import OverlongBufferConfig
 from relay.generators.engine import Completion
+from relay.generators.judge import Judge
 from relay.generators.reward_model import RewardModelScorer, combined
 from relay.generators.workflow import EpisodeCompletion
 from relay.transport.messages import Prompt, RolloutAck, RolloutGroup, Sample
@@ -63,9 +64,11 @@ class GroupSender:
     def __init__(self, *, generator_id: str, buffer_endpoint: str, scorer: RewardScorer,
                  counters: Counters, max_new_tokens: int, overlong: OverlongBufferConfig,
                  patience_s: float, keys: ClientKeys | None = None,
-                 reward_model: RewardModelScorer | None = None) -> None:
+                 reward_model: RewardModelScorer | None = None,
+                 judge: Judge | None = None) -> None:
         self.generator_id, self.scorer, self.counters = generator_id, scorer, counters
         self.reward_model = reward_model  # reward_model.enable: scores beside the rule's
+        self.judge = judge  # reward_model.judge.enable: the same, by an LLM's answers
         self.patience_s = patience_s  # retrying a buffer that does not answer
         self.max_new_tokens, self.overlong = max_new_tokens, overlong
         self._endpoint, self._keys = buffer_endpoint, keys
@@ -153,15 +156,19 @@ class GroupSender:
     def _with_rm(self, prompt: Prompt, prompt_ids: Sequence[int],
                  completions: Sequence[Completion], texts: Sequence[str],
                  rules: list[RewardResult]) -> list[RewardResult]:
-        """The rule results combined with the reward model's scores (one batched call for
-        the prompt's completions), or as they are without a reward model."""
-        rm = self.reward_model
-        if rm is None:
-            return rules
-        scores = rm.score(prompt.messages, prompt_ids,
-                          [c.token_ids.tolist() for c in completions], texts)
-        return [combined(rule, score, rm.config.combine)
-                for rule, score in zip(rules, scores, strict=True)]
+        """The rule results combined with the reward model's scores or the judge's verdicts
+        (one batched call for the prompt's completions), or as they are without either."""
+        rm, judge = self.reward_model, self.judge
+        if rm is not None:
+            scores = rm.score(prompt.messages, prompt_ids,
+                              [c.token_ids.tolist() for c in completions], texts)
+            rules = [combined(rule, score, rm.config.combine)
+                     for rule, score in zip(rules, scores, strict=True)]
+        if judge is not None:
+            verdicts = judge.judge(prompt.messages, texts, prompt.ground_truth)
+            rules = [combined(rule, v.score, judge.combine, key="judge_score", error=v.error)
+                     for rule, v in zip(rules, verdicts, strict=True)]
+        return rules
 
     def _shaped(self, score: float, info: dict[str, float],
                 completion: Completion) -> tuple[float, dict[str, float]]:

@@ -12,6 +12,7 @@ from relay.configs.checks import (
     check_cluster_request,
     check_topology,
     dump_dir_problem,
+    load_run_config,
 )
 from relay.configs.loader import ConfigError
 from relay.configs.topology_schema import (
@@ -20,6 +21,8 @@ from relay.configs.topology_schema import (
     LearnerPlacement,
     Topology,
 )
+
+from .test_loader import GOOD_RUN, error_of, write
 
 
 def test_a_dump_folder_that_cannot_be_written_is_named(tmp_path: Path) -> None:
@@ -107,3 +110,24 @@ def test_local_and_ssh_topologies_are_not_cluster_requests() -> None:
     for launcher in (LauncherSettings(), SSH):
         check_cluster_request(Topology(learner=LearnerPlacement(
             hosts=["n1", "n2"], device="auto", gpus=[0]), launcher=launcher), "t.toml")
+
+
+@pytest.mark.parametrize("overrides, key, problem", [
+    (["reward_model.judge.enable=true"], "reward_model.judge.model", "exactly one"),
+    (["reward_model.judge.enable=true", "reward_model.judge.url=http://x/v1",
+      "reward_model.enable=true"], "reward_model.judge.enable", "not beside"),
+    (["reward_model.judge.enable=true", "reward_model.judge.url=http://x/v1",
+      "reward_model.judge.prompt_template={answer}"], "reward_model.judge.prompt_template",
+     "{ground_truth}"),
+    (["reward_model.enable=true"], "reward_model.model.path", "ForSequenceClassification"),
+    (["custom_reward_function.reward_manager=batch"], "custom_reward_function.reward_manager",
+     "custom_reward_function.path"),
+])
+def test_learned_rewards_are_checked_naming_the_key(tmp_path: Path, overrides: list[str],
+                                                    key: str, problem: str) -> None:
+    (tmp_path / "train.jsonl").write_text('{"prompt": [{"role": "user", "content": "1+1"}], '
+                                          '"data_source": "arithmetic", "reward_model": '
+                                          '{"style": "rule", "ground_truth": "2"}}\n')
+    (tmp_path / "val.jsonl").write_text((tmp_path / "train.jsonl").read_text())
+    err = error_of(load_run_config, write(tmp_path, GOOD_RUN), overrides)
+    assert err.key == key and problem in err.problem

@@ -121,3 +121,10 @@ def test_combined_replaces_or_adds_and_records_both() -> None:
     assert replaced.score == 0.25
     assert replaced.info == {"format_ok": 1.0, "rule_score": 1.0, "rm_score": 0.25}
     assert combined(rule, 0.25, "add").score == 1.25
+
+
+def test_combined_keeps_a_judges_score_and_both_errors() -> None:
+    rule = RewardResult(score=1.0, error="rule: bad")
+    judged = combined(rule, 0.0, "add", key="judge_score", error="judge: no number")
+    assert judged.info == {"rule_score": 1.0, "judge_score": 0.0}
+    assert judged.error == "rule: bad; judge: no number" and judged.score == 1.0
