@@ -1,28 +1,20 @@
 """``relay export``: a run's checkpoint becomes a Hugging Face folder (the newest by default,
 ``--step N`` for another, or a checkpoint folder named directly) in the run's dtype with its
 tokenizer; ``--critic`` writes PPO's critic as ``AutoModelForTokenClassification`` computing
-the learner's values, ``--prm`` PRIME's implicit PRM; a bf16 export decodes greedily as the
-checkpoint's policy does, in transformers and in vLLM's CPU build (slow). A folder that is no
+the learner's values, ``--prm`` PRIME's implicit PRM (greedy decoding of a bf16 export:
+test_export_vllm.py). A folder that is no
 run directory, a step with no checkpoint, a damaged checkpoint, a part the checkpoint does
 not hold, a checkpoint without adapters for ``--merge-lora`` and an OUT_DIR in use each exit
 2 with a message naming it, writing nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForTokenClassification,
-    AutoTokenizer,
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from relay.configs import CONFIG_DIR
 from relay.configs.loader import to_toml
@@ -32,7 +24,6 @@ from relay.configs.topology_schema import Topology
 from relay.export import main
 from relay.learner.checkpoint import LoopState, save_checkpoint
 from relay.learner.checkpoint_meta import Lineage
-from relay.learner.tiny_model.tokenizer import build_tokenizer
 from relay.learner.update import Learner
 
 from ...conftest import gather_full_weights
@@ -238,71 +229,3 @@ def test_step_n_of_a_checkpoint_folder_is_refused(random_model_dir: Path, tmp_pa
     checkpoint = checkpoint_of(make_learner(random_model_dir), random_model_dir, tmp_path)
     err = refused([str(checkpoint), "--step", "1", str(tmp_path / "out")], capsys)
     assert f"{checkpoint} is a checkpoint already" in err
-
-
-# -- greedy decoding of a bf16 export: transformers and vLLM's CPU build ----------------------
-
-PROMPTS = [[1, 271, 201, 273, 272, 223, 19, 20, 2, 201, 1, 278, 201], [1, 271, 201, 24, 2, 201],
-           [1, 40, 41, 42, 43]]
-NEW_TOKENS = 12
-
-
-def save_decoding_model(folder: Path) -> Path:
-    """A random Llama that decodes something other than its last token: an untied head with
-    logits of a spread (std ~ 11) far above bf16's rounding, so that greedy choices are
-    clear-cut; 4 heads of 32, the smallest vLLM's CPU attention runs."""
-    tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, tie_word_embeddings=False,
-                         eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 1.0)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def greedy(model: torch.nn.Module) -> list[list[int]]:
-    """``NEW_TOKENS`` greedy tokens after each prompt, EOS not stopping them."""
-    outs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(out[0, len(prompt):].tolist())
-    return outs
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                    reason="vLLM is not installed (the `vllm` extra)")
-def test_a_bf16_export_decodes_as_the_checkpoint_in_transformers_and_vllm(
-        tmp_path: Path) -> None:
-    """The checkpoint's policy (the learner's weights, cast to bf16 as a user loads them)
-    and its bf16 export give the same greedy tokens in transformers, and vLLM's CPU build
-    (bf16) the same again: the folder is complete and named as both expect."""
-    from relay.generators.sampling import SamplingParams
-    from relay.generators.vllm_engine import VLLMEngine
-
-    model_dir = save_decoding_model(tmp_path / "model")
-    learner = make_learner(model_dir)
-    checkpoint = checkpoint_of(learner, model_dir, tmp_path)
-    policy = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir)).eval()
-    policy.load_state_dict(gather_full_weights(learner.model, torch.float32), strict=False)
-    policy.tie_weights()
-    expected = greedy(policy.to(torch.bfloat16))
-    assert main([str(checkpoint), "--dtype", "bfloat16", str(tmp_path / "out")]) == 0
-    assert expected != greedy(AutoModelForCausalLM.from_pretrained(model_dir,
-                                                                   dtype=torch.bfloat16))
-    assert greedy(AutoModelForCausalLM.from_pretrained(tmp_path / "out")) == expected
-    engine = VLLMEngine.from_pretrained(str(tmp_path / "out"), dtype=torch.bfloat16, eos_ids=[],
-                                        pad_id=0, max_num_seqs=4, max_len=64)
-    completions = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS,
-                                                          temperature=0.0))
-    assert [completion.token_ids.tolist() for completion in completions] == expected
