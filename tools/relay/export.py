@@ -1,7 +1,7 @@
 """Write a model of a run's checkpoint as a Hugging Face model folder.
 
-    relay export RUN_DIR/checkpoints/step-N [--dtype DTYPE] [--critic | --prm | --merge-lora] OUT_DIR
-    relay export RUN_DIR [--step N] [--dtype DTYPE] [--critic | --prm | --merge-lora] OUT_DIR
+    relay export RUN_DIR/checkpoints/step-N [--dtype D] [--critic | --prm | --merge-lora] OUT_DIR
+    relay export RUN_DIR [--step N] [--dtype D] [--critic | --prm | --merge-lora] OUT_DIR
 
 The source is a checkpoint folder, or a run directory: its newest complete checkpoint
 (``--step N``: checkpoint ``step-N``). A checkpoint that fails its integrity check
