@@ -311,6 +311,7 @@ def check_run_config(run: RunConfig, source: str,
     check_resume(run, source)
     check_timeouts(run, source)
     check_lora(run, source)
+    check_strategy(run, source)
     if run.trainer.rollout_data_dir and (
             problem := dump_dir_problem(Path(run.trainer.rollout_data_dir))):
         raise ConfigError(source, "trainer.rollout_data_dir", problem)
@@ -444,6 +445,32 @@ def dump_dir_problem(folder: Path) -> str:
         what = "is" if existing == folder else f"cannot be created: {existing} is"
         return f"{folder} {what} not writable by this user"
     return ""
+
+
+def check_strategy(run: RunConfig, source: str) -> None:
+    """``actor.strategy = "deepspeed"``: DeepSpeed installed, and none of the FSDP2-only
+    settings (they would be ignored silently), each refusal naming its key."""
+    if run.actor.strategy != "deepspeed":
+        return
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(source, "actor.strategy", "\"deepspeed\" needs DeepSpeed, which is "
+                          "not installed: pip install 'relay-rl[deepspeed]', or use \"fsdp2\"")
+    fsdp = run.actor.fsdp_config
+    for key, value, instead in (
+            ("actor.fsdp_config.param_offload", fsdp.param_offload,
+             "actor.deepspeed.offload_param (zero_stage = 3)"),
+            ("actor.fsdp_config.optimizer_offload", fsdp.optimizer_offload,
+             "actor.deepspeed.offload_optimizer"),
+            ("actor.fsdp_config.fsdp_size", fsdp.fsdp_size != -1,
+             "the default -1 (ZeRO partitions over every rank)"),
+            ("actor.ulysses_sequence_parallel_size",
+             run.actor.ulysses_sequence_parallel_size > 1, "1 (Ulysses runs on FSDP2's mesh)"),
+            ("actor.use_torch_compile", run.actor.use_torch_compile, "false"),
+            ("model.lora_rank", run.model.lora_rank > 0,
+             "0 (LoRA adapters train under FSDP2)")):
+        if value:
+            raise ConfigError(source, key, f"not available with actor.strategy = "
+                              f"\"deepspeed\": use {instead}, or actor.strategy = \"fsdp2\"")
 
 
 def check_lora(run: RunConfig, source: str) -> None:

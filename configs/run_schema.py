@@ -230,6 +230,26 @@ class FsdpConfig(_Section):
     fsdp_size: FsdpSize = -1
 
 
+class DeepSpeedConfig(_Section):
+    """DeepSpeed ZeRO for the policy (``actor.strategy = "deepspeed"``, OpenRLHF's names).
+
+    ``zero_stage`` 2 partitions gradients and optimizer state over the ranks (each holds
+    the whole model), 3 the parameters too (gathered block by block for each pass);
+    ``offload_optimizer`` (OpenRLHF's ``--adam_offload``) keeps the optimizer's state and
+    step on the CPU; ``offload_param`` (stage 3) the parameters too. The update is the one
+    FSDP2 makes (``relay.learner.deepspeed_engine``).
+    """
+
+    zero_stage: Literal[2, 3] = 2
+    offload_optimizer: bool = False
+    offload_param: bool = False
+
+    def __post_init__(self) -> None:
+        if self.offload_param and self.zero_stage != 3:
+            raise ValueError("actor.deepspeed.offload_param needs zero_stage = 3 (ZeRO-2 keeps "
+                             "the whole model on every rank)")
+
+
 class ActorConfig(_Section):
     """The policy update (verl's ``actor_rollout_ref.actor``).
 
@@ -262,6 +282,9 @@ class ActorConfig(_Section):
     must divide the learner's ranks and the model's attention heads, and it applies to every
     model the learner runs (the policy, the reference, the critic and the PRM). Under it
     passes run rows packed without padding (``share_prompts`` is not applied).
+    ``strategy`` (verl's key): ``fsdp2`` (``fsdp`` names it too) shards the policy with
+    FSDP2 (``fsdp_config``); ``deepspeed`` trains it in a DeepSpeed ZeRO engine
+    (``deepspeed``; the ``deepspeed`` extra) under the same losses, passes and publish.
     """
 
     clip_ratio_low: NonNegativeFloat = 0.2
@@ -284,7 +307,9 @@ class ActorConfig(_Section):
     share_prompts: bool = True  # Relay: one sequence per prompt group, the prompt computed once
     ulysses_sequence_parallel_size: Positive = 1  # ranks that split each pass's tokens
     use_torch_compile: bool = False  # compile the policy's norms and MLPs
+    strategy: Literal["fsdp", "fsdp2", "deepspeed"] = "fsdp2"  # fsdp: FSDP2 too
     fsdp_config: FsdpConfig = msgspec.field(default_factory=FsdpConfig)
+    deepspeed: DeepSpeedConfig = msgspec.field(default_factory=DeepSpeedConfig)
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
 
 

@@ -101,7 +101,8 @@ def _refused(note: str, *keys: str) -> list[VerlKey]:
     return [VerlKey(key=k, group="refused", note=note) for k in keys]
 
 
-_FSDP = "Relay's learner always shards with FSDP2 (Megatron is not supported); no effect"
+_FSDP = ("Relay shards this model with FSDP2 (actor.strategy = \"deepspeed\" puts the policy "
+         "alone in a DeepSpeed engine; Megatron is not supported); no effect")
 _NO_COMPILE = ("the frozen reference is not compiled (actor.use_torch_compile compiles the "
                "policy's norms and MLPs); no effect")
 _ENTROPY_MEM = ("a verl memory saving for the entropy; Relay computes the entropy per pass "
@@ -159,7 +160,7 @@ _CKPT = ("a Relay checkpoint always holds the model, the optimizer, the run's st
 
 TABLE: tuple[VerlKey, ...] = tuple([
     # ---- actor_rollout_ref.actor ------------------------------------------------------
-    *_inert(_FSDP, f"{A}.strategy", accept=("fsdp", "fsdp2")),
+    *_same(f"{A}.strategy"),  # fsdp, fsdp2, and Relay's deepspeed (megatron is refused)
     *_same(f"{A}.ppo_mini_batch_size", f"{A}.ppo_micro_batch_size_per_gpu",
            f"{A}.use_dynamic_bsz", f"{A}.ppo_max_token_len_per_gpu", f"{A}.clip_ratio_low",
            f"{A}.clip_ratio_high", f"{A}.policy_loss.loss_mode", f"{A}.policy_loss.clip_cov_ratio",

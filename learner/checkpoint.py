@@ -137,9 +137,13 @@ def expected_parts(run: RunConfig) -> list[str]:
 
 def checkpoint_state(learner: Learner) -> dict[str, dict]:
     """The sharded state dicts a checkpoint holds, by name (see the module docstring); of
-    a LoRA policy, its adapters only (``_policy_options``)."""
-    model_state, optim_state = get_state_dict(learner.model, learner.optimizer,
-                                              options=_policy_options(learner))
+    a LoRA policy, its adapters only (``_policy_options``); of a policy in a DeepSpeed
+    engine, its full state in the same layout (``ZeroEngine.full_state``)."""
+    if learner.zero is not None:
+        model_state, optim_state = learner.zero.full_state()
+    else:
+        model_state, optim_state = get_state_dict(learner.model, learner.optimizer,
+                                                  options=_policy_options(learner))
     state: dict[str, dict] = {"model": model_state, "optim": optim_state}
     for name, part in (("critic", learner.critic), ("prm", learner.prm)):
         if part is not None:
@@ -193,7 +197,8 @@ def save_checkpoint(learner: Learner, folder: Path, loop: LoopState, *, lineage:
     _barrier()
     dcp.save(checkpoint_state(learner), checkpoint_id=str(partial / "dcp"))
     _write_rng(partial / "rng", rank)
-    save_hf(learner.model, partial / "hf", torch.float32, group=group)
+    with learner.full_policy():
+        save_hf(learner.model, partial / "hf", torch.float32, group=group)
     if getattr(learner.model, "peft_config", None) is not None:
         from relay.learner.lora import save_adapter  # peft: the lora extra
         save_adapter(learner.model, partial / ADAPTER_FOLDER, group=group)
@@ -418,8 +423,11 @@ def load_checkpoint(learner: Learner, checkpoint: Path) -> CheckpointMeta:
         raise CheckpointError(f"{checkpoint}: its weights do not fit this run's models "
                               f"(model.path and the algorithm must be those it was written "
                               f"with): {causes}") from exc
-    set_state_dict(learner.model, learner.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=_policy_options(learner))
+    if learner.zero is not None:
+        learner.zero.load_full_state(state["model"], state["optim"])
+    else:
+        set_state_dict(learner.model, learner.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=_policy_options(learner))
     for name, part in (("critic", learner.critic), ("prm", learner.prm)):
         if part is not None:
             set_state_dict(part.model, part.optimizer, model_state_dict=state[name]["model"],

@@ -127,7 +127,7 @@ def batch_metrics(batch: SampleBatch, train: TrainBatch, version: int,
     }
     for k in range(max_staleness + 1):
         metrics[f"staleness/frac_{k}"] = float((staleness == k).float().mean())
-    for key in ("rm_score", "rule_score"):  # reward_model.enable: the reward's two parts
+    for key in ("rm_score", "judge_score", "rule_score"):  # a learned reward's two parts
         if all(key in s.reward_info for s in samples):
             metrics[f"rollout/{key}_mean"] = sum(s.reward_info[key] for s in samples) / len(samples)
     if any(s.episode is not None for s in samples):
@@ -209,8 +209,9 @@ class TrainLoop:
         self.publish_dtype: torch.dtype = getattr(torch, run.model.dtype)
         self.pad_id, self.checkpoint_dir = pad_id, checkpoint_dir
         self.lineage, self.rank0, self.group = lineage, rank0, group
-        self.plan = plan_buckets(learner.model, self.publish_dtype,
-                                 run.rollout.update_weights_bucket_megabytes << 20)
+        with learner.full_policy():  # the parameters' full shapes
+            self.plan = plan_buckets(learner.model, self.publish_dtype,
+                                     run.rollout.update_weights_bucket_megabytes << 20)
         self.version = 0
         self.published_step = 0  # the step after which self.version was taken
         self.unpublished_update = False  # the policy changed since the last publish
@@ -337,10 +338,11 @@ class TrainLoop:
         if self.rank0 is not None:
             self.rank0.weights.take_resend()
             self.rank0.link.published(self.version, step)
-        stats = publish_weights(self.learner.model, self.plan, self.publish_dtype,
-                                version=self.version, step=step,
-                                stream=self.rank0.stream if self.rank0 else None,
-                                group=self.group)
+        with self.learner.full_policy():
+            stats = publish_weights(self.learner.model, self.plan, self.publish_dtype,
+                                    version=self.version, step=step,
+                                    stream=self.rank0.stream if self.rank0 else None,
+                                    group=self.group)
         if self.rank0 is not None and stats is not None:
             logger.debug("streamed weights version %d (%.1f MB) in %.2f s", stats.version,
                          stats.total_bytes / 1e6, stats.seconds)

@@ -39,6 +39,7 @@ from relay.learner.checkpoint import (
 )
 from relay.learner.checkpoint_lineage import run_lineage
 from relay.learner.critic import Critic, load_value_model
+from relay.learner.deepspeed_engine import load_zero_policy
 from relay.learner.eval_queue import EvalQueue
 from relay.learner.hf_export import save_final
 from relay.learner.implicit_prm import ImplicitPRM
@@ -81,7 +82,9 @@ def build_learner(ctx: RunContext, device: torch.device,
     are checked against the SP size first. Each model is read from disk on rank 0 only
     (``relay.learner.model.load_sharded``). With LoRA (``model.lora_rank`` > 0) the policy
     carries peft adapters and is its own reference, its adapters disabled
-    (``relay.learner.lora``); a PRIME PRM then has a reference of its own."""
+    (``relay.learner.lora``); a PRIME PRM then has a reference of its own. With
+    ``actor.strategy = "deepspeed"`` the policy trains in a ZeRO engine instead
+    (``relay.learner.deepspeed_engine``); every other model is FSDP2's."""
     run = ctx.run
     dtype = getattr(torch, run.model.dtype)
     estimator = run.algorithm.estimator
@@ -98,11 +101,15 @@ def build_learner(ctx: RunContext, device: torch.device,
     meshes = Meshes(device)
     actor_mesh = meshes.get(run.actor.fsdp_config.fsdp_size, "actor.fsdp_config.fsdp_size")
     lora = run.model.lora_rank > 0
-    model = load_sharded(run.model.path, compute_dtype=dtype, device=device,
-                         trust_remote_code=run.model.trust_remote_code,
-                         gradient_checkpointing=checkpointing, offload=offload,
-                         compile_blocks=run.actor.use_torch_compile, mesh=actor_mesh,
-                         lora=run.model if lora else None)
+    zero = load_zero_policy(run, device) if run.actor.strategy == "deepspeed" else None
+    if zero is not None:
+        model = zero.module
+    else:
+        model = load_sharded(run.model.path, compute_dtype=dtype, device=device,
+                             trust_remote_code=run.model.trust_remote_code,
+                             gradient_checkpointing=checkpointing, offload=offload,
+                             compile_blocks=run.actor.use_torch_compile, mesh=actor_mesh,
+                             lora=run.model if lora else None)
     if lora and (not dist.is_initialized() or dist.get_rank() == 0):
         from relay.learner.lora import log_publish_choice  # peft: the lora extra
         log_publish_choice(", ".join(sorted({p.engine for p in ctx.topology.generators})))
@@ -115,7 +122,7 @@ def build_learner(ctx: RunContext, device: torch.device,
                                  trust_remote_code=run.model.trust_remote_code, trainable=False,
                                  offload=bool(ref_fsdp.param_offload),
                                  mesh=meshes.get(ref_fsdp.fsdp_size, "ref.fsdp_config.fsdp_size"))
-    optimizer = build_optimizer(model, run.actor.optim)
+    optimizer = zero.optimizer if zero is not None else build_optimizer(model, run.actor.optim)
     scheduler = build_scheduler(optimizer, total_steps=run.trainer.total_training_steps,
                                 optim=run.actor.optim)
     critic = prm = None
@@ -139,7 +146,7 @@ def build_learner(ctx: RunContext, device: torch.device,
     return Learner(model, optimizer, scheduler, actor=run.actor, algorithm=run.algorithm,
                    ref=run.ref, rollout=run.rollout, data=run.data, trainer=run.trainer,
                    reference=reference, critic=critic, prm=prm, parallelism=parallelism,
-                   device=device)
+                   device=device, zero=zero)
 
 
 def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase,
@@ -216,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = False
     try:
         loop.run_all()
-        final = save_final(learner.model, ctx.run_dir / FINAL_MODEL,
-                           getattr(torch, run.model.dtype),
-                           tokenizer=tokenizer if rank == 0 else None, group=cpu_group)
+        with learner.full_policy():
+            final = save_final(learner.model, ctx.run_dir / FINAL_MODEL,
+                               getattr(torch, run.model.dtype),
+                               tokenizer=tokenizer if rank == 0 else None, group=cpu_group)
         ok = True
     finally:
         if rank0 is not None:

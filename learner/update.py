@@ -62,6 +62,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 import msgspec
 import torch
@@ -90,6 +92,7 @@ from relay.configs.run_schema import (
 )
 from relay.learner.batch import TrainBatch
 from relay.learner.critic import Critic
+from relay.learner.deepspeed_engine import ZeroEngine
 from relay.learner.implicit_prm import ImplicitPRM
 from relay.learner.micro_batches import MicroBatches, MiniBatchTotals, mini_batch_totals
 from relay.learner.model import back_to_shards, forward_logprobs
@@ -98,6 +101,7 @@ from relay.learner.ulysses import Parallelism
 from relay.learner.optim import clipped_step
 
 logger = logging.getLogger("relay.learner")
+T = TypeVar("T")
 
 
 class StepResult(msgspec.Struct, frozen=True):
@@ -172,6 +176,19 @@ class _Sums:
         return torch.stack([self._on_device(entries[name]) for name in sorted(entries)])
 
 
+def with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
+    """Each item of ``items`` with whether it is the last one."""
+    iterator = iter(items)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield current, False
+        current = following
+    yield current, True
+
+
 def compute_device(model: nn.Module) -> torch.device:
     """The device ``model`` computes on: that of its parameters, or for an FSDP2 model that
     of its mesh (under ``actor.fsdp_config.param_offload`` the parameters stay on the CPU
@@ -217,8 +234,11 @@ class Learner:
                  rollout: RolloutConfig, data: DataConfig, trainer: TrainerConfig | None = None,
                  reference: nn.Module | None = None, critic: Critic | None = None,
                  prm: ImplicitPRM | None = None, parallelism: Parallelism | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, zero: ZeroEngine | None = None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        # actor.strategy = "deepspeed": the engine that forwards, reduces and steps ``model``
+        self.zero = zero
+        self.policy = zero.policy if zero is not None else model  # what the passes call
         # where every step computes: its batch is moved there first (``step``)
         self.device = device or compute_device(model)
         self.actor, self.algorithm = actor, algorithm
@@ -270,6 +290,11 @@ class Learner:
                         "%s, as verl does; actor.loss_agg_mode = %r aggregates the entropy and "
                         "KL-loss terms", mode, self.pg_agg_mode, actor.loss_agg_mode)
 
+    def full_policy(self) -> contextlib.AbstractContextManager:
+        """The policy's full parameters in ``model`` for the block: gathered under ZeRO-3
+        (a weight publish, a Hugging Face export); FSDP2's and ZeRO-2's are in place."""
+        return self.zero.gathered() if self.zero is not None else contextlib.nullcontext()
+
     def step(self, batch: TrainBatch, version: int = 0) -> StepResult:
         """One learner step on the global ``batch`` by the policy at ``version``. The batch
         (collated on the host) is moved to the learner's device first, asynchronously from
@@ -282,7 +307,7 @@ class Learner:
         self.model.train()
         upfront = (updates > 1 and actor.proximal_logprobs == "recompute") \
             or algorithm.use_kl_in_reward or self.correction.rejects
-        proximal = self._no_grad_logprobs(self.model, batch) if upfront else None
+        proximal = self._no_grad_logprobs(self.policy, batch) if upfront else None
         reference = None
         if self.reference is not None:
             with self._reference_pass():
@@ -332,7 +357,8 @@ class Learner:
         totals = mini_batch_totals(batch, minis)
         for epoch in range(actor.ppo_epochs):
             for index, mini in enumerate(minis):
-                self.optimizer.zero_grad(set_to_none=True)
+                if self.zero is None:  # DeepSpeed clears its partitions' gradients itself
+                    self.optimizer.zero_grad(set_to_none=True)
                 done = epoch * len(minis) + index
                 self._accumulate(batch, mini, totals[index], advantages, proximal, reference,
                                  correction, version + done / updates, version, sums)
@@ -439,10 +465,10 @@ class Learner:
                       horizon=self.horizon)
         trained = self._rows_with_advantage(batch, mini, advantages)
         sums.add("rows_skipped", float(len(mini) - len(trained)) / self.world)
-        for each in self.micro.passes(batch, trained):
+        for each, last in with_last(self.micro.passes(batch, trained)):
             rows, part, weight = each.rows, each.part, each.weight
             width = part.response_mask.shape[1]
-            logprobs, entropy = forward_logprobs(self.model, part, self.temperature,
+            logprobs, entropy = forward_logprobs(self.policy, part, self.temperature,
                                                  with_entropy=True,
                                                  share_prompts=self.micro.share_prompts,
                                                  sp=self.sp)
@@ -474,7 +500,10 @@ class Learner:
                 loss = loss + actor.kl_loss_coef * aggregate_loss(
                     kl, kept, actor.loss_agg_mode, **totals)
                 sums.add("actor/kl_sum", (kl.detach() * mask).sum())
-            (loss * self.micro.grad_scale).backward()
+            if self.zero is not None:
+                self.zero.backward(loss * self.micro.grad_scale, last=last)
+            else:
+                (loss * self.micro.grad_scale).backward()
             with torch.no_grad():
                 self._diagnostics(terms, part_correction, entropy, prox, part, mask, kept, sums)
                 sums.add("loss", loss.detach())
@@ -522,9 +551,12 @@ class Learner:
                  torch.where(mask > 0, raw_weight, -math.inf).max())
 
     def _optimizer_step(self, sums: _Sums) -> float:
-        norm = clipped_step(self.model, self.optimizer, self.actor.grad_clip,
-                            offload_state=self.actor.fsdp_config.optimizer_offload,
-                            device=self.device)
+        if self.zero is not None:  # clips to actor.grad_clip; skips a non-finite norm
+            norm = self.zero.step()
+        else:
+            norm = clipped_step(self.model, self.optimizer, self.actor.grad_clip,
+                                offload_state=self.actor.fsdp_config.optimizer_offload,
+                                device=self.device)
         if not math.isfinite(norm):
             sums.add("skipped", 1.0)  # the step was not taken
         return norm

@@ -131,3 +131,34 @@ def test_learned_rewards_are_checked_naming_the_key(tmp_path: Path, overrides: l
     (tmp_path / "val.jsonl").write_text((tmp_path / "train.jsonl").read_text())
     err = error_of(load_run_config, write(tmp_path, GOOD_RUN), overrides)
     assert err.key == key and problem in err.problem
+
+
+def write_prompts(folder: Path) -> None:
+    (folder / "train.jsonl").write_text('{"prompt": [{"role": "user", "content": "1+1"}], '
+                                        '"data_source": "arithmetic", "reward_model": '
+                                        '{"style": "rule", "ground_truth": "2"}}\n')
+    (folder / "val.jsonl").write_text((folder / "train.jsonl").read_text())
+
+
+@pytest.mark.parametrize("override, key, instead", [
+    ("actor.fsdp_config.param_offload=true", "actor.fsdp_config.param_offload",
+     "actor.deepspeed.offload_param"),
+    ("actor.fsdp_config.optimizer_offload=true", "actor.fsdp_config.optimizer_offload",
+     "actor.deepspeed.offload_optimizer"),
+    ("actor.ulysses_sequence_parallel_size=2", "actor.ulysses_sequence_parallel_size", "1"),
+    ("model.lora_rank=8", "model.lora_rank", "0"),
+])
+def test_deepspeed_refuses_the_settings_only_fsdp2_takes(tmp_path: Path, override: str,
+                                                         key: str, instead: str) -> None:
+    write_prompts(tmp_path)
+    err = error_of(load_run_config, write(tmp_path, GOOD_RUN),
+                   ["actor_rollout_ref.actor.strategy=deepspeed", override])
+    assert err.key == key and f"use {instead}" in err.problem
+
+
+def test_verls_strategy_key_chooses_deepspeed(tmp_path: Path) -> None:
+    write_prompts(tmp_path)
+    run = load_run_config(write(tmp_path, GOOD_RUN),
+                          ["actor_rollout_ref.actor.strategy=deepspeed",
+                           "actor.deepspeed.zero_stage=3"])
+    assert run.actor.strategy == "deepspeed" and run.actor.deepspeed.zero_stage == 3

@@ -4,6 +4,7 @@ start-up phase it tells the launcher."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -147,6 +148,9 @@ class FakeLearner:
     def __init__(self) -> None:
         self.model = torch.nn.Linear(4, 4)
         self.device = torch.device("cpu")
+
+    def full_policy(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def step(self, train, version: int) -> StepResult:
         return StepResult(metrics={"actor/loss": 0.25, "actor/approx_kl": 0.001,
