@@ -1,8 +1,14 @@
-"""The embedded default trains with a discriminative reward model beside its rule reward
-(``reward_model.enable``, ``reward_model.combine = "add"``): a few steps through the real
-launcher, the reward model's scores in the metrics, and every sample's reward the rule's
-plus the reward model's, which is a plain transformers forward of prompt + response (slow:
-about a minute)."""
+"""The embedded default trains with a learned reward beside its rule reward
+(``reward_model.combine = "add"``), a few steps through the real launcher each (slow: about
+a minute each):
+
+- a discriminative reward model (``reward_model.enable``): its scores in the metrics, and
+  every sample's reward the rule's plus the reward model's, which is a plain transformers
+  forward of prompt + response;
+- an LLM judge served by the lean engine in each generator (``reward_model.judge``): its
+  scores in the metrics, each in [0, 1], and every sample's reward the rule's plus the
+  judge's.
+"""
 
 from __future__ import annotations
 
@@ -73,3 +79,30 @@ def test_the_default_trains_with_a_reward_model_beside_the_rule(run_root: Path,
             ids = torch.cat([sample.prompt_ids, sample.response_ids]).long()[None]
             assert float(model(input_ids=ids).logits[0, 0]) == pytest.approx(
                 sample.reward_info["rm_score"], abs=1e-5)
+
+
+def test_the_default_trains_with_a_judge_on_the_lean_engine(run_root: Path, tmp_path: Path,
+                                                            random_model_dir: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = launch([str(DEFAULT_TOPOLOGY), str(CONFIG_DIR / "arithmetic-grpo.toml"),
+                     f"trainer.run_dir={run_root}", *FREE_PORTS, f"tracking.uri={uri}",
+                     f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1",
+                     "reward_model.judge.enable=true",
+                     f"reward_model.judge.model={random_model_dir}",
+                     "reward_model.judge.max_new_tokens=4", "reward_model.combine=add"],
+                    timeout_s=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("relay-arithmetic")
+                                 .experiment_id])
+    for name in ("rollout/judge_score_mean", "rollout/rule_score_mean", "actor/loss"):
+        history = client.get_metric_history(run.info.run_id, name)
+        assert len(history) == STEPS and all(math.isfinite(m.value) for m in history), name
+    samples = [s for g in read_rollout_log(only_run_dir(run_root) / "rollouts")
+               for s in g.samples]
+    assert samples
+    for sample in samples:
+        info = sample.reward_info
+        assert 0.0 <= info["judge_score"] <= 1.0
+        assert sample.reward == pytest.approx(info["rule_score"] + info["judge_score"],
+                                              abs=1e-6)
