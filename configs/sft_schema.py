@@ -34,7 +34,7 @@ from relay.configs.loader import (
     read_toml,
 )
 from relay.configs.hub import looks_like_hub_id
-from relay.configs.run_schema import OptimConfig
+from relay.configs.run_schema import ModelConfig, OptimConfig
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -94,12 +94,33 @@ class SftDataConfig(_Section):
 
 class SftModelConfig(_Section):
     """The model (verl's ``model``): ``partial_pretrain``, a Hugging Face folder (or hub
-    ID) to fine-tune, trained in fp32 master weights computing in ``dtype``."""
+    ID) to fine-tune, trained in fp32 master weights computing in ``dtype``.
+
+    LoRA (verl's ``lora_rank``, ``lora_alpha``, ``target_modules``; with the RL policy's
+    ``exclude_modules`` and ``lora_adapter_path``): ``lora_rank`` > 0 trains peft adapters
+    alone, as the RL learner does (``relay.configs.run_schema.ModelConfig``,
+    ``relay.learner.lora``); the output folder holds the merged weights."""
 
     partial_pretrain: str
     enable_gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    lora_alpha: PositiveFloat = 16.0
+    target_modules: str | list[str] = "all-linear"
+    exclude_modules: str | list[str] | None = None
+    lora_adapter_path: str | None = None
+
+    def lora(self) -> ModelConfig | None:
+        """The RL policy's ``ModelConfig`` holding these LoRA keys (what
+        ``relay.learner.model.load_sharded`` takes), or None without LoRA."""
+        if self.lora_rank == 0:
+            return None
+        return ModelConfig(path=self.partial_pretrain, lora_rank=self.lora_rank,
+                           lora_alpha=self.lora_alpha, target_modules=self.target_modules,
+                           exclude_modules=self.exclude_modules,
+                           lora_adapter_path=self.lora_adapter_path,
+                           trust_remote_code=self.trust_remote_code)
 
 
 class SftOptimConfig(_Section):
@@ -171,7 +192,8 @@ class SftConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 PATH_KEYS = (("data", "train_files"), ("data", "val_files"), ("model", "partial_pretrain"),
-             ("trainer", "default_local_dir"), ("trainer", "resume_from_path"))
+             ("model", "lora_adapter_path"), ("trainer", "default_local_dir"),
+             ("trainer", "resume_from_path"))
 """Keys holding local paths: relative to the config file's folder when set there, to the
 working directory when set on the command line."""
 

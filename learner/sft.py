@@ -29,8 +29,12 @@ or micro-batches. Gradients are clipped to ``optim.clip_grad`` (a non-finite nor
 step: ``relay.learner.optim.clipped_step``). ``val/loss`` is the same mean over all of
 ``data.val_files``, every ``trainer.test_freq`` steps and at the end.
 
-Output. ``default_local_dir/final``: the trained model (float32) and its tokenizer, a
-Hugging Face folder that an RL run takes as ``actor_rollout_ref.model.path``. Rank 0 prints
+LoRA (``model.lora_rank`` > 0): peft adapters wrap the model before it is sharded
+(``relay.learner.lora``); only they train and hold optimizer state.
+
+Output. ``default_local_dir/final``: the trained model (float32; with LoRA the merged
+weights W + (alpha / r) B A under the base model's names) and its tokenizer, a Hugging Face
+folder that an RL run takes as ``actor_rollout_ref.model.path``. Rank 0 prints
 a progress line a step (``trainer.logger`` with ``console``) and logs ``train/loss``,
 ``train/lr``, ``train/grad_norm``, ``train/tokens`` and ``val/loss`` to MLflow.
 """
@@ -248,7 +252,8 @@ def _run(config: SftConfig, device: torch.device) -> Path:
     model = load_sharded(model_config.partial_pretrain,
                          compute_dtype=getattr(torch, model_config.dtype), device=device,
                          trust_remote_code=model_config.trust_remote_code,
-                         gradient_checkpointing=model_config.enable_gradient_checkpointing)
+                         gradient_checkpointing=model_config.enable_gradient_checkpointing,
+                         lora=model_config.lora())
     trainer = SftTrainer(config, model, device, total, parallelism)
     start, resumed = 0, None
     checkpoint = resume_point(config, out)

@@ -6,7 +6,11 @@ A checkpoint holds what the SFT trainer (``relay.learner.sft``) needs to go on a
   rank writing its shards; loadable at any world size, read without running pickles:
   ``relay.learner.safe_dcp``);
 - ``hf/``: the model in float32 and its tokenizer as a Hugging Face folder
-  (``relay.learner.hf_export.save_hf``): any checkpoint is a ``model.path``;
+  (``relay.learner.hf_export.save_hf``; a LoRA model's merged weights): any checkpoint is
+  a ``model.path``;
+- ``adapter/``, a LoRA model's only: its adapters in peft's format
+  (``relay.learner.lora.save_adapter``), and ``dcp/`` then holds the adapters and their
+  optimizer state alone (the frozen base is ``model.partial_pretrain``'s);
 - ``meta.json`` (``SftCheckpointMeta``, written last): the step, the schedule's state, the
   world size and the MLflow run.
 
@@ -29,7 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
 from transformers import PreTrainedTokenizerBase
 
 from relay.buffer.durable import fsync_tree
@@ -44,6 +49,7 @@ FORMAT = 1
 META_FILE = "meta.json"
 NAME = re.compile(r"global_step_(\d+)")
 PARTIAL_SUFFIX = ".tmp"
+ADAPTER_FOLDER = "adapter"
 
 
 class SftCheckpointMeta(msgspec.Struct, kw_only=True, frozen=True):
@@ -56,6 +62,17 @@ class SftCheckpointMeta(msgspec.Struct, kw_only=True, frozen=True):
     world_size: int
     mlflow_run_id: str = ""
     saved_at: float = 0.0
+
+
+def _all_trained(model: nn.Module) -> bool:
+    """Whether every parameter trains (no frozen LoRA base)."""
+    return all(p.requires_grad for p in model.parameters())
+
+
+def _options(model: nn.Module) -> StateDictOptions:
+    """The state a checkpoint holds: the trained parameters (a LoRA model's adapters), as
+    the RL learner's checkpoints do (``relay.learner.checkpoint``)."""
+    return StateDictOptions(ignore_frozen_params=True, strict=_all_trained(model))
 
 
 def _rank() -> int:
@@ -82,9 +99,12 @@ def save_sft_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer,
             shutil.rmtree(partial)
         partial.mkdir(parents=True)
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial / "dcp"))
     save_hf(model, partial / "hf", torch.float32, group=group)
+    if not _all_trained(model):
+        from relay.learner.lora import save_adapter  # peft: the lora extra
+        save_adapter(model, partial / ADAPTER_FOLDER, group=group)
     _barrier()
     if _rank() == 0:
         if tokenizer is not None:
@@ -144,7 +164,7 @@ def load_sft_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer,
     (``relay.learner.optim.reapply_configured``). Returns its meta."""
     meta = read_sft_meta(checkpoint)
     configured = configured_values(optimizer, scheduler)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
     state = {"model": model_state, "optim": optim_state}
     try:
         safe_dcp.load(state, str(checkpoint / "dcp"))
@@ -155,7 +175,7 @@ def load_sft_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer,
                               f"(model.partial_pretrain must be the model it was written "
                               f"from): {exc}") from exc
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+                   optim_state_dict=state["optim"], options=_options(model))
     scheduler.load_state_dict(meta.scheduler)
     for change in reapply_configured(optimizer, scheduler, configured, "optim"):
         if _rank() == 0:

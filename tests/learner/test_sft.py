@@ -109,3 +109,31 @@ def test_resume_mode_disable_starts_afresh(random_model_dir: Path, tmp_path: Pat
     assert sft.resume_point(config_for(random_model_dir, out), out) == out / "global_step_2"
     config = config_for(random_model_dir, out, "trainer.resume_mode=disable")
     assert sft.resume_point(config, out) is None
+
+
+def test_lora_trains_adapters_alone_and_writes_the_merged_model(random_model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    from peft import PeftModel
+
+    out = tmp_path / "lora"
+    config = config_for(random_model_dir, out, "trainer.total_training_steps=4",
+                        "trainer.save_freq=2", "model.lora_rank=4", "model.lora_alpha=8",
+                        "model.target_modules=[q_proj,v_proj]")
+    sft.write_resolved(config)
+    sft.run(config)
+    uninterrupted = load_file(out / "final" / "model.safetensors")
+    base = load_file(random_model_dir / "model.safetensors")
+    adapted = {k for k in base if ".q_proj." in k or ".v_proj." in k}
+    assert adapted and all(not torch.equal(uninterrupted[k], base[k]) for k in adapted)
+    assert all(torch.equal(uninterrupted[k], base[k]) for k in base.keys() - adapted)
+    checkpoint = out / "global_step_4"
+    merged = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32),
+        checkpoint / "adapter").merge_and_unload().state_dict()
+    assert max(float((merged[k] - uninterrupted[k]).abs().max()) for k in adapted) <= 1e-6
+    # dcp/ holds the adapters alone; a resume reads the base from model.partial_pretrain
+    shutil.rmtree(checkpoint)
+    shutil.rmtree(out / "final")
+    sft.run(config)
+    resumed = load_file(out / "final" / "model.safetensors")
+    assert max(float((resumed[k] - uninterrupted[k]).abs().max()) for k in base) <= 1e-6
