@@ -201,10 +201,12 @@ class MergedWeights(Mapping[str, torch.Tensor]):
         lo = _first_row(weight)
         hi = lo + local.shape[0]
         if transposed:  # W is (in, out): W' = W + scale (B A)^T = W + scale A^T B^T
-            delta = a.float().t()[lo:hi] @ b.float().t()
+            left, right = a.t()[lo:hi], b.t()
         else:
-            delta = b.float()[lo:hi] @ a.float()
-        merged = (local.float() + scale * delta.to(local.device)).to(local.dtype)
+            left, right = b[lo:hi], a
+        left, right = left.to(local.device, torch.float32), right.to(local.device, torch.float32)
+        # one fused pass, no (rows x in) temporary beside the result: addmm(W, L, R) = W + s L R
+        merged = torch.addmm(local.float(), left, right, alpha=scale).to(local.dtype)
         if not isinstance(weight, DTensor):
             return merged
         return DTensor.from_local(merged, weight.device_mesh, weight.placements,

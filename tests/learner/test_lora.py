@@ -1,8 +1,10 @@
 """LoRA on the policy (``relay.learner.lora``): only the adapters train, the publish sends
 the merged weights W + (alpha / r) B A under the base model's names, the reference is the
-base (adapters disabled), the adapters save in peft's format; and two FSDP2 ranks train
-three steps leaving the base weights bitwise as they were, their merged export and
-published weights matching, the lean engine generating with them."""
+base (adapters disabled), the adapters save in peft's format; two FSDP2 ranks train three
+steps leaving the base weights bitwise as they were, their merged export and published
+weights matching, the lean engine generating with them; a checkpoint holds the adapters,
+exports merged and resumes; Ulysses (SP 2) gives the adapters one process's gradients;
+vLLM's CPU build generates with a published version."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.multiprocessing as mp
 from peft import PeftModel
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import DTensor
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -23,18 +26,24 @@ from relay.configs.run_schema import ActorConfig, AlgorithmConfig, ModelConfig, 
 from relay.export import export
 from relay.generators.lean_engine import LeanEngine
 from relay.generators.sampling import SamplingParams
+from relay.generators.torch_engine import TorchEngine
+from relay.learner.attention import ATTENTION
 from relay.learner.batch import collate
 from relay.learner.checkpoint import ADAPTER_FOLDER, load_checkpoint, save_checkpoint
 from relay.learner.checkpoint_meta import Lineage, LoopState
 from relay.learner.hf_export import save_hf
 from relay.learner.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapters_disabled,
-                                is_lora, save_adapter, write_merged)
+                                is_lora, save_adapter, wrap, write_merged)
 from relay.learner.model import forward_logprobs, load_sharded
 from relay.learner.optim import build_optimizer, build_scheduler
+from relay.learner.ulysses import learner_parallelism
 from relay.learner.update import Learner
 from relay.learner.weight_buckets import gather_buckets, plan_buckets
+from relay.transport.messages import RolloutGroup
 
-from ..conftest import exit_worker, free_port, gather_full_weights
+from ..conftest import exit_worker, free_port, gather_full_weights, save_random_model
+from ..generators.test_vllm_engine import EOS, PROMPTS, needs_vllm
+from ..generators.test_vllm_engine import start as start_vllm
 from .test_update import DATA, ROLLOUT, rollouts
 
 RANK, ALPHA = 8, 16.0
@@ -57,8 +66,7 @@ def randomize_b(model: nn.Module) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                param.normal_(std=0.05) if not hasattr(param, "to_local") \
-                    else param.to_local().normal_(std=0.05)
+                (param.to_local() if isinstance(param, DTensor) else param).normal_(std=0.05)
 
 
 def expected_merged(base_dir: Path, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -72,6 +80,20 @@ def expected_merged(base_dir: Path, adapters: dict[str, torch.Tensor]) -> dict[s
             b = adapters[f"base_model.model.{stem}.lora_B.weight"]
             out[name] = out[name] + SCALE * b @ a
     return out
+
+
+def published_version(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A publish of ``model`` (fp32 buckets of 16 KiB: tensors split across buckets),
+    assembled whole by name on rank 0 ({} on the others); a collective."""
+    plan = plan_buckets(model, torch.float32, 1 << 14)
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for bucket in gather_buckets(model, plan, torch.float32, version=1):
+        if bucket is None:
+            continue
+        for name, start, piece in zip(bucket.names, bucket.starts, bucket.tensors):
+            pieces.setdefault(name, []).append((start, piece.clone()))
+    return {n: torch.cat([t for _, t in sorted(p, key=lambda x: x[0])])
+            for n, p in pieces.items()}
 
 
 def test_only_the_adapters_train_and_the_optimizer_holds_only_them(
@@ -92,14 +114,7 @@ def test_the_publish_sends_merged_weights_under_the_base_names(random_model_dir:
                                                                 one_rank_group) -> None:
     model = load_lora(random_model_dir)
     randomize_b(model)
-    plan = plan_buckets(model, torch.float32, 1 << 14)
-    published: dict[str, torch.Tensor] = {}
-    for bucket in gather_buckets(model, plan, torch.float32, version=1):
-        for name, start, piece in zip(bucket.names, bucket.starts, bucket.tensors):
-            whole = published.setdefault(name, [])
-            whole.append((start, piece.clone()))
-    published = {n: torch.cat([t for _, t in sorted(pieces, key=lambda x: x[0])])
-                 for n, pieces in published.items()}
+    published = published_version(model)
     base = AutoModelForCausalLM.from_pretrained(str(random_model_dir), dtype=torch.float32)
     assert sorted(published) == sorted(n for n, _ in base.named_parameters())
     full = gather_full_weights(model, torch.float32)
@@ -139,8 +154,7 @@ def test_the_reference_is_the_base_with_its_adapters_disabled(random_model_dir: 
     assert learner.reference is learner.model
 
 
-def rollouts_for(model_dir: Path):
-    from relay.generators.torch_engine import TorchEngine
+def rollouts_for(model_dir: Path) -> list[RolloutGroup]:
     engine = TorchEngine.from_pretrained(str(model_dir), dtype=torch.float32, eos_ids=[-1],
                                          pad_id=0, seed=0)
     return rollouts(engine, 0)
@@ -193,12 +207,7 @@ def train_lora_ranks(rank: int, world: int, port: int, model_dir: str, batch_fil
         learner = lora_learner(model, reference=True)
         metrics = [learner.step(batch, version=v).metrics for v in range(3)]
         after = gather_full_weights(model, torch.float32)
-        plan = plan_buckets(model, torch.float32, 1 << 14)
-        published: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        for bucket in gather_buckets(model, plan, torch.float32, version=3):
-            if bucket is not None:
-                for name, start, piece in zip(bucket.names, bucket.starts, bucket.tensors):
-                    published.setdefault(name, []).append((start, piece.clone()))
+        published = published_version(model)
         save_hf(model, Path(out) / "hf", torch.float32)
         save_adapter(model, Path(out) / "adapter", base_path=model_dir)
         if rank == 0:
@@ -209,6 +218,7 @@ def train_lora_ranks(rank: int, world: int, port: int, model_dir: str, batch_fil
     exit_worker()
 
 
+@pytest.mark.slow  # 2 processes training 3 steps: 21 s alone, 46 s on a busy 2-core machine
 def test_two_ranks_train_lora_leaving_the_base_and_publishing_merged(
         random_model_dir: Path, tmp_path: Path) -> None:
     batch = collate(rollouts_for(random_model_dir), pad_id=0)
@@ -230,8 +240,7 @@ def test_two_ranks_train_lora_leaving_the_base_and_publishing_merged(
     assert sorted(exported) == sorted(expected)
     write_merged(tmp_path / "adapter", tmp_path / "merged", torch.float32)
     merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
-    published = {n: torch.cat([t for _, t in sorted(pieces, key=lambda x: x[0])])
-                 for n, pieces in state["published"].items()}
+    published = state["published"]
     for name, tensor in expected.items():
         for got in (exported[name], merged[name], published[name]):
             torch.testing.assert_close(got, tensor, rtol=0, atol=1e-6)
@@ -291,3 +300,87 @@ def test_a_lora_checkpoint_holds_the_adapters_exports_merged_and_resumes(
                    in gather_full_weights(trained.model, torch.float32).items())
     finally:
         torch.set_num_threads(threads)
+
+
+# -- Ulysses --------------------------------------------------------------------------------
+
+
+def adapter_loss_and_grads(model: nn.Module, batch, sp) -> dict[str, torch.Tensor]:
+    """The response log-probs' sum and its gradients on the adapters."""
+    logprobs, _ = forward_logprobs(model, batch, 1.0, False, sp=sp)
+    loss = (logprobs * batch.response_mask).sum()
+    loss.backward()
+    return {"loss": loss.detach(), "logprobs": logprobs.detach(),
+            **{n: p.grad.detach().clone() for n, p in model.named_parameters()
+               if p.requires_grad}}
+
+
+def adapted_model(model_dir: Path) -> nn.Module:
+    """The model as the learner loads it (relay attention), with seeded adapters, B != 0."""
+    torch.manual_seed(5)
+    model = wrap(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                      attn_implementation=ATTENTION),
+                 lora_keys(model_dir), load_adapter=False)
+    randomize_b(model)
+    return model
+
+
+def lora_sp_worker(rank: int, world: int, port: int, model_dir: str, batch_file: str,
+                   out_file: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        batch = torch.load(batch_file, weights_only=False)
+        sp = learner_parallelism(torch.device("cpu"), world).sequence
+        result = adapter_loss_and_grads(adapted_model(Path(model_dir)), batch, sp)
+        for name in result:  # each rank holds its slice's share of the gradients
+            if name not in ("loss", "logprobs"):
+                dist.all_reduce(result[name], group=sp.group)
+        if rank == 0:
+            torch.save(result, out_file)
+    finally:
+        dist.destroy_process_group()
+    exit_worker()
+
+
+def test_lora_under_ulysses_sp2_gives_the_adapter_gradients_of_one_process(
+        random_model_dir: Path, tmp_path: Path) -> None:
+    batch = collate(rollouts_for(random_model_dir), pad_id=0)
+    torch.save(batch, tmp_path / "batch.pt")
+    mp.start_processes(lora_sp_worker, args=(2, free_port(), str(random_model_dir),
+                                             str(tmp_path / "batch.pt"), str(tmp_path / "sp.pt")),
+                       nprocs=2, start_method="spawn")
+    two = torch.load(tmp_path / "sp.pt", weights_only=False)
+    one = adapter_loss_and_grads(adapted_model(random_model_dir), batch, sp=None)
+    assert set(two) == set(one) and any("lora_A" in n for n in one)
+    for name, expected in one.items():
+        torch.testing.assert_close(two[name], expected, atol=2e-5, rtol=1e-4, msg=name)
+
+
+# -- vLLM's CPU build -----------------------------------------------------------------------
+
+
+@needs_vllm
+def test_vllms_cpu_build_generates_with_the_published_merged_weights(tmp_path: Path) -> None:
+    model_dir = save_random_model(tmp_path / "base", hidden=128)  # vLLM's CPU heads: >= 32
+    # the learner's side in a process group of its own, gone before vLLM makes its own
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        model = load_lora(model_dir)
+        randomize_b(model)
+        published = published_version(model)
+        save_adapter(model, tmp_path / "adapter", base_path=str(model_dir))
+    finally:
+        dist.destroy_process_group()
+    write_merged(tmp_path / "adapter", tmp_path / "merged", torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    engine = start_vllm(model_dir)
+    engine.load_weights(1, published)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    for prompt, completion in zip(PROMPTS, engine.generate(PROMPTS, greedy)):
+        with torch.no_grad():
+            expected = merged.generate(torch.tensor([prompt]), max_new_tokens=8,
+                                       do_sample=False, eos_token_id=EOS, pad_token_id=0)
+        tokens = completion.token_ids.tolist()
+        assert tokens == expected[0, len(prompt):].tolist()[:len(tokens)]
