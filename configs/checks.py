@@ -624,7 +624,8 @@ def check_reward_model(run: RunConfig, source: str, prm: str | None) -> None:
     if not rm.model.path:
         raise ConfigError(source, "reward_model.model.path",
                           "reward_model.enable = true needs the reward model's folder "
-                          "(a *ForSequenceClassification or *ForTokenClassification model)")
+                          "(a *ForSequenceClassification or *ForTokenClassification model, "
+                          "or a causal LM with TRL's value head)")
     if rm.device and not DEVICE.fullmatch(rm.device):
         raise ConfigError(source, "reward_model.device",
                           f"{rm.device!r} is not a device: {DEVICES}, or empty for the "

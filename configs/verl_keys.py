@@ -433,8 +433,8 @@ TABLE: tuple[VerlKey, ...] = tuple([
     VerlKey(key="reward_model.model.path", group="differs",
             note="with reward_model.enable, the discriminative reward model (a "
                  "*ForSequenceClassification or *ForTokenClassification folder, num_labels "
-                 "= 1); with algorithm.adv_estimator = prime, PRIME's implicit PRM (empty: "
-                 "the policy's checkpoint)"),
+                 "= 1, or a causal LM with TRL's value head); with algorithm.adv_estimator = "
+                 "prime, PRIME's implicit PRM (empty: the policy's checkpoint)"),
     *_same("reward_model.model.input_tokenizer", "reward_model.model.trust_remote_code",
            "reward_model.micro_batch_size_per_gpu", "reward_model.max_length"),
     *_refused(_DEPRECATED.format("reward_model.micro_batch_size"),

@@ -1,15 +1,19 @@
 """A discriminative reward model (verl's ``reward_model.enable``), scoring inside a generator.
 
-The model is loaded with transformers from ``reward_model.model.path``; two layouts are
-accepted, both with ``num_labels = 1``:
+The model is loaded with transformers from ``reward_model.model.path``; three layouts are
+accepted:
 
-- ``*ForSequenceClassification`` with its head named ``score`` (what transformers' decoder
-  models use: Llama, Qwen2, Mistral, Gemma, ...; Skywork's and most open reward models);
-- ``*ForTokenClassification`` (verl's own ``RewardModelWorker`` loads this class).
+- ``*ForSequenceClassification`` with ``num_labels = 1`` and its head named ``score`` (what
+  transformers' decoder models use: Llama, Qwen2, Mistral, Gemma, ...; Skywork's and most
+  open reward models);
+- ``*ForTokenClassification`` with ``num_labels = 1`` (verl's own ``RewardModelWorker``
+  loads this class; ``relay export --critic`` writes Relay's critic so);
+- a ``*ForCausalLM`` folder whose safetensors also hold TRL's value head
+  (``v_head.summary.weight`` (1, H) and ``.bias``: ``AutoModelForCausalLMWithValueHead``),
+  read as the base model plus that head (``ValueHeadModel``).
 
-A causal LM with a separate value head (TRL's ``v_head``) is refused with a message: save
-it as one of the above. The score of a sequence is the head's logit at its last token
-(the last non-pad token of prompt + response), as verl takes it:
+The score of a sequence is the head's logit at its last token (the last non-pad token of
+prompt + response), as verl takes it:
 
     score = head(h_T)[0],   h = base_model(prompt_ids + response_ids),  T = last index
 
@@ -28,11 +32,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import torch
-from transformers import (AutoConfig, AutoModelForSequenceClassification,
+from safetensors import safe_open
+from transformers import (AutoConfig, AutoModel, AutoModelForSequenceClassification,
                           AutoModelForTokenClassification, AutoTokenizer)
 
 from relay.algorithms.rewards.result import RewardResult
@@ -50,16 +56,21 @@ class RewardModelError(ValueError):
 def load_reward_model(path: str, *, dtype: str = "float32", device: str = "cpu",
                       trust_remote_code: bool = False) -> torch.nn.Module:
     """The reward model at ``path``, in eval mode on ``device``; ``RewardModelError`` for a
-    layout other than the two accepted (module docstring) or ``num_labels != 1``."""
+    layout other than the three accepted (module docstring) or ``num_labels != 1``."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     architectures = list(getattr(config, "architectures", None) or [])
     kind = next((a for a in architectures
                  if a.endswith(("ForSequenceClassification", "ForTokenClassification"))), None)
     if kind is None:
+        head = value_head_tensors(path)
+        if head and any(a.endswith("ForCausalLM") for a in architectures):
+            body = AutoModel.from_pretrained(path, dtype=DTYPES[dtype],
+                                             trust_remote_code=trust_remote_code)
+            return ValueHeadModel(body, head).to(device=device, dtype=DTYPES[dtype]).eval()
         raise RewardModelError(
             f"reward_model.model.path = {path}: architectures {architectures or 'unset'} is not "
-            "a *ForSequenceClassification or *ForTokenClassification model (a causal LM with "
-            "a separate value head is not read: save it as one of these, num_labels = 1)")
+            "a *ForSequenceClassification or *ForTokenClassification model, nor a causal LM "
+            f"with TRL's value head ({VALUE_HEAD}weight / bias in its safetensors)")
     if config.num_labels != 1:
         raise RewardModelError(f"reward_model.model.path = {path}: num_labels = "
                                f"{config.num_labels}; a reward model has one output (1)")
@@ -73,10 +84,45 @@ def load_reward_model(path: str, *, dtype: str = "float32", device: str = "cpu",
     return model.to(device).eval()
 
 
+VALUE_HEAD = "v_head.summary."  # TRL's AutoModelForCausalLMWithValueHead
+
+
+def value_head_tensors(path: str) -> dict[str, torch.Tensor]:
+    """TRL's value head (``weight`` (1, H), ``bias`` (1,)) from the ``*.safetensors`` files
+    of the folder ``path``; empty when there is none."""
+    head: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                if name.startswith(VALUE_HEAD):
+                    head[name.removeprefix(VALUE_HEAD)] = tensors.get_tensor(name)
+    return head
+
+
+class ValueHeadModel(torch.nn.Module):
+    """A causal LM's body with TRL's value head: ``v(h_t) = W h_t + b`` at every token."""
+
+    def __init__(self, body: torch.nn.Module, head: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        weight = head.get("weight")
+        if weight is None or weight.dim() != 2 or weight.shape[0] != 1:
+            raise RewardModelError(f"{VALUE_HEAD}weight must be (1, hidden), got "
+                                   f"{None if weight is None else tuple(weight.shape)}")
+        self.body = body
+        self.v_head = torch.nn.Linear(weight.shape[1], 1, bias="bias" in head)
+        self.v_head.load_state_dict(head)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.v_head(hidden)[..., 0]
+
+
 @torch.no_grad()
 def token_logits(model: torch.nn.Module, input_ids: torch.Tensor,
                  attention_mask: torch.Tensor) -> torch.Tensor:
     """The head's logit at every position, ``[batch, length]``."""
+    if isinstance(model, ValueHeadModel):
+        return model(input_ids, attention_mask)
     if type(model).__name__.endswith("ForSequenceClassification"):
         out = model.base_model(input_ids=input_ids, attention_mask=attention_mask)
         return model.score(out.last_hidden_state)[..., 0]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import (AutoModelForSequenceClassification, LlamaConfig,
                           LlamaForCausalLM, LlamaForSequenceClassification,
                           LlamaForTokenClassification)
@@ -75,6 +76,23 @@ def test_token_classification_scores_the_last_token(tmp_path: Path) -> None:
     assert got == pytest.approx(expected, abs=1e-5)
 
 
+def test_a_causal_lm_with_trls_value_head(tmp_path: Path) -> None:
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(tiny_config(tokenizer))
+    lm.save_pretrained(tmp_path / "vh")
+    head = {"v_head.summary.weight": torch.randn(1, 32), "v_head.summary.bias": torch.randn(1)}
+    save_file(head, str(tmp_path / "vh" / "value_head.safetensors"))
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
+    with torch.no_grad():
+        expected = [float(lm.model(input_ids=torch.tensor([s])).last_hidden_state[0, -1]
+                          @ head["v_head.summary.weight"][0] + head["v_head.summary.bias"][0])
+                    for s in ids]
+    got = score_sequences(load_reward_model(str(tmp_path / "vh")), ids, micro_batch_size=3,
+                          pad_id=0)
+    assert got == pytest.approx(expected, abs=1e-5)
+
+
 def test_max_length_cuts_on_the_right(rm_dir: Path) -> None:
     tokenizer = build_tokenizer()
     seq = tokenizer(TEXTS[3], add_special_tokens=False)["input_ids"]
@@ -106,7 +124,7 @@ def test_scorer_reads_policy_ids_or_rerenders_the_chat(rm_dir: Path) -> None:
 def test_layouts_refused_with_the_reason(tmp_path: Path) -> None:
     tokenizer = build_tokenizer()
     LlamaForCausalLM(tiny_config(tokenizer)).save_pretrained(tmp_path / "lm")
-    with pytest.raises(RewardModelError, match="ForSequenceClassification"):
+    with pytest.raises(RewardModelError, match="TRL's value head"):
         load_reward_model(str(tmp_path / "lm"))
     save_rm(tmp_path / "two", num_labels=2)
     with pytest.raises(RewardModelError, match="num_labels = 2"):
