@@ -7,6 +7,7 @@
     relay export RUN_DIR [--step N] OUT_DIR
     relay export RUN_DIR/checkpoints/step-N [--dtype D] [--critic | --prm | --merge-lora] OUT_DIR
     relay import-verl VERL_CHECKPOINT OUT_DIR [--dtype D]
+    relay sft [CONFIG.yaml|CONFIG.toml] [key=value ...]
     relay plot RUN_DIR [RUN_DIR ...] [--out DIR]
     relay rollouts RUN_DIR --step N [--jsonl FILE]
     relay prepare-data {arithmetic,gsm8k} ...
@@ -32,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("relay.replay", "re-train a run's recorded batches offline and compare"),
     "export": ("relay.export", "write a checkpoint's policy as a Hugging Face folder"),
     "import-verl": ("relay.import_verl", "turn a verl FSDP checkpoint into Hugging Face folders"),
+    "sft": ("relay.sft", "supervised fine-tuning with verl's SFT keys"),
     "plot": ("relay.plot", "draw the curves of one or more runs as PNG files"),
     "rollouts": ("relay.rollouts", "print or dump the rollout groups a step trained on"),
     "prepare-data": ("relay.prepare_data", "write prompt datasets in verl's schema"),
