@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AutoModel, PretrainedConfig
+from transformers import AutoModel, AutoModelForTokenClassification, PretrainedConfig
 
 from relay.algorithms.aggregation import aggregate_loss
 from relay.algorithms.value_loss import clipped_value_loss
@@ -67,13 +67,14 @@ class ValueModel(nn.Module):
 def load_value_model(path: str, *, compute_dtype: torch.dtype, device: torch.device,
                      trust_remote_code: bool = False, gradient_checkpointing: bool = False,
                      mesh: DeviceMesh | None = None) -> ValueModel:
-    """The body of the causal LM at ``path`` (fp32, attending with ``relay.learner.attention``) plus
-    a zero value head, FSDP2-sharded over ``mesh`` (default: every rank) and loaded from
-    rank 0, as the policy is (``relay.learner.model.load_sharded``)."""
+    """The value model at ``path`` (fp32, attending with ``relay.learner.attention``): a
+    trained critic (``read_value_model``), or the body of a causal LM plus a zero value
+    head; FSDP2-sharded over ``mesh`` (default: every rank) and loaded from rank 0, as the
+    policy is (``relay.learner.model.load_sharded``)."""
     options = dict(dtype=torch.float32, attn_implementation=ATTENTION,
                    trust_remote_code=trust_remote_code)
     model, full_state = read_on_rank0(
-        lambda: with_value_head(AutoModel.from_pretrained(path, **options)),
+        lambda: read_value_model(path, options),
         lambda: with_value_head(AutoModel.from_config(hf_config(path, trust_remote_code),
                                                       **options)))
     model.config.use_cache = False
@@ -82,6 +83,25 @@ def load_value_model(path: str, *, compute_dtype: torch.dtype, device: torch.dev
     shard(model, compute_dtype=compute_dtype, blocks=block_classes(model.body),
           mesh=mesh if mesh is not None else sharding_mesh(device))
     load_from_rank0(model, full_state, device)
+    return model
+
+
+def read_value_model(path: str, options: dict) -> ValueModel:
+    """The model at ``path`` as a ``ValueModel``. A critic in verl's layout (what ``relay
+    export --critic`` and ``relay import-verl`` write: ``*ForTokenClassification`` with one
+    label) keeps its trained head, V(s_t) = score(h_t); any other model's body gets a zero
+    head."""
+    config = hf_config(path, options["trust_remote_code"])
+    trained = (config.num_labels == 1 and any(
+        name.endswith("ForTokenClassification") for name in config.architectures or ()))
+    if not trained:
+        return with_value_head(AutoModel.from_pretrained(path, **options))
+    critic = AutoModelForTokenClassification.from_pretrained(path, **options)
+    model = with_value_head(critic.base_model)
+    with torch.no_grad():
+        model.value_head.weight.copy_(critic.score.weight)
+        if critic.score.bias is not None:
+            model.value_head.bias.copy_(critic.score.bias)
     return model
 
 
