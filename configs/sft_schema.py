@@ -205,7 +205,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_yaml_loader())
     except FileNotFoundError:
         raise ConfigError(str(path), "", "file not found") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
@@ -216,6 +216,27 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(str(path), "", f"the top level must be a mapping, not "
                                          f"{type(data).__name__}")
     return data
+
+
+def _yaml_loader() -> type:
+    """PyYAML's safe loader reading ``1e-5`` as a float, as OmegaConf (verl's loader)
+    does: YAML 1.1 wants ``1.0e-5`` and would give the string "1e-5"."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X),
+        list("-+0123456789."))
+    return Loader
 
 
 def load_sft_config(path: str | Path | None, overrides: Iterable[str] = ()) -> SftConfig:

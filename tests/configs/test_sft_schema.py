@@ -52,6 +52,7 @@ trainer:
 def test_a_verl_yaml_loads_with_overrides(tmp_path: Path) -> None:
     path = tmp_path / "sft.yaml"
     path.write_text(VERL_YAML)
+    assert load_sft_config(path).optim.lr == 1e-4  # YAML 1.1 would read "1e-4" as text
     config = load_sft_config(path, ["optim.lr=2e-5", "data.truncation=left",
                                     "+trainer.total_training_steps=7"])
     assert config.data.train_files == str(tmp_path / "data" / "train.parquet")
