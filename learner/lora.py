@@ -92,17 +92,21 @@ def linear_names(model: nn.Module) -> list[str]:
 
 def check_target_modules(model: nn.Module, config: LoraConfig) -> None:
     """ValueError naming ``target_modules`` (or ``exclude_modules``) and the model's linear
-    module names when a listed name matches no module, or when nothing is left to adapt
-    (a regular expression or ``all-linear`` is peft's to match)."""
-    available = linear_names(model)
+    module names when a listed name matches no linear module (a regular expression or
+    ``all-linear`` is peft's to match: ``wrap`` names the key when it matches nothing)."""
+    paths = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and name]
     for key, names in (("target_modules", config.target_modules),
                        ("exclude_modules", config.exclude_modules)):
         if not isinstance(names, (set, list, tuple)):
             continue
-        unknown = sorted(set(names) - set(available))
+        # peft's rule: a name matches a module whose path is it or ends with "." + it
+        unknown = sorted(name for name in names
+                         if not any(p == name or p.endswith(f".{name}") for p in paths))
         if unknown:
             raise ValueError(f"{KEY}.{key}: {unknown} name no linear module of "
-                             f"{type(model).__name__}; its linear modules are {available} "
+                             f"{type(model).__name__}; its linear modules are "
+                             f"{linear_names(model)} "
                              "(or give 'all-linear', or a regular expression)")
 
 

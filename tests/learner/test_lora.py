@@ -191,6 +191,24 @@ def test_adapters_save_in_peft_format_and_merge(random_model_dir: Path, tmp_path
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
 
 
+def test_lora_adapter_path_starts_from_a_saved_adapter_of_its_rank(
+        random_model_dir: Path, tmp_path: Path, one_rank_group) -> None:
+    model = load_lora(random_model_dir)
+    randomize_b(model)
+    save_adapter(model, tmp_path / "adapter", base_path=str(random_model_dir))
+    saved = published_version(model)
+    torch.manual_seed(9)  # fresh adapters would differ
+    started = load_lora(random_model_dir, lora_adapter_path=str(tmp_path / "adapter"))
+    assert all(p.requires_grad == (".lora_" in n) for n, p in started.named_parameters())
+    for name, tensor in published_version(started).items():
+        assert torch.equal(tensor, saved[name]), name
+    with pytest.raises(ValueError, match=r"lora_adapter_path.*has rank 8.*lora_rank is 4"):
+        load_sharded(str(random_model_dir), compute_dtype=torch.float32,
+                     device=torch.device("cpu"),
+                     lora=ModelConfig(path=str(random_model_dir), lora_rank=4,
+                                      lora_adapter_path=str(tmp_path / "adapter")))
+
+
 # -- two ranks ------------------------------------------------------------------------------
 
 
