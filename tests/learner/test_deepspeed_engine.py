@@ -30,7 +30,7 @@ from relay.learner.update import Learner, with_last
 
 from ..conftest import exit_worker, free_port, gather_full_weights
 from .test_checkpoint import ACTOR, BUFFER, RUN
-from .test_ranks import assert_same_update
+from .test_ranks import assert_same_update, save_two_steps
 from .test_update import DATA, LR, ROLLOUT, rollouts
 from .test_update_algorithms import make_learner
 
@@ -68,13 +68,7 @@ def train_two_steps(rank: int, world: int, port: int, model_dir: str, batch_file
         batch = torch.load(batch_file, weights_only=False)
         learner = make_learner(Path(model_dir), actor=actor) if settings is None else \
             ds_learner(model_dir, settings, AlgorithmConfig(), actor)
-        metrics = [learner.step(batch, version=v).metrics for v in range(2)]
-        with learner.full_policy():
-            weights = gather_full_weights(learner.model, torch.float32)
-        if rank == 0:
-            torch.save({"losses": [m["actor/loss"] for m in metrics],
-                        "rejected": [m["actor/rejected_frac"] for m in metrics],
-                        "weights": weights}, out_file)
+        save_two_steps(learner, batch, rank, out_file)
     finally:
         dist.destroy_process_group()
     exit_worker()

@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 from relay.algorithms.off_policy import RolloutCorrectionConfig
 from relay.configs.run_schema import AlgorithmConfig
 from relay.generators.torch_engine import TorchEngine
-from relay.learner.batch import collate
+from relay.learner.batch import TrainBatch, collate
+from relay.learner.update import Learner
 
 from ..conftest import exit_worker, free_port, gather_full_weights
 from .test_update import LR, rollouts
@@ -53,15 +54,22 @@ def train_two_steps(rank: int, world: int, port: int, model_dir: str, batch_file
         mesh = (world,) if fsdp_size == -1 else (world // fsdp_size, fsdp_size)
         models = [learner.model, learner.reference, learner.critic and learner.critic.model]
         assert {p.device_mesh.shape for m in models if m for p in m.parameters()} == {mesh}
-        metrics = [learner.step(batch, version=v).metrics for v in range(2)]
-        weights = gather_full_weights(learner.model, torch.float32)
-        if rank == 0:
-            torch.save({"losses": [m["actor/loss"] for m in metrics],
-                        "rejected": [m["actor/rejected_frac"] for m in metrics],
-                        "weights": weights}, out_file)
+        save_two_steps(learner, batch, rank, out_file)
     finally:
         dist.destroy_process_group()
     exit_worker()
+
+
+def save_two_steps(learner: Learner, batch: TrainBatch, rank: int, out_file: str) -> None:
+    """Two steps of ``learner`` on ``batch``; rank 0 saves their losses, rejected fractions
+    and the full weights after them (``assert_same_update`` compares two such results)."""
+    metrics = [learner.step(batch, version=v).metrics for v in range(2)]
+    with learner.full_policy():
+        weights = gather_full_weights(learner.model, torch.float32)
+    if rank == 0:
+        torch.save({"losses": [m["actor/loss"] for m in metrics],
+                    "rejected": [m["actor/rejected_frac"] for m in metrics],
+                    "weights": weights}, out_file)
 
 
 def run_world(world: int, *args: object) -> None:
