@@ -44,6 +44,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relay.configs.run_schema import ModelConfig
 from relay.learner.hf_export import commit_folder, partial_folder, set_config_dtype
+from relay.learner.weight_buckets import held_rows
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +222,6 @@ def _first_row(weight: torch.Tensor) -> int:
     """The index of this rank's first row of ``weight`` (FSDP2's Shard(0)); 0 unsharded."""
     if not isinstance(weight, DTensor):
         return 0
-    from relay.learner.weight_buckets import held_rows  # it imports this module lazily
     mesh = weight.device_mesh
     return held_rows(weight.shape[0], mesh.size(mesh.ndim - 1),
                      mesh.get_local_rank(mesh.ndim - 1))[0]

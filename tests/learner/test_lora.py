@@ -169,6 +169,27 @@ def lora_learner(model: nn.Module, reference: bool) -> Learner:
                    reference=model if reference else None)
 
 
+def test_gradient_checkpointing_gives_the_adapters_the_same_gradients(
+        random_model_dir: Path, one_rank_group) -> None:
+    batch = collate(rollouts_for(random_model_dir), pad_id=0)
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(2)
+        model = load_sharded(str(random_model_dir), compute_dtype=torch.float32,
+                             device=torch.device("cpu"), gradient_checkpointing=checkpointing,
+                             lora=lora_keys(random_model_dir))
+        assert model.get_base_model().is_gradient_checkpointing == checkpointing
+        randomize_b(model)
+        model.train()
+        logprobs, _ = forward_logprobs(model, batch, 1.0, False)
+        (logprobs * batch.response_mask).sum().backward()
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()
+                      if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and all(".lora_" in n for n in grads[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_adapters_save_in_peft_format_and_merge(random_model_dir: Path, tmp_path: Path,
                                                 one_rank_group) -> None:
     model = load_lora(random_model_dir)
