@@ -318,11 +318,25 @@ def update_phases(label: str) -> tuple[str, str, str]:
 
 class LearnerModels(msgspec.Struct, frozen=True, kw_only=True):
     """The models a run's learner holds, counted (``count_parameters``): the policy (and its
-    reference), the critic with ``gae``, PRIME's PRM with ``prime``."""
+    reference), the critic with ``gae``, PRIME's PRM with ``prime``; with LoRA
+    (``model.lora_rank`` > 0) the policy's adapters (``count_adapters``: (dim-0 length,
+    elements per row) of each), the only parameters it trains."""
 
     policy: ModelSize
     critic: ModelSize | None = None
     prm: ModelSize | None = None
+    adapters: tuple[tuple[int, int], ...] = ()
+
+
+def count_adapters(config: PretrainedConfig, run: RunConfig) -> tuple[tuple[int, int], ...]:
+    """The LoRA adapters ``relay.learner.lora.wrap`` gives the policy ``config`` describes
+    (``model.lora_rank`` and its siblings), counted on the ``meta`` device."""
+    from relay.learner.lora import wrap  # peft: the lora extra
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, trust_remote_code=run.model.trust_remote_code)
+        wrapped = wrap(model, run.model, load_adapter=False)
+    return tuple((p.shape[0], p[0].numel()) for p in wrapped.parameters() if p.requires_grad)
 
 
 def count_learner_models(run: RunConfig,
@@ -337,9 +351,11 @@ def count_learner_models(run: RunConfig,
     if estimator.prm:
         prm = count_parameters(config_of(run.reward_model.model.path or run.model.path),
                                trust_remote_code=trust)
-    return LearnerModels(policy=count_parameters(config_of(run.model.path),
-                                                 trust_remote_code=trust),
-                         critic=critic, prm=prm)
+    policy_config = config_of(run.model.path)
+    return LearnerModels(policy=count_parameters(policy_config, trust_remote_code=trust),
+                         critic=critic, prm=prm,
+                         adapters=count_adapters(policy_config, run)
+                         if run.model.lora_rank > 0 else ())
 
 
 def plan_learner(run: RunConfig, models: LearnerModels, ranks: int) -> MemoryPlan:
@@ -364,7 +380,8 @@ def plan_learner(run: RunConfig, models: LearnerModels, ranks: int) -> MemoryPla
         *trained_items("policy", policy, shards=shards, compute_bytes=c, tokens=tokens,
                        checkpointing=run.model.enable_gradient_checkpointing,
                        offload_params=actor.fsdp_config.param_offload,
-                       offload_optimizer=actor.fsdp_config.optimizer_offload),
+                       offload_optimizer=actor.fsdp_config.optimizer_offload,
+                       adapters=models.adapters),
         *logprob_pass_items(policy, compute_bytes=c, tokens=pass_tokens(  # resolved: set
             use_dynamic_bsz=bool(ref.log_prob_use_dynamic_bsz),
             max_token_len=int(ref.log_prob_max_token_len_per_gpu),
@@ -372,8 +389,10 @@ def plan_learner(run: RunConfig, models: LearnerModels, ranks: int) -> MemoryPla
             row_length=row, sp=sp)),
     ]
     prm_path = run.reward_model.model.path or run.model.path
-    prm_shares_reference = models.prm is not None and prm_path == run.model.path
-    if run.actor.use_kl_loss or run.algorithm.use_kl_in_reward or prm_shares_reference:
+    prm_shares_reference = (models.prm is not None and prm_path == run.model.path
+                            and not models.adapters)  # a LoRA policy is its own reference
+    if not models.adapters and (run.actor.use_kl_loss or run.algorithm.use_kl_in_reward
+                                or prm_shares_reference):
         items.append(frozen_item("reference", policy, compute_bytes=c,
                                  shards=shard_count(ref.fsdp_config.fsdp_size, ranks,
                                                     "ref.fsdp_config.fsdp_size"),
@@ -397,7 +416,8 @@ def plan_learner(run: RunConfig, models: LearnerModels, ranks: int) -> MemoryPla
 
 def trained_items(label: str, size: ModelSize, *, shards: int, compute_bytes: int,
                   tokens: int, checkpointing: bool, offload_params: bool = False,
-                  offload_optimizer: bool = False) -> list[MemoryItem]:
+                  offload_optimizer: bool = False,
+                  adapters: tuple[tuple[int, int], ...] = ()) -> list[MemoryItem]:
     """A model that trains (``update_phases(label)``): fp32 master shards and AdamW's states
     held (on the CPU with ``offload_params``; the states also with ``offload_optimizer``,
     then brought to the GPU for the step), fp32 gradient shards from its update pass to its
@@ -405,20 +425,28 @@ def trained_items(label: str, size: ModelSize, *, shards: int, compute_bytes: in
     the compute dtype with their fp32 reduce-scatter input (block x (c + 4)), activations
     (``activation_bytes``) and the head (``head_bytes``); at the backward's end the root's
     gradients and their reduce-scatter input (root x (c + 4)); in the step, torch's foreach
-    AdamW's temporary (the square roots of the second moments: shard x 4)."""
+    AdamW's temporary (the square roots of the second moments: shard x 4). With LoRA
+    ``adapters``, the frozen base's shards stay (fp32), and the adapters' alone (their
+    shard: ``trained``) have gradients, AdamW states and the temporary (the block gradients
+    and the activations are still planned as full fine-tuning's: an upper bound)."""
     update, update_end, step = update_phases(label)
-    c, shard = compute_bytes, size.shard_numel(shards)
+    c = compute_bytes
+    base = ModelSize(rows=adapters, block=0, root=0, head=0, head_kind="chunked",
+                     shape=size.shape) if adapters else size
+    shard = base.shard_numel(shards)  # the trained elements of a rank
+    held = size.shard_numel(shards) + (shard if adapters else 0)
     on_gpu = not offload_params
     weights = FP32 * shard if on_gpu else 0
-    adam = ADAM_STATES * FP32 * shard + FP32 * size.tensors  # and an fp32 step count each
+    adam = ADAM_STATES * FP32 * shard + FP32 * base.tensors  # and an fp32 step count each
     where = "" if on_gpu else " (on the CPU: param_offload)"
     offloaded_adam = on_gpu and offload_optimizer
     items = [
-        MemoryItem(name=f"{label} parameter shards (fp32)", bytes=weights,
-                   formula=f"{shard:,} elements x 4 B{where}"),
+        MemoryItem(name=f"{label} parameter shards (fp32)", bytes=FP32 * held if on_gpu else 0,
+                   formula=f"{held:,} elements x 4 B{where}"
+                           + (" (the frozen base and the LoRA adapters)" if adapters else "")),
         MemoryItem(name=f"{label} AdamW states (2 x fp32)",
                    bytes=adam if on_gpu and not offload_optimizer else 0,
-                   formula=f"{shard:,} x 8 B + 4 B x {size.tensors} step counts"
+                   formula=f"{shard:,} x 8 B + 4 B x {base.tensors} step counts"
                            + (" (on the CPU: optimizer_offload)" if offloaded_adam else where)),
         MemoryItem(name=f"{label} gradient shards (fp32)", bytes=weights,
                    phases=(update, update_end, step), formula=f"{shard:,} x 4 B{where}"),

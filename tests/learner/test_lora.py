@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from relay.configs.run_schema import ActorConfig, AlgorithmConfig, ModelConfig, OptimConfig
 from relay.export import export
@@ -34,7 +34,10 @@ from relay.learner.checkpoint_meta import Lineage, LoopState
 from relay.learner.hf_export import save_hf
 from relay.learner.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapters_disabled,
                                 is_lora, save_adapter, wrap, write_merged)
-from relay.learner.model import forward_logprobs, load_sharded
+from relay.learner.logprob_head import position_logprobs
+from relay.learner.memory_plan import (LearnerModels, count_adapters, count_parameters,
+                                       plan_learner)
+from relay.learner.model import block_classes, forward_logprobs, load_sharded, shard
 from relay.learner.optim import build_optimizer, build_scheduler
 from relay.learner.ulysses import learner_parallelism
 from relay.learner.update import Learner
@@ -44,6 +47,8 @@ from relay.transport.messages import RolloutGroup
 from ..conftest import exit_worker, free_port, gather_full_weights, save_random_model
 from ..generators.test_vllm_engine import EOS, PROMPTS, needs_vllm
 from ..generators.test_vllm_engine import start as start_vllm
+from .test_memory_plan import TINY, eight_fake_ranks, storage_bytes  # noqa: F401 (a fixture)
+from .test_memory_plan import run_config as plan_run_config
 from .test_update import DATA, ROLLOUT, rollouts
 
 RANK, ALPHA = 8, 16.0
@@ -423,3 +428,35 @@ def test_vllms_cpu_build_generates_with_the_published_merged_weights(tmp_path: P
                                        do_sample=False, eos_token_id=EOS, pad_token_id=0)
         tokens = completion.token_ids.tolist()
         assert tokens == expected[0, len(prompt):].tolist()[:len(tokens)]
+
+
+# -- the memory plan ------------------------------------------------------------------------
+
+
+def test_the_memory_plan_holds_a_lora_policys_trained_state_and_no_reference(
+        eight_fake_ranks: None) -> None:
+    config = Qwen2Config(**TINY)
+    keys = ModelConfig(path="unused", lora_rank=RANK, lora_alpha=ALPHA)
+    run = plan_run_config(model=keys, actor=ActorConfig(use_kl_loss=True))
+    models = LearnerModels(policy=count_parameters(config), adapters=count_adapters(config, run))
+    model = wrap(AutoModelForCausalLM.from_config(config), keys, load_adapter=False)
+    shard(model, compute_dtype=torch.bfloat16, blocks=block_classes(model))
+    optimizer = build_optimizer(model, run.actor.optim)
+    ids = torch.randint(0, 509, (1, 32))
+    logprobs, _ = position_logprobs(model, {"input_ids": ids}, torch.arange(31), ids[0, 1:],
+                                    1.0, with_entropy=False)
+    logprobs.sum().backward()
+    optimizer.step()
+    planned = {item.name: item.bytes for item in plan_learner(run, models, ranks=8).items}
+    assert storage_bytes(p.to_local() for p in model.parameters()) \
+        == planned["policy parameter shards (fp32)"]
+    assert storage_bytes(p.grad.to_local() for p in model.parameters() if p.grad is not None) \
+        == planned["policy gradient shards (fp32)"]
+    states = [v.to_local() if hasattr(v, "to_local") else v
+              for state in optimizer.state.values() for v in state.values()]
+    assert storage_bytes(iter(states)) == planned["policy AdamW states (2 x fp32)"]
+    full = {item.name: item.bytes for item in plan_learner(
+        plan_run_config(actor=ActorConfig(use_kl_loss=True)), LearnerModels(
+            policy=models.policy), ranks=8).items}
+    assert planned["policy AdamW states (2 x fp32)"] < full["policy AdamW states (2 x fp32)"] / 4
+    assert "reference parameter shards" in full and "reference parameter shards" not in planned
