@@ -4,7 +4,9 @@ packages that pyproject.toml declares (issue 31, item 1).
 - Every third-party package a shipped module imports is in ``[project] dependencies``
   (mapped from import name to distribution by ``importlib.metadata``), except the optional
   engines, trackers and kernels (``OPTIONAL``), which may only be imported lazily, inside a
-  function, where a missing one fails the feature that asked for it and nothing else.
+  function, where a missing one fails the feature that asked for it and nothing else. A
+  module that is one optional package's feature (``FEATURE_MODULES``) imports it at the top
+  and is itself imported only lazily.
 - Every shipped module compiles under each Python 3.10-3.13 interpreter found on this
   machine (pyenv's, or on ``PATH``); and ``vermin``, where installed, finds no feature newer
   than the oldest Python allowed.
@@ -34,8 +36,11 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SHIPPED = sorted(ROOT / folder
                  for folder in PROJECT["tool"]["setuptools"]["package-dir"].values())
 OPTIONAL = {"vllm", "sglang", "flash_attn", "deepspeed", "wandb", "swanlab", "tensorboard",
-            "trl", "datasets", "ray"}
+            "trl", "datasets", "ray", "peft"}
 """Import names of the optional packages (extras, or installed by the user for a feature)."""
+FEATURE_MODULES = {"relay.learner.lora": "peft"}
+"""Modules built on one optional package: they import it at the top, and every other module
+imports them lazily."""
 MIN_PYTHON = re.fullmatch(r">=\s*3\.(\d+)", PROJECT["project"]["requires-python"])
 PYTHONS = [f"3.{minor}" for minor in range(10, 14)]
 
@@ -51,15 +56,14 @@ def declared() -> set[str]:
 
 
 def imports(path: Path) -> Iterator[tuple[str, int, bool]]:
-    """``(top-level name, line, lazy)`` of each absolute import in ``path``; ``lazy``: inside
-    a function."""
+    """``(module, line, lazy)`` of each absolute import in ``path`` (``import a.b``: "a.b";
+    ``from a.b import c``: "a.b"); ``lazy``: inside a function."""
     def walk(node: ast.AST, lazy: bool) -> Iterator[tuple[str, int, bool]]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.Import):
-                yield from ((alias.name.split(".")[0], child.lineno, lazy)
-                            for alias in child.names)
+                yield from ((alias.name, child.lineno, lazy) for alias in child.names)
             elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
-                yield child.module.split(".")[0], child.lineno, lazy
+                yield child.module, child.lineno, lazy
             yield from walk(child, lazy or isinstance(child, (ast.FunctionDef,
                                                               ast.AsyncFunctionDef)))
     yield from walk(ast.parse(path.read_text(), str(path)), False)
@@ -68,6 +72,16 @@ def imports(path: Path) -> Iterator[tuple[str, int, bool]]:
 def shipped_modules() -> list[Path]:
     return sorted(p for folder in SHIPPED for p in folder.rglob("*.py")
                   if "__pycache__" not in p.parts)
+
+
+def module_name(path: Path) -> str:
+    """The dotted name a shipped file installs as (pyproject's ``package-dir``)."""
+    folders = PROJECT["tool"]["setuptools"]["package-dir"]
+    package, folder = max(((package, ROOT / folder) for package, folder in folders.items()
+                           if path.is_relative_to(ROOT / folder)),
+                          key=lambda entry: len(entry[1].parts))
+    parts = path.relative_to(folder).with_suffix("").parts
+    return ".".join((package, *parts)).removesuffix(".__init__")
 
 
 def third_party(name: str) -> bool:
@@ -80,8 +94,13 @@ def test_every_imported_package_is_declared_or_an_optional_lazy_import() -> None
     problems = []
     for path in shipped_modules():
         where = path.relative_to(ROOT)
-        for name, line, lazy in imports(path):
-            if not third_party(name):
+        feature = FEATURE_MODULES.get(module_name(path))
+        for module, line, lazy in imports(path):
+            name = module.split(".")[0]
+            if module in FEATURE_MODULES and not lazy:
+                problems.append(f"{where}:{line}: {module} (needs "
+                                f"{FEATURE_MODULES[module]}) imported at module level")
+            if not third_party(name) or name == feature:
                 continue
             dists = {normalized(d) for d in distributions.get(name, [name])}
             if name == "torch" or dists & wanted:  # torch.utils.tensorboard: OPTIONAL's, lazily
@@ -92,6 +111,14 @@ def test_every_imported_package_is_declared_or_an_optional_lazy_import() -> None
                 problems.append(f"{where}:{line}: {name} ({', '.join(sorted(dists))}) is "
                                 "not in pyproject.toml's dependencies")
     assert not problems, "\n".join(problems)
+
+
+def test_feature_modules_are_named_as_installed() -> None:
+    """The names ``FEATURE_MODULES`` exempts are the files' (a wrong one exempts nothing)."""
+    assert module_name(ROOT / "learner" / "lora.py") == "relay.learner.lora"
+    assert module_name(ROOT / "tools" / "relay" / "cli.py") == "relay.cli"
+    names = {module_name(path) for path in shipped_modules()}
+    assert FEATURE_MODULES.keys() <= names
 
 
 def test_the_check_sees_an_undeclared_import(tmp_path: Path) -> None:
