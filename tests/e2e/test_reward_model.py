@@ -24,6 +24,7 @@ from transformers import AutoModelForSequenceClassification, LlamaConfig, \
 from relay.buffer.rollout_log import read_rollout_log
 from relay.configs import CONFIG_DIR, DEFAULT_TOPOLOGY
 from relay.learner.tiny_model.tokenizer import build_tokenizer
+from relay.transport.messages import Sample
 
 from .conftest import launch, only_run_dir
 
@@ -60,16 +61,7 @@ def test_the_default_trains_with_a_reward_model_beside_the_rule(run_root: Path,
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"trained {STEPS} steps" in result.stdout
 
-    client = MlflowClient(tracking_uri=uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("relay-arithmetic")
-                                 .experiment_id])
-    for name in ("rollout/rm_score_mean", "rollout/rule_score_mean", "actor/loss"):
-        history = client.get_metric_history(run.info.run_id, name)
-        assert len(history) == STEPS and all(math.isfinite(m.value) for m in history), name
-
-    samples = [s for g in read_rollout_log(only_run_dir(run_root) / "rollouts")
-               for s in g.samples]
-    assert samples
+    samples = logged_samples(uri, run_root, "rollout/rm_score_mean")
     for sample in samples:
         info = sample.reward_info
         assert sample.reward == pytest.approx(info["rule_score"] + info["rm_score"], abs=1e-6)
@@ -92,17 +84,23 @@ def test_the_default_trains_with_a_judge_on_the_lean_engine(run_root: Path, tmp_
                      "reward_model.judge.max_new_tokens=4", "reward_model.combine=add"],
                     timeout_s=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for sample in logged_samples(uri, run_root, "rollout/judge_score_mean"):
+        info = sample.reward_info
+        assert 0.0 <= info["judge_score"] <= 1.0
+        assert sample.reward == pytest.approx(info["rule_score"] + info["judge_score"],
+                                              abs=1e-6)
+
+
+def logged_samples(uri: str, run_root: Path, learned_metric: str) -> list[Sample]:
+    """The run's samples from its rollout log, once MLflow holds a finite value of the
+    learned score's metric, the rule's and the actor's loss for every step."""
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("relay-arithmetic")
                                  .experiment_id])
-    for name in ("rollout/judge_score_mean", "rollout/rule_score_mean", "actor/loss"):
+    for name in (learned_metric, "rollout/rule_score_mean", "actor/loss"):
         history = client.get_metric_history(run.info.run_id, name)
         assert len(history) == STEPS and all(math.isfinite(m.value) for m in history), name
     samples = [s for g in read_rollout_log(only_run_dir(run_root) / "rollouts")
                for s in g.samples]
     assert samples
-    for sample in samples:
-        info = sample.reward_info
-        assert 0.0 <= info["judge_score"] <= 1.0
-        assert sample.reward == pytest.approx(info["rule_score"] + info["judge_score"],
-                                              abs=1e-6)
+    return samples
