@@ -1,8 +1,8 @@
 """``relay export`` of a checkpoint in bf16 decodes greedily, token for token, as the
 checkpoint's policy does (the learner's weights cast to bf16, as a user loads them): in
-transformers and in vLLM's CPU build (slow: vLLM starts in ~15 s). Apart from
-test_export.py because vLLM tears down the process group it joins when it shuts down, so
-the learner's one-rank group is gone before vLLM starts."""
+transformers and in vLLM's CPU build (slow: vLLM starts in ~15 s). vLLM runs in a process
+of its own: its engine leaves a default process group behind, which would break every
+later test that makes one."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from relay.export import main
@@ -74,14 +75,24 @@ def checkpoint_and_policy(model_dir: Path, tmp_path: Path) -> tuple[Path, torch.
     return checkpoint, policy.to(torch.bfloat16)
 
 
+def vllm_decodes(_index: int, folder: str) -> None:
+    """vLLM's CPU engine on ``folder`` decodes ``PROMPTS`` greedily into ``folder``/vllm.pt."""
+    from relay.generators.sampling import SamplingParams
+    from relay.generators.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.from_pretrained(folder, dtype=torch.bfloat16, eos_ids=[], pad_id=0,
+                                        max_num_seqs=4, max_len=64)
+    completions = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS,
+                                                          temperature=0.0))
+    torch.save([completion.token_ids.tolist() for completion in completions],
+               Path(folder) / "vllm.pt")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                     reason="vLLM is not installed (the `vllm` extra)")
 def test_a_bf16_export_decodes_as_the_checkpoint_in_transformers_and_vllm(
         tmp_path: Path) -> None:
-    from relay.generators.sampling import SamplingParams
-    from relay.generators.vllm_engine import VLLMEngine
-
     model_dir = save_decoding_model(tmp_path / "model")
     checkpoint, policy = checkpoint_and_policy(model_dir, tmp_path)
     expected = greedy(policy)
@@ -89,8 +100,6 @@ def test_a_bf16_export_decodes_as_the_checkpoint_in_transformers_and_vllm(
                                                                    dtype=torch.bfloat16))
     assert main([str(checkpoint), "--dtype", "bfloat16", str(tmp_path / "out")]) == 0
     assert greedy(AutoModelForCausalLM.from_pretrained(tmp_path / "out")) == expected
-    engine = VLLMEngine.from_pretrained(str(tmp_path / "out"), dtype=torch.bfloat16, eos_ids=[],
-                                        pad_id=0, max_num_seqs=4, max_len=64)
-    completions = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS,
-                                                          temperature=0.0))
-    assert [completion.token_ids.tolist() for completion in completions] == expected
+    mp.start_processes(vllm_decodes, args=(str(tmp_path / "out"),), nprocs=1,
+                       start_method="spawn")
+    assert torch.load(tmp_path / "out" / "vllm.pt") == expected
