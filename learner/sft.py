@@ -71,33 +71,13 @@ from relay.learner.sft_checkpoint import (
 )
 from relay.learner.sft_data import SftExample, collate_examples, load_examples
 from relay.learner.tracking import Resumed, Tracker, default_uri
-from relay.learner.ulysses import Parallelism, SequenceParallel, check_heads
+from relay.learner.ulysses import Parallelism, check_heads, learner_parallelism
 
 logger = logging.getLogger("relay.sft")
 
 FINAL_MODEL = "final"
 RESOLVED_CONFIG = "sft.toml"
 EXTRA_TRACKERS = ("wandb", "tensorboard", "swanlab")
-
-
-def sft_parallelism(device: torch.device, sp_size: int, packed: bool) -> Parallelism:
-    """The ``D x P`` mesh for ``P = sp_size`` (``relay.learner.ulysses``); with ``packed``
-    (``use_remove_padding``) and P = 1 each rank is an SP group of one, so its passes run
-    packed without padding through the same path. ValueError naming the key when P does
-    not divide the world."""
-    world = dist.get_world_size()
-    if sp_size == 1 and not packed:
-        return Parallelism()
-    if world % sp_size:
-        raise ValueError(f"ulysses_sequence_parallel_size = {sp_size} does not divide the "
-                         f"{world} ranks (trainer.n_gpus_per_node)")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, (world // sp_size, sp_size),
-                            mesh_dim_names=("dp", "sp"))
-    return Parallelism(data_group=mesh.get_group("dp"),
-                       sequence=SequenceParallel(mesh.get_group("sp"), sp_size,
-                                                 mesh.get_local_rank("sp")))
 
 
 def steps_per_epoch(rows: int, batch_size: int) -> int:
@@ -247,8 +227,10 @@ def _run(config: SftConfig, device: torch.device) -> Path:
         if config.data.val_list() else []
     total = total_steps(config, len(train))
     check_model(config)
-    parallelism = sft_parallelism(device, config.ulysses_sequence_parallel_size,
-                                  config.use_remove_padding)
+    parallelism = learner_parallelism(device, config.ulysses_sequence_parallel_size,
+                                      packed=config.use_remove_padding,
+                                      key="ulysses_sequence_parallel_size",
+                                      ranks="trainer.n_gpus_per_node")
     model = load_sharded(model_config.partial_pretrain,
                          compute_dtype=getattr(torch, model_config.dtype), device=device,
                          trust_remote_code=model_config.trust_remote_code,

@@ -71,15 +71,20 @@ class Parallelism:
         self.data_group, self.sequence = data_group, sequence
 
 
-def learner_parallelism(device: torch.device, sp_size: int) -> Parallelism:
+def learner_parallelism(device: torch.device, sp_size: int, *, packed: bool = False,
+                        key: str = KEY,
+                        ranks: str = "topology learner: len(hosts) x nproc_per_node"
+                        ) -> Parallelism:
     """The ``D x P`` mesh of the initialised world for ``P = sp_size`` (module docstring);
-    ValueError naming ``KEY`` when ``P`` does not divide the world."""
+    with ``packed`` and P = 1 each rank is an SP group of one, so its passes run packed
+    without padding through the same path (SFT's ``use_remove_padding``). ValueError naming
+    ``key`` and where the world size comes from (``ranks``) when ``P`` does not divide it."""
     world = dist.get_world_size()
-    if sp_size == 1:
+    if sp_size == 1 and not packed:
         return Parallelism()
     if world % sp_size:
-        raise ValueError(f"{KEY} = {sp_size} does not divide the learner's {world} ranks "
-                         "(topology learner: len(hosts) x nproc_per_node)")
+        raise ValueError(f"{key} = {sp_size} does not divide the learner's {world} ranks "
+                         f"({ranks})")
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world // sp_size, sp_size),

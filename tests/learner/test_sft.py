@@ -19,7 +19,7 @@ from relay.learner import sft
 from relay.learner.model import load_sharded
 from relay.learner.sft_data import collate_examples, load_examples
 from relay.learner.tiny_model.tokenizer import build_tokenizer
-from relay.learner.ulysses import Parallelism
+from relay.learner.ulysses import learner_parallelism
 
 TRAIN = CONFIG_DIR / "data" / "arithmetic-sft-train.jsonl"
 VAL = CONFIG_DIR / "data" / "arithmetic-sft-val.jsonl"
@@ -64,8 +64,7 @@ def test_the_loss_is_the_token_mean_nll_of_the_batch(random_model_dir: Path, tmp
     want = plain_token_mean_nll(random_model_dir, collate_examples(examples, 0))
     model = load_sharded(str(random_model_dir), compute_dtype=torch.float32,
                          device=torch.device("cpu"))
-    parallelism = sft.sft_parallelism(torch.device("cpu"), 1, config.use_remove_padding) \
-        if config.use_remove_padding else Parallelism()
+    parallelism = learner_parallelism(torch.device("cpu"), 1, packed=config.use_remove_padding)
     trainer = sft.SftTrainer(config, model, torch.device("cpu"), total=4,
                              parallelism=parallelism)
     assert trainer.validate(examples, 0) == pytest.approx(want, rel=1e-5)
