@@ -152,7 +152,6 @@ class ZeroEngine:
     def step(self) -> float:
         """Clip, step (unless the norm is not finite) and clear the gradients; the global
         gradient norm before clipping."""
-        self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
