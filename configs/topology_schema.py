@@ -104,9 +104,15 @@ class VLLMOptions(EngineOptions):
 
     ``engine_kwargs`` go to ``vllm.LLM`` as they are, last (verl's
     ``rollout.engine_kwargs.vllm``): any engine argument not named here.
+
+    ``enable_lora`` (with the run's ``model.lora_rank`` > 0, as verl turns it on): vLLM's
+    LoRA support runs the policy's adapters over the base model, and when every engine of
+    the topology takes them so the learner publishes the adapters alone
+    (``relay.configs.lora_publish``); off, vLLM takes merged weights as the other engines.
     """
 
     kv_cache_gib: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # CPU only: the KV cache's size
+    enable_lora: bool = True
 
 
 class SGLangOptions(EngineOptions):

@@ -61,9 +61,11 @@ def eos_and_pad(model_path: str, tokenizer) -> tuple[list[int], int]:
 
 
 def build_engine(model: ModelConfig, placement: GeneratorPlacement | EvaluatorPlacement,
-                 seed: int, *, max_num_seqs: int, max_len: int) -> tuple[Engine, object]:
+                 seed: int, *, max_num_seqs: int, max_len: int,
+                 lora_adapters: bool = False) -> tuple[Engine, object]:
     """The engine ``placement`` names (``placement.engine`` on ``placement.device``)
-    holding ``model``, and its tokenizer. Raises ``ValueError`` naming the setting when the
+    holding ``model``, and its tokenizer; with ``lora_adapters`` (vLLM only) one whose
+    versions are the LoRA policy's adapters alone (``relay.configs.lora_publish``). Raises ``ValueError`` naming the setting when the
     engine cannot run the model, ``VLLMUnavailable`` / ``SGLangUnavailable`` saying how to
     install vLLM / SGLang when it is missing."""
     tokenizer = AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
@@ -71,9 +73,12 @@ def build_engine(model: ModelConfig, placement: GeneratorPlacement | EvaluatorPl
     common = dict(dtype=getattr(torch, model.dtype), device=placement.device, eos_ids=eos,
                   pad_id=pad, seed=seed, trust_remote_code=model.trust_remote_code)
     engine = placement.engine
+    if lora_adapters and engine != "vllm":
+        raise ValueError(f"engine \"{engine}\" takes merged weights, not LoRA adapters alone")
     if engine == "vllm":
         return VLLMEngine.from_pretrained(model.path, max_num_seqs=max_num_seqs,
                                           max_len=max_len, options=placement.vllm,
+                                          lora=model if lora_adapters else None,
                                           **common), tokenizer
     if engine == "sglang":
         return SGLangEngine.from_pretrained(model.path, max_num_seqs=max_num_seqs,

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from relay.algorithms.rewards.scorer import RewardScorer
+from relay.configs.lora_publish import publishes_adapters
 from relay.configs.prompt_data import (
     PromptRow,
     chat_token_counter,
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     engine, tokenizer = build_engine(run.model, placement, seed=run.trainer.seed,
                                      max_num_seqs=run.rollout.max_num_seqs,
                                      max_len=run.data.max_prompt_length
-                                     + run.rollout.response_length)
+                                     + run.rollout.response_length,
+                                     lora_adapters=publishes_adapters(run, ctx.topology))
     data = run.data
     rows = fit_prompts(load_prompt_rows(data.val_files, prompt_key=data.prompt_key),
                        chat_token_counter(tokenizer), data.max_prompt_length,

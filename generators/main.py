@@ -30,6 +30,7 @@ import msgspec
 import torch
 
 from relay.algorithms.rewards.scorer import RewardScorer
+from relay.configs.lora_publish import publish_problem, publishes_adapters
 from relay.configs.prompt_data import load_prompt_rows
 from relay.configs.run_schema import ModelConfig, RunConfig
 from relay.configs.rundir import RunContext, configure_logging, load_run_dir
@@ -144,10 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     if placement.threads:
         torch.set_num_threads(placement.threads)
     run = ctx.run
+    problem = publish_problem(run, ctx.topology, placement, f"generator {args.name!r}")
+    if problem:
+        raise SystemExit(f"relay.generators.main: {problem}")
     engine, tokenizer = build_engine(run.model, placement, seed,
                                      max_num_seqs=run.rollout.max_num_seqs,
                                      max_len=run.data.max_prompt_length
-                                     + run.rollout.response_length)
+                                     + run.rollout.response_length,
+                                     lora_adapters=publishes_adapters(run, ctx.topology))
     scorer = RewardScorer(run.custom_reward_function, run.sandbox)
     scorer.check_data_sources({row.data_source for row in load_prompt_rows(
         run.data.train_files, prompt_key=run.data.prompt_key)})

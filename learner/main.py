@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from relay.configs.lora_publish import publishes_adapters
 from relay.configs.rundir import (
     FINAL_MODEL,
     RESOLVED_RUN,
@@ -112,7 +113,8 @@ def build_learner(ctx: RunContext, device: torch.device,
                              lora=run.model if lora else None)
     if lora and (not dist.is_initialized() or dist.get_rank() == 0):
         from relay.learner.lora import log_publish_choice  # peft: the lora extra
-        log_publish_choice(", ".join(sorted({p.engine for p in ctx.topology.generators})))
+        log_publish_choice(", ".join(sorted({p.engine for p in ctx.topology.generators})),
+                           publishes_adapters(run, ctx.topology))
     prm_shares_reference = estimator.prm and prm_path == run.model.path and not lora
     reference = None
     if lora and (run.actor.use_kl_loss or run.algorithm.use_kl_in_reward):
@@ -217,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     lineage = run_lineage(ctx.checkpoint_dir, ctx.resume_from, group=cpu_group)
     rank0 = build_rank_zero(ctx, tokenizer, resumed) if rank == 0 else None
     loop = TrainLoop(run, learner, pad_id=pad, checkpoint_dir=ctx.checkpoint_dir,
-                     lineage=lineage, rank0=rank0, group=cpu_group)
+                     lineage=lineage, rank0=rank0, group=cpu_group,
+                     publish_adapters=publishes_adapters(run, ctx.topology))
     if resumed is not None:
         loop.resume(resumed.loop)
     ok = False

@@ -62,6 +62,7 @@ class BucketPlan(msgspec.Struct, frozen=True):
     buckets: list[list[Piece]]
     total_bytes: int
     sizes: list[int]  # bytes of each bucket
+    adapters: bool = False  # a LoRA policy's adapters alone (``published_tensors``)
 
     def manifest(self, version: int, step: int) -> WeightManifest:
         return WeightManifest(version=version, entries=self.entries,
@@ -69,28 +70,35 @@ class BucketPlan(msgspec.Struct, frozen=True):
                               step=step)
 
 
-def published_shapes(model: nn.Module) -> list[tuple[str, torch.Size]]:
+def published_shapes(model: nn.Module, adapters: bool = False) -> list[tuple[str, torch.Size]]:
     """The names and shapes the engines get of ``model``: its parameters'; for a LoRA model,
-    its base parameters' under their Hugging Face names (``relay.learner.lora``)."""
+    its base parameters' under their Hugging Face names, or with ``adapters`` its adapters'
+    alone under peft's file names (``relay.learner.lora``, ``relay.configs.lora_publish``)."""
     if getattr(model, "peft_config", None) is not None:
-        from relay.learner.lora import base_shapes  # peft: the lora extra
-        return base_shapes(model)
+        from relay.learner.lora import adapter_shapes, base_shapes  # peft: the lora extra
+        return adapter_shapes(model) if adapters else base_shapes(model)
+    if adapters:
+        raise ValueError("an adapters-only publish needs a LoRA policy (model.lora_rank > 0)")
     return [(name, param.shape) for name, param in model.named_parameters()]
 
 
-def published_tensors(model: nn.Module) -> Mapping[str, torch.Tensor]:
+def published_tensors(model: nn.Module, adapters: bool = False) -> Mapping[str, torch.Tensor]:
     """The tensors of ``published_shapes`` by name, sharded as the parameters are; for a
     LoRA model its merged weights, W + (alpha / r) B A (``relay.learner.lora.MergedWeights``:
-    a collective, made on every rank)."""
+    a collective, made on every rank), or with ``adapters`` its adapters' A and B."""
     if getattr(model, "peft_config", None) is not None:
-        from relay.learner.lora import MergedWeights  # peft: the lora extra
-        return MergedWeights(model)
+        from relay.learner.lora import MergedWeights, adapter_parameters  # peft: lora extra
+        return adapter_parameters(model) if adapters else MergedWeights(model)
+    if adapters:
+        raise ValueError("an adapters-only publish needs a LoRA policy (model.lora_rank > 0)")
     return dict(model.named_parameters())
 
 
-def plan_buckets(model: nn.Module, dtype: torch.dtype, bucket_bytes: int) -> BucketPlan:
-    """Cut ``model``'s published parameters (``published_shapes``), in order, into buckets
-    of at most ``bucket_bytes`` in ``dtype`` (module docstring)."""
+def plan_buckets(model: nn.Module, dtype: torch.dtype, bucket_bytes: int, *,
+                 adapters: bool = False) -> BucketPlan:
+    """Cut ``model``'s published parameters (``published_shapes``; a LoRA policy's adapters
+    alone with ``adapters``), in order, into buckets of at most ``bucket_bytes`` in
+    ``dtype`` (module docstring)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     item = torch.empty((), dtype=dtype).element_size()
@@ -99,7 +107,7 @@ def plan_buckets(model: nn.Module, dtype: torch.dtype, bucket_bytes: int) -> Buc
     sizes = [0]
     room = bucket_bytes
     total = 0
-    for name, param_shape in published_shapes(model):
+    for name, param_shape in published_shapes(model, adapters):
         shape = list(param_shape)
         entries.append(WeightEntry(name=name, dtype=str(dtype).removeprefix("torch."),
                                    shape=shape))
@@ -124,7 +132,8 @@ def plan_buckets(model: nn.Module, dtype: torch.dtype, bucket_bytes: int) -> Buc
     if not buckets[-1]:
         buckets.pop()
         sizes.pop()
-    return BucketPlan(entries=entries, buckets=buckets, total_bytes=total, sizes=sizes)
+    return BucketPlan(entries=entries, buckets=buckets, total_bytes=total, sizes=sizes,
+                      adapters=adapters)
 
 
 def held_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -203,7 +212,7 @@ def gather_buckets(model: nn.Module, plan: BucketPlan, dtype: torch.dtype, versi
     ``buffers`` (rank 0's, made with ``buffer_spec``) when given: its sender must call
     ``buffers.sent`` before asking for the next bucket. Otherwise they are new; either way
     drop each bucket before asking for the next one, so that only one is alive."""
-    params = published_tensors(model)
+    params = published_tensors(model, plan.adapters)
     shapes = {entry.name: tuple(entry.shape) for entry in plan.entries}
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     rank0 = not distributed or dist.get_rank(group) == 0

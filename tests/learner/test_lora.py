@@ -65,13 +65,13 @@ def load_lora(path: Path, **keys: object) -> nn.Module:
                         lora=lora_keys(path, **keys))
 
 
-def randomize_b(model: nn.Module) -> None:
+def randomize_b(model: nn.Module, std: float = 0.05) -> None:
     """Fresh adapters have B = 0 (W' = W); give them a B to see them."""
     torch.manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                (param.to_local() if isinstance(param, DTensor) else param).normal_(std=0.05)
+                (param.to_local() if isinstance(param, DTensor) else param).normal_(std=std)
 
 
 def expected_merged(base_dir: Path, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
