@@ -47,12 +47,13 @@ negative: ZeroMQ's note that a bucket was written may reach rank 0 after a subsc
 report). The table shows medians over ``--repeats``; GB/s is bytes of one version per
 second (each subscriber receives all of them).
 
-``--lora-rank R``: the whole benchmark runs twice, the model as it is, then with LoRA
-adapters of rank R on every linear module (``model.lora_rank``, ``relay.learner.lora``),
-whose publish sends the same bytes, merged: each adapted tensor W + (alpha / r) B A is
-computed from the rank's rows when its bucket is gathered. The last line gives the LoRA
-publish's median time over the full one's, and rank 0's gather time (where the merge
-runs) over the full one's.
+``--lora-rank R``: the whole benchmark runs three times, the model as it is, then with LoRA
+adapters of rank R on every linear module (``model.lora_rank``, ``relay.learner.lora``)
+published as the engines that take full weights get it, merged (the same bytes: each
+adapted tensor W + (alpha / r) B A is computed from the rank's rows when its bucket is
+gathered), then as vLLM's LoRA support gets it, the adapters alone
+(``relay.configs.lora_publish``). The last lines give each LoRA publish's median time over
+the full one's, and rank 0's gather time (where the merge runs) over the full one's.
 """
 
 from __future__ import annotations
@@ -348,7 +349,8 @@ def worker(spec_file: str) -> None:
             lora = ModelConfig(path=spec["model"], lora_rank=args.lora_rank)
         model = load_sharded(spec["model"], compute_dtype=torch.bfloat16,
                              device=torch.device("cpu"), lora=lora)
-        plan = plan_buckets(model, dtype, int(args.bucket_mb * MiB))
+        plan = plan_buckets(model, dtype, int(args.bucket_mb * MiB),
+                            adapters=getattr(args, "lora_adapters", False))
         pieces = bucket_pieces(plan)
         sizes = [sum(bucket) for bucket in pieces]
         assert sum(sizes) == plan.total_bytes, (sum(sizes), plan.total_bytes)
@@ -726,13 +728,16 @@ def main(argv: list[str]) -> None:
     else:
         sys.exit(f"bench-publish: error: unknown --shape {args.shape!r} (choose from "
                  f"{', '.join(sorted(SHAPES))})")
-    runs = [args] if args.lora_rank <= 0 else [argparse.Namespace(**{**vars(args),
-                                                                      "lora_rank": 0}), args]
+    runs = [args] if args.lora_rank <= 0 else [
+        argparse.Namespace(**{**vars(args), "lora_rank": 0, "lora_adapters": False}),
+        argparse.Namespace(**{**vars(args), "lora_adapters": False}),
+        argparse.Namespace(**{**vars(args), "lora_adapters": True})]
     publish_s = []
     for each in runs:
         if len(runs) > 1:
-            what = (f"LoRA rank {each.lora_rank}, merged weights" if each.lora_rank
-                    else "full model")
+            what = ("full model" if not each.lora_rank else
+                    f"LoRA rank {each.lora_rank}, "
+                    + ("adapters alone" if each.lora_adapters else "merged weights"))
             print(f"\n== {what} ==", flush=True)
         try:
             with tempfile.TemporaryDirectory(prefix="bench-publish-") as tmp:
@@ -744,11 +749,13 @@ def main(argv: list[str]) -> None:
         publish_s.append((median([r["publish_s"] for r in measured]),
                           median([r["returned_s"] - (r["send_s"] or 0.0) for r in measured])))
     if len(runs) > 1:
-        (full, full_gather), (lora, lora_gather) = publish_s
+        (full, full_gather), (lora, lora_gather), (adapters, _) = publish_s
         print(f"\nLoRA rank {args.lora_rank} publish (merged, W + (alpha/r) B A per bucket) "
               f"{lora:.3g} s vs full publish {full:.3g} s: ratio {lora / full:.2f}; rank 0's "
               f"gather (where the merge runs) {lora_gather:.3g} s vs {full_gather:.3g} s: "
               f"ratio {lora_gather / full_gather:.2f}")
+        print(f"LoRA rank {args.lora_rank} publish (adapters alone, for vLLM's LoRA support) "
+              f"{adapters:.3g} s vs full publish {full:.3g} s: ratio {adapters / full:.3f}")
 
 
 if __name__ == "__main__":
