@@ -10,8 +10,9 @@ The checks (issue 29, "Proven on a GPU"), each a record in the summary (``--out`
 ``$OUT/gpu-check.json``), the exit status non-zero on any failure:
 
 - A: one learner step on one rank (grpo with shared prompts, dynamic batch size and the KL
-  loss; gae; prime; offload; Ulysses with a group of one), fp32 against the CPU, bf16
-  against fp32, every tensor on its device, peak memory and host syncs;
+  loss; gae; prime; offload; Ulysses with a group of one; LoRA rank 8; DeepSpeed ZeRO-2,
+  skipped where deepspeed is not installed), fp32 against the CPU, bf16 against fp32, every
+  tensor on its device, peak memory and host syncs;
 - B: a published version arrives bit for bit; the lean engine (and vLLM's CUDA build when
   installed) swaps it in mid-run, its behavior log-probs the learner's;
 - C: ``tools/launch-cluster.py`` with everything on the GPU, 30 steps of a small model.

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -255,6 +256,29 @@ def test_bf16_far_from_fp32_or_not_finite_fails() -> None:
     infinite["metrics"]["actor/grad_norm"] = math.inf
     for bf16 in (far, infinite):
         assert not learner_check.compare("s", outcome(), outcome(), bf16).passed
+
+
+def test_a_scenario_whose_extra_is_missing_is_skipped_saying_so(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    missing = learner_check.Scenario("zero", ("actor.strategy=deepspeed",), needs="no_such_mod")
+    monkeypatch.setattr(learner_check, "SCENARIOS", (missing,))
+    try:
+        outcomes = learner_check.learner_worker(tmp_path, "cpu", ["float32", "bfloat16"])
+    finally:
+        dist.destroy_process_group()
+    assert outcomes == {f"zero:{d}": {"skipped": "no_such_mod is not installed on cpu"}
+                        for d in ("float32", "bfloat16")}
+
+    class Finished:
+        def result(self) -> dict:
+            return outcomes
+
+    class Workers:
+        def start(self, *_: object, **__: object) -> Finished:
+            return Finished()
+
+    (verdict,) = learner_check.learner_checks(Workers(), "cuda")  # type: ignore[arg-type]
+    assert verdict.passed and verdict.skipped == "no_such_mod is not installed on cpu"
 
 
 @pytest.mark.usefixtures("one_rank_group")

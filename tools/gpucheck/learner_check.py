@@ -26,6 +26,7 @@ bar, which then measures the arithmetic, and the gradients are compared on their
 from __future__ import annotations
 
 import gc
+import importlib.util
 import time
 import traceback
 from collections.abc import Iterator
@@ -54,12 +55,14 @@ BF16_TOL = 5e-2
 class Scenario:
     """A learner configuration: run-config ``overrides``; ``ulysses``: a Ulysses group of
     one; ``offloaded``: the policy's and reference's parameters, gradients and optimizer
-    state live on the CPU."""
+    state live on the CPU; ``needs``: the module of an optional extra it runs on (skipped,
+    saying so, where that is not installed)."""
 
     name: str
     overrides: tuple[str, ...]
     ulysses: bool = False
     offloaded: bool = False
+    needs: str = ""
 
 
 SCENARIOS = (
@@ -72,6 +75,9 @@ SCENARIOS = (
                          "actor.fsdp_config.optimizer_offload=true", "actor.use_kl_loss=true"),
              offloaded=True),
     Scenario("ulysses", ("actor.use_kl_loss=true",), ulysses=True),
+    Scenario("lora", ("model.lora_rank=8", "model.lora_alpha=16", "actor.use_kl_loss=true")),
+    Scenario("deepspeed", ("actor.strategy=deepspeed", "actor.deepspeed.zero_stage=2",
+                           "actor.use_kl_loss=true"), needs="deepspeed"),
 )
 
 
@@ -90,6 +96,11 @@ def learner_worker(model_dir: Path, device_setting: str, dtypes: list[str]) -> d
     init_one_rank_group(device)
     outcomes = {}
     for scenario in SCENARIOS:
+        if scenario.needs and importlib.util.find_spec(scenario.needs) is None:
+            for dtype in dtypes:
+                outcomes[f"{scenario.name}:{dtype}"] = {
+                    "skipped": f"{scenario.needs} is not installed on {device.type}"}
+            continue
         for dtype in dtypes:
             began = time.monotonic()
             try:
@@ -139,8 +150,7 @@ def _step(scenario: Scenario, model_dir: Path, device: torch.device, dtype: str)
             metrics = learner.step(batch).metrics
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     after = {n: cpu_copy(p) for n, p in learner.model.named_parameters()}
-    moments = {n: cpu_copy(learner.optimizer.state[p]["exp_avg"])
-               for n, p in learner.model.named_parameters() if p in learner.optimizer.state}
+    moments = _first_moments(learner)
     return {"logprobs": logprobs.float().cpu(), "entropy": entropy.float().cpu(),
             "mask": batch.response_mask, "weights": after, "moments": moments,
             "moved": max(float((after[n] - before[n]).abs().max()) for n in after),
@@ -149,6 +159,23 @@ def _step(scenario: Scenario, model_dir: Path, device: torch.device, dtype: str)
             "gradients": gradients.seen, "syncs": audit.sync_count,
             "sync_sites": [f"{n} x {site}" for site, n in audit.syncs.most_common(5)],
             "peak_gib": peak}
+
+
+def _first_moments(learner) -> dict[str, torch.Tensor]:
+    """Adam's first moments by parameter name, whole on the CPU: from the optimizer's
+    state (FSDP2; a LoRA policy's adapters alone), or gathered from ZeRO's partitions
+    (``actor.strategy = "deepspeed"``, ``deepspeed.utils.safe_get_full_optimizer_state``)."""
+    from gpucheck.build import cpu_copy
+
+    named = list(learner.model.named_parameters())
+    if getattr(learner, "zero", None) is None:
+        return {n: cpu_copy(learner.optimizer.state[p]["exp_avg"])
+                for n, p in named if p in learner.optimizer.state}
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    moments = {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in named
+               if p.requires_grad}
+    return {n: cpu_copy(m) for n, m in moments.items() if m is not None}
 
 
 def _device_audit() -> type:
@@ -233,8 +260,14 @@ def learner_checks(workers: WorkerRunner, device: str) -> list[CheckResult]:
     device_worker = workers.start("learner", device)
     cpu_worker = workers.start("learner", "cpu", hide_gpu=True, dtypes=("float32",))
     on_device, on_cpu = device_worker.result(), cpu_worker.result()
-    return [compare(s.name, on_cpu.get(f"{s.name}:float32"), on_device.get(f"{s.name}:float32"),
-                    on_device.get(f"{s.name}:bfloat16")) for s in SCENARIOS]
+    results = []
+    for s in SCENARIOS:
+        runs = (on_cpu.get(f"{s.name}:float32"), on_device.get(f"{s.name}:float32"),
+                on_device.get(f"{s.name}:bfloat16"))
+        skipped = next((run["skipped"] for run in runs if run and "skipped" in run), None)
+        results.append(CheckResult.skip(f"A/{s.name}", skipped) if skipped
+                       else compare(s.name, *runs))
+    return results
 
 
 def compare(name: str, reference: dict | None, fp32: dict | None,
