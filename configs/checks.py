@@ -19,6 +19,7 @@ import msgspec
 import pyarrow.parquet as pq
 
 from relay.algorithms.registry import advantage_estimator, check_protocol, policy_loss_mode
+from relay.algorithms.rewards.config import OWN_ARGUMENTS
 from relay.algorithms.user_code import is_spec
 from relay.configs.gpu_placement import check_process_gpus
 from relay.configs.hub import looks_like_hub_id, resolve_hub_id
@@ -596,11 +597,20 @@ def check_algorithm_combinations(run: RunConfig, source: str) -> None:
 
 
 def check_reward_model(run: RunConfig, source: str, prm: str | None) -> None:
-    """A batch reward manager needs a custom function; a judge needs exactly one of a
+    """Reward kwargs and a batch reward manager need a custom function; a judge needs exactly one of a
     model and a URL, a template with known fields, and no other learned reward beside it; a
     discriminative reward model (``reward_model.enable`` without PRIME) needs its path and
     a device the generators can name."""
     rewards = run.custom_reward_function
+    if rewards.reward_kwargs and not rewards.path:
+        raise ConfigError(source, "custom_reward_function.reward_kwargs",
+                          f"{sorted(rewards.reward_kwargs)} are arguments for a custom reward "
+                          "function, and the built-in rules take none: set "
+                          "custom_reward_function.path to one")
+    taken = sorted(set(rewards.reward_kwargs) & set(OWN_ARGUMENTS))
+    if taken:
+        raise ConfigError(source, "custom_reward_function.reward_kwargs",
+                          f"{taken}: the reward function is called with those already")
     if rewards.reward_manager == "batch" and not rewards.path:
         raise ConfigError(source, "custom_reward_function.reward_manager",
                           "batch (verl's reward_model.reward_manager) calls a batch reward "

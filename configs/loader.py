@@ -125,6 +125,8 @@ def describe(t: mi.Type) -> str:
         return " or ".join(describe(u) for u in t.types)
     if isinstance(t, mi.StructType):
         return "a table"
+    if isinstance(t, mi.DictType):
+        return "a table of names (key.name=value each, or a TOML inline table {name = value})"
     if isinstance(t, mi.NoneType):
         return "null (unset)"
     return type(t).__name__
@@ -136,10 +138,15 @@ def _struct_fields(t: mi.Type) -> dict[str, mi.Field] | None:
 
 
 def type_at(root: type[msgspec.Struct], parts: Sequence[str | int]) -> mi.Type:
-    """The schema type at a key path; raises KeyError naming the first unknown part."""
+    """The schema type at a key path; raises KeyError naming the first unknown part. Below a
+    table of free names (a ``dict[str, ...]`` field: ``custom_reward_function.reward_kwargs``)
+    any name is a key, of the table's value type."""
     t: mi.Type = mi.type_info(root)
     for depth, part in enumerate(parts):
         t = _unwrap(t)
+        if isinstance(t, mi.DictType) and isinstance(part, str):
+            t = t.value_type
+            continue
         if isinstance(part, int):
             if not isinstance(t, mi.ListType):
                 raise KeyError(depth)
@@ -247,6 +254,8 @@ def coerce_override(root: type[msgspec.Struct], parts: Sequence[str | int], raw:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         inner = _unwrap(t)
+        if isinstance(inner, mi.AnyType):
+            return raw  # a free table's value: a bare word is a string
         if isinstance(inner, mi.UnionType) and any(_wants_raw_string(u) for u in inner.types):
             return raw
         bools = inner.types if isinstance(inner, mi.UnionType) else (inner,)

@@ -460,6 +460,8 @@ TABLE: tuple[VerlKey, ...] = tuple([
     *[VerlKey(key=f"reward.custom_reward_function.{name}", group="mapped",
               to=(f"custom_reward_function.{name}",), note=_REWARD_SECTION)
       for name in ("path", "name")],
+    VerlKey(key="reward.custom_reward_function.reward_kwargs.*", group="mapped",
+            to=("custom_reward_function.reward_kwargs",), note=_REWARD_SECTION),
     VerlKey(key="reward.reward_manager.name", group="mapped",
             to=("custom_reward_function.reward_manager",), note=_REWARD_SECTION),
     VerlKey(key="reward.reward_model.enable", group="mapped", to=("reward_model.enable",),
@@ -583,7 +585,8 @@ class VerlKeys:
             self.placement.append(Placement(key=entry.key, value=value, source=source,
                                             below=below))
             return []
-        return [(parse_key(to), value) for to in entry.to]  # type: ignore[misc]
+        below = shorten(parts)[len(entry.short):] if entry.subtree else ()
+        return [(parse_key(to) + below, value) for to in entry.to]  # type: ignore[misc]
 
     def _note(self, line: str) -> None:
         self.notes.append(line)  # printed at launch and kept in RUN_DIR/verl-keys.txt

@@ -9,7 +9,7 @@ build from it: the caller (routing, time limits) and the worker (which function 
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -21,6 +21,9 @@ from relay.algorithms.rewards.result import ScoreFn
 from relay.algorithms.sandbox import SandboxSettings
 
 RewardManager = Literal["naive", "prime", "dapo", "batch"]  # verl's names
+OWN_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info", "data_sources",
+                 "solution_strs", "ground_truths", "extra_infos")
+"""The arguments verl's per-sample and batch signatures pass (``reward_kwargs`` may not)."""
 CODE_BUDGET_SHARE = 0.8  # of timeout_s, for a code sample's tests; the rest is the margin
 
 
@@ -55,6 +58,10 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
       with the error. It needs ``path`` (``RewardScorer`` and the run config's checks refuse
       it without). ``naive``, ``prime`` and ``dapo`` call it sample by
       sample (DAPO's overlong penalty is ``reward_model.overlong_buffer``).
+    - ``reward_kwargs`` (verl's ``custom_reward_function.reward_kwargs``): keyword arguments
+      every call of the custom function gets beside its own (per sample and batch alike), as
+      verl binds them; they need ``path`` (the built-in rules take none) and may not name
+      the function's own arguments (``OWN_ARGUMENTS``): the run config's checks refuse both.
     - ``gsm8k_method`` / ``gsm8k_format_score`` (*Relay* keys for verl's GSM8K options,
       ``gsm8k``).
     - ``code`` (*Relay*): how the code sources' tests run (``code.CodeRewardConfig``: partial
@@ -71,6 +78,7 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     max_concurrent: Annotated[int, msgspec.Meta(gt=0)] = 64
     in_process_builtins: bool = True
     reward_manager: RewardManager = "naive"
+    reward_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
     gsm8k_method: gsm8k.Method = "strict"
     gsm8k_format_score: float = 0.0
     code: CodeRewardConfig = msgspec.field(default_factory=CodeRewardConfig)
@@ -103,7 +111,10 @@ def build_score_fn(config: RewardConfig, sandbox: SandboxSettings | None = None)
     """The function the config selects: the custom one, or the built-in dispatcher, with a
     sandbox of its own made from ``sandbox`` when the first code sample comes."""
     if config.custom_function:
-        return load_score_fn(config.custom_function)
+        score_fn = load_score_fn(config.custom_function)
+        if config.reward_kwargs:
+            return functools.partial(score_fn, **config.reward_kwargs)
+        return score_fn
     return functools.partial(
         default_compute_score,
         gsm8k_method=config.gsm8k_method,

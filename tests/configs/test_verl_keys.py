@@ -431,3 +431,36 @@ def test_reward_models_keys_and_verls_newer_reward_section(run_dir: Path) -> Non
     assert run.custom_reward_function.reward_manager == "prime"
     err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["reward_model.reward_manager=batch"])
     assert "custom_reward_function.path" in str(err)
+
+
+def test_reward_kwargs_reach_the_custom_function_in_either_section(run_dir: Path) -> None:
+    fns = run_dir / "fns.py"
+    fns.write_text("def f(data_source, solution_str, ground_truth, extra_info=None, *, "
+                   "scale=1.0, bonus=0.0):\n    return scale * float(solution_str == "
+                   "ground_truth) + bonus\n")
+    for prefix in ("", "+reward."):
+        run = load_run_config(write(run_dir, GOOD_RUN), [
+            f"{prefix}custom_reward_function.path={fns}", f"{prefix}custom_reward_function.name=f",
+            f"+{prefix.lstrip('+')}custom_reward_function.reward_kwargs.scale=2.0",
+            f"+{prefix.lstrip('+')}custom_reward_function.reward_kwargs.bonus=0.5"])
+        assert run.custom_reward_function.reward_kwargs == {"scale": 2.0, "bonus": 0.5}
+    from relay.algorithms.rewards.config import build_score_fn
+    assert build_score_fn(run.custom_reward_function)("s", "4", "4") == 2.5
+    # a file's table, an inline table on the command line, a bare word as a string
+    table = GOOD_RUN + (f"[custom_reward_function]\npath = '{fns}'\nname = 'f'\n"
+                        "[custom_reward_function.reward_kwargs]\nscale = 3.0\n")
+    run = load_run_config(write(run_dir, table), ["custom_reward_function.reward_kwargs.tag=x"])
+    assert run.custom_reward_function.reward_kwargs == {"scale": 3.0, "tag": "x"}
+    run = load_run_config(write(run_dir, table),
+                          ["custom_reward_function.reward_kwargs={bonus = 1.0}"])
+    assert run.custom_reward_function.reward_kwargs == {"bonus": 1.0}
+    err = error_of(load_run_config, write(run_dir, table),
+                   ["custom_reward_function.reward_kwargs={bonus: 1.0}"])
+    assert "inline table" in str(err)
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN),
+                   ["+custom_reward_function.reward_kwargs.scale=2.0"])
+    assert "custom_reward_function.path" in str(err)
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), [
+        f"custom_reward_function.path={fns}", "custom_reward_function.name=f",
+        "+custom_reward_function.reward_kwargs.ground_truth=1"])
+    assert "ground_truth" in str(err)

@@ -32,3 +32,11 @@ def hangs(data_sources: list[str], solution_strs: list[str], **kwargs: Any) -> l
     _count(len(solution_strs))
     time.sleep(3600)
     return []
+
+
+def scaled(data_sources: list[str], solution_strs: list[str], ground_truths: list[Any],
+           extra_infos: list[dict[str, Any]], *, scale: float, bonus: float = 0.0) -> list[float]:
+    """``scale`` where the completion equals the ground truth, plus ``bonus``: the run's
+    ``custom_reward_function.reward_kwargs``."""
+    _count(len(solution_strs))
+    return [scale * (s == g) + bonus for s, g in zip(solution_strs, ground_truths, strict=True)]

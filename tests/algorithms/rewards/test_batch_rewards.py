@@ -22,9 +22,9 @@ def group(*texts: str) -> list[RewardItem]:
     return [RewardItem("any/source", text, "7") for text in texts]
 
 
-def scorer(name: str, timeout_s: float = 5.0) -> RewardScorer:
+def scorer(name: str, timeout_s: float = 5.0, **kwargs: object) -> RewardScorer:
     return RewardScorer(RewardConfig(path=str(FNS), name=name, reward_manager="batch",
-                                     timeout_s=timeout_s))
+                                     timeout_s=timeout_s, reward_kwargs=kwargs))
 
 
 def test_one_call_per_group_in_order(calls: Path) -> None:
@@ -35,6 +35,12 @@ def test_one_call_per_group_in_order(calls: Path) -> None:
     assert [r.score for r in first] == [1.0, 0.0, 1.0, 0.0]
     assert first[3].info == {"len": 2.0} and not any(r.error for r in first)
     assert [r.score for r in second] == [0.0, 1.0]
+
+
+def test_reward_kwargs_reach_every_batch_call(calls: Path) -> None:
+    with scorer("scaled", scale=2.0, bonus=0.25) as s:
+        results = s.score(group("7", "x"))
+    assert [r.score for r in results] == [2.25, 0.25] and not any(r.error for r in results)
 
 
 def test_a_wrong_length_fails_the_group_with_the_reason(calls: Path) -> None:
