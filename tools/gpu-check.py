@@ -14,7 +14,8 @@ The checks (issue 29, "Proven on a GPU"), each a record in the summary (``--out`
   skipped where deepspeed is not installed), fp32 against the CPU, bf16 against fp32, every
   tensor on its device, peak memory and host syncs;
 - B: a published version arrives bit for bit; the lean engine (and vLLM's CUDA build when
-  installed) swaps it in mid-run, its behavior log-probs the learner's;
+  installed) swaps it in mid-run, its behavior log-probs the learner's; a reward model
+  scores on the device as on the CPU;
 - C: ``tools/launch-cluster.py`` with everything on the GPU, 30 steps of a small model.
 
 The logic lives in ``tools/gpucheck/`` (importable from here by path, as ``launcher`` is).

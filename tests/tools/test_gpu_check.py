@@ -364,6 +364,8 @@ def test_learner_and_weight_checks_pass_on_the_cpu(tmp_path: Path) -> None:
     for dtype in ("float32", "bfloat16"):
         publish = checks[f"B/publish:{dtype}"]["numbers"]
         assert publish["bytes"] > 0 and publish["gb_per_s"] > 0
+        reward_model = checks[f"B/reward-model:{dtype}"]
+        assert reward_model["passed"] and reward_model["numbers"]["sequences"] == 7
         lean = checks[f"B/lean:{dtype}"]["numbers"]
         assert min(lean["tokens_v0"], lean["tokens_v1"], lean["tokens_in_flight"]) > 0
         assert lean["version_gap"] > 10 * lean["logprob_err"]

@@ -20,6 +20,8 @@ In one worker process on the device, per dtype (fp32, bf16):
   cache); their error is reported, not bounded. ``LR`` is large enough that the two
   versions' log-probs differ by more than the bound (``version_gap``): an engine that
   ignored the new weights would fail.
+- reward-model (beside the lean engine's records): a discriminative reward model scores on
+  the device as on the CPU (``gpucheck.reward_check``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpucheck.report import CheckResult
+from gpucheck.reward_check import reward_model_check
 
 if TYPE_CHECKING:
     from gpucheck.cli import Worker, WorkerRunner
@@ -89,6 +92,12 @@ def _worker(model_dir: Path, device_setting: str, dtypes: list[str], engine: str
         except Exception:  # noqa: BLE001 - reported; the other dtype goes on
             results.append(CheckResult.failure(f"B/{engine}:{dtype}",
                                                traceback.format_exc(limit=-6)))
+        if engine == "lean":  # once per dtype, beside the lean engine's records
+            try:
+                results.append(reward_model_check(model_dir, device, dtype))
+            except Exception:  # noqa: BLE001 - reported; the other dtype goes on
+                results.append(CheckResult.failure(f"B/reward-model:{dtype}",
+                                                   traceback.format_exc(limit=-6)))
         gc.collect()
         print(f"{device} {engine} {dtype} done in {time.monotonic() - began:.1f} s",
               flush=True)
