@@ -23,6 +23,7 @@ is the same policy.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -37,6 +38,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from relay.configs.run_schema import ModelConfig
 from relay.generators.engine import check_weights
+
+logger = logging.getLogger(__name__)
 
 ADAPTER_NAME = "relay-policy"
 ADAPTER_ID = 1  # vLLM's id of the run's one adapter (ids start at 1)
@@ -90,6 +93,9 @@ class PolicyAdapter:
         self.request: Any = None
         if model.lora_adapter_path is not None:
             self._add(model.lora_adapter_path)
+        logger.info("vLLM runs the policy's LoRA adapters (%d tensors, rank %d) over the base "
+                    "model; versions are the adapters alone, written to %s",
+                    len(self.shapes), model.lora_rank, self.folder)
 
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Check ``tensors`` (``WeightMismatch`` naming the first difference: nothing
