@@ -87,6 +87,15 @@ class DataConfig(_Section):
     seed: int = 0
 
 
+def _hydra_lists(section: _Section, *keys: str) -> None:
+    """Hydra's bare list, ``[q_proj,v_proj]``, as the list it means (verl's commands)."""
+    for key in keys:
+        value = getattr(section, key)
+        if isinstance(value, str) and value.startswith("[") and value.endswith("]"):
+            setattr(section, key, [n.strip().strip("'\"") for n in value[1:-1].split(",")
+                                   if n.strip()])
+
+
 class ModelConfig(_Section):
     """The policy: a local Hugging Face checkpoint loaded with the Auto classes.
 
@@ -118,12 +127,7 @@ class ModelConfig(_Section):
     lora_adapter_path: str | None = None
 
     def __post_init__(self) -> None:
-        """Hydra's bare list, ``[q_proj,v_proj]``, as the list it means (verl's commands)."""
-        for key in ("target_modules", "exclude_modules"):
-            value = getattr(self, key)
-            if isinstance(value, str) and value.startswith("[") and value.endswith("]"):
-                setattr(self, key, [n.strip().strip("'\"") for n in value[1:-1].split(",")
-                                    if n.strip()])
+        _hydra_lists(self, "target_modules", "exclude_modules")
 
 
 class ValKwargs(_Section):
@@ -398,10 +402,23 @@ class CriticFsdpConfig(_Section):
 
 
 class CriticModelConfig(_Section):
-    """The critic's body: empty ``path`` initialises it from the policy checkpoint."""
+    """The critic's body: empty ``path`` initialises it from the policy checkpoint.
+
+    LoRA (verl's keys, as the policy's ``model`` ones; ``relay.learner.lora``): ``lora_rank``
+    > 0 trains adapters of rank r on the body's ``target_modules`` less ``exclude_modules``,
+    scaled by ``lora_alpha`` / r, and the value head whole; the body's base weights stay
+    frozen. 0 (the default): every parameter trains.
+    """
 
     path: str = ""
     fsdp_config: CriticFsdpConfig = msgspec.field(default_factory=CriticFsdpConfig)
+    lora_rank: NonNegative = 0
+    lora_alpha: PositiveFloat = 16.0
+    target_modules: str | list[str] = "all-linear"
+    exclude_modules: str | list[str] | None = None
+
+    def __post_init__(self) -> None:
+        _hydra_lists(self, "target_modules", "exclude_modules")
 
 
 class CriticConfig(_Section):

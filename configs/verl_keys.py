@@ -143,8 +143,6 @@ _NO_RAY = ("verl's own Ray workers' setting; Relay's Ray backend (launcher.backe
            "[launcher.ray]) has no such knob; no effect")
 _DEPRECATED = ("verl's deprecated global micro-batch size; give the per-GPU size "
                "{}_per_gpu instead (a micro-batch size per rank is what the learner cuts)")
-_LORA = ("a LoRA critic is not supported yet: the critic trains every parameter (the policy "
-         "takes LoRA: actor_rollout_ref.model.lora_rank); drop the key")
 _RM_ONLY = ("the reward model runs with transformers inside each generator, one forward per "
             "micro-batch of reward_model.micro_batch_size_per_gpu sequences; no effect")
 _REWARD_SECTION = ("verl's newer reward section, the same setting as its older key")
@@ -407,8 +405,8 @@ TABLE: tuple[VerlKey, ...] = tuple([
             "critic.model.fsdp_config.reshard_after_forward",
             "critic.model.fsdp_config.wrap_policy.min_num_params",
             "critic.model.fsdp_config.forward_prefetch"),
-    *_refused(_LORA, "critic.model.lora_rank", "critic.model.lora_alpha",
-              "critic.model.target_modules"),
+    *_same("critic.model.lora_rank", "critic.model.lora_alpha", "critic.model.target_modules",
+           "critic.model.exclude_modules"),
     *_inert(_CRITIC_CUT, "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu",
             "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu",
             "critic.forward_max_token_len_per_gpu", "critic.forward_micro_batch_size_per_gpu"),

@@ -15,6 +15,9 @@ needs to go on after step N:
   which ``PeftModel.from_pretrained`` loads onto the base model; ``dcp/`` then holds the
   adapters and their optimizer state alone (the frozen base is ``model.path``'s, read
   again on a resume) and ``hf/`` the merged weights W + (alpha / r) B A;
+- ``critic_adapter/``, a LoRA critic's only (``critic.model.lora_rank`` > 0): its body's
+  adapters in peft's format and its value head (``relay.learner.lora.save_critic_adapter``);
+  ``dcp/`` holds the whole critic, frozen base included;
 - ``rng/rank-<r>.json``: each rank's random states (torch's CPU generator, the CUDA one on a
   GPU, Python's ``random``);
 - ``buffer.rec``: the buffer's prompt stream after step N, asked of the buffer while the
@@ -119,6 +122,7 @@ OPTIM_KEYS = {"policy": "actor.optim", "critic": "critic.optim",
               "prm": "reward_model.model.optim"}  # each trained part's optimizer config
 BUFFER_REQUEST_TIMEOUT_S = 60.0
 ADAPTER_FOLDER = "adapter"  # a LoRA policy's adapters, in peft's format
+CRITIC_ADAPTER_FOLDER = "critic_adapter"  # a LoRA critic's adapters (peft's) and value head
 
 
 # -- what a learner trains ------------------------------------------------------------------
@@ -202,6 +206,11 @@ def save_checkpoint(learner: Learner, folder: Path, loop: LoopState, *, lineage:
     if getattr(learner.model, "peft_config", None) is not None:
         from relay.learner.lora import save_adapter  # peft: the lora extra
         save_adapter(learner.model, partial / ADAPTER_FOLDER, group=group)
+    if learner.critic is not None and getattr(learner.critic.model.body, "peft_config",
+                                              None) is not None:
+        from relay.learner.lora import save_critic_adapter  # peft: the lora extra
+        save_critic_adapter(learner.critic.model.body, learner.critic.model.value_head,
+                            partial / CRITIC_ADAPTER_FOLDER, group=group)
     if rank == 0:
         if tokenizer is not None:
             tokenizer.save_pretrained(str(partial / "hf"))

@@ -9,7 +9,9 @@ live on the learner's shifted grid (entry j is the value of the state before tok
 as log-probs are), and are computed by the learner in the very step whose advantages use
 them, so a stale value never enters GAE. Training follows the actor's mini-batches with
 the clipped value loss (``relay.algorithms.value_loss``), and its passes (under Ulysses sequence
-parallelism too: ``relay.learner.ulysses``).
+parallelism too: ``relay.learner.ulysses``). With ``critic.model.lora_rank`` > 0 the body is a
+peft LoRA model (``relay.learner.lora.wrap_body``): its base weights stay frozen, and the
+adapters and the value head train.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from transformers import AutoModel, AutoModelForTokenClassification, PretrainedC
 
 from relay.algorithms.aggregation import aggregate_loss
 from relay.algorithms.value_loss import clipped_value_loss
-from relay.configs.run_schema import CriticConfig
+from relay.configs.run_schema import CriticConfig, CriticModelConfig
 from relay.learner.attention import ATTENTION, check_relay_attention
 from relay.learner.batch import TrainBatch
 from relay.learner.micro_batches import MicroBatches, mini_batch_totals
@@ -66,17 +68,26 @@ class ValueModel(nn.Module):
 
 def load_value_model(path: str, *, compute_dtype: torch.dtype, device: torch.device,
                      trust_remote_code: bool = False, gradient_checkpointing: bool = False,
-                     mesh: DeviceMesh | None = None) -> ValueModel:
+                     mesh: DeviceMesh | None = None,
+                     lora: CriticModelConfig | None = None) -> ValueModel:
     """The value model at ``path`` (fp32, attending with ``relay.learner.attention``): a
     trained critic (``read_value_model``), or the body of a causal LM plus a zero value
     head; FSDP2-sharded over ``mesh`` (default: every rank) and loaded from rank 0, as the
-    policy is (``relay.learner.model.load_sharded``)."""
+    policy is (``relay.learner.model.load_sharded``). ``lora`` (the critic's ``model`` keys,
+    ``lora_rank`` > 0): the body gets LoRA adapters before it is sharded."""
     options = dict(dtype=torch.float32, attn_implementation=ATTENTION,
                    trust_remote_code=trust_remote_code)
+
+    def adapted(model: ValueModel) -> ValueModel:
+        if lora is not None:
+            from relay.learner.lora import wrap_body  # peft: the lora extra
+            model.body = wrap_body(model.body, lora)
+        return model
+
     model, full_state = read_on_rank0(
-        lambda: read_value_model(path, options),
-        lambda: with_value_head(AutoModel.from_config(hf_config(path, trust_remote_code),
-                                                      **options)))
+        lambda: adapted(read_value_model(path, options)),
+        lambda: adapted(with_value_head(AutoModel.from_config(
+            hf_config(path, trust_remote_code), **options))))
     model.config.use_cache = False
     if gradient_checkpointing:
         enable_activation_checkpointing(model.body)

@@ -1,4 +1,4 @@
-"""LoRA on the policy with peft: wrapping, the reference, merged weights, adapter files.
+"""LoRA on the policy and the critic with peft: wrapping, the reference, merged weights, adapter files.
 
 ``wrap`` (called by ``relay.learner.model.load_sharded`` before ``fully_shard``, on rank 0's
 loaded model and on the other ranks' ``meta`` one alike) makes the policy a peft model:
@@ -25,6 +25,13 @@ publish reaches it, never written back into W. Checkpoints also hold the adapter
 peft's format (``save_adapter``: ``adapter_model.safetensors``, ``adapter_config.json``),
 which ``PeftModel.from_pretrained`` loads, and ``write_merged`` merges such a folder into
 its base model for ``relay export --merge-lora``.
+
+The critic (``critic.model.lora_rank`` > 0, ``relay.learner.critic``) wraps its body alone
+with ``wrap_body`` (no task type, errors naming ``critic.model``): its value head stays
+outside peft and trains whole, beside the body's adapters. Its checkpoints hold its
+adapters in peft's format with its head beside them (``save_critic_adapter``), and
+``merged_state`` folds a full peft state dict into its base model's names for
+``relay export --critic``.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from relay.configs.run_schema import ModelConfig
+from relay.configs.run_schema import CriticModelConfig, ModelConfig
 from relay.learner.hf_export import commit_folder, partial_folder, set_config_dtype
 from relay.learner.weight_buckets import held_rows
 
@@ -56,9 +63,11 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."  # what peft puts before the base model's names
 KEY = "actor_rollout_ref.model"  # the config section the errors name
+CRITIC_KEY = "critic.model"
+HEAD_WEIGHTS = "value_head.safetensors"
 
 
-def enabled(model_config: ModelConfig) -> bool:
+def enabled(model_config: ModelConfig | CriticModelConfig) -> bool:
     """Whether the run trains LoRA adapters (``model.lora_rank`` > 0)."""
     return model_config.lora_rank > 0
 
@@ -72,10 +81,7 @@ def lora_config(model_config: ModelConfig) -> LoraConfig:
     """The peft config for ``model``'s keys, or that of ``lora_adapter_path`` (its rank
     must be ``lora_rank``: ValueError naming both otherwise)."""
     if model_config.lora_adapter_path is None:
-        return LoraConfig(r=model_config.lora_rank, lora_alpha=model_config.lora_alpha,
-                          target_modules=model_config.target_modules,
-                          exclude_modules=model_config.exclude_modules, lora_dropout=0.0,
-                          bias="none", task_type="CAUSAL_LM")
+        return fresh_config(model_config, task_type="CAUSAL_LM")
     folder = Path(model_config.lora_adapter_path)
     if not (folder / ADAPTER_CONFIG).is_file():
         raise ValueError(f"{KEY}.lora_adapter_path = {str(folder)!r}: no {ADAPTER_CONFIG} there "
@@ -88,18 +94,29 @@ def lora_config(model_config: ModelConfig) -> LoraConfig:
     return config
 
 
+def fresh_config(model_config: ModelConfig | CriticModelConfig,
+                 task_type: str | None) -> LoraConfig:
+    """New adapters from the section's ``lora_rank``, ``lora_alpha``, ``target_modules``,
+    ``exclude_modules``: dropout 0, no bias, peft's ``task_type`` (None: a bare body)."""
+    return LoraConfig(r=model_config.lora_rank, lora_alpha=model_config.lora_alpha,
+                      target_modules=model_config.target_modules,
+                      exclude_modules=model_config.exclude_modules, lora_dropout=0.0,
+                      bias="none", task_type=task_type)
+
+
 def linear_names(model: nn.Module) -> list[str]:
     """The last names of ``model``'s linear modules (what ``target_modules`` lists)."""
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                    if isinstance(module, nn.Linear) and name})
 
 
-def check_target_modules(model: nn.Module, config: LoraConfig) -> None:
+def check_target_modules(model: nn.Module, config: LoraConfig, key: str = KEY) -> None:
     """ValueError naming ``target_modules`` (or ``exclude_modules``) and the model's linear
     module names when a listed name matches no linear module (a regular expression or
     ``all-linear`` is peft's to match: ``wrap`` names the key when it matches nothing)."""
     paths = [name for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and name]
+    section = key
     for key, names in (("target_modules", config.target_modules),
                        ("exclude_modules", config.exclude_modules)):
         if not isinstance(names, (set, list, tuple)):
@@ -108,7 +125,7 @@ def check_target_modules(model: nn.Module, config: LoraConfig) -> None:
         unknown = sorted(name for name in names
                          if not any(p == name or p.endswith(f".{name}") for p in paths))
         if unknown:
-            raise ValueError(f"{KEY}.{key}: {unknown} name no linear module of "
+            raise ValueError(f"{section}.{key}: {unknown} name no linear module of "
                              f"{type(model).__name__}; its linear modules are "
                              f"{linear_names(model)} "
                              "(or give 'all-linear', or a regular expression)")
@@ -118,20 +135,38 @@ def wrap(model: nn.Module, model_config: ModelConfig, *, load_adapter: bool) -> 
     """``model`` with LoRA adapters (module docstring), before sharding. ``load_adapter``:
     read ``lora_adapter_path``'s weights (rank 0, which reads the checkpoint); the other
     ranks build the same modules on ``meta`` and receive them with the base weights."""
-    config = lora_config(model_config)
-    check_target_modules(model, config)
+    adapter = model_config.lora_adapter_path if load_adapter else None
+    return _peft(model, lora_config(model_config), KEY, adapter)
+
+
+def wrap_body(body: nn.Module, model_config: CriticModelConfig) -> PeftModel:
+    """The critic's ``body`` with fresh LoRA adapters (``critic.model``'s keys), before
+    sharding, on every rank alike (the adapters reach the other ranks with the weights)."""
+    peft_body = _peft(body, fresh_config(model_config, task_type=None), CRITIC_KEY, None)
+    for name, module in peft_body.named_modules():
+        if isinstance(module, LoraLinear) and module.fan_in_fan_out:
+            raise ValueError(f"{CRITIC_KEY}.target_modules takes {name}, a fan-in-fan-out "
+                             "layer (GPT-2's Conv1D): a LoRA critic takes nn.Linear layers "
+                             "only; list others in target_modules")
+    return peft_body
+
+
+def _peft(model: nn.Module, config: LoraConfig, key: str, adapter: str | None) -> PeftModel:
+    """``model`` under peft: ``adapter``'s folder loaded trainable, else ``config``'s fresh
+    adapters; ValueError naming ``key``'s ``target_modules`` when they match no linear
+    module or take a non-linear one."""
+    check_target_modules(model, config, key)
     try:
-        if load_adapter and model_config.lora_adapter_path is not None:
-            peft_model = PeftModel.from_pretrained(model, model_config.lora_adapter_path,
-                                                   is_trainable=True)
+        if adapter is not None:
+            peft_model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
         else:
             peft_model = get_peft_model(model, config)
     except ValueError as exc:  # peft's own: a regular expression that matches nothing
-        raise ValueError(f"{KEY}.target_modules = {config.target_modules!r}: {exc} (its "
+        raise ValueError(f"{key}.target_modules = {config.target_modules!r}: {exc} (its "
                          f"linear modules are {linear_names(model)})") from exc
     for name, module in peft_model.named_modules():
         if isinstance(module, LoraLayer) and not isinstance(module, LoraLinear):
-            raise ValueError(f"{KEY}.target_modules takes {name} ({type(module).__name__}): "
+            raise ValueError(f"{key}.target_modules takes {name} ({type(module).__name__}): "
                              "Relay trains LoRA on linear modules only")
     return peft_model
 
@@ -309,3 +344,44 @@ def write_merged(adapter: Path, out: Path, dtype: torch.dtype, base_path: str | 
     if tokenizer_from is not None:
         AutoTokenizer.from_pretrained(str(tokenizer_from)).save_pretrained(str(partial))
     commit_folder(partial, out)
+
+
+def save_critic_adapter(body: nn.Module, head: nn.Module, folder: Path,
+                        group: dist.ProcessGroup | None = None) -> None:
+    """Write a LoRA critic's ``body`` adapters into ``folder`` in peft's format
+    (``save_adapter``) and its value ``head`` whole beside them (``value_head.safetensors``:
+    ``weight`` (1, H), ``bias`` (1,), fp32); a collective, rank 0 writes."""
+    save_adapter(body, folder, group=group)
+    head_state = {name: _full(param).cpu().float().contiguous()
+                  for name, param in head.named_parameters()}
+    if dist.is_initialized() and dist.get_rank(group) != 0:
+        return
+    save_file(head_state, str(folder / HEAD_WEIGHTS), metadata={"format": "pt"})
+
+
+def adapter_scale(folder: Path) -> float:
+    """alpha / r of the peft adapter folder ``folder`` (its ``adapter_config.json``)."""
+    config = LoraConfig.from_pretrained(str(folder))
+    return config.lora_alpha / config.r
+
+
+def merged_state(state: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """A LoRA model's full state dict (peft's parameter names, under any prefix) under its
+    base model's names, each adapted weight merged in fp32 and kept in W's dtype:
+
+        W' = W + scale * B A        A: (r, in), B: (out, r), scale = alpha / r
+
+    ``...base_model.model.X.base_layer.weight`` -> ``...X.weight``; the adapters are
+    dropped. For ``nn.Linear`` layers (``wrap_body`` refuses fan-in-fan-out ones)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if is_adapter(name):
+            continue
+        base_name = name.replace(PEFT_PREFIX, "", 1).replace(".base_layer.", ".")
+        a_name = name.replace(".base_layer.weight", f".lora_A.{ADAPTER}.weight")
+        if name.endswith(".base_layer.weight") and a_name in state:
+            b = state[name.replace(".base_layer.weight", f".lora_B.{ADAPTER}.weight")]
+            tensor = torch.addmm(tensor.float(), b.float(), state[a_name].float(),
+                                 alpha=scale).to(tensor.dtype)
+        out[base_name] = tensor
+    return out

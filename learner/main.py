@@ -133,7 +133,9 @@ def build_learner(ctx: RunContext, device: torch.device,
                                        trust_remote_code=run.model.trust_remote_code,
                                        gradient_checkpointing=checkpointing,
                                        mesh=meshes.get(run.critic.model.fsdp_config.fsdp_size,
-                                                       "critic.model.fsdp_config.fsdp_size"))
+                                                       "critic.model.fsdp_config.fsdp_size"),
+                                       lora=run.critic.model if run.critic.model.lora_rank
+                                       else None)
         critic = Critic(value_model, run.critic, total_steps=run.trainer.total_training_steps)
     if estimator.prm:
         prm_model = load_sharded(prm_path, compute_dtype=dtype, device=device,

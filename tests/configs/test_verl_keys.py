@@ -142,11 +142,21 @@ def test_a_value_that_would_make_a_difference_is_refused_with_the_note(run_dir: 
 
 
 def test_a_refused_key_says_what_to_use_instead(run_dir: Path) -> None:
-    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["critic.model.lora_rank=32"])
-    assert "a LoRA critic is not supported yet" in err.problem
     path = write(run_dir, GOOD_RUN + "[critic]\nppo_micro_batch_size = 8\n")
     err = error_of(load_run_config, path)
     assert "critic.ppo_micro_batch_size_per_gpu" in err.problem
+
+
+def test_verls_critic_lora_keys_set_the_critics_adapters(run_dir: Path) -> None:
+    run = load_run_config(write(run_dir, GOOD_RUN), [
+        "algorithm.adv_estimator=gae", "critic.model.lora_rank=8", "critic.model.lora_alpha=32",
+        "critic.model.target_modules=[q_proj,v_proj]", "critic.model.exclude_modules=[o_proj]"])
+    model = run.critic.model
+    assert (model.lora_rank, model.lora_alpha) == (8, 32)
+    assert (model.target_modules, model.exclude_modules) == (["q_proj", "v_proj"], ["o_proj"])
+    assert run.model.lora_rank == 0  # the policy's own keys are apart
+    err = error_of(load_run_config, write(run_dir, GOOD_RUN), ["critic.model.lora_rank=-1"])
+    assert err.key == "critic.model.lora_rank"
 
 
 def test_verls_lora_keys_set_the_policys_adapters(run_dir: Path) -> None:

@@ -18,7 +18,9 @@ tokenizer files:
   DCP state) as ``AutoModelForTokenClassification`` with ``num_labels = 1``, verl's critic
   layout: the body under the architecture's base-model prefix, the value head as ``score``
   (``relay.learner.hf_export.value_model_as_token_classification``); its config is that of
-  ``critic.model.path`` (else the policy's);
+  ``critic.model.path`` (else the policy's); a LoRA critic's adapters are merged,
+  W + (alpha / r) B A, with alpha / r of the checkpoint's ``critic_adapter/``
+  (``relay.learner.lora.merged_state``);
 - ``--prm``: PRIME's implicit PRM (``relay.learner.implicit_prm``), a causal LM, with the
   config of ``reward_model.model.path`` (else the policy's);
 - ``--merge-lora``: the policy with its LoRA adapters merged into the base weights.
@@ -68,6 +70,7 @@ from relay.learner.hf_export import (
 DTYPES = ("float32", "bfloat16", "float16")
 CHECKPOINT_DTYPE = "float32"  # what a checkpoint's hf/ and dcp/ hold
 ADAPTER_CONFIG = Path("adapter") / "adapter_config.json"  # a LoRA run's adapters
+CRITIC_ADAPTER_FOLDER = "critic_adapter"  # a LoRA critic's (relay.learner.checkpoint's)
 
 
 class ExportError(Exception):
@@ -175,8 +178,11 @@ def export_critic(checkpoint: Path, meta: CheckpointMeta, ctx: RunContext | None
         raise ExportError(f"{checkpoint}: the critic's architecture "
                           f"{type(config).__name__} has no ...ForTokenClassification class "
                           "in transformers, the layout --critic writes")
-    state = value_model_as_token_classification(read_part(checkpoint / "dcp", "critic.model."),
-                                                model_class.base_model_prefix)
+    state = read_part(checkpoint / "dcp", "critic.model.")
+    if (checkpoint / CRITIC_ADAPTER_FOLDER).is_dir():
+        from relay.learner.lora import adapter_scale, merged_state  # peft: the lora extra
+        state = merged_state(state, adapter_scale(checkpoint / CRITIC_ADAPTER_FOLDER))
+    state = value_model_as_token_classification(state, model_class.base_model_prefix)
     write_state(state, config, AutoModelForTokenClassification, out_dir, dtype,
                 files_from=checkpoint / "hf")
     return f"the critic ({model_class.__name__}, num_labels=1)"
