@@ -1,4 +1,5 @@
-"""LoRA on the policy and the critic with peft: wrapping, the reference, merged weights, adapter files.
+"""LoRA on the policy and the critic with peft: wrapping, the reference, merged weights,
+adapter files.
 
 ``wrap`` (called by ``relay.learner.model.load_sharded`` before ``fully_shard``, on rank 0's
 loaded model and on the other ranks' ``meta`` one alike) makes the policy a peft model:

@@ -10,15 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForTokenClassification
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
 
+from relay.export import export
 from relay.configs.run_schema import (ActorConfig, AlgorithmConfig, CriticConfig,
                                       CriticModelConfig, OptimConfig, TrainerConfig)
 from relay.generators.torch_engine import TorchEngine
 from relay.learner.batch import TrainBatch, collate
 from relay.learner.critic import Critic, ValueModel, load_value_model
 from relay.learner.hf_export import value_model_as_token_classification, write_state
-from relay.learner.lora import merged_state
+from relay.learner.checkpoint import CRITIC_ADAPTER_FOLDER, load_checkpoint, save_checkpoint
+from relay.learner.checkpoint_meta import Lineage, LoopState
+from relay.learner.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, HEAD_WEIGHTS, merged_state
 from relay.learner.model import load_sharded
 from relay.learner.optim import build_optimizer, build_scheduler
 from relay.learner.update import Learner
@@ -111,3 +115,41 @@ def test_the_merged_critic_loads_as_token_classification_with_the_same_values(
         torch.testing.assert_close(exported(IDS).logits.squeeze(-1), values,
                                    atol=1e-5, rtol=1e-5)
     assert values.abs().max() > 1e-3  # a trained head, not the zero one
+
+
+def test_a_lora_critic_checkpoint_holds_its_adapters_exports_merged_and_resumes(
+        random_model_dir: Path, batch: TrainBatch, tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bitwise equal steps (tests/learner/test_checkpoint.py)
+    try:
+        torch.manual_seed(3)
+        trained = gae_learner(random_model_dir)
+        for version in range(3):
+            trained.step(batch, version=version)
+        folder = save_checkpoint(trained, tmp_path, LoopState(step=3, version=3),
+                                 lineage=Lineage(id="run"), keep_last=2,
+                                 tokenizer=AutoTokenizer.from_pretrained(random_model_dir))
+        with torch.no_grad():
+            values = trained.critic.model(IDS)
+        uninterrupted = trained.step(batch, version=3)
+
+        saved = folder / CRITIC_ADAPTER_FOLDER
+        assert (saved / ADAPTER_CONFIG).is_file()
+        assert any(".lora_B." in name for name in load_file(str(saved / ADAPTER_WEIGHTS)))
+        assert sorted(load_file(str(saved / HEAD_WEIGHTS))) == ["bias", "weight"]
+        export(folder, tmp_path / "critic", dtype="float32", part="critic")
+        exported = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")
+        with torch.no_grad():
+            torch.testing.assert_close(exported(IDS).logits.squeeze(-1), values,
+                                       atol=1e-5, rtol=1e-5)
+
+        torch.manual_seed(4)  # other fresh adapters, replaced by the checkpoint's
+        resumed = gae_learner(random_model_dir)
+        load_checkpoint(resumed, folder)
+        again = resumed.step(batch, version=3)
+        assert again.metrics == uninterrupted.metrics
+        after = gather_full_weights(resumed.critic.model, torch.float32)
+        assert all(torch.equal(after[k], v) for k, v
+                   in gather_full_weights(trained.critic.model, torch.float32).items())
+    finally:
+        torch.set_num_threads(threads)
