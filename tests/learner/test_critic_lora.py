@@ -2,14 +2,18 @@
 head train, the base stays bitwise as it was; its target modules are checked naming
 ``critic.model.target_modules``; the merged critic (W + (alpha / r) B A, head kept) loads as
 ``AutoModelForTokenClassification`` and predicts the learner's values; a checkpoint holds
-its adapters and head, exports merged and resumes to the same next step."""
+its adapters and head, exports merged and resumes to the same next step; two FSDP2 ranks
+train it three steps leaving the base bitwise, their merged export predicting their values."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
 
@@ -27,7 +31,7 @@ from relay.learner.model import load_sharded
 from relay.learner.optim import build_optimizer, build_scheduler
 from relay.learner.update import Learner
 
-from ..conftest import gather_full_weights
+from ..conftest import exit_worker, free_port, gather_full_weights
 from .test_update import DATA, LR, ROLLOUT, rollouts
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
@@ -153,3 +157,51 @@ def test_a_lora_critic_checkpoint_holds_its_adapters_exports_merged_and_resumes(
                    in gather_full_weights(trained.critic.model, torch.float32).items())
     finally:
         torch.set_num_threads(threads)
+
+
+def train_lora_critic_ranks(rank: int, world: int, port: int, model_dir: str, batch_file: str,
+                            out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        batch = torch.load(batch_file, weights_only=False)
+        learner = gae_learner(Path(model_dir))
+        critic = learner.critic.model
+        before = {n: t.clone() for n, t in gather_full_weights(critic, torch.float32).items()}
+        with torch.no_grad():
+            first = critic(IDS)
+        for version in range(3):
+            learner.step(batch, version=version)
+        after = gather_full_weights(critic, torch.float32)
+        with torch.no_grad():
+            values = critic(IDS)
+        if rank == 0:
+            torch.save({"before": before, "after": after, "first": first, "values": values},
+                       Path(out) / "state.pt")
+    finally:
+        dist.destroy_process_group()
+    exit_worker()
+
+
+@pytest.mark.slow  # 2 processes, 3 PPO steps: 10 s alone, more on a busy 2-core machine
+def test_two_ranks_train_a_lora_critic_leaving_its_base(random_model_dir: Path,
+                                                        batch: TrainBatch,
+                                                        tmp_path: Path) -> None:
+    torch.save(batch, tmp_path / "batch.pt")
+    mp.start_processes(train_lora_critic_ranks,
+                       args=(2, free_port(), str(random_model_dir), str(tmp_path / "batch.pt"),
+                             str(tmp_path)), nprocs=2, start_method="spawn")
+    state = torch.load(tmp_path / "state.pt", weights_only=False)
+    before, after = state["before"], state["after"]
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor) != trains(name), name
+    assert not torch.allclose(state["values"], state["first"])
+    config = AutoConfig.from_pretrained(random_model_dir, num_labels=1)
+    prefix = AutoModelForTokenClassification.from_config(config).base_model_prefix
+    write_state(value_model_as_token_classification(merged_state(after, ALPHA / RANK), prefix),
+                config, AutoModelForTokenClassification, tmp_path / "critic", torch.float32)
+    exported = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")
+    with torch.no_grad():
+        torch.testing.assert_close(exported(IDS).logits.squeeze(-1), state["values"],
+                                   atol=1e-5, rtol=1e-5)
