@@ -36,6 +36,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from relay.configs.lora_adapter import (ADAPTER, ADAPTER_WEIGHTS, file_name, is_adapter,
+                                        lora_config)
 from relay.configs.run_schema import ModelConfig
 from relay.generators.engine import check_weights
 
@@ -61,15 +63,18 @@ def max_lora_rank(rank: int) -> int:
 def adapter_layout(model: ModelConfig) -> tuple[dict[str, torch.Size], Any]:
     """The adapters' names (peft's file names) and shapes for ``model``'s LoRA keys, and
     peft's config with ``target_modules`` resolved (``all-linear`` become the names), from
-    the model's config alone (its modules on the ``meta`` device)."""
-    from relay.learner.lora import ADAPTER, adapter_shapes, wrap  # peft: the lora extra
+    the model's config alone (its modules on the ``meta`` device), as the learner's
+    ``relay.learner.lora.wrap`` makes them."""
+    from peft import get_peft_model  # the lora extra
 
     config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config,
                                                 trust_remote_code=model.trust_remote_code)
-    peft_model = wrap(base, model, load_adapter=False)
-    return dict(adapter_shapes(peft_model)), peft_model.peft_config[ADAPTER]
+    peft_model = get_peft_model(base, lora_config(model))
+    shapes = {file_name(name): param.shape for name, param in peft_model.named_parameters()
+              if is_adapter(name)}
+    return shapes, peft_model.peft_config[ADAPTER]
 
 
 def adapter_folder() -> Path:
@@ -100,8 +105,6 @@ class PolicyAdapter:
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Check ``tensors`` (``WeightMismatch`` naming the first difference: nothing
         changes), write them and load them in place of the adapter vLLM holds."""
-        from relay.learner.lora import ADAPTER_WEIGHTS  # peft: the lora extra
-
         check_weights(self.shapes, tensors)
         staged = self.folder / f".{ADAPTER_WEIGHTS}"
         save_file({name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()},

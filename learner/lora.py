@@ -53,17 +53,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from relay.configs.lora_adapter import (ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS, KEY,
+                                        file_name, fresh_config, is_adapter, lora_config)
 from relay.configs.run_schema import CriticModelConfig, ModelConfig
 from relay.learner.hf_export import commit_folder, partial_folder, set_config_dtype
 from relay.learner.weight_buckets import held_rows
 
 logger = logging.getLogger(__name__)
 
-ADAPTER = "default"  # peft's name for the one adapter
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."  # what peft puts before the base model's names
-KEY = "actor_rollout_ref.model"  # the config section the errors name
 CRITIC_KEY = "critic.model"
 HEAD_WEIGHTS = "value_head.safetensors"
 
@@ -76,33 +74,6 @@ def enabled(model_config: ModelConfig | CriticModelConfig) -> bool:
 def is_lora(model: nn.Module) -> bool:
     """Whether ``model`` is a peft LoRA model (``wrap``'s)."""
     return isinstance(model, PeftModel)
-
-
-def lora_config(model_config: ModelConfig) -> LoraConfig:
-    """The peft config for ``model``'s keys, or that of ``lora_adapter_path`` (its rank
-    must be ``lora_rank``: ValueError naming both otherwise)."""
-    if model_config.lora_adapter_path is None:
-        return fresh_config(model_config, task_type="CAUSAL_LM")
-    folder = Path(model_config.lora_adapter_path)
-    if not (folder / ADAPTER_CONFIG).is_file():
-        raise ValueError(f"{KEY}.lora_adapter_path = {str(folder)!r}: no {ADAPTER_CONFIG} there "
-                         "(a peft adapter folder, as PeftModel.save_pretrained writes)")
-    config = LoraConfig.from_pretrained(str(folder))
-    if config.r != model_config.lora_rank:
-        raise ValueError(f"{KEY}.lora_adapter_path = {str(folder)!r} has rank {config.r}, "
-                         f"{KEY}.lora_rank is {model_config.lora_rank}: make them equal")
-    config.inference_mode = False
-    return config
-
-
-def fresh_config(model_config: ModelConfig | CriticModelConfig,
-                 task_type: str | None) -> LoraConfig:
-    """New adapters from the section's ``lora_rank``, ``lora_alpha``, ``target_modules``,
-    ``exclude_modules``: dropout 0, no bias, peft's ``task_type`` (None: a bare body)."""
-    return LoraConfig(r=model_config.lora_rank, lora_alpha=model_config.lora_alpha,
-                      target_modules=model_config.target_modules,
-                      exclude_modules=model_config.exclude_modules, lora_dropout=0.0,
-                      bias="none", task_type=task_type)
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -184,10 +155,6 @@ def hf_name(peft_name: str) -> str:
     ``base_model.model.model.layers.0.mlp.up_proj.base_layer.weight`` ->
     ``model.layers.0.mlp.up_proj.weight``."""
     return peft_name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
-
-
-def is_adapter(peft_name: str) -> bool:
-    return ".lora_" in peft_name
 
 
 def base_shapes(model: nn.Module) -> list[tuple[str, torch.Size]]:
@@ -275,12 +242,6 @@ def log_publish_choice(engines: str, adapters: bool) -> None:
     else:
         logger.info("publish: merged LoRA weights W + (alpha/r) B A under the base model's "
                     "names (engine %s takes full weights)", engines)
-
-
-def file_name(peft_name: str) -> str:
-    """An adapter parameter's name in peft's files (``get_peft_model_state_dict``'s: the
-    adapter's name left out): ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``."""
-    return peft_name.replace(f".{ADAPTER}.", ".")
 
 
 def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
