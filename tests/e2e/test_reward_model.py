@@ -7,12 +7,15 @@ a minute each):
   forward of prompt + response;
 - an LLM judge served by the lean engine in each generator (``reward_model.judge``): its
   scores in the metrics, each in [0, 1], and every sample's reward the rule's plus the
-  judge's.
+  judge's;
+- the reward model in a reward server of its own (a ``[[reward_models]]`` process) that the
+  generator calls: the same scores, and the server's log counts what it scored.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -71,6 +74,36 @@ def test_the_default_trains_with_a_reward_model_beside_the_rule(run_root: Path,
             ids = torch.cat([sample.prompt_ids, sample.response_ids]).long()[None]
             assert float(model(input_ids=ids).logits[0, 0]) == pytest.approx(
                 sample.reward_info["rm_score"], abs=1e-5)
+
+
+def test_the_default_trains_with_a_reward_model_in_a_reward_server(run_root: Path,
+                                                                   tmp_path: Path) -> None:
+    rm_path = save_reward_model(tmp_path / "rm")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = launch([str(DEFAULT_TOPOLOGY), str(CONFIG_DIR / "arithmetic-grpo.toml"),
+                     f"trainer.run_dir={run_root}", *FREE_PORTS, f"tracking.uri={uri}",
+                     f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1",
+                     'topology.reward_models=[{name = "rm0", threads = 1}]',
+                     "reward_model.enable=true", f"reward_model.model.path={rm_path}",
+                     "reward_model.combine=add", "reward_model.micro_batch_size_per_gpu=4"],
+                    timeout_s=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    samples = logged_samples(uri, run_root, "rollout/rm_score_mean")
+    model = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
+    with torch.no_grad():
+        for sample in samples[:8]:
+            info = sample.reward_info
+            assert sample.reward == pytest.approx(info["rule_score"] + info["rm_score"],
+                                                  abs=1e-6)
+            ids = torch.cat([sample.prompt_ids, sample.response_ids]).long()[None]
+            assert float(model(input_ids=ids).logits[0, 0]) == pytest.approx(
+                info["rm_score"], abs=1e-5)
+    logs = only_run_dir(run_root) / "logs"
+    served = re.search(r"reward server rm0 done: (\d+) requests served, (\d+) responses "
+                       r"scored", (logs / "rm0.log").read_text())
+    assert served is not None, (logs / "rm0.log").read_text()[-2000:]
+    assert int(served.group(2)) >= len(samples) > 0  # every sample scored by the server
+    assert "serving the reward model" in (logs / "rm0.log").read_text()
 
 
 def test_the_default_trains_with_a_judge_on_the_lean_engine(run_root: Path, tmp_path: Path,
