@@ -3,8 +3,9 @@
 The compute loop hands each finished prompt (its completions, already decoded to text) to
 ``GroupSender`` and goes straight back to generating; the sender's thread scores the texts,
 applies DAPO's overlong penalty, builds the ``RolloutGroup`` and waits for the buffer's ack
-on its own socket. A failure in the thread (a reward scorer that cannot run, a buffer that
-stops answering) is kept and raised in the compute loop by ``raise_if_failed``.
+on its own socket. A failure in the thread (a reward scorer that cannot run, a reward server
+or a buffer that stops answering) is kept and raised in the compute loop by
+``raise_if_failed``.
 """
 
 from __future__ import annotations
