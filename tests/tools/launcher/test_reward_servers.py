@@ -173,3 +173,26 @@ def rm_folder(tmp_path: Path) -> Path:
     from tests.generators.test_reward_model import save_rm
 
     return save_rm(tmp_path / "rm")
+
+
+def test_a_judge_engine_missing_here_is_refused_naming_the_run_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as error:  # SGLang cannot be installed on a CPU machine
+        resolve_launch(str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
+                       topology_overrides=["reward_models=[{name = \"rm0\"}]"],
+                       run_overrides=[f"trainer.run_dir={tmp_path}",
+                                      "reward_model.judge.enable=true",
+                                      "reward_model.judge.model=/models/judge",
+                                      "reward_model.judge.engine=sglang"])
+    assert error.value.key == "reward_model.judge.engine"
+    assert "needs the sglang package" in error.value.problem
+
+
+def test_a_ray_dry_run_lists_what_each_reward_server_reserves(tmp_path: Path,
+                                                              rm_folder: Path) -> None:
+    resolved = resolve_launch(
+        str(DEFAULT_TOPOLOGY), str(DEFAULT_RUN),
+        topology_overrides=["launcher.backend=ray",
+                            "reward_models=[{name = \"rm0\", cpus = 2, memory_gib = 3}]"],
+        run_overrides=[f"trainer.run_dir={tmp_path}", "reward_model.enable=true",
+                       f"reward_model.model.path={rm_folder}"])
+    assert "#   rm0: 2 CPU(s), 0 GPU(s), 3 GiB" in dry_run_report(resolved).splitlines()
