@@ -687,8 +687,8 @@ def check_reward_model(run: RunConfig, source: str, prm: str | None) -> None:
         if bool(judge.model) == bool(judge.url):
             raise ConfigError(source, "reward_model.judge.model",
                               "give exactly one of reward_model.judge.model (served in the "
-                              "generators or the [[reward_models]] processes) and reward_model.judge.url (an OpenAI-compatible "
-                              "endpoint)")
+                              "generators or the [[reward_models]] processes) and "
+                              "reward_model.judge.url (an OpenAI-compatible endpoint)")
         if problem := judge.template_problem():
             raise ConfigError(source, "reward_model.judge.prompt_template", problem)
     if not rm.enable or prm:

@@ -2,7 +2,8 @@
 
 Builds the engine named by the topology for this generator, the tokenizer and the reward
 scorers (the learned ones in this process, or clients of the topology's ``[[reward_models]]``
-servers: ``relay.generators.learned_rewards``), then runs ``relay.generators.process.GeneratorLoop`` until the run ends. Started by the
+servers: ``relay.generators.learned_rewards``), then runs
+``relay.generators.process.GeneratorLoop`` until the run ends. Started by the
 launcher under a topology name, or with ``--attached`` (``tools/attach-generator.py``) as an
 extra generator joining a running job under a name of its own: its engine, device and
 threads come from the command line, else from the topology's first generator.

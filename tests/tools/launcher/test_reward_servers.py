@@ -12,8 +12,8 @@ import pytest
 from relay.configs import DEFAULT_RUN, DEFAULT_TOPOLOGY, ConfigError
 from relay.configs.checks import check_reward_servers, check_topology, load_run_config
 from relay.configs.rundir import load_run_dir
-from relay.configs.run_schema import (AlgorithmConfig, DataConfig, JudgeConfig, ModelConfig, PrmModelConfig,
-                                      RewardModelConfig, RunConfig)
+from relay.configs.run_schema import (AlgorithmConfig, DataConfig, JudgeConfig, ModelConfig,
+                                      PrmModelConfig, RewardModelConfig, RunConfig)
 from relay.configs.topology_schema import (GeneratorPlacement, RewardModelPlacement, Security,
                                            Topology, VLLMOptions)
 from relay.launcher.child import module_argv
