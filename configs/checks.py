@@ -117,6 +117,7 @@ def check_topology(topology: Topology, source: str) -> None:
         if names.index(name) != i:
             raise ConfigError(source, f"generators[{i}].name",
                               f"{name!r} is already the name of generators[{names.index(name)}]")
+    check_reward_server_names(topology, source)
     hosts = {"buffer.host": topology.buffer.host, "launcher.host": topology.launcher.host,
              **process_hosts(topology)}
     security = topology.security
@@ -135,11 +136,66 @@ def check_topology(topology: Topology, source: str) -> None:
                               "and keys_dir (see tools/make-curve-keys.py)")
 
 
+PROCESS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
+"""A reward server's name: its log file and its ipc socket file (``rm-<name>``) carry it."""
+RESERVED_NAMES = ("buffer", "learner", "evaluator")
+
+
+def check_reward_server_names(topology: Topology, source: str) -> None:
+    """Each ``[[reward_models]]`` entry has a name of its own among every process of the
+    run (the plan, the logs and the Ray/Slurm placement know processes by name), usable in
+    a file name (``PROCESS_NAME``)."""
+    taken = {g.name: f"generators[{i}]" for i, g in enumerate(topology.generators)}
+    for i, server in enumerate(topology.reward_models):
+        key = f"reward_models[{i}].name"
+        name = server.name
+        if not PROCESS_NAME.fullmatch(name):
+            raise ConfigError(source, key, f"{name!r}: give 1 to 32 letters, digits, '_', "
+                                           "'.' or '-', starting with a letter or digit")
+        if name in RESERVED_NAMES or name.startswith("learner"):
+            raise ConfigError(source, key, f"{name!r} is the name of one of the run's own "
+                                           "processes; give the reward server another")
+        if name in taken:
+            raise ConfigError(source, key, f"{name!r} is already the name of {taken[name]}")
+        taken[name] = f"reward_models[{i}]"
+
+
+def check_reward_servers(topology: Topology, run: RunConfig, source: str) -> None:
+    """``[[reward_models]]`` entries have something to serve: the discriminative reward
+    model (``reward_model.enable``, not PRIME's PRM, which the learner trains) or the
+    judge (``reward_model.judge.enable``). Without them a judge served by vLLM in a
+    generator whose own engine is vLLM is refused: two vLLM engines in one process collide
+    on torch.distributed's default group, so that judge goes in a ``[[reward_models]]``
+    process. ``source``: the run config, whose keys the errors name."""
+    rm, judge = run.reward_model, run.reward_model.judge
+    discriminative = rm.enable and not run.algorithm.estimator.prm
+    if topology.reward_models and not (discriminative or judge.enable):
+        why = (f" (with algorithm.adv_estimator = {run.algorithm.adv_estimator!r}, "
+               "reward_model is PRIME's implicit PRM, which the learner trains and no reward "
+               "server scores with)") if rm.enable else ""
+        raise ConfigError(source, "reward_model.enable, reward_model.judge.enable", (
+            f"the topology has {len(topology.reward_models)} [[reward_models]] process(es) "
+            f"but neither reward_model.enable nor reward_model.judge.enable is on{why}: "
+            "turn one on, or drop the [[reward_models]] entries"))
+    if topology.reward_models or not judge.enable or judge.url or judge.engine != "vllm":
+        return
+    clashing = [g.name for g in topology.generators if g.engine == "vllm"]
+    if clashing:
+        raise ConfigError(source, "reward_model.judge.engine", (
+            f"'vllm' would start a second vLLM engine inside generator {clashing[0]!r}, whose "
+            "own engine is vLLM, and two vLLM engines in one process collide on "
+            "torch.distributed's default group: serve the judge in a process of its own, a "
+            "[[reward_models]] entry of the topology (name = \"rm0\"), or give it another "
+            "engine (lean, torch, hf)"))
+
+
 def process_hosts(topology: Topology) -> dict[str, str]:
     """Where each process runs, by the key that says it."""
     hosts = {"buffer.host": topology.buffer.host}
     hosts.update({f"learner.hosts[{i}]": h for i, h in enumerate(topology.learner.hosts)})
     hosts.update({f"generators[{i}].host": g.host for i, g in enumerate(topology.generators)})
+    hosts.update({f"reward_models[{i}].host": r.host
+                  for i, r in enumerate(topology.reward_models)})
     hosts["evaluator.host"] = topology.evaluator.host
     return hosts
 
@@ -165,6 +221,8 @@ def check_backend_hosts(topology: Topology, source: str) -> None:
             "leave learner.nnodes at 0 (Ray and Slurm pick nodes by it)"))
     for section, placed in (("buffer", topology.buffer), ("learner", topology.learner),
                             *((f"generators[{i}]", g) for i, g in enumerate(topology.generators)),
+                            *((f"reward_models[{i}]", r)
+                              for i, r in enumerate(topology.reward_models)),
                             ("evaluator", topology.evaluator)):
         if placed.resources and backend != "ray":
             raise ConfigError(source, f"{section}.resources", (
@@ -195,6 +253,7 @@ def check_cluster_request(topology: Topology, source: str) -> None:
             "before it starts: say 'cuda' (one GPU per rank) or 'cpu'"))
     listed = [("learner", learner.gpus),
               *((f"generators[{i}]", g.gpus) for i, g in enumerate(topology.generators)),
+              *((f"reward_models[{i}]", r.gpus) for i, r in enumerate(topology.reward_models)),
               ("evaluator", topology.evaluator.gpus)]
     for section, gpus in listed:
         if gpus is not None:
@@ -205,9 +264,12 @@ def check_cluster_request(topology: Topology, source: str) -> None:
 
 
 def check_devices(topology: Topology, source: str) -> None:
-    """Each generator's and the evaluator's ``device`` is one torch can place an engine on:
-    ``DEVICES`` (the learner's is a choice of the schema: cpu, cuda, auto)."""
+    """Each generator's, reward server's and the evaluator's ``device`` is one torch can
+    place an engine on: ``DEVICES`` (the learner's is a choice of the schema: cpu, cuda,
+    auto)."""
     placed = [(f"generators[{i}].device", g.device) for i, g in enumerate(topology.generators)]
+    placed += [(f"reward_models[{i}].device", r.device)
+               for i, r in enumerate(topology.reward_models)]
     placed.append(("evaluator.device", topology.evaluator.device))
     for key, device in placed:
         if DEVICE.fullmatch(device) is None:
@@ -625,8 +687,8 @@ def check_reward_model(run: RunConfig, source: str, prm: str | None) -> None:
         if bool(judge.model) == bool(judge.url):
             raise ConfigError(source, "reward_model.judge.model",
                               "give exactly one of reward_model.judge.model (served in the "
-                              "generators) and reward_model.judge.url (an OpenAI-compatible "
-                              "endpoint)")
+                              "generators or the [[reward_models]] processes) and "
+                              "reward_model.judge.url (an OpenAI-compatible endpoint)")
         if problem := judge.template_problem():
             raise ConfigError(source, "reward_model.judge.prompt_template", problem)
     if not rm.enable or prm:

@@ -63,6 +63,11 @@ def check_process_gpus(topology: Topology, source: str) -> None:
     for section, placement in _engine_placements(topology):
         check_engine_gpus(placement, source, gpus_key=f"{section}.gpus",
                           device_key=f"{section}.device")
+    for i, server in enumerate(topology.reward_models):  # its engine is the run config's
+        if server.gpus is not None:
+            check_gpu_list(source, server.gpus, server.device,
+                           gpus_key=f"reward_models[{i}].gpus",
+                           device_key=f"reward_models[{i}].device")
 
 
 def check_engine_gpus(placement: EnginePlacement, source: str, *, gpus_key: str,
@@ -128,6 +133,9 @@ def topology_claims(topology: Topology, evaluates: bool) -> list[GpuClaim]:
     claims = [GpuClaim(process=f"learner@{host}" if several else "learner", key="learner.gpus",
                        host=host, device=learner.device, gpus=learner.gpus)
               for host in learner.hosts]
+    claims += [GpuClaim(process=f"reward server {r.name}", key=f"reward_models[{i}].gpus",
+                        host=r.host, device=r.device, gpus=r.gpus)
+               for i, r in enumerate(topology.reward_models)]
     claims += [GpuClaim(process=f"generator {g.name}", key=f"generators[{i}].gpus",
                         host=g.host, device=g.device, gpus=g.gpus)
                for i, g in enumerate(topology.generators)]

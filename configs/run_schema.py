@@ -481,9 +481,12 @@ class JudgeConfig(_Section):
     its answer, clipped to [0, 1], as the judge score (no number, a failure or a timeout:
     0 with the reason as the sample's reward error), combined with the rule reward as
     ``reward_model.combine`` says and kept as ``reward_info["judge_score"]``. The judge is
-    ``model`` (a model folder) served by ``engine`` in the generator, on its device, greedy
-    and at most ``max_new_tokens``, a judge prompt over ``max_prompt_length`` tokens scored 0
-    with that error; or ``url``, an OpenAI-compatible base URL
+    ``model`` (a model folder) served by ``engine`` (any of Relay's engines: lean, torch,
+    hf, vllm, sglang) in the generator, on its device, or in the topology's
+    ``[[reward_models]]`` processes when it has any (a vLLM judge beside a vLLM generator
+    must be: two vLLM engines do not share a process), greedy and at most
+    ``max_new_tokens``, a judge prompt over ``max_prompt_length`` tokens scored 0 with that
+    error; or ``url``, an OpenAI-compatible base URL
     (``http://host:8000/v1``: ``POST {url}/chat/completions``, the request's model
     ``model_name``, one request per response within ``timeout_s``). Exactly one of
     ``model`` and ``url``.
@@ -491,7 +494,7 @@ class JudgeConfig(_Section):
 
     enable: bool = False
     model: str = ""
-    engine: Literal["lean", "torch", "hf"] = "lean"
+    engine: Literal["lean", "torch", "hf", "vllm", "sglang"] = "lean"
     url: str = ""
     model_name: str = ""
     prompt_template: str = DEFAULT_JUDGE_PROMPT
@@ -519,10 +522,12 @@ class RewardModelConfig(_Section):
       scores the batch; ``relay.learner.implicit_prm``. ``enable`` may be on or off (verl's
       recipe sets it); the discriminative keys below have no effect.
     - any other estimator with ``enable = true`` (verl's ``reward_model.enable``): a
-      discriminative reward model at ``model.path`` scores every sample in the generators
+      discriminative reward model at ``model.path`` scores every sample in the generators,
+      or in the topology's ``[[reward_models]]`` processes when it has any
       (``relay.generators.reward_model``), ``micro_batch_size_per_gpu`` sequences per
       forward, sequences over ``max_length`` tokens cut on the right (0: no cut), in
-      ``dtype`` on ``device`` (*Relay*; empty: the generator's own device). ``combine``
+      ``dtype`` on ``device`` (*Relay*; empty: the generator's or reward server's own
+      device). ``combine``
       (*Relay*) says how its score ``s_rm`` meets the rule reward ``r_rule`` (the custom
       function's, or the built-in rule's): ``replace`` (verl's reward managers return the
       RM's scores when there are any) gives ``s_rm``, ``add`` gives ``r_rule + s_rm``; each

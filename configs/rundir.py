@@ -40,7 +40,18 @@ VERL_KEYS = "verl-keys.txt"  # what each verl key of the launch became (relay.la
 FINAL_MODEL = "final"  # the trained policy as a Hugging Face folder (relay.learner.hf_export)
 SOCKETS = "sockets"  # the default sockets folder, inside the run directory
 SOCKET_NAMES = ("buffer", "weights", "weights-stream", "metrics")
-"""The ipc socket files of a run without CURVE, one per bound address."""
+"""The ipc socket files of a run without CURVE, one per bound address; each reward server
+(``[[reward_models]]``) adds one of its own (``reward_socket_name``)."""
+
+
+def reward_socket_name(name: str) -> str:
+    """The ipc socket file of the reward server ``name`` (``[[reward_models]]``)."""
+    return f"rm-{name}"
+
+
+def socket_names(topology: Topology) -> tuple[str, ...]:
+    """Every ipc socket file of a run of ``topology`` without CURVE."""
+    return (*SOCKET_NAMES, *(reward_socket_name(r.name) for r in topology.reward_models))
 
 
 class RunContext(msgspec.Struct, kw_only=True, frozen=True):
@@ -68,6 +79,19 @@ class RunContext(msgspec.Struct, kw_only=True, frozen=True):
     def metrics_endpoint(self) -> str:
         launcher = self.topology.launcher
         return self._endpoint("metrics", launcher.host, launcher.metrics_port)
+
+    @property
+    def reward_endpoints(self) -> list[str]:
+        """The address of each reward server (``[[reward_models]]``), in topology order;
+        empty when the generators score inside themselves."""
+        return [self._endpoint(reward_socket_name(r.name), r.host, r.port)
+                for r in self.topology.reward_models]
+
+    def reward_endpoint(self, name: str) -> str:
+        """The address the reward server ``name`` binds; ``KeyError`` for no such server."""
+        placements = {r.name: r for r in self.topology.reward_models}
+        placement = placements[name]
+        return self._endpoint(reward_socket_name(name), placement.host, placement.port)
 
     @property
     def sockets_dir(self) -> Path | None:
@@ -116,7 +140,8 @@ def uses_ipc(topology: Topology) -> bool:
     """Whether the run's addresses are ipc files (module docstring): no CURVE, and every
     process (buffer, learner ranks, generators, evaluator, launcher) on this machine."""
     hosts = [topology.buffer.host, *topology.learner.hosts, topology.evaluator.host,
-             topology.launcher.host, *(g.host for g in topology.generators)]
+             topology.launcher.host, *(g.host for g in topology.generators),
+             *(r.host for r in topology.reward_models)]
     return not topology.security.curve and all(is_loopback(host) for host in hosts)
 
 
@@ -129,10 +154,10 @@ def sockets_dir(topology: Topology, run_dir: Path) -> Path | None:
     return run_dir.joinpath(topology.security.sockets_dir or SOCKETS)
 
 
-def longest_socket_path(folder: Path) -> int:
-    """The length of the longest socket path of a run in ``folder``; at most
-    ``IPC_PATH_MAX`` fits a Unix socket."""
-    return max(len(str(folder / name)) for name in SOCKET_NAMES)
+def longest_socket_path(folder: Path, names: tuple[str, ...] = SOCKET_NAMES) -> int:
+    """The length of the longest socket path of a run in ``folder`` (its socket files
+    ``names``: ``socket_names``); at most ``IPC_PATH_MAX`` fits a Unix socket."""
+    return max(len(str(folder / name)) for name in names)
 
 
 def checkpoint_dir(run: RunConfig, run_dir: Path) -> Path:

@@ -181,6 +181,45 @@ class EvaluatorPlacement(EnginePlacement):
     validation data to evaluate on (``RunConfig.evaluates``)."""
 
 
+class RewardModelPlacement(_Resources, kw_only=True):
+    """A reward server (its ``[[reward_models]]`` entry, ``relay.generators.reward_server``):
+    the run's discriminative reward model (``reward_model.enable``) and/or LLM judge
+    (``reward_model.judge``) on a device of its own, answering the generators' batched
+    score requests at ``tcp://host:port`` (an ``ipc://`` file without CURVE, as every
+    address of a one-machine run). With one or more entries every generator sends its
+    samples to them, round-robin, instead of loading the scorer itself; with none the
+    scorer runs inside each generator (the default).
+
+    ``device``, ``gpus`` and ``threads`` as a generator's; the judge's engine is the run
+    config's ``reward_model.judge.engine`` (any of Relay's engines, vLLM and SGLang
+    included), with its options from ``lean``, ``vllm`` or ``sglang`` here.
+    ``timeout_s``: how long a generator waits for one reply before it tries the next server
+    (the same one when there is one), until ``buffer.client_patience_s`` has passed; then
+    its sender fails, and the generator with it (``relay.generators.reward_client``). A
+    reward server is essential: if it dies the launcher stops the run, as for the buffer.
+    """
+
+    name: str
+    host: str = "127.0.0.1"
+    port: Port = 7460
+    device: str = "cpu"
+    gpus: list[GpuIndex] | None = None
+    threads: Threads = 0
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    lean: LeanOptions = msgspec.field(default_factory=LeanOptions)
+    vllm: VLLMOptions = msgspec.field(default_factory=VLLMOptions)
+    sglang: SGLangOptions = msgspec.field(default_factory=SGLangOptions)
+
+    def engine_placement(self, engine: EngineName) -> GeneratorPlacement:
+        """This server as the placement of an ``engine`` that ``relay.generators.build``
+        builds (the judge's), under its own name, device and engine options."""
+        return GeneratorPlacement(name=self.name, host=self.host, engine=engine,
+                                  device=self.device, gpus=self.gpus, threads=self.threads,
+                                  cpus=self.cpus, memory_gib=self.memory_gib,
+                                  resources=dict(self.resources), lean=self.lean,
+                                  vllm=self.vllm, sglang=self.sglang)
+
+
 class Security(_Section):
     """CURVE encryption and authentication, required for any non-loopback address.
 
@@ -262,5 +301,6 @@ class Topology(_Section):
         default_factory=lambda: [GeneratorPlacement(name="gen0")]
     )
     evaluator: EvaluatorPlacement = msgspec.field(default_factory=EvaluatorPlacement)
+    reward_models: list[RewardModelPlacement] = msgspec.field(default_factory=list)
     security: Security = msgspec.field(default_factory=Security)
     launcher: LauncherSettings = msgspec.field(default_factory=LauncherSettings)

@@ -1,7 +1,9 @@
 """A generator process: ``python -m relay.generators.main --run-dir RUN_DIR --name gen0``.
 
 Builds the engine named by the topology for this generator, the tokenizer and the reward
-scorer, then runs ``relay.generators.process.GeneratorLoop`` until the run ends. Started by the
+scorers (the learned ones in this process, or clients of the topology's ``[[reward_models]]``
+servers: ``relay.generators.learned_rewards``), then runs
+``relay.generators.process.GeneratorLoop`` until the run ends. Started by the
 launcher under a topology name, or with ``--attached`` (``tools/attach-generator.py``) as an
 extra generator joining a running job under a name of its own: its engine, device and
 threads come from the command line, else from the topology's first generator.
@@ -32,13 +34,11 @@ import torch
 from relay.algorithms.rewards.scorer import RewardScorer
 from relay.configs.lora_publish import publish_problem, publishes_adapters
 from relay.configs.prompt_data import load_prompt_rows
-from relay.configs.run_schema import ModelConfig, RunConfig
 from relay.configs.rundir import RunContext, configure_logging, load_run_dir
 from relay.configs.topology_schema import GeneratorPlacement
 from relay.generators.build import build_engine
-from relay.generators.judge import EndpointJudge, EngineJudge, Judge
+from relay.generators.learned_rewards import generator_scorers
 from relay.generators.process import GeneratorLoop, NameInUse
-from relay.generators.reward_model import RewardModelScorer
 from relay.generators.tool_loop import configured_workflow
 
 logger = logging.getLogger("relay.generator")
@@ -114,29 +114,6 @@ def attached_seed(name: str, base: int, topology_size: int) -> int:
     return seed + topology_size if seed < base + topology_size else seed
 
 
-def discriminative_rm(run: RunConfig, device: str) -> RewardModelScorer | None:
-    """The run's discriminative reward model on ``device`` (the generator's, unless
-    ``reward_model.device`` says), or None: off, or ``reward_model`` is PRIME's PRM."""
-    if not run.reward_model.enable or run.algorithm.estimator.prm:
-        return None
-    return RewardModelScorer(run.reward_model, device)
-
-
-def configured_judge(run: RunConfig, placement: GeneratorPlacement, seed: int) -> Judge | None:
-    """The run's LLM judge (``reward_model.judge``): its model on ``judge.engine`` beside
-    this generator's, on the same device, or its endpoint; None when off."""
-    judge, combine = run.reward_model.judge, run.reward_model.combine
-    if not judge.enable:
-        return None
-    if judge.url:
-        return EndpointJudge(judge, combine)
-    engine, tokenizer = build_engine(
-        ModelConfig(path=judge.model, dtype=run.model.dtype),
-        msgspec.structs.replace(placement, engine=judge.engine), seed,
-        max_num_seqs=run.rollout.n, max_len=judge.max_prompt_length + judge.max_new_tokens)
-    return EngineJudge(judge, engine, tokenizer, combine)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging()
@@ -153,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                                      max_len=run.data.max_prompt_length
                                      + run.rollout.response_length,
                                      lora_adapters=publishes_adapters(run, ctx.topology))
+    try:
+        learned = generator_scorers(ctx, placement, seed)
+    except ValueError as exc:  # a vLLM judge beside this vLLM engine: vllm_clash
+        raise SystemExit(f"relay.generators.main: generator {args.name!r}: {exc}") from None
     scorer = RewardScorer(run.custom_reward_function, run.sandbox)
     scorer.check_data_sources({row.data_source for row in load_prompt_rows(
         run.data.train_files, prompt_key=run.data.prompt_key)})
@@ -164,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                          overlong=run.reward_model.overlong_buffer, seed=seed,
                          keys=ctx.client_keys(), workflow=configured_workflow(run.rollout),
                          lineage=args.lineage or "",
-                         reward_model=discriminative_rm(run, placement.device),
-                         judge=configured_judge(run, placement, seed))
+                         reward_model=learned.reward_model, judge=learned.judge)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -175,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     except NameInUse as exc:
         logger.error("generator %s not started: %s", args.name, exc)
         return EXIT_NAME_IN_USE
+    finally:
+        learned.close()
     logger.info("generator %s done", args.name)
     return 0
 

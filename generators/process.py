@@ -44,6 +44,7 @@ from relay.configs.run_schema import BufferConfig, DataConfig, OverlongBufferCon
 from relay.generators.engine import Engine, FinishedGroup
 from relay.generators.judge import Judge
 from relay.generators.leases import HeldLease, HeldLeases
+from relay.generators.reward_client import RemoteJudge, RemoteRewardModel
 from relay.generators.reward_model import RewardModelScorer
 from relay.generators.sampling import SamplingParams
 from relay.generators.sender import Counters, FinishedPrompt, GroupSender, decode_all
@@ -174,8 +175,8 @@ class GeneratorLoop:
                  overlong: OverlongBufferConfig, seed: int = 0,
                  keys: ClientKeys | None = None,
                  workflow: ConfiguredWorkflow | None = None, lineage: str = "",
-                 reward_model: RewardModelScorer | None = None,
-                 judge: Judge | None = None) -> None:
+                 reward_model: RewardModelScorer | RemoteRewardModel | None = None,
+                 judge: Judge | RemoteJudge | None = None) -> None:
         self.generator_id, self.buffer_endpoint = generator_id, buffer_endpoint
         self.lineage = lineage  # the launcher's token for its restarts; "" attached by hand
         self.engine, self.tokenizer = engine, tokenizer

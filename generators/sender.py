@@ -3,8 +3,9 @@
 The compute loop hands each finished prompt (its completions, already decoded to text) to
 ``GroupSender`` and goes straight back to generating; the sender's thread scores the texts,
 applies DAPO's overlong penalty, builds the ``RolloutGroup`` and waits for the buffer's ack
-on its own socket. A failure in the thread (a reward scorer that cannot run, a buffer that
-stops answering) is kept and raised in the compute loop by ``raise_if_failed``.
+on its own socket. A failure in the thread (a reward scorer that cannot run, a reward server
+or a buffer that stops answering) is kept and raised in the compute loop by
+``raise_if_failed``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from relay.algorithms.rewards.scorer import RewardScorer
 from relay.configs.run_schema import OverlongBufferConfig
 from relay.generators.engine import Completion
 from relay.generators.judge import Judge
+from relay.generators.reward_client import RemoteJudge, RemoteRewardModel
 from relay.generators.reward_model import RewardModelScorer, combined
 from relay.generators.workflow import EpisodeCompletion
 from relay.transport.messages import Prompt, RolloutAck, RolloutGroup, Sample
@@ -64,10 +66,11 @@ class GroupSender:
     def __init__(self, *, generator_id: str, buffer_endpoint: str, scorer: RewardScorer,
                  counters: Counters, max_new_tokens: int, overlong: OverlongBufferConfig,
                  patience_s: float, keys: ClientKeys | None = None,
-                 reward_model: RewardModelScorer | None = None,
-                 judge: Judge | None = None) -> None:
+                 reward_model: RewardModelScorer | RemoteRewardModel | None = None,
+                 judge: Judge | RemoteJudge | None = None) -> None:
         self.generator_id, self.scorer, self.counters = generator_id, scorer, counters
-        self.reward_model = reward_model  # reward_model.enable: scores beside the rule's
+        # reward_model.enable: scores beside the rule's (here or by a reward server)
+        self.reward_model = reward_model
         self.judge = judge  # reward_model.judge.enable: the same, by an LLM's answers
         self.patience_s = patience_s  # retrying a buffer that does not answer
         self.max_new_tokens, self.overlong = max_new_tokens, overlong

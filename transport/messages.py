@@ -19,7 +19,8 @@ This module knows the shapes of the conversation, not who speaks when: see ``rel
 (generators and the learner with the buffer), ``relay.generators.process`` (a generator's side),
 ``relay.learner.weights`` with ``relay.generators.weight_receiver`` (weight versions), and
 ``relay.learner.eval_queue`` with ``relay.generators.evaluator`` (held-out evaluation of published
-versions).
+versions), and ``relay.generators.reward_client`` with ``relay.generators.reward_server`` (scores from
+a ``[[reward_models]]`` process).
 
 Choices are closed sets (``Literal``): a peer that sends an error code or a verdict this
 module does not list is rejected like any malformed message.
@@ -32,7 +33,7 @@ from typing import Any, Literal, Union
 import msgspec
 import torch
 
-PROTOCOL_VERSION = 3  # 3: weight versions streamed in row pieces (WeightBucket.starts)
+PROTOCOL_VERSION = 4  # 4: reward servers' ScoreRequest / ScoreReply; 3: weight row pieces
 
 WireErrorKind = Literal["envelope", "preamble", "version", "malformed", "schema", "tensor"]
 """Why a receiver rejected a frame set (``relay.transport.codec``)."""
@@ -434,6 +435,57 @@ class EvalRequest(Message):
 
 
 # ---------------------------------------------------------------------------------------
+# Reward servers: a generator's samples scored by a [[reward_models]] process
+# ---------------------------------------------------------------------------------------
+
+ScoreKind = Literal["reward_model", "judge"]
+"""What a ``ScoreRequest`` asks for: the discriminative reward model's scores
+(``reward_model.enable``) or the LLM judge's verdicts (``reward_model.judge``)."""
+
+
+class ScoreItem(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True, gc=False):
+    """One prompt's responses to score. ``item_id`` names it in the reply; ``prompt_ids``
+    and ``responses`` are the policy's token ids (a reward model that reads them),
+    ``texts`` the responses decoded (a judge, or a reward model with its own chat
+    template); ``responses`` and ``texts`` hold one entry per response, in one order."""
+
+    item_id: str
+    messages: list[dict[str, str]]
+    prompt_ids: list[int] = []
+    responses: list[list[int]] = []
+    texts: list[str] = []
+    ground_truth: Any = None
+
+
+class ScoreRequest(Message):
+    """A generator asks a reward server (``relay.generators.reward_server``) to score the
+    items, all in one batch; ``request_id`` comes back in the ``ScoreReply``."""
+
+    request_id: str
+    kind: ScoreKind
+    items: list[ScoreItem]
+
+
+class ScoreResult(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True,
+                  gc=False):
+    """The scores of one ``ScoreItem`` (``item_id``), one per response in its order, and
+    per response why it scored 0 (``errors``: a judge that gave no number; "" where it
+    did; empty for a reward model, which raises instead)."""
+
+    item_id: str
+    scores: list[float]
+    errors: list[str] = []
+
+
+class ScoreReply(Message):
+    """A reward server's answer to ``ScoreRequest`` ``request_id``: one result per item, in
+    the request's order."""
+
+    request_id: str
+    results: list[ScoreResult]
+
+
+# ---------------------------------------------------------------------------------------
 # Operations
 # ---------------------------------------------------------------------------------------
 
@@ -490,6 +542,8 @@ AnyMessage = Union[
     EvalOffer,
     StreamBeacon,
     EvalRequest,
+    ScoreRequest,
+    ScoreReply,
     Metrics,
     Shutdown,
     Ack,

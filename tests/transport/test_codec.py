@@ -49,6 +49,10 @@ from relay.transport.messages import (
     Sample,
     SampleBatch,
     SampleRequest,
+    ScoreItem,
+    ScoreReply,
+    ScoreRequest,
+    ScoreResult,
     Shutdown,
     StreamBeacon,
     VersionUpdate,
@@ -169,6 +173,17 @@ def example_messages() -> dict[type[Message], Message]:
         EvalRequest: EvalRequest(
             after_step=40,
             report=EvalReport(step=40, version=4, metrics={"eval/accuracy": 0.5}),
+        ),
+        ScoreRequest: ScoreRequest(
+            request_id="9f2c", kind="judge",
+            items=[ScoreItem(item_id="lease-3/p1", messages=[{"role": "user", "content": "1+1"}],
+                             prompt_ids=[5, 6], responses=[[7], [8, 9]], texts=["2", "3"],
+                             ground_truth="2")],
+        ),
+        ScoreReply: ScoreReply(
+            request_id="9f2c",
+            results=[ScoreResult(item_id="lease-3/p1", scores=[1.0, 0.0],
+                                 errors=["", "judge: no number"])],
         ),
         Metrics: Metrics(
             source="learner",

@@ -48,6 +48,7 @@ from relay.configs.rundir import (
     RESOLVED_TOPOLOGY,
     SOCKET_NAMES,
     longest_socket_path,
+    socket_names,
     sockets_dir,
 )
 from relay.configs.topology_schema import LearnerPlacement, Topology
@@ -81,11 +82,12 @@ class ProcessSpec(msgspec.Struct, kw_only=True, frozen=True):
 
     ``essential`` processes end the run when they die; a generator is not essential (the
     run goes on with the others while any is alive), nor is the evaluator (training goes
-    on without held-out evaluation, and the launcher says so).
+    on without held-out evaluation, and the launcher says so). A reward server
+    (``reward_model``) is: the generators cannot score without it.
     """
 
     name: str
-    role: Literal["buffer", "learner", "generator", "evaluator"]
+    role: Literal["buffer", "learner", "reward_model", "generator", "evaluator"]
     host: str
     argv: list[str]
     essential: bool = True
@@ -139,8 +141,10 @@ def build_plan(topology: Topology, run: RunConfig, run_dir: Path,
                environ: Mapping[str, str] = os.environ,
                learner_ranks: bool = False) -> list[ProcessSpec]:
     """The buffer, the learner (one torchrun per learner host, or with ``learner_ranks``
-    one process per rank: ``learner_rank_specs``), every generator, and the evaluator when
-    the run evaluates held-out data; ``environ`` is the launcher's."""
+    one process per rank: ``learner_rank_specs``), every reward server
+    (``[[reward_models]]``, before the generators that call them), every generator, and the
+    evaluator when the run evaluates held-out data; ``environ`` is the launcher's. The
+    plan's order is the start order."""
     local_py = python
     remote_py = topology.launcher.remote_python
 
@@ -163,6 +167,13 @@ def build_plan(topology: Topology, run: RunConfig, run_dir: Path,
         plan.append(ProcessSpec(name=name, role="learner", host=host, env=env,
                                 argv=learner_argv(py(host), learner, node_rank,
                                                   run_id=run_dir.name, args=common)))
+    judge_engine = run.reward_model.judge.engine if run.reward_model.judge.enable else ""
+    for server in topology.reward_models:
+        plan.append(ProcessSpec(name=server.name, role="reward_model", host=server.host,
+                                argv=module_argv(py(server.host), "relay.generators.reward_server",
+                                                 *common, "--name", server.name),
+                                env=process_env(server.host, server.device, server.gpus,
+                                                engine=judge_engine, environ=environ)))
     for gen in topology.generators:
         plan.append(ProcessSpec(name=gen.name, role="generator", host=gen.host, essential=False,
                                 argv=module_argv(py(gen.host), "relay.generators.main", *common,
@@ -231,10 +242,11 @@ def check_sockets_dir(topology: Topology, run_dir: Path) -> None:
     folder = sockets_dir(topology, run_dir)
     if folder is None or not topology.security.sockets_dir:
         return
-    if longest_socket_path(folder) > IPC_PATH_MAX:
+    longest = longest_socket_path(folder, socket_names(topology))
+    if longest > IPC_PATH_MAX:
         raise ConfigError("the topology", "security.sockets_dir", (
             f"{folder} is too long for the run's sockets: their paths would be "
-            f"{longest_socket_path(folder)} characters, more than a Unix socket takes "
+            f"{longest} characters, more than a Unix socket takes "
             f"({IPC_PATH_MAX}); name a shorter folder, or leave it empty"))
 
 
@@ -248,7 +260,7 @@ def private_sockets(topology: Topology, run_dir: Path) -> Topology:
     folder = sockets_dir(topology, run_dir)
     if folder is None:
         return topology
-    if longest_socket_path(folder) > IPC_PATH_MAX:
+    if longest_socket_path(folder, socket_names(topology)) > IPC_PATH_MAX:
         folder = Path(tempfile.mkdtemp(prefix="relay-"))  # 0700, a name nobody held
         topology = msgspec.structs.replace(topology, security=msgspec.structs.replace(
             topology.security, sockets_dir=str(folder)))
@@ -267,11 +279,12 @@ def private_sockets(topology: Topology, run_dir: Path) -> Topology:
     return topology
 
 
-def remove_sockets(folder: Path) -> None:
+def remove_sockets(folder: Path, names: tuple[str, ...] = SOCKET_NAMES) -> None:
     """Remove a sockets folder the launcher made outside the run directory
-    (``private_sockets``) once the run is over: its socket files, then the folder, which
-    is left where anything else is in it."""
-    for name in SOCKET_NAMES:
+    (``private_sockets``) once the run is over: its socket files (``names``:
+    ``relay.configs.rundir.socket_names``), then the folder, which is left where anything
+    else is in it."""
+    for name in names:
         if (folder / name).is_socket():
             (folder / name).unlink()
     with contextlib.suppress(OSError):

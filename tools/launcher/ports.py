@@ -53,4 +53,7 @@ def assign_ports(topology: Topology) -> Topology:
         learner = replace(learner, master_port=free_port())
     launcher = topology.launcher if topology.launcher.metrics_port else replace(
         topology.launcher, metrics_port=free_port())
-    return replace(topology, buffer=buffer, learner=learner, launcher=launcher)
+    reward_models = [r if r.port else replace(r, port=free_port())
+                     for r in topology.reward_models]
+    return replace(topology, buffer=buffer, learner=learner, launcher=launcher,
+                   reward_models=reward_models)

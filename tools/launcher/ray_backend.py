@@ -14,11 +14,13 @@ Placement (``RayBackend.place``):
 2. check the plan against the nodes' resources (``relay.launcher.resources.place``): a plan
    that cannot be placed is refused before anything starts, naming the process and what
    no node has;
-3. reserve: the buffer, each generator and the evaluator as an actor with its resources;
+3. reserve: the buffer, each reward server, each generator and the evaluator as an actor
+   with its resources;
    the learner's ranks in one placement group, a bundle per learner node holding that
    node's ranks (``STRICT_PACK`` for one node, ``STRICT_SPREAD`` across several), each
    rank an actor in its node's bundle;
-4. ask each actor where it runs and pick its ports there: the buffer's, and the learner's
+4. ask each actor where it runs and pick its ports there: the buffer's, each reward
+   server's, and the learner's
    (rank 0's node meets the others: ``MASTER_ADDR``, the weight ports). A node that is this
    machine (same kernel boot id) is named ``127.0.0.1``, so a Ray cluster of one machine
    needs no CURVE; any other node needs it (``security.curve``).
@@ -299,6 +301,8 @@ class RayBackend:
         buffer = replace(topology.buffer, host=host("buffer"),
                          port=topology.buffer.port or ports("buffer", 1)[0])
         generators = [replace(g, host=host(g.name)) for g in topology.generators]
+        reward_models = [replace(r, host=host(r.name), port=r.port or ports(r.name, 1)[0])
+                         for r in topology.reward_models]
         evaluator = topology.evaluator
         if "evaluator" in self.where:
             evaluator = replace(evaluator, host=host("evaluator"))
@@ -307,9 +311,10 @@ class RayBackend:
         launcher = replace(launcher, metrics_port=launcher.metrics_port or free_port(),
                            ray=replace(launcher.ray, address=address))
         placed = replace(topology, buffer=buffer, learner=learner, generators=generators,
-                         evaluator=evaluator, launcher=launcher)
+                         evaluator=evaluator, launcher=launcher, reward_models=reward_models)
         remote = sorted({h for h in [buffer.host, *hosts, *(g.host for g in generators),
-                                     evaluator.host] if h != LOCALHOST})
+                                     *(r.host for r in reward_models), evaluator.host]
+                         if h != LOCALHOST})
         if remote and not topology.security.curve:
             raise PlacementError(
                 f"Ray placed processes on other machines ({', '.join(remote)}), and Relay "

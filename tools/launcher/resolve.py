@@ -29,7 +29,12 @@ from relay.algorithms.rewards.registry import UnknownDataSourceError, check_data
 from relay.buffer.fingerprint import buffer_fingerprint, changes
 from relay.buffer.main import training_prompts
 from relay.buffer.prompt_source import BufferCheckpointError, read_buffer_checkpoint
-from relay.configs.checks import check_cluster_request, load_run_config, load_topology
+from relay.configs.checks import (
+    check_cluster_request,
+    check_reward_servers,
+    load_run_config,
+    load_topology,
+)
 from relay.configs.gpu_placement import check_gpu_placement, topology_claims
 from relay.configs.loader import COMMAND_LINE, ConfigError, KeyPath, blame_command_line, to_toml
 from relay.configs.prompt_data import DatasetError, PromptDataset, load_prompt_rows, rows_remembered
@@ -158,7 +163,9 @@ def load_checked(topology_file: str, run_file: str, topology_overrides: Sequence
             check_local(demands(topology, run), topology_file)
         check_sequence_parallel(topology, run, run_file)
         check_fsdp_sizes(topology, run, run_file)
+        check_reward_servers(topology, run, run_file)
         check_local_engines(topology, run, topology_file, placement)
+        check_local_judge_engine(topology, run, run_file)
         check_engine_sampling(topology, run, run_file)
         check_rollout_workflow(run, run_file)
     except ConfigError as exc:
@@ -347,6 +354,19 @@ def check_local_engines(topology: Topology, run: RunConfig, source: str,
             raise ConfigError(source, key, problem)
 
 
+def check_local_judge_engine(topology: Topology, run: RunConfig, source: str) -> None:
+    """The judge's engine (``reward_model.judge.engine``) can start where it runs on this
+    machine: in each reward server (``[[reward_models]]``) or, without them, in each
+    generator; refused naming the run config's key before anything starts."""
+    judge = run.reward_model.judge
+    if not judge.enable or judge.url:
+        return
+    hosts = [r.host for r in topology.reward_models] or [g.host for g in topology.generators]
+    problem = missing_engine(judge.engine) if any(is_loopback(h) for h in hosts) else None
+    if problem:
+        raise ConfigError(source, "reward_model.judge.engine", problem)
+
+
 def check_engine_sampling(topology: Topology, run: RunConfig, source: str) -> None:
     """A vLLM generator (or evaluator) asked for top-p or top-k sampling is refused before
     anything starts, naming the run config's key: vLLM cannot report the temperature-only
@@ -430,5 +450,5 @@ def dry_run_report(resolved: ResolvedLaunch) -> str:
             command = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(proc.env.items())) \
                 + f" {command}"
         host = placed_by or proc.host
-        lines.append(f"  {proc.name:<{width}}  {proc.role:<9} {host:<15} {kind:<9} {command}")
+        lines.append(f"  {proc.name:<{width}}  {proc.role:<12} {host:<15} {kind:<9} {command}")
     return "\n".join(lines)

@@ -33,7 +33,7 @@ MEMINFO = Path("/proc/meminfo")
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 GIB = 1 << 30
 EPSILON = 1e-9  # fractional CPUs and resources: a sum of floats that fits, fits
-Role = Literal["buffer", "learner", "generator", "evaluator"]
+Role = Literal["buffer", "learner", "reward_model", "generator", "evaluator"]
 
 
 class Demand(msgspec.Struct, kw_only=True, frozen=True):
@@ -68,6 +68,8 @@ class Demand(msgspec.Struct, kw_only=True, frozen=True):
         """The process as a message names it: ``generator gen1``, ``learner rank 2``."""
         if self.role == "learner":
             return f"learner rank {self.name.removeprefix('learner-')}"
+        if self.role == "reward_model":
+            return f"reward server {self.name}"
         return self.name if self.role in ("buffer", "evaluator") else f"{self.role} {self.name}"
 
 
@@ -119,8 +121,10 @@ def demands(topology: Topology, run: RunConfig) -> list[Demand]:
     """One ``Demand`` per process of the run: the buffer, each learner rank
     (``learner_nodes`` x ``nproc_per_node``, each with the learner's per-rank ``cpus``,
     ``memory_gib`` and ``resources``; one GPU each on ``"cuda"``, none on ``"cpu"`` or
-    ``"auto"``, which takes a GPU only where it finds one), each generator, and the
-    evaluator when the run evaluates held-out data."""
+    ``"auto"``, which takes a GPU only where it finds one), each reward server
+    (``[[reward_models]]``: its GPUs as an engine's of the judge's engine,
+    ``reward_model.judge.engine``, when it serves a judge, else as Relay's own), each
+    generator, and the evaluator when the run evaluates held-out data."""
     buffer = topology.buffer
     found = [Demand(name="buffer", role="buffer", section="buffer", cpus=buffer.cpus, gpus=0,
                     memory_gib=buffer.memory_gib, resources=dict(buffer.resources))]
@@ -137,7 +141,12 @@ def demands(topology: Topology, run: RunConfig) -> list[Demand]:
                             if on_gpu else [],
                             devices_key="" if not on_gpu else "learner.gpus" if listed
                             else "learner.nproc_per_node"))
+    judge = run.reward_model.judge
     engines: list[tuple[str, Role, str, EnginePlacement]] = [
+        (r.name, "reward_model", f"reward_models[{i}]",
+         r.engine_placement(judge.engine if judge.enable else "lean"))
+        for i, r in enumerate(topology.reward_models)]
+    engines += [
         (g.name, "generator", f"generators[{i}]", g) for i, g in enumerate(topology.generators)]
     if run.evaluates:
         engines.append(("evaluator", "evaluator", "evaluator", topology.evaluator))

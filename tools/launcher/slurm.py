@@ -106,6 +106,8 @@ def check_engine_devices(topology: Topology, source: str) -> None:
     learner's ``auto`` are refused for every cluster backend:
     ``relay.configs.checks.check_cluster_request``.)"""
     placed = [(f"generators[{i}].device", g.device) for i, g in enumerate(topology.generators)]
+    placed += [(f"reward_models[{i}].device", r.device)
+               for i, r in enumerate(topology.reward_models)]
     placed.append(("evaluator.device", topology.evaluator.device))
     for key, device in placed:
         if device.partition(":")[2]:
@@ -186,11 +188,13 @@ def placed(topology: Topology, plan_layout: Layout, hosts: list[str]) -> Topolog
     node_of = plan_layout.node_of
     learner = replace(topology.learner, hosts=[host(i) for i in plan_layout.learner_nodes])
     generators = [replace(g, host=host(node_of[g.name])) for g in topology.generators]
+    reward_models = [replace(r, host=host(node_of[r.name])) for r in topology.reward_models]
     evaluator = topology.evaluator
     if "evaluator" in node_of:
         evaluator = replace(evaluator, host=host(node_of["evaluator"]))
     topology = replace(topology, buffer=replace(topology.buffer, host=host(node_of["buffer"])),
                        learner=learner, generators=generators, evaluator=evaluator,
+                       reward_models=reward_models,
                        launcher=replace(topology.launcher, host=host(0)))
     return assign_ports(topology)
 

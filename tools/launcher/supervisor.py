@@ -5,19 +5,22 @@ Order of events:
 1. prepare: build and cache a ``builtin:`` model if missing, pick free ports for port 0,
    write the resolved configs into the run directory and make its private sockets folder
    (a run without CURVE: ``relay.launcher.plan.private_sockets``);
-2. start the buffer, the learner (torchrun, or one rank alone), the generators and the
-   evaluator, each in its own process group with its output in ``RUN_DIR/logs/<name>.log``;
+2. start the buffer, the learner (torchrun, or one rank alone), the reward servers
+   (``[[reward_models]]``), the generators and the evaluator, each in its own process
+   group with its output in ``RUN_DIR/logs/<name>.log``;
 3. watch: a live status line from the metrics the processes push; a generator may die
    (the run goes on while one is attached), and so may the evaluator (the run goes on
    without held-out evaluation, and the launcher says so), an essential process may not,
    not even cleanly: the buffer exiting 0 before the learner's last step ends the run too
    (after it, the buffer leaves once the generators have; the learner may still wait
-   for the last held-out evaluation); a
+   for the last held-out evaluation); a reward server is essential too, and serves until
+   the launcher stops it; a
    run that makes no learner step for ``trainer.progress_timeout_s`` is ended by the
    watchdog (``relay.launcher.watchdog``), naming the stage that holds it up;
 4. stop: when the learner finishes (exit 0), or on Ctrl-C, or when an essential process
-   exits or the watchdog fires, every process group but the buffer's gets SIGTERM (so
-   that generators can still return their leases), then the buffer's, then SIGKILL for
+   exits or the watchdog fires, every process group but the buffer's and the reward
+   servers' gets SIGTERM (so that generators can still return their leases and score what
+   they send), then theirs, then SIGKILL for
    what is left after a grace period; a second Ctrl-C (or SIGTERM) while stopping skips
    the grace. Nothing is left behind; the exit code says how it ended and the reason
    names the process, and for a Python exception, the exception.
@@ -38,7 +41,7 @@ import msgspec
 
 from relay.configs.checks import MODEL_PATH_KEYS, model_path_at, replace_model_path
 from relay.configs.run_schema import BUILTIN_MODEL_PREFIX, RunConfig
-from relay.configs.rundir import RunContext
+from relay.configs.rundir import RunContext, socket_names
 from relay.configs.topology_schema import Topology
 from relay.launcher.backends import Backend, PlacementError, ProcessHandle, backend_for
 from relay.launcher.plan import ProcessSpec, remove_sockets, write_resolved
@@ -49,6 +52,7 @@ from relay.launcher.watchdog import ProgressWatchdog
 from relay.transport.messages import Metrics
 from relay.transport.sockets import Puller
 
+LAST_WAVE = ("buffer", "reward_model")  # stopped after the rest: generators still use them
 STOP_GRACE_S = 15.0  # SIGTERM, then this long (per wave), then SIGKILL
 KILLED_GONE_S = 10.0  # after the SIGKILL sweep: at most this long for the killed to vanish
 FINISH_GRACE_S = 30.0  # after the learner is done, how long the others get to exit
@@ -166,15 +170,16 @@ def describe_exit(code: int) -> str:
 
 
 def stop_all(processes: list[Running]) -> None:
-    """SIGTERM every live process group but the buffer's and wait, then the buffer's and
-    wait (each wave at most ``STOP_GRACE_S``), then SIGKILL every group and wait (at most
+    """SIGTERM every live process group but the buffer's and the reward servers' and wait,
+    then theirs (``LAST_WAVE``) and wait (each wave at most ``STOP_GRACE_S``), then SIGKILL
+    every group and wait (at most
     ``KILLED_GONE_S``) until no member of any is alive. A SIGINT or SIGTERM meanwhile (an
     impatient operator) goes straight to the SIGKILL sweep."""
     hurry = threading.Event()
     previous = _catch_signals(hurry)
     try:
-        waves = ([p for p in processes if p.spec.role != "buffer"],
-                 [p for p in processes if p.spec.role == "buffer"])
+        waves = ([p for p in processes if p.spec.role not in LAST_WAVE],
+                 [p for p in processes if p.spec.role in LAST_WAVE])
         for wave in waves:
             for proc in wave:
                 if proc.process.poll() is None:
@@ -322,8 +327,9 @@ class Supervisor:
                     self.board.note(f"the evaluator died ({describe_exit(code)}); training "
                                     f"goes on WITHOUT held-out evaluation. Log: {proc.log}\n"
                                     f"{log_tail(proc.log)}")
-            if learner_done_at is not None:
-                if all(p.process.poll() is not None for p in self.processes) or \
+            if learner_done_at is not None:  # reward servers serve until stopped
+                if all(p.process.poll() is not None for p in self.processes
+                       if p.spec.role != "reward_model") or \
                         now - learner_done_at > FINISH_GRACE_S:
                     return Outcome(code=0, reason=f"trained {self.run.trainer.total_training_steps}"
                                                   f" steps; results in {self.run_dir}")
@@ -385,7 +391,8 @@ def launch(resolved: ResolvedLaunch) -> int:
             signal.signal(sig, handler)
         backend.close()
         if topology.security.sockets_dir != resolved.topology.security.sockets_dir:
-            remove_sockets(Path(topology.security.sockets_dir))  # private_sockets made it
+            remove_sockets(Path(topology.security.sockets_dir),  # private_sockets made it
+                           socket_names(topology))
     stream = sys.stdout if outcome.code == 0 else sys.stderr
     print(f"relay launch: {outcome.reason}", file=stream, flush=True)
     print(summary(supervisor.board, code=outcome.code, failed=outcome.failed,
