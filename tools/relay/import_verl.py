@@ -6,8 +6,8 @@ VERL_CHECKPOINT is what verl's ``FSDPCheckpointManager`` writes: a ``global_step
 with ``actor/`` (and ``critic/`` when PPO trained one), or one such folder itself. Each holds
 ``model_world_size_W_rank_R.pt`` for every rank R < W (the rank's ``model.state_dict()``
 under FSDP's sharded state dict), ``huggingface/`` (the model's config, generation config
-and tokenizer) and, unused here, ``optim_*``/``extra_state_*`` shards and
-``fsdp_config.json``.
+and tokenizer), ``optim_world_size_W_rank_R.pt`` (read with ``--optimizer``),
+``extra_state_*`` shards (the schedule and RNG, unused here) and ``fsdp_config.json``.
 
 Merging. The shards are read with ``torch.load(weights_only=True)``: DTensors and plain
 tensors load, nothing in them runs code. A DTensor's rank-local tensors are put together by
@@ -26,11 +26,16 @@ with one label), each with ``save_pretrained``'s safetensors (sharded with an in
 (``relay.learner.hf_export.write_state``), in ``--dtype`` (default: the shards' own). OUT_DIR
 is then a ``model.path`` for a Relay run, and the critic folder a ``critic.model.path``.
 
-``--optimizer`` is refused: Relay resumes only its own checkpoints (``relay launch --resume
-RUN_DIR``), whose ``step-N`` folder pairs the DCP state of model and optimizer with the
-buffer's prompt stream (``buffer.rec``), every rank's random state, the schedules and the
-run's lineage; verl's checkpoint has no buffer stream, and an AdamW state without the rest
-would not make a resumable run. Start a Relay run from OUT_DIR (fresh optimizer state).
+``--optimizer`` also writes each model's AdamW state, put together by parameter name from
+verl's ``optim_world_size_W_rank_R.pt`` shards (FSDP2's DTensors, or FSDP1's flat
+parameters under verl's default wrap policy: ``relay.verl_optimizer``), into
+``OUT_DIR/optimizer`` (``OUT_DIR/critic/optimizer``; ``relay.learner.imported_optimizer``).
+A Relay run started from OUT_DIR with ``actor.optim.state_path=OUT_DIR/optimizer`` (and
+``critic.optim.state_path=OUT_DIR/critic/optimizer``) continues with verl's Adam moments and
+step count instead of fresh ones. It is a warm start, not verl's resume: Relay's own
+``relay launch --resume RUN_DIR`` needs a Relay checkpoint (the buffer's prompt stream, every
+rank's random state, the run's lineage), which a verl checkpoint does not have, and the
+learning-rate schedule starts at this run's step 0.
 
 Every problem (no shards, ranks missing, world sizes that disagree, no
 ``huggingface/config.json``, shards whose keys differ, weights that do not fit the config,
@@ -53,7 +58,11 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from relay.configs.rundir import configure_logging
+from relay.dtensor_merge import merge_dtensor
 from relay.learner.hf_export import StateMismatch, write_state
+from relay.learner.imported_optimizer import FOLDER as OPTIMIZER_FOLDER
+from relay.learner.imported_optimizer import write_adamw_state
+from relay.verl_optimizer import OptimizerImportError, import_adamw, meta_model
 
 DTYPES = ("float32", "bfloat16", "float16")
 SHARD_PATTERN = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
@@ -78,7 +87,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="the weights' dtype (default: the shards' own)")
     parser.add_argument("--optimizer", action="store_true",
-                        help="also convert the optimizer state (refused: see the docstring)")
+                        help="also write AdamW's state into OUT_DIR/optimizer (and "
+                             "OUT_DIR/critic/optimizer), for actor.optim.state_path")
     return parser.parse_args(argv)
 
 
@@ -97,6 +107,15 @@ def find_parts(checkpoint: Path) -> dict[str, Path]:
     raise VerlImportError(f"{checkpoint}: no model_world_size_W_rank_R.pt shards, nor actor/ "
                        "or critic/ folders holding them (a verl FSDP checkpoint, "
                        "global_step_N/, has them)")
+
+
+def is_verl_checkpoint(path: Path) -> bool:
+    """Whether ``path`` holds a verl FSDP checkpoint (``find_parts`` finds one)."""
+    try:
+        find_parts(path)
+    except VerlImportError:
+        return False
+    return True
 
 
 def shard_paths(folder: Path) -> list[Path]:
@@ -147,40 +166,6 @@ def load_shard(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def merge_dtensor(name: str, pieces: list[DTensor]) -> torch.Tensor:
-    """The full tensor of ``name`` from every rank's DTensor (module docstring)."""
-    first = pieces[0]
-    placements = tuple(first.placements)
-    if any(tuple(piece.placements) != placements for piece in pieces):
-        raise StateMismatch(f"{name}: placements differ across the ranks")
-    if any(placement.is_partial() for placement in placements):
-        raise StateMismatch(f"{name}: a Partial placement ({placements}) is not a saved shard")
-    sharded = [dim for dim, placement in enumerate(placements) if placement.is_shard()]
-    if len(sharded) > 1:
-        raise StateMismatch(f"{name}: sharded over {len(sharded)} mesh dimensions "
-                            f"{first.device_mesh.mesh_dim_names} (FSDP with tensor "
-                            "parallelism), which this import does not merge")
-    mesh = first.device_mesh.mesh
-    locals_ = [piece.to_local() for piece in pieces]
-    if not sharded:
-        for rank, local in enumerate(locals_):
-            if not torch.equal(local, locals_[0]):
-                raise StateMismatch(f"{name}: replicated, but rank {rank}'s copy differs "
-                                    "from rank 0's")
-        full = locals_[0]
-    else:
-        index = tuple(slice(None) if dim == sharded[0] else 0 for dim in range(mesh.ndim))
-        ranks = mesh[index].tolist()
-        if max(ranks) >= len(pieces):
-            raise StateMismatch(f"{name}: its mesh names rank {max(ranks)}, but there are "
-                                f"{len(pieces)} shards")
-        full = torch.cat([locals_[rank] for rank in ranks], dim=placements[sharded[0]].dim)
-    if full.shape != first.shape:
-        raise StateMismatch(f"{name}: the shards put together are {tuple(full.shape)}, the "
-                            f"DTensor says {tuple(first.shape)}")
-    return full.contiguous()
-
-
 def merge_shards(paths: list[Path]) -> dict[str, torch.Tensor]:
     """The full state dict of one verl model from its rank shards (``shard_paths``)."""
     shards = [load_shard(path) for path in paths]
@@ -205,13 +190,15 @@ def merge_shards(paths: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
-def import_part(folder: Path, out: Path, dtype: str | None) -> str:
-    """Merge ``folder``'s shards and write them into ``out``; what was written, in words."""
+def import_part(folder: Path, out: Path, dtype: str | None, optimizer: bool = False) -> str:
+    """Merge ``folder``'s shards and write them into ``out`` (and, with ``optimizer``,
+    AdamW's state into ``out/optimizer``); what was written, in words."""
     config_file = folder / HF_FOLDER / "config.json"
     if not config_file.is_file():
         raise VerlImportError(f"{config_file}: missing; verl writes the model's config and "
                            "tokenizer there, and the import takes the architecture from it")
-    state = merge_shards(shard_paths(folder))
+    paths = shard_paths(folder)
+    state = merge_shards(paths)
     try:
         config = AutoConfig.from_pretrained(str(folder / HF_FOLDER))
     except (OSError, ValueError) as exc:
@@ -222,46 +209,54 @@ def import_part(folder: Path, out: Path, dtype: str | None) -> str:
         config.num_labels = state[VALUE_HEAD].shape[0]
     floating = [t.dtype for t in state.values() if t.is_floating_point()]
     torch_dtype = getattr(torch, dtype) if dtype else (floating[0] if floating else torch.float32)
+    adamw = None
+    if optimizer:
+        try:
+            adamw = import_adamw(folder, len(paths), meta_model(config, auto_class),
+                                 source=f"verl {folder.parent.name}/{folder.name} "
+                                        f"({len(paths)} ranks)")
+        except OptimizerImportError as exc:
+            raise VerlImportError(str(exc)) from exc
     try:
         write_state(state, config, auto_class, out, torch_dtype, files_from=folder / HF_FOLDER)
     except StateMismatch as exc:
         raise VerlImportError(f"{folder}: {exc}") from exc
-    return f"{auto_class.__name__} ({str(torch_dtype).removeprefix('torch.')})"
+    said = f"{auto_class.__name__} ({str(torch_dtype).removeprefix('torch.')})"
+    if adamw is not None:
+        write_adamw_state(out / OPTIMIZER_FOLDER, adamw[1], adamw[0])
+        said += f", AdamW state at step {adamw[0].step} in {out / OPTIMIZER_FOLDER}"
+    return said
 
 
-def import_verl(checkpoint: Path, out_dir: Path, dtype: str | None = None) -> list[str]:
+def import_verl(checkpoint: Path, out_dir: Path, dtype: str | None = None,
+                optimizer: bool = False) -> list[str]:
     """Write the actor of ``checkpoint`` into ``out_dir`` and its critic, if any, into
-    ``out_dir/critic``; lines saying what went where. Nothing is left on failure."""
+    ``out_dir/critic`` (with ``optimizer``, each with its AdamW state); lines saying what
+    went where. Nothing is left on failure."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise VerlImportError(f"{out_dir}: already exists and is not an empty folder; "
                            "name a new one")
     parts = find_parts(checkpoint)
     for folder in parts.values():
         shard_paths(folder)  # every part's files are in place before anything is written
-    lines = [f"{parts['actor']} -> {out_dir}: {import_part(parts['actor'], out_dir, dtype)}"]
-    if "critic" in parts:
-        try:
-            lines.append(f"{parts['critic']} -> {out_dir / CRITIC_FOLDER}: "
-                         f"{import_part(parts['critic'], out_dir / CRITIC_FOLDER, dtype)}")
-        except VerlImportError:
-            shutil.rmtree(out_dir)
-            raise
+    lines = []
+    try:
+        for part, out in (("actor", out_dir), ("critic", out_dir / CRITIC_FOLDER)):
+            if part in parts:
+                lines.append(f"{parts[part]} -> {out}: "
+                             f"{import_part(parts[part], out, dtype, optimizer)}")
+    except VerlImportError:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging()
-    if args.optimizer:
-        print("relay import-verl: --optimizer: refused. Relay resumes only its own "
-              "checkpoints (relay launch --resume RUN_DIR), which pair the model and "
-              "optimizer state with the buffer's prompt stream, every rank's random state, "
-              "the schedules and the run's lineage; verl's checkpoint has no buffer stream, "
-              "so its AdamW state alone would not make a resumable run. Import without "
-              "--optimizer and start a run from OUT_DIR as model.path.", file=sys.stderr)
-        return 2
     try:
-        lines = import_verl(args.checkpoint.resolve(), args.out_dir, args.dtype)
+        lines = import_verl(args.checkpoint.resolve(), args.out_dir, args.dtype,
+                            optimizer=args.optimizer)
     except VerlImportError as exc:
         print(f"relay import-verl: {exc}", file=sys.stderr)
         return 2
