@@ -24,7 +24,12 @@ from relay.algorithms.user_code import is_spec
 from relay.configs.gpu_placement import check_process_gpus
 from relay.configs.hub import looks_like_hub_id, resolve_hub_id
 from relay.configs.loader import ConfigError, KeyPath, blame_command_line, load, read_toml
-from relay.configs.run_schema import BUILTIN_MODEL_PREFIX, VERL_ALIASES, RunConfig
+from relay.configs.run_schema import (
+    BUILTIN_MODEL_PREFIX,
+    IMPORTED_OPTIMIZER_STATE,
+    VERL_ALIASES,
+    RunConfig,
+)
 from relay.configs.topology_schema import LearnerPlacement, Topology
 from relay.configs.verl_keys import Placement, VerlKeys, apply_placement
 from relay.transport.endpoints import is_loopback
@@ -304,7 +309,8 @@ def load_run_config(path: str | Path, overrides: Iterable[str] = (),
         path,
         overrides,
         path_keys=[("data", "train_files"), ("data", "val_files"), *MODEL_PATH_KEYS,
-                   ("model", "lora_adapter_path"),
+                   ("model", "lora_adapter_path"), ("actor", "optim", "state_path"),
+                   ("critic", "optim", "state_path"),
                    ("checkpoint", "dir"), ("trainer", "resume_from_path"),
                    ("trainer", "validation_data_dir"), ("trainer", "rollout_data_dir"),
                    ("rollout", "multi_turn", "tool_config_path"),
@@ -375,6 +381,7 @@ def check_run_config(run: RunConfig, source: str,
     check_timeouts(run, source)
     check_lora(run, source)
     check_strategy(run, source)
+    check_imported_optimizers(run, source)
     if run.trainer.rollout_data_dir and (
             problem := dump_dir_problem(Path(run.trainer.rollout_data_dir))):
         raise ConfigError(source, "trainer.rollout_data_dir", problem)
@@ -548,6 +555,31 @@ def check_lora(run: RunConfig, source: str) -> None:
             and not model.target_modules:
         raise ConfigError(source, "model.target_modules", "is empty: name the modules to "
                           "adapt, or 'all-linear'")
+
+
+def check_imported_optimizers(run: RunConfig, source: str) -> None:
+    """``optim.state_path`` (``OptimConfig``): a folder ``relay import-verl --optimizer`` wrote,
+    for a model that trains whole under FSDP2 (the import is a full model's AdamW state: not
+    LoRA adapters, not DeepSpeed's partitions, not PRIME's PRM)."""
+    unsupported = (
+        ("actor.optim.state_path", run.actor.optim.state_path, (
+            ("model.lora_rank > 0", run.model.lora_rank > 0),
+            ('actor.strategy = "deepspeed"', run.actor.strategy == "deepspeed"))),
+        ("critic.optim.state_path", run.critic.optim.state_path, (
+            ("critic.model.lora_rank > 0", run.critic.model.lora_rank > 0),)),
+        ("reward_model.model.optim.state_path", run.reward_model.model.optim.state_path, (
+            ("PRIME's PRM", True),)))
+    for key, path, refusals in unsupported:
+        if not path:
+            continue
+        for why, applies in refusals:
+            if applies:
+                raise ConfigError(source, key, f"not available with {why}: the imported "
+                                  "state is a full model's AdamW state under FSDP2")
+        if not (Path(path) / IMPORTED_OPTIMIZER_STATE).is_file():
+            raise ConfigError(source, key, f"{path}: no {IMPORTED_OPTIMIZER_STATE} there; name the "
+                              "folder `relay import-verl --optimizer` wrote (OUT/optimizer, "
+                              "OUT/critic/optimizer)")
 
 
 def check_timeouts(run: RunConfig, source: str) -> None:

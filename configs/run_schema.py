@@ -201,8 +201,18 @@ class RolloutConfig(_Section):
     workflow: str = ""
 
 
+IMPORTED_OPTIMIZER_STATE = "state.json"
+"""The file that makes a folder an imported AdamW state (``OptimConfig.state_path``)."""
+
+
 class OptimConfig(_Section):
-    """AdamW with linear warm-up then a constant or cosine schedule (verl's names)."""
+    """AdamW with linear warm-up then a constant or cosine schedule (verl's names).
+
+    ``state_path`` (Relay's key; the policy's and the critic's): a folder of AdamW state
+    that ``relay import-verl --optimizer`` wrote (``OUT/optimizer``, ``OUT/critic/optimizer``).
+    A run that starts fresh takes its moments and step count instead of zeros
+    (``relay.learner.imported_optimizer``); a resumed run has its own in its checkpoint.
+    """
 
     lr: PositiveFloat = 1e-6
     weight_decay: NonNegativeFloat = 0.01
@@ -213,6 +223,7 @@ class OptimConfig(_Section):
     lr_warmup_steps_ratio: Fraction = 0.0
     warmup_style: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: Fraction = 0.0
+    state_path: str = ""
 
 
 class FsdpConfig(_Section):

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from relay.configs.lora_publish import publishes_adapters
+from relay.configs.run_schema import RunConfig
 from relay.configs.rundir import (
     FINAL_MODEL,
     RESOLVED_RUN,
@@ -39,11 +41,12 @@ from relay.learner.checkpoint import (
     load_checkpoint,
 )
 from relay.learner.checkpoint_lineage import run_lineage
-from relay.learner.critic import Critic, load_value_model
+from relay.learner.critic import Critic, load_value_model, value_model_name
 from relay.learner.deepspeed_engine import load_zero_policy
 from relay.learner.eval_queue import EvalQueue
 from relay.learner.hf_export import save_final
 from relay.learner.implicit_prm import ImplicitPRM
+from relay.learner.imported_optimizer import ImportedStateError, load_imported_state
 from relay.learner.loop import RankZero, Reporter, TrainLoop
 from relay.learner.model import learner_device, load_sharded, sharding_mesh
 from relay.learner.optim import build_optimizer, build_scheduler
@@ -153,6 +156,30 @@ def build_learner(ctx: RunContext, device: torch.device,
                    device=device, zero=zero)
 
 
+def load_imported_optimizers(learner: Learner, run: RunConfig, resumed: bool) -> None:
+    """``actor.optim.state_path`` and ``critic.optim.state_path``: AdamW state that ``relay
+    import-verl --optimizer`` wrote, put into the fresh optimizers
+    (``relay.learner.imported_optimizer``); a resumed run keeps its checkpoint's."""
+    imports = [("actor.optim.state_path", run.actor.optim.state_path, learner.model,
+                learner.optimizer, lambda name: name)]
+    if learner.critic is not None:
+        imports.append(("critic.optim.state_path", run.critic.optim.state_path,
+                        learner.critic.model, learner.critic.optimizer, value_model_name))
+    for key, path, model, optimizer, rename in imports:
+        if not path:
+            continue
+        if resumed:
+            logger.info("%s not loaded: the run resumed, and its checkpoint holds its "
+                        "optimizer", key)
+            continue
+        try:
+            said = load_imported_state(model, optimizer, Path(path), key, rename)
+        except ImportedStateError as exc:
+            raise SystemExit(f"relay.learner.main: {exc}") from None
+        if dist.get_rank() == 0:
+            logger.info("%s", said)
+
+
 def build_rank_zero(ctx: RunContext, tokenizer: PreTrainedTokenizerBase,
                     resumed: CheckpointMeta | None) -> RankZero:
     run = ctx.run
@@ -218,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         resumed = load_checkpoint(learner, ctx.resume_from)
         logger.info("resumed from %s: step %d, weights version %d", ctx.resume_from,
                     resumed.loop.step, resumed.loop.version)
+    load_imported_optimizers(learner, run, resumed=resumed is not None)
     lineage = run_lineage(ctx.checkpoint_dir, ctx.resume_from, group=cpu_group)
     rank0 = build_rank_zero(ctx, tokenizer, resumed) if rank == 0 else None
     loop = TrainLoop(run, learner, pad_id=pad, checkpoint_dir=ctx.checkpoint_dir,
