@@ -53,6 +53,7 @@ from relay.generators.tool_loop import configured_workflow
 from relay.generators.tools import ToolConfigError
 from relay.generators.vllm_engine import filters_refused
 from relay.generators.workflow import WorkflowError
+from relay.import_verl import is_verl_checkpoint
 from relay.launcher.plan import ProcessSpec, build_plan, new_run_dir
 from relay.launcher.resources import check_local, demands, learner_nodes
 from relay.learner.checkpoint import CheckpointError, check_resumable, resumable_checkpoint
@@ -184,6 +185,12 @@ def resolve_resume_mode(run: RunConfig, run_dir: Path, source: str) -> RunConfig
     checkpoint = None
     if trainer.resume_mode == "resume_path":
         checkpoint = Path(trainer.resume_from_path)
+        if is_verl_checkpoint(checkpoint):
+            raise ConfigError(source, "trainer.resume_from_path", (
+                f"{checkpoint} is a verl checkpoint, and Relay resumes its own (a step-<N> "
+                "folder of a Relay run). Bring it in with `relay import-verl --optimizer "
+                f"{checkpoint} OUT`, then start a run with model.path=OUT and "
+                "actor.optim.state_path=OUT/optimizer (its weights and AdamW state)"))
         try:
             check_resumable(checkpoint, run)
         except (CheckpointError, BufferCheckpointError) as exc:

@@ -350,6 +350,20 @@ def test_auto_resume_skips_a_damaged_newest_checkpoint_and_no_run_saves_over_ano
             "step-4 cannot be resumed") in caplog.text
 
 
+def test_a_verl_checkpoint_to_resume_from_is_pointed_to_the_import(tmp_path: Path) -> None:
+    verl = tmp_path / "global_step_40"
+    (verl / "actor").mkdir(parents=True)
+    (verl / "actor" / "model_world_size_2_rank_0.pt").touch()
+    run = load_run_config(DEFAULT_RUN, ["trainer.resume_mode=resume_path",
+                                        f"trainer.resume_from_path={verl}"])
+    with pytest.raises(ConfigError) as error:
+        resolve_resume_mode(run, tmp_path, "run.toml")
+    assert error.value.key == "trainer.resume_from_path"
+    assert f"{verl} is a verl checkpoint" in error.value.problem
+    assert f"relay import-verl --optimizer {verl} OUT" in error.value.problem
+    assert "actor.optim.state_path=OUT/optimizer" in error.value.problem
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["rollout.top_p=0.9"], "rollout.top_p"),
     (["rollout.top_k=50"], "rollout.top_k"),
