@@ -78,6 +78,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
+from transformers import AutoModelForCausalLM
 
 from relay.buffer.durable import fsync_tree
 from relay.buffer.prompt_source import (
@@ -109,7 +110,7 @@ from relay.learner.checkpoint_meta import (
     verify_files,
 )
 from relay.learner.update import Learner
-from relay.learner.hf_export import save_hf
+from relay.learner.hf_export import save_hf, write_state
 from relay.learner.optim import ConfiguredValues, configured_values, reapply_configured
 from relay.transport.messages import BufferCheckpoint, BufferCheckpointRequest
 from relay.transport.retry import patient_request
@@ -164,6 +165,22 @@ def _policy_options(learner: Learner) -> StateDictOptions:
                             strict=all(p.requires_grad for p in learner.model.parameters()))
 
 
+def save_policy_hf(learner: Learner, folder: Path, rank: int,
+                   group: dist.ProcessGroup | None) -> None:
+    """The policy in fp32 as a Hugging Face folder (``hf/``; every rank calls it). Under
+    DeepSpeed with bf16 the module's weights are the masters rounded to bf16, so the
+    engine's fp32 masters are written instead, as FSDP2's fp32 shards are."""
+    zero = learner.zero
+    if zero is None or not zero.low_precision:
+        with learner.full_policy():
+            save_hf(learner.model, folder, torch.float32, group=group)
+        return
+    masters = zero.master_weights()
+    if rank == 0:
+        write_state(masters, learner.model.config, AutoModelForCausalLM, folder,
+                    torch.float32)
+
+
 def _schedulers(learner: Learner) -> dict[str, torch.optim.lr_scheduler.LRScheduler]:
     schedulers = {"policy": learner.scheduler}
     for name, part in (("critic", learner.critic), ("prm", learner.prm)):
@@ -201,8 +218,7 @@ def save_checkpoint(learner: Learner, folder: Path, loop: LoopState, *, lineage:
     _barrier()
     dcp.save(checkpoint_state(learner), checkpoint_id=str(partial / "dcp"))
     _write_rng(partial / "rng", rank)
-    with learner.full_policy():
-        save_hf(learner.model, partial / "hf", torch.float32, group=group)
+    save_policy_hf(learner, partial / "hf", rank, group)
     if getattr(learner.model, "peft_config", None) is not None:
         from relay.learner.lora import save_adapter  # peft: the lora extra
         save_adapter(learner.model, partial / ADAPTER_FOLDER, group=group)

@@ -5,7 +5,8 @@ steps on the batch ``tests/learner/test_ranks.py`` gives one FSDP2 rank, and mus
 losses and weights (the same tolerance as two FSDP2 ranks): ZeRO-2 with a KL loss against
 an FSDP2 reference beside it, ZeRO-3 with the optimizer offloaded to the CPU. The engine's
 full state (fp32 weights, Adam moments, step) goes into a fresh engine of another stage
-and the next step is the same; a checkpoint written under DeepSpeed resumes under FSDP2.
+and the next step is the same; a checkpoint written under DeepSpeed resumes under FSDP2,
+and under bf16 its ``hf/`` holds the fp32 masters, not the module's rounded weights.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
 
 from relay.generators.torch_engine import TorchEngine
 from relay.learner.batch import collate
@@ -37,18 +39,19 @@ from .test_update_algorithms import make_learner
 pytest.importorskip("deepspeed")
 
 
-def ds_run(model_dir: str, settings: DeepSpeedConfig, actor: ActorConfig) -> RunConfig:
+def ds_run(model_dir: str, settings: DeepSpeedConfig, actor: ActorConfig,
+           dtype: str = "float32") -> RunConfig:
     return RunConfig(data=DataConfig(train_files=[]),
-                     model=ModelConfig(path=model_dir, dtype="float32"),
+                     model=ModelConfig(path=model_dir, dtype=dtype),
                      actor=ActorConfig(**{**{f: getattr(actor, f) for f in actor.__struct_fields__},
                                           "strategy": "deepspeed", "deepspeed": settings}))
 
 
 def ds_learner(model_dir: str, settings: DeepSpeedConfig, algorithm: AlgorithmConfig,
-               actor: ActorConfig) -> Learner:
+               actor: ActorConfig, dtype: str = "float32") -> Learner:
     """A learner whose policy is in a ZeRO engine (``relay.learner.main.build_learner``'s
     wiring); a KL loss's reference is an FSDP2 model beside it."""
-    zero = load_zero_policy(ds_run(model_dir, settings, actor), torch.device("cpu"))
+    zero = load_zero_policy(ds_run(model_dir, settings, actor, dtype), torch.device("cpu"))
     reference = load_sharded(model_dir, compute_dtype=torch.float32, device=torch.device("cpu"),
                              trainable=False) if actor.use_kl_loss else None
     return Learner(zero.module, zero.optimizer,
@@ -183,3 +186,46 @@ def test_offloading_parameters_needs_zero_3() -> None:
 def test_with_last_marks_only_the_last_item() -> None:
     assert list(with_last("abc")) == [("a", False), ("b", False), ("c", True)]
     assert list(with_last([])) == []
+
+
+def bf16_checkpoint_worker(rank: int, port: int, model_dir: str, batch_file: str,
+                           folder: str, out_file: str) -> None:
+    """One ZeRO-2 rank in bf16 takes a step and saves a checkpoint; its fp32 masters and
+    its module's bf16 weights go to ``out_file``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        learner = ds_learner(model_dir, DeepSpeedConfig(zero_stage=2), AlgorithmConfig(),
+                             ActorConfig(optim=OptimConfig(lr=1e-3)), dtype="bfloat16")
+        learner.step(torch.load(batch_file, weights_only=False))
+        save_checkpoint(learner, Path(folder), LoopState(step=1, version=1), lineage=RUN,
+                        keep_last=2, buffer=BUFFER, mlflow_run_id="run-1")
+        torch.save({"masters": learner.zero.master_weights(),
+                    "module": {n: p.detach().clone()
+                               for n, p in learner.model.named_parameters()}}, out_file)
+    finally:
+        dist.destroy_process_group()
+    exit_worker()
+
+
+def test_a_bf16_deepspeed_checkpoint_holds_the_fp32_masters_in_hf(random_model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """Under bf16 the engine's module holds the masters rounded; ``hf/`` (what ``relay
+    export`` reads) holds the masters, as FSDP2's fp32 shards give them."""
+    engine = TorchEngine.from_pretrained(str(random_model_dir), dtype=torch.float32,
+                                         eos_ids=[2], pad_id=0, seed=5)
+    batch_file, out = tmp_path / "batch.pt", tmp_path / "out.pt"
+    torch.save(collate(rollouts(engine, 1), pad_id=0), batch_file)
+    mp.start_processes(bf16_checkpoint_worker, nprocs=1, start_method="spawn", args=(
+        free_port(), str(random_model_dir), str(batch_file), str(tmp_path / "ckpt"), str(out)))
+    result = torch.load(out, weights_only=False)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "step-1" / "hf",
+                                              dtype=torch.float32)
+    saved = dict(hf.named_parameters())
+    assert saved.keys() <= result["masters"].keys()
+    for name, weight in saved.items():
+        assert torch.equal(weight, result["masters"][name]), name
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert result["module"][name].dtype == torch.bfloat16
+    assert not torch.equal(result["module"][name].float(), saved[name])  # masters, not bf16
