@@ -56,15 +56,21 @@ def save_reward_model(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.parametrize("where", ["generator", "reward server"])
 def test_the_default_trains_with_a_reward_model_beside_the_rule(run_root: Path,
-                                                                tmp_path: Path) -> None:
+                                                                tmp_path: Path,
+                                                                where: str) -> None:
+    """In each generator (no ``[[reward_models]]``) or in a reward server of its own."""
     rm_path = save_reward_model(tmp_path / "rm")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    servers = ['topology.reward_models=[{name = "rm0", threads = 1}]'] \
+        if where == "reward server" else []
     result = launch([str(DEFAULT_TOPOLOGY), str(CONFIG_DIR / "arithmetic-grpo.toml"),
                      f"trainer.run_dir={run_root}", *FREE_PORTS, f"tracking.uri={uri}",
                      f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1",
-                     "reward_model.enable=true", f"reward_model.model.path={rm_path}",
-                     "reward_model.combine=add", "reward_model.micro_batch_size_per_gpu=4"],
+                     *servers, "reward_model.enable=true",
+                     f"reward_model.model.path={rm_path}", "reward_model.combine=add",
+                     "reward_model.micro_batch_size_per_gpu=4"],
                     timeout_s=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"trained {STEPS} steps" in result.stdout
@@ -79,36 +85,13 @@ def test_the_default_trains_with_a_reward_model_beside_the_rule(run_root: Path,
             ids = torch.cat([sample.prompt_ids, sample.response_ids]).long()[None]
             assert float(model(input_ids=ids).logits[0, 0]) == pytest.approx(
                 sample.reward_info["rm_score"], abs=1e-5)
-
-
-def test_the_default_trains_with_a_reward_model_in_a_reward_server(run_root: Path,
-                                                                   tmp_path: Path) -> None:
-    rm_path = save_reward_model(tmp_path / "rm")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    result = launch([str(DEFAULT_TOPOLOGY), str(CONFIG_DIR / "arithmetic-grpo.toml"),
-                     f"trainer.run_dir={run_root}", *FREE_PORTS, f"tracking.uri={uri}",
-                     f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1",
-                     'topology.reward_models=[{name = "rm0", threads = 1}]',
-                     "reward_model.enable=true", f"reward_model.model.path={rm_path}",
-                     "reward_model.combine=add", "reward_model.micro_batch_size_per_gpu=4"],
-                    timeout_s=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    samples = logged_samples(uri, run_root, "rollout/rm_score_mean")
-    model = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
-    with torch.no_grad():
-        for sample in samples[:8]:
-            info = sample.reward_info
-            assert sample.reward == pytest.approx(info["rule_score"] + info["rm_score"],
-                                                  abs=1e-6)
-            ids = torch.cat([sample.prompt_ids, sample.response_ids]).long()[None]
-            assert float(model(input_ids=ids).logits[0, 0]) == pytest.approx(
-                info["rm_score"], abs=1e-5)
-    logs = only_run_dir(run_root) / "logs"
-    served = re.search(r"reward server rm0 done: (\d+) requests served, (\d+) responses "
-                       r"scored", (logs / "rm0.log").read_text())
-    assert served is not None, (logs / "rm0.log").read_text()[-2000:]
-    assert int(served.group(2)) >= len(samples) > 0  # every sample scored by the server
-    assert "serving the reward model" in (logs / "rm0.log").read_text()
+    if where == "reward server":
+        log = (only_run_dir(run_root) / "logs" / "rm0.log").read_text()
+        served = re.search(r"reward server rm0 done: (\d+) requests served, (\d+) "
+                           r"responses scored", log)
+        assert served is not None, log[-2000:]
+        assert int(served.group(2)) >= len(samples) > 0  # every sample scored by the server
+        assert "serving the reward model" in log
 
 
 def test_the_default_trains_with_a_judge_on_the_lean_engine(run_root: Path, tmp_path: Path,

@@ -28,7 +28,7 @@ is then a ``model.path`` for a Relay run, and the critic folder a ``critic.model
 
 ``--optimizer`` also writes each model's AdamW state, put together by parameter name from
 verl's ``optim_world_size_W_rank_R.pt`` shards (FSDP2's DTensors, or FSDP1's flat
-parameters under verl's default wrap policy: ``relay.verl_optimizer``), into
+parameters under verl's default wrap policy: ``relay.verl_shards``), into
 ``OUT_DIR/optimizer`` (``OUT_DIR/critic/optimizer``; ``relay.learner.imported_optimizer``).
 A Relay run started from OUT_DIR with ``actor.optim.state_path=OUT_DIR/optimizer`` (and
 ``critic.optim.state_path=OUT_DIR/critic/optimizer``) continues with verl's Adam moments and
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import re
 import shutil
 import sys
@@ -62,7 +61,7 @@ from relay.dtensor_merge import merge_dtensor
 from relay.learner.hf_export import StateMismatch, write_state
 from relay.learner.imported_optimizer import FOLDER as OPTIMIZER_FOLDER
 from relay.learner.imported_optimizer import write_adamw_state
-from relay.verl_optimizer import OptimizerImportError, import_adamw, meta_model
+from relay.verl_shards import VerlImportError, import_adamw, meta_model, read_shard
 
 DTYPES = ("float32", "bfloat16", "float16")
 SHARD_PATTERN = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
@@ -71,10 +70,6 @@ FSDP_CONFIG = "fsdp_config.json"
 PARTS = ("actor", "critic")  # verl's subfolders, in the order they are written
 CRITIC_FOLDER = "critic"  # under OUT_DIR
 VALUE_HEAD = "score.weight"  # what makes a state a critic's (AutoModelForTokenClassification)
-
-
-class VerlImportError(Exception):
-    """Why nothing was imported: the message names the folder or file."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -153,14 +148,8 @@ def shard_paths(folder: Path) -> list[Path]:
 
 
 def load_shard(path: Path) -> dict[str, torch.Tensor]:
-    """One rank's state dict, read without running code (``weights_only=True``)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise VerlImportError(f"{path}: refused, it holds more than tensors "
-                           f"(torch.load(weights_only=True): {str(exc).splitlines()[0]})") from exc
-    except (OSError, RuntimeError, EOFError) as exc:
-        raise VerlImportError(f"{path}: does not load ({exc})") from exc
+    """One rank's state dict (``read_shard``: no code in it runs)."""
+    state = read_shard(path)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise VerlImportError(f"{path}: not a state dict of tensors")
     return state
@@ -211,12 +200,9 @@ def import_part(folder: Path, out: Path, dtype: str | None, optimizer: bool = Fa
     torch_dtype = getattr(torch, dtype) if dtype else (floating[0] if floating else torch.float32)
     adamw = None
     if optimizer:
-        try:
-            adamw = import_adamw(folder, len(paths), meta_model(config, auto_class),
-                                 source=f"verl {folder.parent.name}/{folder.name} "
-                                        f"({len(paths)} ranks)")
-        except OptimizerImportError as exc:
-            raise VerlImportError(str(exc)) from exc
+        adamw = import_adamw(folder, len(paths), meta_model(config, auto_class),
+                             source=f"verl {folder.parent.name}/{folder.name} "
+                                    f"({len(paths)} ranks)")
     try:
         write_state(state, config, auto_class, out, torch_dtype, files_from=folder / HF_FOLDER)
     except StateMismatch as exc:

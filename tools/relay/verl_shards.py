@@ -1,4 +1,8 @@
-"""verl's AdamW shards put together by parameter name (``relay import-verl --optimizer``).
+"""verl's rank files read safely, and its AdamW shards put together by parameter name
+(``relay import-verl``; ``--optimizer``).
+
+Every rank file is read with ``torch.load(weights_only=True)`` (``read_shard``): tensors,
+DTensors and plain containers load, nothing in them runs code.
 
 verl's ``FSDPCheckpointManager`` saves each rank's raw ``optimizer.state_dict()`` as
 ``optim_world_size_W_rank_R.pt``: ``state`` keyed by the index of a parameter in
@@ -43,25 +47,30 @@ OPTIM_SHARD = "optim_world_size_{world}_rank_{rank}.pt"
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
 
 
-class OptimizerImportError(Exception):
-    """Why the optimizer state was not imported: the message names the file."""
+class VerlImportError(Exception):
+    """Why nothing was imported: the message names the folder or file."""
+
+
+def read_shard(path: Path) -> Any:
+    """One rank file, read without running code (``weights_only=True``)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise VerlImportError(f"{path}: refused, it holds more than tensors "
+                              f"(torch.load(weights_only=True): "
+                              f"{str(exc).splitlines()[0]})") from exc
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise VerlImportError(f"{path}: does not load ({exc})") from exc
 
 
 def load_optim_shard(path: Path) -> dict[str, Any]:
-    """One rank's ``optimizer.state_dict()``, read without running code."""
+    """One rank's ``optimizer.state_dict()``."""
     if not path.is_file():
-        raise OptimizerImportError(f"{path}: missing (verl saves it unless "
-                                   "checkpoint.save_contents leaves 'optimizer' out)")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise OptimizerImportError(f"{path}: refused, it holds more than tensors "
-                                   f"({str(exc).splitlines()[0]})") from exc
-    except (OSError, RuntimeError, EOFError) as exc:
-        raise OptimizerImportError(f"{path}: does not load ({exc})") from exc
+        raise VerlImportError(f"{path}: missing (verl saves it unless "
+                              "checkpoint.save_contents leaves 'optimizer' out)")
+    state = read_shard(path)
     if not isinstance(state, dict) or set(state) != {"state", "param_groups"}:
-        raise OptimizerImportError(f"{path}: not an optimizer state dict (state, "
-                                   "param_groups)")
+        raise VerlImportError(f"{path}: not an optimizer state dict (state, param_groups)")
     return state
 
 
@@ -79,24 +88,24 @@ def import_adamw(folder: Path, world: int, model: nn.Module,
     shards = [load_optim_shard(path) for path in paths]
     params = list(model.named_parameters())
     if any("lora_" in name for name, _ in params):
-        raise OptimizerImportError(f"{folder}: a LoRA model; --optimizer imports a full "
+        raise VerlImportError(f"{folder}: a LoRA model; --optimizer imports a full "
                                    "model's AdamW state only")
     counts = {len(s["state"]) for s in shards}
     if len(counts) != 1:
-        raise OptimizerImportError(f"{folder}: the ranks' optimizer shards hold states for "
+        raise VerlImportError(f"{folder}: the ranks' optimizer shards hold states for "
                                    f"different numbers of parameters ({sorted(counts)})")
     first = next(iter(shards[0]["state"].values()), None)
     if first is None:
-        raise OptimizerImportError(f"{paths[0]}: no optimizer state: the run never stepped")
+        raise VerlImportError(f"{paths[0]}: no optimizer state: the run never stepped")
     try:
         if isinstance(first["exp_avg"], DTensor):
             moments, steps = merge_fsdp2(shards, params, paths[0])
         else:
             moments, steps = merge_fsdp1(shards, flat_units(model), world, paths[0])
     except (KeyError, StateMismatch) as exc:
-        raise OptimizerImportError(f"{folder}: {exc}") from exc
+        raise VerlImportError(f"{folder}: {exc}") from exc
     if len(steps) != 1:
-        raise OptimizerImportError(f"{folder}: Adam's step counts differ across parameters "
+        raise VerlImportError(f"{folder}: Adam's step counts differ across parameters "
                                    f"({sorted(steps)}); Relay imports one")
     group = shards[0]["param_groups"][0]
     meta = ImportedAdamW(step=steps.pop(), source=source,
