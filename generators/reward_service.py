@@ -52,8 +52,7 @@ class ScoreService:
         self.roles = PeerRoles()
         self.refused: Counter[str] = Counter()  # bad requests, by code
         self.scored = 0  # responses scored
-        config = getattr(reward_model, "model", None)
-        self.vocab_size = int(getattr(getattr(config, "config", None), "vocab_size", 0) or 0)
+        self.vocab_size = reward_model.model.config.vocab_size if reward_model else 0
 
     def handle(self, message: Message, peer: Peer) -> Message:
         """The reply to one request (module docstring)."""

@@ -166,18 +166,17 @@ def _policy_options(learner: Learner) -> StateDictOptions:
 
 
 def save_policy_hf(learner: Learner, folder: Path, rank: int,
-                   group: dist.ProcessGroup | None) -> None:
+                   group: dist.ProcessGroup | None, state: dict[str, dict]) -> None:
     """The policy in fp32 as a Hugging Face folder (``hf/``; every rank calls it). Under
     DeepSpeed with bf16 the module's weights are the masters rounded to bf16, so the
-    engine's fp32 masters are written instead, as FSDP2's fp32 shards are."""
+    engine's fp32 masters are written instead, as FSDP2's fp32 shards are: the full state
+    the checkpoint already read (``state``, ``checkpoint_state``'s)."""
     zero = learner.zero
     if zero is None or not zero.low_precision:
         with learner.full_policy():
             save_hf(learner.model, folder, torch.float32, group=group)
-        return
-    masters = zero.master_weights()
-    if rank == 0:
-        write_state(masters, learner.model.config, AutoModelForCausalLM, folder,
+    elif rank == 0:
+        write_state(state["model"], learner.model.config, AutoModelForCausalLM, folder,
                     torch.float32)
 
 
@@ -216,9 +215,11 @@ def save_checkpoint(learner: Learner, folder: Path, loop: LoopState, *, lineage:
         folder.mkdir(parents=True, exist_ok=True)
         claim(final, lineage)
     _barrier()
-    dcp.save(checkpoint_state(learner), checkpoint_id=str(partial / "dcp"))
+    state = checkpoint_state(learner)
+    dcp.save(state, checkpoint_id=str(partial / "dcp"))
     _write_rng(partial / "rng", rank)
-    save_policy_hf(learner, partial / "hf", rank, group)
+    save_policy_hf(learner, partial / "hf", rank, group, state)
+    del state
     if getattr(learner.model, "peft_config", None) is not None:
         from relay.learner.lora import save_adapter  # peft: the lora extra
         save_adapter(learner.model, partial / ADAPTER_FOLDER, group=group)

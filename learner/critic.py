@@ -116,15 +116,6 @@ def read_value_model(path: str, options: dict) -> ValueModel:
     return model
 
 
-def value_model_name(name: str) -> str:
-    """A parameter of verl's critic layout (``AutoModelForTokenClassification``, one label:
-    ``<base_model_prefix>.X``, ``score.X``) as a ``ValueModel`` names it (``body.X``,
-    ``value_head.X``); the inverse of ``relay.learner.hf_export``'s
-    ``value_model_as_token_classification``."""
-    first, rest = name.split(".", 1)
-    return f"value_head.{rest}" if first == "score" else f"body.{rest}"
-
-
 def with_value_head(body: nn.Module) -> ValueModel:
     """``body`` under a value head of its hidden size."""
     return ValueModel(body, body.config.hidden_size)

@@ -173,9 +173,11 @@ class ZeroEngine:
         gives them for an FSDP2 model (full tensors on every rank; a collective)."""
         self._create_state()
         utils, group = self._utils, self.optimizer.param_groups[0]
-        model_state = self.master_weights()
+        model_state: dict[str, torch.Tensor] = {}
         optim_state: dict[str, dict[str, torch.Tensor]] = {}
         step = self._step_count()
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            model_state[name] = utils.safe_get_full_fp32_param(param).detach().clone()
         for name, param in self.module.named_parameters():  # a tied weight once, as FSDP2's
             if not param.requires_grad:
                 continue
@@ -187,13 +189,6 @@ class ZeroEngine:
                    "params": [name for name, param in self.module.named_parameters()
                               if param.requires_grad]}]
         return model_state, {"state": optim_state, "param_groups": groups}
-
-    def master_weights(self) -> dict[str, torch.Tensor]:
-        """Every parameter whole in fp32 by name (a tied one under each of its names), from
-        the optimizer's masters: under bf16 the module holds them rounded (a collective)."""
-        utils = self._utils
-        return {name: utils.safe_get_full_fp32_param(param).detach().clone()
-                for name, param in self.module.named_parameters(remove_duplicate=False)}
 
     def load_full_state(self, model_state: dict[str, torch.Tensor],
                         optim_state: dict[str, Any]) -> None:

@@ -223,6 +223,14 @@ def value_model_as_token_classification(state: dict[str, torch.Tensor],
     return out
 
 
+def value_model_name(name: str) -> str:
+    """A parameter of verl's critic layout (``AutoModelForTokenClassification``, one label:
+    ``<base_model_prefix>.X``, ``score.X``) as a ``ValueModel`` names it (``body.X``,
+    ``value_head.X``); the inverse of ``value_model_as_token_classification``."""
+    first, rest = name.split(".", 1)
+    return f"value_head.{rest}" if first == "score" else f"body.{rest}"
+
+
 def fit_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Check that ``state`` holds every parameter and persistent buffer of ``model`` (a
     tied weight once is enough) in its shape, and nothing else; ``StateMismatch`` names

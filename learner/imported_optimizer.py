@@ -21,20 +21,18 @@ the key: its checkpoint holds its optimizer.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from relay.configs.run_schema import IMPORTED_OPTIMIZER_STATE
-
-logger = logging.getLogger(__name__)
 
 FOLDER = "optimizer"  # beside the imported model's weights
 STATE_FILE = IMPORTED_OPTIMIZER_STATE
@@ -69,14 +67,14 @@ def write_adamw_state(folder: Path, moments: dict[str, dict[str, torch.Tensor]],
     folder.mkdir(parents=True, exist_ok=True)
     for key in MOMENTS:
         save_file({name: t.to(torch.float32).contiguous() for name, t in moments[key].items()},
-                  str(folder / f"{key}.safetensors"))
+                  str(moment_file(folder, key)))
     (folder / STATE_FILE).write_text(json.dumps(msgspec.to_builtins(meta), indent=2) + "\n",
                                      encoding="utf-8")
 
 
-def read_adamw_state(folder: Path, key: str) -> tuple[ImportedAdamW, dict[str, dict[str,
-                                                                               torch.Tensor]]]:
-    """The state in ``folder`` (``key``: the config key that named it, for errors)."""
+def read_adamw_meta(folder: Path, key: str) -> ImportedAdamW:
+    """``state.json`` of ``folder`` (``key``: the config key that named it, for errors),
+    once its moment files are known to be there."""
     state_file = folder / STATE_FILE
     if not state_file.is_file():
         raise ImportedStateError(f"{key} = {str(folder)!r}: no {STATE_FILE} there; the folder "
@@ -88,13 +86,15 @@ def read_adamw_state(folder: Path, key: str) -> tuple[ImportedAdamW, dict[str, d
     if meta.format != FORMAT:
         raise ImportedStateError(f"{state_file}: format {meta.format!r}, this Relay reads "
                                  f"{FORMAT!r}")
-    moments = {}
     for moment in MOMENTS:
-        path = folder / f"{moment}.safetensors"
-        if not path.is_file():
-            raise ImportedStateError(f"{key} = {str(folder)!r}: {path.name} is missing")
-        moments[moment] = load_file(str(path))
-    return meta, moments
+        if not moment_file(folder, moment).is_file():
+            raise ImportedStateError(f"{key} = {str(folder)!r}: "
+                                     f"{moment_file(folder, moment).name} is missing")
+    return meta
+
+
+def moment_file(folder: Path, moment: str) -> Path:
+    return folder / f"{moment}.safetensors"
 
 
 def load_imported_state(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
@@ -102,28 +102,28 @@ def load_imported_state(model: nn.Module, optimizer: torch.optim.Optimizer, fold
     """Put the AdamW state in ``folder`` into ``optimizer`` (built over ``model``'s trainable
     parameters, untouched yet); what was loaded, in words. ``rename``: an imported name as
     ``model`` names that parameter. Refused (``ImportedStateError``, naming ``key``) when the
-    names or shapes differ from the trainable parameters', or the optimizer has stepped."""
-    meta, moments = read_adamw_state(folder, key)
+    names or shapes differ from the trainable parameters', or the optimizer has stepped.
+    The files are read one parameter at a time: a rank holds one whole moment at once,
+    besides its shards."""
+    meta = read_adamw_meta(folder, key)
     if any(optimizer.state.values()):
         raise ImportedStateError(f"{key}: the optimizer has state already; an imported "
                                  "state goes into a fresh one")
-    imported = {moment: {rename(name): t for name, t in tensors.items()}
-                for moment, tensors in moments.items()}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     names = {id(p): name for name, p in model.named_parameters()}
     ours = [names[id(p)] for p in params]
-    check_names(ours, set(imported["exp_avg"]), folder, key)
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for index, (name, param) in enumerate(zip(ours, params, strict=True)):
-        entry = {"step": torch.tensor(float(meta.step))}
-        for moment in MOMENTS:
-            full = imported[moment][name]
-            if tuple(full.shape) != tuple(param.shape):
-                raise ImportedStateError(f"{key} = {str(folder)!r}: {moment} of {name} is "
-                                         f"{tuple(full.shape)}, the parameter "
-                                         f"{tuple(param.shape)}")
-            entry[moment] = shard_like(full, param)
-        state[index] = entry
+    state: dict[int, dict[str, torch.Tensor]] = {index: {"step": torch.tensor(float(meta.step))}
+                                                 for index in range(len(params))}
+    for moment in MOMENTS:
+        with safe_open(str(moment_file(folder, moment)), framework="pt") as tensors:
+            stored = {rename(name): name for name in tensors.keys()}
+            check_names(ours, set(stored), folder, key)
+            for index, (name, param) in enumerate(zip(ours, params, strict=True)):
+                shape = tuple(tensors.get_slice(stored[name]).get_shape())
+                if shape != tuple(param.shape):
+                    raise ImportedStateError(f"{key} = {str(folder)!r}: {moment} of {name} is "
+                                             f"{shape}, the parameter {tuple(param.shape)}")
+                state[index][moment] = shard_like(tensors.get_tensor(stored[name]), param)
     optimizer.load_state_dict({"state": state,
                                "param_groups": optimizer.state_dict()["param_groups"]})
     return (f"{key}: AdamW state of {len(params)} parameters at step {meta.step} from "

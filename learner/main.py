@@ -41,10 +41,10 @@ from relay.learner.checkpoint import (
     load_checkpoint,
 )
 from relay.learner.checkpoint_lineage import run_lineage
-from relay.learner.critic import Critic, load_value_model, value_model_name
+from relay.learner.critic import Critic, load_value_model
 from relay.learner.deepspeed_engine import load_zero_policy
 from relay.learner.eval_queue import EvalQueue
-from relay.learner.hf_export import save_final
+from relay.learner.hf_export import save_final, value_model_name
 from relay.learner.implicit_prm import ImplicitPRM
 from relay.learner.imported_optimizer import ImportedStateError, load_imported_state
 from relay.learner.loop import RankZero, Reporter, TrainLoop

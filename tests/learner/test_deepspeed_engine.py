@@ -201,7 +201,7 @@ def bf16_checkpoint_worker(rank: int, port: int, model_dir: str, batch_file: str
         learner.step(torch.load(batch_file, weights_only=False))
         save_checkpoint(learner, Path(folder), LoopState(step=1, version=1), lineage=RUN,
                         keep_last=2, buffer=BUFFER, mlflow_run_id="run-1")
-        torch.save({"masters": learner.zero.master_weights(),
+        torch.save({"masters": learner.zero.full_state()[0],
                     "module": {n: p.detach().clone()
                                for n, p in learner.model.named_parameters()}}, out_file)
     finally:

@@ -35,7 +35,7 @@ from transformers import (
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from relay.import_verl import VerlImportError, main, merge_shards
-from relay.learner.imported_optimizer import read_adamw_state
+from relay.learner.imported_optimizer import MOMENTS, moment_file, read_adamw_meta
 
 from ...conftest import exit_worker, free_port, save_random_model
 
@@ -252,7 +252,9 @@ def test_adamw_state_of_two_ranks_is_put_together_by_parameter_name(
     checkpoint = verl_checkpoint[0]
     source = checkpoint if part == "critic" else checkpoint / part
     assert main([str(source), "--optimizer", str(tmp_path / "out")]) == 0
-    meta, moments = read_adamw_state(tmp_path / "out" / out_part / "optimizer", "key")
+    folder = tmp_path / "out" / out_part / "optimizer"
+    meta = read_adamw_meta(folder, "key")
+    moments = {moment: load_file(moment_file(folder, moment)) for moment in MOMENTS}
     reference = torch.load(checkpoint / part / "reference_optim.pt", weights_only=True)
     assert meta.step == 1 and meta.hyperparameters["lr"] == 1e-3
     assert f"{source.name}" in meta.source and "2 ranks" in meta.source
